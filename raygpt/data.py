@@ -1,0 +1,435 @@
+"""llm.c token shards and the distributed data loader that reads them.
+
+On disk (llm.c's format, reader and writer side by side below): a header of 256 little-endian
+int32 -- magic 20240520, version 1, token count, the rest zero -- followed by the tokens as
+uint16. `write_shard` / `read_shard_header` / `read_shard` own that format.
+
+`DistributedDataLoader` owns the data order, which is a pure function of (seed, global cursor):
+
+  * a *sample* is T+1 tokens at offset sample_idx*T of a shard (llm.c's stride), so a shard of
+    ntok tokens has (ntok-1)//T samples;
+  * epoch e visits the shards in `shard_order(seed, e)` and, inside a shard visit, the samples in
+    `sample_order(seed, e, shard)`; with shuffle both come from MT19937 generators seeded by
+    [seed, e] and [seed, e, shard], so nothing needs to be replayed to restore them;
+  * the *global stream* is the concatenation of those per-shard orders, epoch after epoch without
+    end, with the samples of the persisted skip list left out;
+  * each `next_batch()` takes the next world*B samples of the stream, and rank r gets the rows
+    [r*B, (r+1)*B) of that global micro-batch.
+
+The loader state (`state_dict`) is that global cursor, so it does not depend on the number of
+ranks: a run can resume on a different world size and see the same global sample sequence.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4  # 1024
+TOKEN_DTYPE = np.dtype("<u2")  # GPT-2's 50257 tokens fit uint16
+_MAX_TOKEN_COUNT = 2**31 - 1  # header[2] is an int32
+
+
+class ShardError(ValueError):
+    """A token shard (or a shard pattern) cannot be used; the message names the file and field."""
+
+
+# ---------------------------------------------------------------------------- shard file format
+
+def write_shard(path: str | os.PathLike, tokens) -> None:
+    """Write `tokens` as an llm.c shard at `path`, atomically (temp file, fsync, rename), so a
+    crash never leaves a half-written shard under the final name."""
+    path = os.fspath(path)
+    toks = np.asarray(tokens)
+    if toks.ndim != 1:
+        raise ShardError(f"{path}: tokens: expected a 1-D sequence, found shape {toks.shape}")
+    if toks.size and not np.issubdtype(toks.dtype, np.integer):
+        raise ShardError(f"{path}: tokens: expected integers, found dtype {toks.dtype}")
+    if toks.size and (int(toks.min()) < 0 or int(toks.max()) > np.iinfo(np.uint16).max):
+        raise ShardError(f"{path}: tokens: expected values in [0, 65535] (uint16), "
+                         f"found range [{int(toks.min())}, {int(toks.max())}]")
+    if toks.size > _MAX_TOKEN_COUNT:
+        raise ShardError(f"{path}: token count: expected at most {_MAX_TOKEN_COUNT} (int32 header "
+                         f"field), found {toks.size}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, toks.size
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header.tobytes())
+            f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    # Makes the rename itself durable; not every filesystem lets a directory be opened.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_shard_header(path: str | os.PathLike) -> int:
+    """Check the header of the shard at `path` against llm.c's format and its file size;
+    return the token count."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard ({e})") from e
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"{path}: header: expected {HEADER_BYTES} bytes (256 int32), "
+                         f"found a file of {len(raw)} bytes")
+    header = np.frombuffer(raw, dtype="<i4")
+    if header[0] != SHARD_MAGIC:
+        raise ShardError(f"{path}: magic (header[0]): expected {SHARD_MAGIC}, found {int(header[0])}"
+                         " -- not an llm.c token shard")
+    if header[1] != SHARD_VERSION:
+        raise ShardError(f"{path}: version (header[1]): expected {SHARD_VERSION}, "
+                         f"found {int(header[1])}")
+    ntok = int(header[2])
+    expected_size = HEADER_BYTES + ntok * TOKEN_DTYPE.itemsize
+    if ntok < 0 or size != expected_size:
+        raise ShardError(f"{path}: token count (header[2]) = {ntok}: expected a file of "
+                         f"{HEADER_BYTES} + 2*{ntok} = {expected_size} bytes, found {size} bytes")
+    return ntok
+
+
+def read_shard(path: str | os.PathLike) -> np.ndarray:
+    """The tokens of the shard at `path` as a read-only uint16 array (memory-mapped)."""
+    path = os.fspath(path)
+    ntok = read_shard_header(path)
+    if ntok == 0:  # mmap cannot map zero bytes
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def glob_shards(pattern: str) -> list[str]:
+    """The files matching `pattern`, sorted (llm.c's glob order); an error if there are none."""
+    paths = sorted(glob.glob(os.fspath(pattern)))
+    if not paths:
+        raise ShardError(f"shard pattern {pattern!r}: expected at least one matching file, found none")
+    return paths
+
+
+def data_fingerprint(pattern: str) -> str:
+    """A cheap identity of a set of shards for checkpoint compatibility checks: sha256 over
+    (basename, size, sha256 of the first MiB + the last MiB) of every shard. The first MiB holds
+    the header, so a changed token count always shows."""
+    mib = 1 << 20
+    outer = hashlib.sha256()
+    for path in glob_shards(pattern):
+        size = os.path.getsize(path)
+        inner = hashlib.sha256()
+        with open(path, "rb") as f:
+            inner.update(f.read(mib))
+            if size > mib:
+                f.seek(size - mib)
+                inner.update(f.read(mib))
+        outer.update(f"{os.path.basename(path)}\t{size}\t{inner.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+# ---------------------------------------------------------------------------- data order (pure)
+
+def shard_order(seed: int, epoch: int, num_shards: int, shuffle: bool) -> np.ndarray:
+    """The order in which epoch `epoch` visits the shards (int64 shard ids)."""
+    if not shuffle:
+        return np.arange(num_shards, dtype=np.int64)
+    return np.random.Generator(np.random.MT19937([seed, epoch])).permutation(num_shards)
+
+
+def sample_order(seed: int, epoch: int, shard: int, num_samples: int,
+                 shuffle: bool) -> tuple[np.ndarray, dict]:
+    """The order of the samples of shard `shard` in epoch `epoch` (int64 sample indices), and the
+    MT19937 state {"key": uint32[624], "pos": int} of the generator after drawing it (a fresh
+    MT19937([seed]) without shuffle, the llm.c state file's shuffle_rng slot)."""
+    if not shuffle:
+        bitgen = np.random.MT19937([seed])
+        order = np.arange(num_samples, dtype=np.int64)
+    else:
+        bitgen = np.random.MT19937([seed, epoch, shard])
+        order = np.random.Generator(bitgen).permutation(num_samples)
+    st = bitgen.state["state"]
+    return order, {"key": np.array(st["key"], dtype=np.uint32), "pos": int(st["pos"])}
+
+
+def merge_ranges(ranges) -> list[tuple[int, int, int]]:
+    """Sort (shard, start, end) ranges (end exclusive) and merge overlapping or touching ones."""
+    out: list[list[int]] = []
+    for shard, start, end in sorted((int(s), int(a), int(b)) for s, a, b in ranges):
+        if out and out[-1][0] == shard and start <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], end)
+        else:
+            out.append([shard, start, end])
+    return [tuple(r) for r in out]
+
+
+def samples_to_ranges(samples) -> list[tuple[int, int, int]]:
+    """Merge an (N, 2) array of (shard, sample_idx) into sorted contiguous (shard, start, end)
+    ranges, end exclusive -- the form the skip list takes."""
+    s = np.asarray(samples, dtype=np.int64).reshape(-1, 2)
+    return merge_ranges((shard, idx, idx + 1) for shard, idx in s.tolist())
+
+
+# ---------------------------------------------------------------------------- the loader
+
+_STATE_KEYS = ("epoch", "shard_pos", "sample_pos", "should_shuffle", "shard_indices",
+               "shard_num_samples", "intra_shard_indices", "shuffle_rng", "skip_ranges", "seed",
+               "num_shards")
+
+
+class DistributedDataLoader:
+    """llm.c's DataLoader over a glob of token shards, for rank `rank` of `world`.
+
+    `next_batch()` returns (x, y), int64 tensors of shape (B, T) with y = x shifted by one token.
+    """
+
+    def __init__(self, pattern: str, B: int, T: int, rank: int, world: int, *,
+                 shuffle: bool = False, seed: int = 1337):
+        if B < 1 or T < 1:
+            raise ValueError(f"DistributedDataLoader: B and T: expected integers >= 1, found B={B}, T={T}")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"DistributedDataLoader: rank/world: expected 0 <= rank < world, "
+                             f"found rank={rank}, world={world}")
+        self.pattern = pattern
+        self.B, self.T, self.rank, self.world = int(B), int(T), int(rank), int(world)
+        self.should_shuffle = bool(shuffle)
+        self.seed = int(seed)
+
+        # Validate every shard before any batch is served: a bad shard deep in the glob must not
+        # surface hours into a run.
+        self.paths = glob_shards(pattern)
+        min_tokens = self.B * self.T * self.world + 1
+        num_tokens = []
+        for path in self.paths:
+            ntok = read_shard_header(path)
+            if ntok < min_tokens:
+                raise ShardError(f"{path}: token count (header[2]): expected at least "
+                                 f"B*T*world+1 = {self.B}*{self.T}*{self.world}+1 = {min_tokens}, "
+                                 f"found {ntok}")
+            num_tokens.append(ntok)
+        self.num_tokens = np.array(num_tokens, dtype=np.int64)
+        self.num_samples = (self.num_tokens - 1) // self.T  # per shard
+        self._tokens: dict[int, np.ndarray] = {}  # shard id -> memmap, opened lazily
+
+        self._skip: list[tuple[int, int, int]] = []
+        self._skip_mask: dict[int, np.ndarray] = {}  # shard id -> bool[num_samples], True = skip
+        self.last_global_samples = np.zeros((0, 2), dtype=np.int64)
+        self.reset()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_shards(self) -> int:
+        return len(self.paths)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch of the stream, after the skip list."""
+        skipped = sum(end - start for _, start, end in self._skip)
+        return int(self.num_samples.sum()) - skipped
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Target tokens in one epoch: T per sample (the +1 token of a sample is only context)."""
+        return self.samples_per_epoch * self.T
+
+    # ------------------------------------------------------------------ cursor
+    def reset(self) -> None:
+        """Rewind to the start of epoch 0; the skip list stays."""
+        self._set_cursor(epoch=0, shard_pos=0, sample_pos=0)
+
+    def _set_cursor(self, epoch: int, shard_pos: int, sample_pos: int) -> None:
+        self.epoch, self.shard_pos, self.sample_pos = epoch, shard_pos, sample_pos
+        self.shard_indices = shard_order(self.seed, epoch, self.num_shards, self.should_shuffle)
+        self._load_shard_visit()
+
+    def _load_shard_visit(self) -> None:
+        shard = int(self.shard_indices[self.shard_pos])
+        self.intra_shard_indices, self.shuffle_rng = sample_order(
+            self.seed, self.epoch, shard, int(self.num_samples[shard]), self.should_shuffle)
+
+    def _advance_shard(self) -> None:
+        # llm.c's dataloader_advance_: next shard of this epoch, or the first of the next epoch.
+        self.shard_pos += 1
+        self.sample_pos = 0
+        if self.shard_pos >= self.num_shards:
+            self.epoch += 1
+            self.shard_pos = 0
+            self.shard_indices = shard_order(self.seed, self.epoch, self.num_shards, self.should_shuffle)
+        self._load_shard_visit()
+
+    def _take_global_samples(self, n: int) -> np.ndarray:
+        """Consume the next n samples of the skip-filtered stream: (n, 2) of (shard, sample_idx)."""
+        out = np.empty((n, 2), dtype=np.int64)
+        filled = 0
+        while filled < n:
+            if self.sample_pos >= len(self.intra_shard_indices):
+                self._advance_shard()
+                continue
+            shard = int(self.shard_indices[self.shard_pos])
+            need = n - filled
+            rest = self.intra_shard_indices[self.sample_pos:]
+            mask = self._skip_mask.get(shard)
+            if mask is None:
+                taken = rest[:need]
+                consumed = len(taken)
+            else:
+                # positions (within `rest`) of the first `need` samples not on the skip list; the
+                # cursor moves just past the last one taken.
+                keep = np.flatnonzero(~mask[rest])[:need]
+                taken = rest[keep]
+                consumed = int(keep[-1]) + 1 if len(keep) == need else len(rest)
+            out[filled:filled + len(taken), 0] = shard
+            out[filled:filled + len(taken), 1] = taken
+            filled += len(taken)
+            self.sample_pos += consumed
+        return out
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume the next global micro-batch (world*B samples); return this rank's (x, y)."""
+        B, T = self.B, self.T
+        samples = self._take_global_samples(self.world * B)
+        self.last_global_samples = samples
+        mine = samples[self.rank * B:(self.rank + 1) * B]
+        buf = np.empty((B, T + 1), dtype=np.int64)
+        window = np.arange(T + 1, dtype=np.int64)
+        for shard in np.unique(mine[:, 0]):
+            rows = np.flatnonzero(mine[:, 0] == shard)
+            tokens = self._shard_tokens(int(shard))
+            # (rows, T+1) token offsets: sample i covers tokens [i*T, i*T + T].
+            buf[rows] = tokens[mine[rows, 1][:, None] * T + window[None, :]]
+        data = torch.from_numpy(buf)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def _shard_tokens(self, shard: int) -> np.ndarray:
+        tokens = self._tokens.get(shard)
+        if tokens is None:
+            tokens = self._tokens[shard] = read_shard(self.paths[shard])
+            if len(tokens) != self.num_tokens[shard]:
+                raise ShardError(f"{self.paths[shard]}: token count (header[2]): expected "
+                                 f"{int(self.num_tokens[shard])} (as validated at start), found "
+                                 f"{len(tokens)} -- the file changed under the loader")
+        return tokens
+
+    # ------------------------------------------------------------------ skip list
+    @property
+    def skip_ranges(self) -> list[tuple[int, int, int]]:
+        return list(self._skip)
+
+    def add_skip_ranges(self, ranges) -> None:
+        """Remove the samples of (shard, start, end) ranges (end exclusive) from the stream, in
+        every epoch. The cursor is unaffected: it indexes the unfiltered sample order."""
+        self._set_skip(merge_ranges(list(self._skip) + list(ranges)))
+
+    def _set_skip(self, merged: list[tuple[int, int, int]]) -> None:
+        for shard, start, end in merged:
+            if not 0 <= shard < self.num_shards:
+                raise ValueError(f"skip range {(shard, start, end)}: shard: expected an id in "
+                                 f"[0, {self.num_shards}) for pattern {self.pattern!r}, found {shard}")
+            n = int(self.num_samples[shard])
+            if not 0 <= start < end <= n:
+                raise ValueError(f"skip range {(shard, start, end)} of {self.paths[shard]}: "
+                                 f"expected 0 <= start < end <= {n} (samples in the shard at "
+                                 f"T={self.T}), found start={start}, end={end}")
+        masks: dict[int, np.ndarray] = {}
+        for shard, start, end in merged:
+            if shard not in masks:
+                masks[shard] = np.zeros(int(self.num_samples[shard]), dtype=bool)
+            masks[shard][start:end] = True
+        remaining = int(self.num_samples.sum()) - sum(e - s for _, s, e in merged)
+        need = self.world * self.B
+        if remaining < need:
+            raise ValueError(f"skip list: would leave {remaining} samples per epoch of "
+                             f"{self.pattern!r}, expected at least world*B = {self.world}*{self.B} "
+                             f"= {need}")
+        self._skip, self._skip_mask = merged, masks
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The global cursor (independent of rank and world size) and the shuffle state, in the
+        llm.c state file's terms (current_shard_idx = shard_pos, current_sample_idx = sample_pos)."""
+        return {
+            "epoch": int(self.epoch),
+            "shard_pos": int(self.shard_pos),
+            "sample_pos": int(self.sample_pos),
+            "should_shuffle": bool(self.should_shuffle),
+            "shard_indices": np.asarray(self.shard_indices, dtype=np.int32).copy(),
+            "shard_num_samples": int(len(self.intra_shard_indices)),
+            "intra_shard_indices": np.asarray(self.intra_shard_indices, dtype=np.int32).copy(),
+            "shuffle_rng": {"key": self.shuffle_rng["key"].copy(), "pos": int(self.shuffle_rng["pos"])},
+            "skip_ranges": [list(r) for r in self._skip],
+            "seed": int(self.seed),
+            "num_shards": int(self.num_shards),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a cursor from `state_dict()` (any rank, any world size). The skip list is
+        replaced by the stored one. Nothing changes unless the whole state checks out."""
+        missing = [k for k in _STATE_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"loader state: missing field(s) {missing}; expected {list(_STATE_KEYS)}")
+        where = f"loader state for {self.pattern!r}"
+
+        def need(ok: bool, field: str, expected, found) -> None:
+            if not ok:
+                raise ValueError(f"{where}: {field}: expected {expected}, found {found}")
+
+        need(int(d["seed"]) == self.seed, "seed", f"{self.seed} (this run)", d["seed"])
+        need(int(d["num_shards"]) == self.num_shards, "num_shards",
+             f"{self.num_shards} (files matching the pattern)", d["num_shards"])
+        need(bool(d["should_shuffle"]) == self.should_shuffle, "should_shuffle",
+             f"{self.should_shuffle} (this run)", d["should_shuffle"])
+        epoch, shard_pos, sample_pos = int(d["epoch"]), int(d["shard_pos"]), int(d["sample_pos"])
+        need(epoch >= 0, "epoch", "an integer >= 0", epoch)
+        need(0 <= shard_pos < self.num_shards, "shard_pos", f"an integer in [0, {self.num_shards})",
+             shard_pos)
+
+        order = shard_order(self.seed, epoch, self.num_shards, self.should_shuffle)
+        need(np.array_equal(np.asarray(d["shard_indices"]), order), "shard_indices",
+             f"the shard order recomputed for seed {self.seed}, epoch {epoch}", d["shard_indices"])
+        shard = int(order[shard_pos])
+        n = int(self.num_samples[shard])
+        need(int(d["shard_num_samples"]) == n, "shard_num_samples",
+             f"{n} (samples of {self.paths[shard]} at T={self.T}; was the state saved with "
+             f"another seq_len or other shards?)", d["shard_num_samples"])
+        need(0 <= sample_pos <= n, "sample_pos", f"an integer in [0, {n}]", sample_pos)
+        intra, rng = sample_order(self.seed, epoch, shard, n, self.should_shuffle)
+        need(np.array_equal(np.asarray(d["intra_shard_indices"]), intra), "intra_shard_indices",
+             f"the sample order recomputed for seed {self.seed}, epoch {epoch}, shard {shard}",
+             "a different permutation")
+        stored_rng = d["shuffle_rng"]
+        need(np.array_equal(np.asarray(stored_rng["key"], dtype=np.uint32), rng["key"])
+             and int(stored_rng["pos"]) == rng["pos"], "shuffle_rng",
+             f"the MT19937 state recomputed for seed {self.seed}, epoch {epoch}, shard {shard}",
+             "a different state")
+
+        self._set_skip(merge_ranges(tuple(r) for r in d["skip_ranges"]))
+        self.epoch, self.shard_pos, self.sample_pos = epoch, shard_pos, sample_pos
+        self.shard_indices, self.intra_shard_indices, self.shuffle_rng = order, intra, rng
+        self.last_global_samples = np.zeros((0, 2), dtype=np.int64)

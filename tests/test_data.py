@@ -1,0 +1,428 @@
+"""Tests of raygpt.data: the llm.c shard format, the loader's global stream, its state and skips.
+
+The test shards carry their own coordinates: token p of shard s is s*1000 + p, so the first token
+of a row of x names the (shard, sample) it came from (sample i starts at token i*T).
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raygpt.data import (
+    HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION, DistributedDataLoader, ShardError, data_fingerprint,
+    read_shard, read_shard_header, sample_order, samples_to_ranges, shard_order, write_shard,
+)
+
+VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "raygpt", "data_files",
+                            "tiny_shakespeare_val.bin")
+
+
+def make_shards(directory, sizes, prefix="shard"):
+    """Write shards of the given token counts; return their glob pattern."""
+    for s, n in enumerate(sizes):
+        write_shard(directory / f"{prefix}_{s:06d}.bin", s * 1000 + np.arange(n))
+    return str(directory / f"{prefix}_*.bin")
+
+
+def rows_to_samples(x, T):
+    """(B, T) x of coordinate-carrying shards -> (B, 2) of (shard, sample_idx)."""
+    first = x[:, 0].numpy()
+    return np.stack([first // 1000, (first % 1000) // T], axis=1)
+
+
+def global_stream(pattern, B, T, world, n_batches, **kw):
+    """Run `world` rank loaders side by side for n_batches; return the global (shard, sample)
+    sequence as the ranks saw it, checking that every rank agrees on last_global_samples."""
+    loaders = [DistributedDataLoader(pattern, B, T, r, world, **kw) for r in range(world)]
+    return step_ranks(loaders, n_batches)
+
+
+def step_ranks(loaders, n_batches):
+    out = []
+    T = loaders[0].T
+    for _ in range(n_batches):
+        seen = [rows_to_samples(ld.next_batch()[0], T) for ld in loaders]
+        batch = np.concatenate(seen)
+        for ld in loaders:
+            assert np.array_equal(ld.last_global_samples, batch)
+        out.append(batch)
+    return np.concatenate(out)
+
+
+def reference_stream(pattern, T, seed, shuffle, n_epochs, skip=()):
+    """The global stream built straight from the spec: per epoch, each shard (in the epoch's
+    shard order) contributes its sample order, minus skipped samples."""
+    ld = DistributedDataLoader(pattern, 1, T, 0, 1)
+    skipped = {(s, i) for s, a, b in skip for i in range(a, b)}
+    out = []
+    for e in range(n_epochs):
+        for shard in shard_order(seed, e, ld.num_shards, shuffle):
+            order, _ = sample_order(seed, e, int(shard), int(ld.num_samples[shard]), shuffle)
+            out.extend((int(shard), int(i)) for i in order if (int(shard), int(i)) not in skipped)
+    return np.array(out, dtype=np.int64)
+
+
+def all_samples(sizes, T):
+    return sorted((s, i) for s, n in enumerate(sizes) for i in range((n - 1) // T))
+
+
+# ------------------------------------------------------------------------ shard format
+
+def test_write_read_round_trip(tmp_path):
+    tokens = np.array([0, 1, 50256, 65535, 7] * 11, dtype=np.int64)
+    path = tmp_path / "a.bin"
+    write_shard(path, tokens)
+    assert read_shard_header(path) == len(tokens)
+    assert os.path.getsize(path) == HEADER_BYTES + 2 * len(tokens)
+    got = read_shard(path)
+    assert got.dtype == np.uint16
+    assert np.array_equal(got, tokens)
+    header = np.fromfile(path, dtype="<i4", count=256)
+    assert header[0] == SHARD_MAGIC and header[1] == SHARD_VERSION and header[2] == len(tokens)
+    assert not header[3:].any()
+    assert os.listdir(tmp_path) == ["a.bin"]  # no temp file left behind
+
+
+def test_write_replaces_atomically_and_rejects_non_uint16(tmp_path):
+    path = tmp_path / "a.bin"
+    write_shard(path, [1, 2, 3])
+    for bad in ([1, 65536], [-1, 2]):
+        with pytest.raises(ShardError, match=r"a\.bin.*tokens.*65535"):
+            write_shard(path, bad)
+    assert np.array_equal(read_shard(path), [1, 2, 3])  # the old shard is untouched
+    assert os.listdir(tmp_path) == ["a.bin"]
+
+
+def _corrupt(path, kind):
+    raw = bytearray(path.read_bytes())
+    header = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4").copy()
+    if kind == "magic":
+        header[0] = 20240326
+    elif kind == "version":
+        header[1] = 2
+    elif kind == "count":
+        header[2] += 5
+    elif kind == "truncated":
+        path.write_bytes(bytes(raw[:100]))
+        return
+    raw[:HEADER_BYTES] = header.tobytes()
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("kind, field, found", [
+    ("magic", "magic", "20240326"),
+    ("version", "version", "found 2"),
+    ("count", "token count", "found 1224 bytes"),
+    ("truncated", "header", "found a file of 100 bytes"),
+])
+def test_bad_shard_errors_name_file_field_expected_found(tmp_path, kind, field, found):
+    make_shards(tmp_path, [100, 100])
+    bad = tmp_path / "shard_000001.bin"
+    _corrupt(bad, kind)
+    for call in (lambda: read_shard_header(bad), lambda: read_shard(bad),
+                 lambda: DistributedDataLoader(str(tmp_path / "*.bin"), 2, 4, 0, 2)):
+        with pytest.raises(ShardError) as e:
+            call()
+        msg = str(e.value)
+        assert "shard_000001.bin" in msg and field in msg and "expected" in msg and found in msg
+
+
+def test_shard_too_small_for_one_global_batch(tmp_path):
+    pattern = make_shards(tmp_path, [100, 16])  # B*T*world+1 = 2*4*2+1 = 17
+    with pytest.raises(ShardError, match=r"shard_000001\.bin.*token count.*17.*found 16"):
+        DistributedDataLoader(pattern, 2, 4, 0, 2)
+    DistributedDataLoader(pattern, 1, 4, 0, 2)  # 9 tokens suffice for B=1
+
+
+def test_empty_glob_is_an_error(tmp_path):
+    with pytest.raises(ShardError, match="nothing_.*found none"):
+        DistributedDataLoader(str(tmp_path / "nothing_*.bin"), 2, 4, 0, 1)
+
+
+def test_bad_rank_or_sizes(tmp_path):
+    pattern = make_shards(tmp_path, [100])
+    with pytest.raises(ValueError, match="rank"):
+        DistributedDataLoader(pattern, 2, 4, 2, 2)
+    with pytest.raises(ValueError, match="B and T"):
+        DistributedDataLoader(pattern, 0, 4, 0, 1)
+
+
+# ------------------------------------------------------------------------ the global stream
+
+SIZES = [41, 33, 57]  # T=4: 10 + 8 + 14 = 32 samples = 8 global batches of world*B = 4
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_epoch_covers_every_sample_exactly_once(tmp_path, shuffle):
+    pattern = make_shards(tmp_path, SIZES)
+    stream = global_stream(pattern, B=2, T=4, world=2, n_batches=8, shuffle=shuffle, seed=7)
+    assert sorted(map(tuple, stream.tolist())) == all_samples(SIZES, 4)
+    assert np.array_equal(stream, reference_stream(pattern, 4, 7, shuffle, 1))
+    if not shuffle:  # natural order: shard by shard, sample by sample
+        assert [tuple(r) for r in stream.tolist()] == all_samples(SIZES, 4)
+
+
+def test_stream_continues_across_epochs_inside_a_batch(tmp_path):
+    sizes = [41, 29]  # 10 + 7 = 17 samples: global batches of 4 straddle the epoch boundary
+    pattern = make_shards(tmp_path, sizes)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=3)
+    assert ld.samples_per_epoch == 17 and ld.tokens_per_epoch == 17 * 4
+    stream = global_stream(pattern, B=2, T=4, world=2, n_batches=13, shuffle=True, seed=3)  # 52
+    ref = reference_stream(pattern, 4, 3, True, 4)
+    assert np.array_equal(stream, ref[:52])
+    for e in range(3):
+        assert sorted(map(tuple, stream[17 * e:17 * (e + 1)].tolist())) == all_samples(sizes, 4)
+    assert not np.array_equal(stream[:17], stream[17:34])  # each epoch is a new shuffle
+
+
+def test_orders_are_the_specified_mt19937_draws():
+    # The spec: shard order of epoch e from MT19937([seed, e]); the sample order of a shard visit
+    # from MT19937([seed, e, shard]), whose state after the draw is the stored shuffle_rng.
+    for seed, e, shard, n in [(1337, 0, 0, 10), (1337, 1, 0, 10), (7, 2, 5, 33)]:
+        expected = np.random.Generator(np.random.MT19937([seed, e])).permutation(9)
+        assert np.array_equal(shard_order(seed, e, 9, True), expected)
+        bitgen = np.random.MT19937([seed, e, shard])
+        expected = np.random.Generator(bitgen).permutation(n)
+        order, rng = sample_order(seed, e, shard, n, True)
+        assert np.array_equal(order, expected)
+        assert np.array_equal(rng["key"], bitgen.state["state"]["key"])
+        assert rng["pos"] == bitgen.state["state"]["pos"]
+    assert not np.array_equal(sample_order(1, 0, 0, 50, True)[0], sample_order(1, 1, 0, 50, True)[0])
+    order, rng = sample_order(1337, 3, 2, 6, False)
+    assert order.tolist() == list(range(6)) and shard_order(1337, 3, 4, False).tolist() == [0, 1, 2, 3]
+    assert np.array_equal(rng["key"], np.random.MT19937([1337]).state["state"]["key"])
+
+
+def test_shuffle_is_deterministic_per_seed(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    a = global_stream(pattern, 2, 4, 2, 8, shuffle=True, seed=1337)
+    b = global_stream(pattern, 2, 4, 2, 8, shuffle=True, seed=1337)
+    c = global_stream(pattern, 2, 4, 2, 8, shuffle=True, seed=1338)
+    natural = global_stream(pattern, 2, 4, 2, 8, shuffle=False, seed=1337)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert not np.array_equal(a, natural)
+
+
+def test_x_y_shapes_dtypes_and_shift(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 3, 5, 1, 2, shuffle=True)
+    for _ in range(4):
+        x, y = ld.next_batch()
+        assert x.shape == y.shape == (3, 5) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(y[:, :-1], x[:, 1:])
+        assert torch.equal(y[:, -1], x[:, -1] + 1)  # the next token of the shard
+        # rank 1's rows are rows [B, 2B) of the global micro-batch
+        mine = ld.last_global_samples[3:6]
+        assert np.array_equal(x[:, 0].numpy(), mine[:, 0] * 1000 + mine[:, 1] * 5)
+
+
+def test_vendored_val_shard_reads_its_tokens():
+    ld = DistributedDataLoader(VENDORED_VAL, 2, 8, 0, 1)
+    tokens = read_shard(VENDORED_VAL)
+    x, y = ld.next_batch()
+    assert x.tolist() == [tokens[0:8].tolist(), tokens[8:16].tolist()]
+    assert y[1].tolist() == tokens[9:17].tolist()
+    assert x[0, 0].item() == 50256  # llm.c's recipe opens every section with <|endoftext|>
+
+
+# ------------------------------------------------------------------------ state
+
+def test_state_dict_layout(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5)
+    for _ in range(3):
+        ld.next_batch()
+    st = ld.state_dict()
+    assert st["epoch"] == 0 and st["seed"] == 5 and st["num_shards"] == 3 and st["should_shuffle"]
+    assert st["shard_indices"].dtype == np.int32
+    assert sorted(st["shard_indices"].tolist()) == [0, 1, 2]
+    shard = st["shard_indices"][st["shard_pos"]]
+    assert st["shard_num_samples"] == (SIZES[shard] - 1) // 4
+    assert st["intra_shard_indices"].dtype == np.int32
+    assert sorted(st["intra_shard_indices"].tolist()) == list(range(st["shard_num_samples"]))
+    assert st["shuffle_rng"]["key"].dtype == np.uint32 and st["shuffle_rng"]["key"].shape == (624,)
+    # 12 samples consumed: the cursor sits 12 samples into the epoch's shard sequence
+    done = sum((SIZES[s] - 1) // 4 for s in st["shard_indices"][:st["shard_pos"]])
+    assert done + st["sample_pos"] == 12
+    assert st["skip_ranges"] == []
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("k", [0, 3, 7, 9])  # 9 batches = 36 samples: into the second epoch
+def test_state_round_trip_continues_identically(tmp_path, shuffle, k):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 1, 2, shuffle=shuffle, seed=11)
+    for _ in range(k):
+        ld.next_batch()
+    st = ld.state_dict()
+    fresh = DistributedDataLoader(pattern, 2, 4, 1, 2, shuffle=shuffle, seed=11)
+    fresh.load_state_dict(st)
+    for _ in range(6):
+        xa, ya = ld.next_batch()
+        xb, yb = fresh.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert np.array_equal(ld.last_global_samples, fresh.last_global_samples)
+
+
+def test_resume_on_another_world_size_continues_the_global_stream(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    kw = dict(shuffle=True, seed=21)
+    two = [DistributedDataLoader(pattern, 2, 4, r, 2, **kw) for r in range(2)]
+    step_ranks(two, 5)
+    st0, st1 = two[0].state_dict(), two[1].state_dict()
+    assert all(np.array_equal(np.asarray(st0[k]), np.asarray(st1[k])) for k in st0 if k != "shuffle_rng")
+    expected = step_ranks(two, 6)  # what the 2-rank run sees next
+
+    one = DistributedDataLoader(pattern, 4, 4, 0, 1, **kw)
+    one.load_state_dict(st0)
+    got = step_ranks([one], 6)
+    assert np.array_equal(got, expected)
+
+
+def test_load_state_rejects_mismatches(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5)
+    ld.next_batch()
+    st = ld.state_dict()
+    cases = [
+        (DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=6), st, "seed"),
+        (DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=False, seed=5), st, "should_shuffle"),
+        (DistributedDataLoader(pattern, 2, 3, 0, 2, shuffle=True, seed=5), st, "shard_num_samples"),
+        (DistributedDataLoader(str(tmp_path / "shard_00000[01].bin"), 2, 4, 0, 2, shuffle=True, seed=5),
+         st, "num_shards"),
+    ]
+    tampered = dict(st, intra_shard_indices=st["intra_shard_indices"][::-1].copy())
+    cases.append((DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5), tampered,
+                  "intra_shard_indices"))
+    order = st["shard_indices"]
+    cases.append((DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5),
+                  dict(st, shard_indices=np.roll(order, 1)), "shard_indices"))
+    cases.append((DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5),
+                  dict(st, shuffle_rng={"key": st["shuffle_rng"]["key"], "pos": 0}), "shuffle_rng"))
+    missing = {k: v for k, v in st.items() if k != "epoch"}
+    cases.append((DistributedDataLoader(pattern, 2, 4, 0, 2, shuffle=True, seed=5), missing, "epoch"))
+    for target, state, field in cases:
+        before = target.state_dict()
+        with pytest.raises(ValueError, match=field):
+            target.load_state_dict(state)
+        after = target.state_dict()  # a rejected state changes nothing
+        assert after["sample_pos"] == before["sample_pos"] and after["shard_pos"] == before["shard_pos"]
+
+
+# ------------------------------------------------------------------------ skip list and provenance
+
+def test_samples_to_ranges_merges_sorted_contiguous():
+    samples = np.array([[1, 5], [0, 3], [0, 4], [1, 6], [0, 7], [0, 3]])
+    assert samples_to_ranges(samples) == [(0, 3, 5), (0, 7, 8), (1, 5, 7)]
+    assert samples_to_ranges(np.zeros((0, 2), dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_skip_ranges_remove_exactly_those_samples(tmp_path, shuffle):
+    pattern = make_shards(tmp_path, SIZES)
+    skip = [(0, 2, 5), (2, 0, 3), (0, 4, 6)]  # overlapping ranges merge to (0,2,6)
+    loaders = [DistributedDataLoader(pattern, 2, 4, r, 2, shuffle=shuffle, seed=9) for r in range(2)]
+    for ld in loaders:
+        ld.add_skip_ranges(skip)
+        assert ld.skip_ranges == [(0, 2, 6), (2, 0, 3)]
+        assert ld.samples_per_epoch == 32 - 7 == 25
+    stream = step_ranks(loaders, 13)  # 52 samples: two epochs and a bit
+    removed = {(0, i) for i in range(2, 6)} | {(2, i) for i in range(3)}
+    kept = [s for s in all_samples(SIZES, 4) if s not in removed]
+    assert sorted(map(tuple, stream[:25].tolist())) == kept
+    assert sorted(map(tuple, stream[25:50].tolist())) == kept  # skipped in every epoch
+    assert np.array_equal(stream, reference_stream(pattern, 4, 9, shuffle, 3, skip)[:52])
+    assert loaders[0].state_dict()["skip_ranges"] == [[0, 2, 6], [2, 0, 3]]
+
+
+def test_skip_list_persists_through_state_and_survives_reset(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True)
+    ld.add_skip_ranges([(1, 0, 8)])  # all of shard 1
+    st = ld.state_dict()
+    fresh = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True)
+    fresh.load_state_dict(st)
+    assert fresh.skip_ranges == [(1, 0, 8)] and fresh.samples_per_epoch == 24
+    fresh.reset()
+    assert fresh.skip_ranges == [(1, 0, 8)]
+    seen = step_ranks([fresh], 12)
+    assert 1 not in set(seen[:, 0].tolist())
+
+
+def test_rewind_and_skip_the_spike_window(tmp_path):
+    # The spike policy: rewind to a checkpoint, skip the samples of the bad steps, go on.
+    pattern = make_shards(tmp_path, SIZES)
+    kw = dict(shuffle=True, seed=4)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, **kw)
+    step_ranks([ld], 2)
+    ckpt = ld.state_dict()
+    bad = step_ranks([ld], 2)  # the two "spiking" steps
+    after = step_ranks([ld], 10)
+    stream = np.concatenate([bad, after])
+
+    rewound = DistributedDataLoader(pattern, 2, 4, 0, 1, **kw)
+    rewound.load_state_dict(ckpt)
+    rewound.add_skip_ranges(samples_to_ranges(bad))
+    got = step_ranks([rewound], 8)  # 16 samples, all within the remaining epoch
+    bad_set = set(map(tuple, bad.tolist()))
+    expected = np.array([s for s in stream.tolist() if tuple(s) not in bad_set][:16])
+    assert np.array_equal(got, expected)
+
+
+def test_skip_range_errors(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 2)
+    with pytest.raises(ValueError, match="shard"):
+        ld.add_skip_ranges([(3, 0, 1)])
+    with pytest.raises(ValueError, match=r"shard_000000\.bin.*end <= 10"):
+        ld.add_skip_ranges([(0, 5, 11)])
+    with pytest.raises(ValueError, match=r"leave 3 samples.*world\*B = 2\*2 = 4"):
+        ld.add_skip_ranges([(0, 0, 10), (1, 0, 8), (2, 0, 11)])
+    assert ld.skip_ranges == [] and ld.samples_per_epoch == 32  # failed adds change nothing
+
+
+def test_last_global_samples_cover_all_ranks(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    loaders = [DistributedDataLoader(pattern, 2, 4, r, 2, shuffle=True) for r in range(2)]
+    assert loaders[0].last_global_samples.shape == (0, 2)
+    xs = [ld.next_batch()[0] for ld in loaders]
+    g = loaders[0].last_global_samples
+    assert g.shape == (4, 2) and g.dtype == np.int64
+    assert np.array_equal(rows_to_samples(torch.cat(xs), 4), g)
+
+
+def test_reset_replays_the_same_batches(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 1, 2)
+    first = [ld.next_batch()[0] for _ in range(10)]  # past the end of the epoch (8 batches)
+    ld.reset()
+    assert ld.state_dict()["epoch"] == 0 and ld.state_dict()["sample_pos"] == 0
+    again = [ld.next_batch()[0] for _ in range(10)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# ------------------------------------------------------------------------ fingerprint
+
+def test_data_fingerprint(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    fp = data_fingerprint(pattern)
+    assert fp == data_fingerprint(pattern) and len(fp) == 64
+    tokens = np.array(read_shard(tmp_path / "shard_000002.bin"))
+    tokens[-1] += 1  # one token at the end of one shard
+    write_shard(tmp_path / "shard_000002.bin", tokens)
+    assert data_fingerprint(pattern) != fp
+    with pytest.raises(ShardError, match="found none"):
+        data_fingerprint(str(tmp_path / "missing_*.bin"))
+
+
+def test_data_fingerprint_sees_the_end_of_large_shards(tmp_path):
+    n = 1_200_000  # > 1 MiB of tokens after the header
+    tokens = np.zeros(n, dtype=np.uint16)
+    write_shard(tmp_path / "big.bin", tokens)
+    fp = data_fingerprint(str(tmp_path / "big.bin"))
+    tokens[-1] = 1
+    write_shard(tmp_path / "big.bin", tokens)
+    assert data_fingerprint(str(tmp_path / "big.bin")) != fp
