@@ -1,0 +1,493 @@
+"""GPT-2 on one device, and llm.c's model file (`model_*.bin`) reader and writer.
+
+This module owns the network (GPT-2's module names, so a nanoGPT or llm.c reader finds
+`transformer.wte`, `h[i].attn.c_attn`, `ln_f`, `lm_head` where they expect them), its
+initialisation, the loss, sampling, and the map between PyTorch parameters and llm.c's 16
+parameter tensors. It knows nothing of Ray or torch.distributed.
+
+Dimension letters: B batch, T time, C channels (n_embd), nh heads, hs head size = C / nh,
+L layers, V vocab (50257), Vp padded vocab (50304, a multiple of 128 for fast matmuls).
+
+Padded vocabulary (as llm.c): wte and the tied lm_head have Vp rows. Rows >= V are
+zero-initialised and never matter: no input token is >= V, and the loss slices the logits to
+the first V columns before the softmax, so those rows receive zero gradient and, with AdamW's
+decoupled decay, stay exactly zero for the whole run. Logits are computed for all Vp columns
+(the matmul shape the hardware likes) and sliced afterwards.
+
+Parameters in llm.c order: `llmc_parameter_layout` lists, for each llm.c tensor, the PyTorch
+Parameters that make it up. raygpt/optim.py re-points every Parameter's `.data` at a slice of
+one flat buffer in that order, so nothing here caches a parameter tensor; the weight tie is one
+Parameter object shared by `transformer.wte` and `lm_head`, which survives the re-pointing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from raygpt.config import MODEL_SHAPES
+
+
+# ---------------------------------------------------------------------- configuration
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT-2 network; the same fields as llm.c's model file header."""
+
+    block_size: int = 1024
+    """Longest sequence (llm.c's max_seq_len); wpe has this many rows."""
+    vocab_size: int = 50257
+    """Real vocabulary, V: the softmax and the loss run over these columns only."""
+    padded_vocab_size: int = 50304
+    """Rows of wte / lm_head, Vp >= V (llm.c pads to a multiple of 128)."""
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "padded_vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}: expected an integer >= 1, found {value!r}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"GPTConfig.padded_vocab_size: expected >= vocab_size "
+                             f"{self.vocab_size}, found {self.padded_vocab_size}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd: expected a multiple of n_head {self.n_head}, "
+                             f"found {self.n_embd}")
+
+    @classmethod
+    def from_depth(cls, depth: int, block_size: int = 1024) -> "GPTConfig":
+        """llm.c's `-e dN`: depth -> (channels, heads) from raygpt.config.MODEL_SHAPES."""
+        if depth not in MODEL_SHAPES:
+            raise ValueError(f"GPTConfig.from_depth: expected a depth in {sorted(MODEL_SHAPES)}, "
+                             f"found {depth!r}")
+        channels, heads = MODEL_SHAPES[depth]
+        return cls(block_size=block_size, n_layer=depth, n_head=heads, n_embd=channels)
+
+
+# ---------------------------------------------------------------------- the network
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(C, 3 * C)  # weight (3C, C): rows are [q; k; v], llm.c's qkvw
+        self.c_proj = nn.Linear(C, C)      # residual projection, attprojw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        nh, hs = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)    # 3 x (B, T, C)
+        q = q.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
+        # softmax(q k^T / sqrt(hs) + causal mask) v; flash / memory-efficient kernel when available
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)              # heads side by side
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.c_fc = nn.Linear(C, 4 * C)    # weight (4C, C), fcw
+        self.c_proj = nn.Linear(4 * C, C)  # weight (C, 4C), fcprojw, residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2's GELU is the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)  # with bias, eps 1e-5 as GPT-2 / llm.c
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # pre-norm residual blocks, (B, T, C) throughout
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2. `GPT(config, init_seed=42)`: GPT-2's init drawn from a private CPU generator, so
+    every rank and every device starts from the same weights. `init_seed=None` leaves PyTorch's
+    default init (for a model whose weights are about to be loaded)."""
+
+    def __init__(self, config: GPTConfig, *, init_seed: int | None = 42):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
+            wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # Weight tying: one Parameter, counted once, its gradient the sum of both uses.
+        self.lm_head.weight = self.transformer.wte.weight
+        # Largest |logit| over the real vocab in the last forward with targets (watch metric).
+        # A detached device tensor, so reading it is the caller's choice of when to sync.
+        self.last_max_logit: torch.Tensor | None = None
+        if init_seed is not None:
+            self._init_gpt2(init_seed)
+
+    @torch.no_grad()
+    def _init_gpt2(self, seed: int) -> None:
+        """GPT-2's init (llm.c's train_gpt2.py): Linear and Embedding weights N(0, 0.02), the two
+        residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 L)), biases 0,
+        LayerNorm weight 1 / bias 0, padded wte rows 0. Values are drawn in module order
+        (wte, wpe, then per block c_attn, attn.c_proj, c_fc, mlp.c_proj) on a CPU generator and
+        copied in, so the result does not depend on the device."""
+        g = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+
+        def normal_(p: nn.Parameter, std: float, rows: int | None = None) -> None:
+            n = p.shape[0] if rows is None else rows
+            values = torch.empty((n,) + tuple(p.shape[1:])).normal_(0.0, std, generator=g)
+            p.zero_()
+            p[:n].copy_(values)
+
+        normal_(self.transformer.wte.weight, 0.02, rows=self.config.vocab_size)
+        normal_(self.transformer.wpe.weight, 0.02)
+        for block in self.transformer.h:
+            for ln in (block.ln_1, block.ln_2):
+                ln.weight.fill_(1.0)
+                ln.bias.zero_()
+            for linear, std in ((block.attn.c_attn, 0.02), (block.attn.c_proj, residual_std),
+                                (block.mlp.c_fc, 0.02), (block.mlp.c_proj, residual_std)):
+                normal_(linear.weight, std)
+                linear.bias.zero_()
+        self.transformer.ln_f.weight.fill_(1.0)
+        self.transformer.ln_f.bias.zero_()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                z_loss: float = 0.0, last_only: bool = False):
+        """idx (B, T) token ids.
+
+        With targets (B, T), -1 = ignore: returns (loss_sum, z_sum), fp32 scalars, where
+        loss_sum = sum over kept tokens of cross-entropy over the real V columns and
+        z_sum = z_loss * sum over kept tokens of logsumexp(logits)^2 (a 0 tensor when z_loss
+        is 0). The caller divides both by its token count (a token-weighted mean over the
+        accumulation window) and backpropagates their sum.
+
+        Without targets: logits (B, T, V) in fp32, or (B, 1, V) for the last position only
+        when last_only (sampling)."""
+        B, T = idx.shape
+        V = self.config.vocab_size
+        if T > self.config.block_size:
+            raise ValueError(f"GPT.forward: expected a sequence of at most block_size "
+                             f"{self.config.block_size} tokens, found {T}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)        # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)          # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)                                       # (B, T, C)
+
+        if targets is None:
+            if last_only:
+                x = x[:, -1:, :]                                           # (B, 1, C)
+            return self.lm_head(x)[..., :V].float()                        # (B, T|1, V)
+
+        logits = self.lm_head(x)[..., :V]        # (B, T, V): padded columns sliced off
+        with torch.no_grad():                    # max |logit| without an abs() copy
+            self.last_max_logit = torch.maximum(logits.amax(), -logits.amin()).float()
+        logits = logits.float().reshape(B * T, V)                          # (B*T, V) fp32
+        targets = targets.reshape(B * T).long()
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum")
+        if z_loss > 0.0:
+            # z-loss (PaLM): pushes log Z = logsumexp(logits) towards 0, over kept tokens only
+            keep = targets != -1
+            lse = torch.logsumexp(logits, dim=-1)                          # (B*T,)
+            z_sum = z_loss * (lse.square() * keep).sum()
+        else:
+            z_sum = torch.zeros((), dtype=torch.float32, device=logits.device)
+        return loss_sum, z_sum
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample max_new_tokens tokens after idx (B, T0); returns (B, T0 + max_new_tokens).
+        The context is cropped to the last block_size tokens. temperature 0 is greedy; pass a
+        seeded generator (on idx's device) for a reproducible sample."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]                     # (B, <= maxT)
+            logits = self(idx_cond, last_only=True)[:, -1, :]                # (B, V) fp32
+            if temperature == 0.0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)              # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next.to(idx.dtype)), dim=1)
+        return idx
+
+
+def num_parameters(model: GPT) -> int:
+    """Parameter count as llm.c counts it (the padded wte once): the N of MFU's 6N."""
+    return sum(p.numel() for p in model.parameters())  # parameters() yields the tied one once
+
+
+# ---------------------------------------------------------------------- llm.c parameter layout
+
+# llm.c's ParameterTensors, in memory order (train_gpt2.cu).
+LLMC_TENSOR_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+                     "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+# The 2-D (matmul / embedding) tensors: the ones AdamW decays.
+LLMC_DECAY = frozenset({"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"})
+
+# Per-layer llm.c tensor -> (submodule path within a Block, attribute).
+_PER_LAYER = {
+    "ln1w": ("ln_1", "weight"), "ln1b": ("ln_1", "bias"),
+    "qkvw": ("attn.c_attn", "weight"), "qkvb": ("attn.c_attn", "bias"),
+    "attprojw": ("attn.c_proj", "weight"), "attprojb": ("attn.c_proj", "bias"),
+    "ln2w": ("ln_2", "weight"), "ln2b": ("ln_2", "bias"),
+    "fcw": ("mlp.c_fc", "weight"), "fcb": ("mlp.c_fc", "bias"),
+    "fcprojw": ("mlp.c_proj", "weight"), "fcprojb": ("mlp.c_proj", "bias"),
+}
+
+
+def llmc_tensor_shapes(cfg: GPTConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """llm.c's 16 parameter tensors and their shapes (fill_in_parameter_sizes), layer-stacked.
+    PyTorch's Linear weight is (out, in), which is llm.c's row layout, so no transposes."""
+    Vp, C, maxT, L = cfg.padded_vocab_size, cfg.n_embd, cfg.block_size, cfg.n_layer
+    shapes = {
+        "wte": (Vp, C), "wpe": (maxT, C),
+        "ln1w": (L, C), "ln1b": (L, C),
+        "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C),
+        "attprojw": (L, C, C), "attprojb": (L, C),
+        "ln2w": (L, C), "ln2b": (L, C),
+        "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
+        "fcprojw": (L, C, 4 * C), "fcprojb": (L, C),
+        "lnfw": (C,), "lnfb": (C,),
+    }
+    return [(name, shapes[name]) for name in LLMC_TENSOR_NAMES]
+
+
+def llmc_num_elements(cfg: GPTConfig) -> int:
+    """Elements in llm.c's flat parameter buffer (= num_parameters of a GPT with this config)."""
+    return sum(math.prod(shape) for _, shape in llmc_tensor_shapes(cfg))
+
+
+def llmc_parameter_layout(model: GPT) -> list[tuple[str, list[nn.Parameter]]]:
+    """For each llm.c tensor, in llm.c order, the model's Parameters that make it up, in order:
+    one for wte / wpe / lnfw / lnfb, one per layer (layer 0 first) for the others. Laying these
+    out back to back gives llm.c's flat parameter buffer."""
+    t = model.transformer
+    layout = []
+    for name in LLMC_TENSOR_NAMES:
+        if name == "wte":
+            params = [t.wte.weight]  # == model.lm_head.weight
+        elif name == "wpe":
+            params = [t.wpe.weight]
+        elif name == "lnfw":
+            params = [t.ln_f.weight]
+        elif name == "lnfb":
+            params = [t.ln_f.bias]
+        else:
+            sub, attr = _PER_LAYER[name]
+            params = [getattr(block.get_submodule(sub), attr) for block in t.h]
+        layout.append((name, params))
+    return layout
+
+
+# ---------------------------------------------------------------------- llm.c model file
+
+MODEL_MAGIC = 20240326
+MODEL_VERSION_FP32 = 3   # every tensor fp32, padded vocab
+MODEL_VERSION_BF16 = 5   # every tensor bf16 (layernorms too), padded vocab
+MODEL_HEADER_INTS = 256  # int32s, 1024 bytes
+_VERSION_OF_DTYPE = {torch.float32: MODEL_VERSION_FP32, torch.bfloat16: MODEL_VERSION_BF16}
+_DTYPE_OF_VERSION = {v: d for d, v in _VERSION_OF_DTYPE.items()}
+_BYTES_OF_VERSION = {MODEL_VERSION_FP32: 4, MODEL_VERSION_BF16: 2}
+# Header slots (train_gpt2.cu's gpt2_write_to_checkpoint / gpt2_build_from_checkpoint).
+_HEADER_FIELDS = (("max_seq_len", 2, "block_size"), ("vocab_size", 3, "vocab_size"),
+                  ("num_layers", 4, "n_layer"), ("num_heads", 5, "n_head"),
+                  ("channels", 6, "n_embd"), ("padded_vocab_size", 7, "padded_vocab_size"))
+_WRITE_CHUNK = 1 << 22  # elements converted per write: bounds the extra host memory
+
+
+class ModelFileError(ValueError):
+    """An llm.c model file does not match the format; the message names file, field, expected
+    and found."""
+
+    def __init__(self, path, field: str, expected, found):
+        self.path, self.field, self.expected, self.found = str(path), field, expected, found
+        super().__init__(f"{path}: model file field '{field}': expected {expected}, found {found}")
+
+
+def model_header(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """The 256-int32 header of a model file for cfg written in dtype (fp32 or bf16)."""
+    header = np.zeros(MODEL_HEADER_INTS, dtype="<i4")
+    header[0] = MODEL_MAGIC
+    header[1] = _version_of(dtype)
+    for _, slot, attr in _HEADER_FIELDS:
+        header[slot] = getattr(cfg, attr)
+    return header
+
+
+def parse_model_header(header: np.ndarray, path="<model file>") -> tuple[GPTConfig, int]:
+    """Check magic and version, return (GPTConfig, version). Raises ModelFileError."""
+    if int(header[0]) != MODEL_MAGIC:
+        raise ModelFileError(path, "magic", MODEL_MAGIC, int(header[0]))
+    version = int(header[1])
+    if version not in _DTYPE_OF_VERSION:
+        raise ModelFileError(path, "version", f"{MODEL_VERSION_FP32} (fp32) or "
+                             f"{MODEL_VERSION_BF16} (bf16)", version)
+    values = {}
+    for field, slot, attr in _HEADER_FIELDS:
+        values[attr] = int(header[slot])
+        if values[attr] < 1:
+            raise ModelFileError(path, field, "an integer >= 1", values[attr])
+    if values["padded_vocab_size"] < values["vocab_size"]:
+        raise ModelFileError(path, "padded_vocab_size", f">= vocab_size {values['vocab_size']}",
+                             values["padded_vocab_size"])
+    if values["n_embd"] % values["n_head"]:
+        raise ModelFileError(path, "channels", f"a multiple of num_heads {values['n_head']}",
+                             values["n_embd"])
+    return GPTConfig(**values), version
+
+
+def model_file_size(cfg: GPTConfig, dtype: torch.dtype) -> int:
+    """Bytes of a model file: 1024 header bytes + every parameter at 4 (fp32) or 2 (bf16) bytes."""
+    return MODEL_HEADER_INTS * 4 + llmc_num_elements(cfg) * _BYTES_OF_VERSION[_version_of(dtype)]
+
+
+def write_model_file(path, model: GPT, dtype: torch.dtype = torch.float32) -> None:
+    """Write model as an llm.c model file (version 3 fp32 or 5 bf16), atomically."""
+    header = model_header(model.config, dtype)
+    with _atomic_writer(path) as f:
+        f.write(header.tobytes())
+        for _, params in llmc_parameter_layout(model):
+            for p in params:
+                _write_values(f, p.detach().reshape(-1), dtype)
+
+
+def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.dtype = torch.float32) -> None:
+    """Write an llm.c model file from a flat parameter buffer already in llm.c order (the
+    checkpointer's host copy): a torch tensor of any float dtype, a float32 numpy array, or a
+    uint16/int16 numpy array holding raw bf16 bits. Atomic like write_model_file."""
+    if isinstance(flat_params, np.ndarray):
+        if flat_params.dtype in (np.uint16, np.int16):  # numpy has no bf16: raw bits
+            flat = torch.from_numpy(np.ascontiguousarray(flat_params).view(np.int16)).view(torch.bfloat16)
+        else:
+            flat = torch.from_numpy(np.ascontiguousarray(flat_params))
+    else:
+        flat = flat_params.detach()
+    flat = flat.reshape(-1)
+    expected = llmc_num_elements(cfg)
+    if flat.numel() != expected:
+        raise ModelFileError(path, "flat_params", f"{expected} elements in llm.c order for {cfg}",
+                             f"{flat.numel()} elements")
+    if not flat.is_floating_point():
+        raise ModelFileError(path, "flat_params", "a floating-point buffer", flat.dtype)
+    header = model_header(cfg, dtype)
+    with _atomic_writer(path) as f:
+        f.write(header.tobytes())
+        _write_values(f, flat, dtype)
+
+
+def read_model_file(path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """Read an llm.c model file: (config, {llm.c name: tensor in llm.c's shape}), tensors fp32
+    for version 3 and bf16 for version 5. Raises ModelFileError on a malformed file."""
+    path = str(path)
+    size = os.path.getsize(path)
+    if size < MODEL_HEADER_INTS * 4:
+        raise ModelFileError(path, "header", f"{MODEL_HEADER_INTS * 4} bytes", f"a {size}-byte file")
+    header = np.fromfile(path, dtype="<i4", count=MODEL_HEADER_INTS)
+    cfg, version = parse_model_header(header, path)
+    dtype = _DTYPE_OF_VERSION[version]
+    expected = model_file_size(cfg, dtype)
+    if size != expected:
+        raise ModelFileError(path, "file size", f"{expected} bytes (1024 + {llmc_num_elements(cfg)} "
+                             f"parameters x {_BYTES_OF_VERSION[version]} bytes for {cfg})",
+                             f"{size} bytes")
+    raw = np.fromfile(path, dtype="<f4" if dtype == torch.float32 else "<i2", offset=MODEL_HEADER_INTS * 4)
+    flat = torch.from_numpy(raw)
+    if dtype == torch.bfloat16:
+        flat = flat.view(torch.bfloat16)
+    tensors, offset = {}, 0
+    for name, shape in llmc_tensor_shapes(cfg):
+        n = math.prod(shape)
+        tensors[name] = flat[offset:offset + n].view(shape)
+        offset += n
+    return cfg, tensors
+
+
+def load_model_file(path, device="cpu") -> GPT:
+    """A GPT (fp32 parameters) holding the weights of an llm.c model file."""
+    cfg, tensors = read_model_file(path)
+    model = GPT(cfg, init_seed=None)
+    with torch.no_grad():
+        for name, params in llmc_parameter_layout(model):
+            pieces = tensors[name].reshape(len(params), -1)  # one row per layer (or the whole)
+            for p, piece in zip(params, pieces):
+                p.copy_(piece.view_as(p))
+    return model.to(device)
+
+
+def _version_of(dtype: torch.dtype) -> int:
+    if dtype not in _VERSION_OF_DTYPE:
+        raise ValueError(f"llm.c model file dtype: expected torch.float32 or torch.bfloat16, "
+                         f"found {dtype}")
+    return _VERSION_OF_DTYPE[dtype]
+
+
+def _write_values(f, flat: torch.Tensor, dtype: torch.dtype) -> None:
+    """Append a 1-D tensor to f as little-endian fp32, or bf16 as raw 16-bit words (round to
+    nearest even when narrowing), chunk by chunk."""
+    for lo in range(0, flat.numel(), _WRITE_CHUNK):
+        chunk = flat[lo:lo + _WRITE_CHUNK].to(device="cpu", dtype=dtype).contiguous()
+        if dtype == torch.bfloat16:
+            chunk = chunk.view(torch.int16)
+        f.write(memoryview(chunk.numpy()).cast("B"))
+
+
+class _atomic_writer:
+    """Write to `<path>.tmp.<pid>`, fsync, then rename over path: a reader sees the old file or
+    the whole new one, never a half-written file."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp.{os.getpid()}")
+
+    def __enter__(self):
+        self.f = open(self.tmp, "wb")
+        return self.f
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self.f.flush()
+                os.fsync(self.f.fileno())
+        finally:
+            self.f.close()
+        if exc_type is not None:
+            self.tmp.unlink(missing_ok=True)
+            return False
+        os.replace(self.tmp, self.path)
+        try:  # make the rename itself durable (best effort: not every filesystem allows it)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+        return False

@@ -1,0 +1,437 @@
+"""raygpt.model: the GPT-2 network, its loss, sampling, llm.c's parameter layout and model file."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import raygpt.model
+
+from raygpt.model import (
+    GPT, LLMC_DECAY, LLMC_TENSOR_NAMES, MODEL_MAGIC, GPTConfig, ModelFileError,
+    llmc_parameter_layout, llmc_tensor_shapes, load_model_file, num_parameters, read_model_file,
+    write_model_file, write_model_file_from_flat,
+)
+
+# Tiny: 2 layers, C=64, 2 heads, block 32, vocab 100 padded to 128.
+CFG = GPTConfig(block_size=32, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=64)
+
+
+@pytest.fixture
+def model():
+    return GPT(CFG, init_seed=7)
+
+
+def batch(B=3, T=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    return idx, targets
+
+
+def all_logits(model, idx):
+    """Logits for every padded column (B, T, Vp), bypassing forward's slicing."""
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+    for block in t.h:
+        x = block(x)
+    return model.lm_head(t.ln_f(x))
+
+
+def reference_forward(model, idx):
+    """GPT-2 written out by hand from the parameters (explicit mask, GELU formula)."""
+    t, C, nh = model.transformer, CFG.n_embd, CFG.n_head
+    B, T = idx.shape
+    ln = lambda x, m: F.layer_norm(x, (C,), m.weight, m.bias, 1e-5)
+    x = t.wte.weight[idx] + t.wpe.weight[:T]
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for blk in t.h:
+        qkv = ln(x, blk.ln_1) @ blk.attn.c_attn.weight.T + blk.attn.c_attn.bias
+        q, k, v = (z.view(B, T, nh, C // nh).transpose(1, 2) for z in qkv.split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // nh)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + y @ blk.attn.c_proj.weight.T + blk.attn.c_proj.bias
+        h = ln(x, blk.ln_2) @ blk.mlp.c_fc.weight.T + blk.mlp.c_fc.bias
+        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+        x = x + h @ blk.mlp.c_proj.weight.T + blk.mlp.c_proj.bias
+    return (ln(x, t.ln_f) @ t.wte.weight.T)[..., :CFG.vocab_size]
+
+
+# ---------------------------------------------------------------------- config and init
+
+def test_from_depth_uses_model_shapes():
+    cfg = GPTConfig.from_depth(12)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size) == (12, 768, 12, 1024)
+    assert (cfg.vocab_size, cfg.padded_vocab_size) == (50257, 50304)
+    assert GPTConfig.from_depth(4, block_size=64) == GPTConfig(
+        block_size=64, n_layer=4, n_head=4, n_embd=256)
+    with pytest.raises(ValueError, match="depth"):
+        GPTConfig.from_depth(7)
+    with pytest.raises(ValueError, match="n_embd"):
+        GPTConfig(n_embd=100, n_head=3)
+
+
+def test_gpt2_init(model):
+    t = model.transformer
+    wte = t.wte.weight
+    assert torch.all(wte[CFG.vocab_size:] == 0), "padded vocab rows start at zero"
+    assert abs(wte[:CFG.vocab_size].std().item() - 0.02) < 0.002
+    resid_std = 0.02 / math.sqrt(2 * CFG.n_layer)
+    c_proj = torch.cat([b.attn.c_proj.weight.flatten() for b in t.h] +
+                       [b.mlp.c_proj.weight.flatten() for b in t.h])
+    assert abs(c_proj.std().item() - resid_std) < 0.1 * resid_std
+    assert abs(t.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.all(p == 0), name
+        elif ".ln_" in name:
+            assert torch.all(p == 1), name
+    # The same seed gives the same weights; another seed does not.
+    assert torch.equal(GPT(CFG, init_seed=7).transformer.wpe.weight, t.wpe.weight)
+    assert not torch.equal(GPT(CFG, init_seed=8).transformer.wpe.weight, t.wpe.weight)
+
+
+# ---------------------------------------------------------------------- forward and loss
+
+def test_forward_shapes_and_reference(model):
+    idx, _ = batch()
+    logits = model(idx)
+    assert logits.shape == (3, 16, CFG.vocab_size) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, reference_forward(model, idx), rtol=1e-4, atol=1e-5)
+    last = model(idx, last_only=True)
+    assert last.shape == (3, 1, CFG.vocab_size)
+    torch.testing.assert_close(last[:, 0], logits[:, -1])
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, CFG.block_size + 1, dtype=torch.long))
+
+
+def test_loss_sum_is_cross_entropy_sum_over_real_vocab(model):
+    idx, targets = batch()
+    loss_sum, z_sum = model(idx, targets)
+    assert loss_sum.shape == () and loss_sum.dtype == torch.float32
+    manual = F.cross_entropy(model(idx).reshape(-1, CFG.vocab_size), targets.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss_sum, manual)
+    assert z_sum.item() == 0.0
+    # an untrained model is near uniform over the real V, not Vp
+    assert abs(loss_sum.item() / targets.numel() - math.log(CFG.vocab_size)) < 0.2
+    # last_max_logit is the largest |logit| over the real vocab, a detached 0-dim tensor
+    assert model.last_max_logit.shape == () and not model.last_max_logit.requires_grad
+    torch.testing.assert_close(model.last_max_logit, model(idx).abs().max())
+
+
+def test_ignored_targets(model):
+    idx, targets = batch()
+    masked = targets.clone()
+    masked[:, :5] = -1
+    masked[1] = -1
+    loss_sum, _ = model(idx, masked)
+    keep = masked != -1
+    logits = model(idx)
+    manual = F.cross_entropy(logits[keep], targets[keep], reduction="sum")
+    torch.testing.assert_close(loss_sum, manual)
+    all_ignored, z = model(idx, torch.full_like(targets, -1), z_loss=1e-2)
+    assert all_ignored.item() == 0.0 and z.item() == 0.0
+
+
+def test_padded_columns_never_affect_the_loss(model):
+    idx, targets = batch()
+    before = model(idx, targets, z_loss=1e-3)
+    with torch.no_grad():
+        pad = model.transformer.wte.weight[CFG.vocab_size:]
+        pad.copy_(1e3 * torch.randn(pad.shape, generator=torch.Generator().manual_seed(0)))
+    assert all_logits(model, idx)[..., CFG.vocab_size:].abs().amax(-1).min() > 1e3  # huge padded logits
+    after = model(idx, targets, z_loss=1e-3)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_z_loss_matches_manual(model):
+    idx, targets = batch()
+    targets[0, :4] = -1
+    coef = 1e-3
+    loss_sum, z_sum = model(idx, targets, z_loss=coef)
+    logits = model(idx)
+    lse = torch.logsumexp(logits, dim=-1)
+    manual = coef * (lse[targets != -1] ** 2).sum()
+    torch.testing.assert_close(z_sum, manual)
+    assert z_sum.item() > 0
+    torch.testing.assert_close(loss_sum, model(idx, targets)[0])  # z-loss leaves the CE alone
+
+
+def test_weight_tie_and_gradient_flows_once(model):
+    assert model.lm_head.weight is model.transformer.wte.weight
+    idx, targets = batch()
+    loss_sum, _ = model(idx, targets)
+    loss_sum.backward()
+    tied_grad = model.transformer.wte.weight.grad.clone()
+    # Untie by hand: the tied gradient must be exactly the sum of the two uses' gradients.
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    emb = params["transformer.wte.weight"].clone().requires_grad_()
+    head = params["transformer.wte.weight"].clone().requires_grad_()
+    params["transformer.wte.weight"], params["lm_head.weight"] = emb, head
+    loss2, _ = torch.func.functional_call(model, params, (idx, targets), tie_weights=False)
+    loss2.backward()
+    torch.testing.assert_close(tied_grad, emb.grad + head.grad)
+    assert head.grad.abs().sum() > 0 and emb.grad.abs().sum() > 0
+    assert torch.all(tied_grad[CFG.vocab_size:] == 0), "padded rows get no gradient"
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+
+
+def test_num_parameters_counts_padded_wte_once(model):
+    C, L, Vp, T = CFG.n_embd, CFG.n_layer, CFG.padded_vocab_size, CFG.block_size
+    per_layer = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 4 * C * C + 4 * C + 4 * C * C + C
+    assert num_parameters(model) == Vp * C + T * C + L * per_layer + 2 * C
+    # GPT-2 124M as llm.c counts it (padded vocab)
+    with torch.device("meta"):  # shapes only, no memory, no init cost
+        gpt2 = GPT(GPTConfig(), init_seed=None)
+    assert num_parameters(gpt2) == 124475904
+
+
+def test_causal(model):
+    idx, _ = batch(B=2, T=20)
+    logits = model(idx)
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % CFG.vocab_size
+    logits2 = model(changed)
+    assert torch.equal(logits[:, :12], logits2[:, :12])
+    assert not torch.allclose(logits[:, 12:], logits2[:, 12:])
+
+
+# ---------------------------------------------------------------------- sampling
+
+def test_generate_shape_determinism_and_crop(model):
+    prompt = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    n = CFG.block_size + 3  # runs past block_size: the context must be cropped
+    a = model.generate(prompt, n, top_k=10, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, n, top_k=10, generator=torch.Generator().manual_seed(3))
+    c = model.generate(prompt, n, top_k=10, generator=torch.Generator().manual_seed(4))
+    assert a.shape == (2, 5 + n)
+    assert torch.equal(a[:, :5], prompt)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.max() < CFG.vocab_size, "never samples a padded column"
+    greedy = model.generate(prompt, 4, temperature=0.0)
+    assert torch.equal(greedy[:, 5], model(prompt, last_only=True)[:, -1].argmax(-1))
+
+
+def test_generate_top_k_1_is_greedy(model):
+    prompt = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    top1 = model.generate(prompt, 6, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top1, model.generate(prompt, 6, temperature=0.0))
+
+
+# ---------------------------------------------------------------------- llm.c layout
+
+def test_llmc_layout_covers_every_parameter_once(model):
+    layout = llmc_parameter_layout(model)
+    shapes = llmc_tensor_shapes(CFG)
+    assert [n for n, _ in layout] == list(LLMC_TENSOR_NAMES) == [n for n, _ in shapes]
+    ids = [id(p) for _, params in layout for p in params]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {id(p) for p in model.parameters()}
+    for (name, params), (_, shape) in zip(layout, shapes):
+        assert sum(p.numel() for p in params) == math.prod(shape), name
+        if len(params) > 1:  # per-layer tensors: one (L, ...) slice per layer
+            assert len(params) == CFG.n_layer and all(p.shape == shape[1:] for p in params), name
+        else:
+            assert params[0].shape == shape, name
+    C = CFG.n_embd
+    assert dict(shapes)["qkvw"] == (CFG.n_layer, 3 * C, C)
+    assert dict(shapes)["fcprojw"] == (CFG.n_layer, C, 4 * C)
+    assert dict(layout)["qkvw"][1] is model.transformer.h[1].attn.c_attn.weight
+    assert dict(layout)["wte"][0] is model.lm_head.weight
+    assert LLMC_DECAY == {n for n, s in shapes if len(s) >= 2 and n not in
+                          ("ln1w", "ln1b", "qkvb", "attprojb", "ln2w", "ln2b", "fcb", "fcprojb")}
+    assert sum(math.prod(s) for _, s in shapes) == num_parameters(model)
+
+
+def repoint_to_flat(model):
+    """What raygpt/optim.py does: one flat buffer in llm.c order, every param a view into it."""
+    layout = llmc_parameter_layout(model)
+    flat = torch.empty(sum(p.numel() for _, ps in layout for p in ps))
+    offset = 0
+    for _, params in layout:
+        for p in params:
+            view = flat[offset:offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+    return flat
+
+
+def test_repointed_parameters_keep_forward_identical(model):
+    idx, targets = batch()
+    before_logits = model(idx)
+    before_loss = model(idx, targets, z_loss=1e-3)
+    flat = repoint_to_flat(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.transformer.wte.weight.data_ptr() == flat.data_ptr()
+    assert torch.equal(model(idx), before_logits)
+    after_loss = model(idx, targets, z_loss=1e-3)
+    assert torch.equal(after_loss[0], before_loss[0]) and torch.equal(after_loss[1], before_loss[1])
+    # Writing the flat buffer changes the model (the params are views, not copies).
+    with torch.no_grad():
+        flat.mul_(0.5)
+    assert not torch.equal(model(idx), before_logits)
+    # and the flat buffer is exactly llm.c's order: its last C values are ln_f.bias
+    assert model.transformer.ln_f.bias.data_ptr() == flat[-CFG.n_embd:].data_ptr()
+
+
+# ---------------------------------------------------------------------- llm.c model file
+
+def read_header_numpy(path):
+    return np.fromfile(path, dtype="<i4", count=256)
+
+
+def test_model_file_round_trip_fp32(model, tmp_path):
+    path = tmp_path / "model_00000001.bin"
+    write_model_file(path, model, torch.float32)
+    h = read_header_numpy(path)
+    assert list(h[:8]) == [MODEL_MAGIC, 3, CFG.block_size, CFG.vocab_size, CFG.n_layer,
+                           CFG.n_head, CFG.n_embd, CFG.padded_vocab_size]
+    assert not h[8:].any()
+    assert path.stat().st_size == 1024 + num_parameters(model) * 4
+    cfg, tensors = read_model_file(path)
+    assert cfg == CFG
+    for (name, params), (_, shape) in zip(llmc_parameter_layout(model), llmc_tensor_shapes(CFG)):
+        assert tensors[name].shape == shape and tensors[name].dtype == torch.float32
+        assert torch.equal(tensors[name], torch.stack(params) if len(params) > 1 else params[0]), name
+    loaded = load_model_file(path)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    idx, _ = batch()
+    assert torch.equal(loaded(idx), model(idx))
+    assert not list(tmp_path.glob("*.tmp*")), "no temporary file left behind"
+
+
+def test_model_file_raw_layout_matches_llmc_offsets(model, tmp_path):
+    """An independent numpy reader at llm.c's offsets: wte first, then wpe, ln1w, ..."""
+    path = tmp_path / "m.bin"
+    write_model_file(path, model)
+    data = np.fromfile(path, dtype="<f4", offset=1024)
+    C, L, Vp, T = CFG.n_embd, CFG.n_layer, CFG.padded_vocab_size, CFG.block_size
+    t = model.transformer
+    np.testing.assert_array_equal(data[:Vp * C], t.wte.weight.detach().numpy().ravel())
+    o = Vp * C + T * C
+    np.testing.assert_array_equal(data[o:o + C], t.h[0].ln_1.weight.detach().numpy())
+    o += 2 * L * C  # past ln1w, ln1b: qkvw of layer 0 then layer 1
+    np.testing.assert_array_equal(data[o + 3 * C * C:o + 6 * C * C],
+                                  t.h[1].attn.c_attn.weight.detach().numpy().ravel())
+    np.testing.assert_array_equal(data[-C:], t.ln_f.bias.detach().numpy())
+
+
+def test_model_file_round_trip_bf16(model, tmp_path):
+    path = tmp_path / "model_bf16.bin"
+    write_model_file(path, model, torch.bfloat16)
+    h = read_header_numpy(path)
+    assert h[0] == MODEL_MAGIC and h[1] == 5 and h[7] == CFG.padded_vocab_size
+    assert path.stat().st_size == 1024 + num_parameters(model) * 2
+    cfg, tensors = read_model_file(path)
+    assert cfg == CFG
+    for name, params in llmc_parameter_layout(model):
+        want = (torch.stack(params) if len(params) > 1 else params[0]).detach().to(torch.bfloat16)
+        assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name], want), name
+    # the bf16 bits on disk are the raw 16-bit words of the cast
+    raw = np.fromfile(path, dtype="<u2", offset=1024)
+    wte_bits = model.transformer.wte.weight.detach().to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(raw[:wte_bits.size], wte_bits.ravel().view(np.uint16))
+    loaded = load_model_file(path)
+    assert torch.equal(loaded.transformer.h[1].mlp.c_fc.weight,
+                       model.transformer.h[1].mlp.c_fc.weight.detach().to(torch.bfloat16).float())
+
+
+def test_write_from_flat_equals_write_model_file(model, tmp_path):
+    flat = repoint_to_flat(model)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, c = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+        write_model_file(a, model, dtype)
+        write_model_file_from_flat(b, CFG, flat, dtype)
+        host = flat.numpy() if dtype == torch.float32 else flat.to(torch.bfloat16).view(torch.int16).numpy()
+        write_model_file_from_flat(c, CFG, host, dtype)  # numpy host copy (raw bits for bf16)
+        assert a.read_bytes() == b.read_bytes() == c.read_bytes(), dtype
+    with pytest.raises(ModelFileError, match="flat_params"):
+        write_model_file_from_flat(tmp_path / "d.bin", CFG, flat[:-1], torch.float32)
+    assert not (tmp_path / "d.bin").exists()
+
+
+def test_model_file_errors_name_file_and_field(model, tmp_path):
+    good = tmp_path / "good.bin"
+    write_model_file(good, model)
+    raw = good.read_bytes()
+
+    def corrupt(name, header_edits=None, data=None):
+        h = np.frombuffer(raw[:1024], dtype="<i4").copy()
+        for slot, value in (header_edits or {}).items():
+            h[slot] = value
+        p = tmp_path / name
+        p.write_bytes(h.tobytes() + (raw[1024:] if data is None else data))
+        return p
+
+    cases = [
+        (corrupt("magic.bin", {0: 20240327}), "magic", "20240326", "20240327"),
+        (corrupt("version.bin", {1: 1}), "version", "3", "found 1"),
+        (corrupt("truncated.bin", data=raw[1024:-4]), "file size", str(len(raw)), str(len(raw) - 4)),
+        (corrupt("layers.bin", {4: 3}), "file size", "bytes", str(len(raw))),
+        (corrupt("vp.bin", {7: 50}), "padded_vocab_size", "vocab_size", "50"),
+    ]
+    for path, field, expected, found in cases:
+        with pytest.raises(ModelFileError) as e:
+            read_model_file(path)
+        msg = str(e.value)
+        assert str(path) in msg and field in msg and expected in msg and found in msg, msg
+        assert e.value.field == field
+    short = tmp_path / "short.bin"
+    short.write_bytes(raw[:100])
+    with pytest.raises(ModelFileError, match="header"):
+        load_model_file(short)
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16"):
+        write_model_file(tmp_path / "x.bin", model, torch.float16)
+
+
+def test_atomic_write_keeps_old_file_on_failure(model, tmp_path, monkeypatch):
+    path = tmp_path / "m.bin"
+    write_model_file(path, model)
+    before = path.read_bytes()
+    bad = torch.zeros(num_parameters(model), dtype=torch.int32)
+    with pytest.raises(ModelFileError, match="floating-point"):
+        write_model_file_from_flat(path, CFG, bad, torch.float32)
+
+    def disk_full(f, flat, dtype):  # half a write, then the device fills up
+        f.write(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(raygpt.model, "_write_values", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        write_model_file(path, GPT(CFG, init_seed=1))
+    assert path.read_bytes() == before, "the old file is untouched"
+    assert not list(tmp_path.glob("*.tmp*")), "the partial temporary file is removed"
+
+
+@pytest.mark.gpu
+def test_cuda_move_keeps_tie_and_matches_cpu(model):
+    idx, targets = batch()
+    cpu_loss, _ = model(idx, targets)
+    gpu = GPT(CFG, init_seed=7).cuda()
+    assert gpu.lm_head.weight is gpu.transformer.wte.weight
+    gpu_loss, _ = gpu(idx.cuda(), targets.cuda())
+    torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_working_weights(model):
+    """The GPU path: bf16 parameters (the working buffer), fp32 loss close to the fp32 model's."""
+    idx, targets = batch()
+    cpu_loss, _ = model(idx, targets)
+    gpu = GPT(CFG, init_seed=7).cuda().to(torch.bfloat16)
+    assert gpu.lm_head.weight is gpu.transformer.wte.weight
+    loss, z = gpu(idx.cuda(), targets.cuda(), z_loss=1e-4)
+    assert loss.dtype == torch.float32 and z.dtype == torch.float32
+    assert gpu.last_max_logit.dtype == torch.float32 and gpu.last_max_logit.is_cuda
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=2e-2, atol=0.0)
+    loss.backward()
+    assert torch.all(gpu.transformer.wte.weight.grad[CFG.vocab_size:] == 0)
+    out = gpu.generate(idx[:, :4].cuda(), 5, generator=torch.Generator("cuda").manual_seed(0))
+    assert out.shape == (3, 9)
