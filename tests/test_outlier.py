@@ -1,0 +1,308 @@
+"""llm.c's OutlierDetector against numpy, and seed 001's spike policy (monitor, rewind target,
+rewind ledger), including exact state round trips."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from raygpt.config import SpikeConfig
+from raygpt.outlier import (OUTLIER_DETECTOR_WINDOW_SIZE, OutlierDetector, RewindLedger,
+                            SpikeMonitor, Verdict, rewind_target, robust_z)
+
+W = OUTLIER_DETECTOR_WINDOW_SIZE
+
+
+# ---------------------------------------------------------------------- OutlierDetector
+
+def test_window_size_is_llmc_128():
+    assert W == 128
+
+
+@pytest.mark.parametrize("seed,loc,scale", [(0, 3.0, 0.2), (1, 10.0, 1.0), (2, -1.0, 5.0)])
+def test_z_scores_match_numpy_over_last_128(seed, loc, scale):
+    rng = np.random.default_rng(seed)
+    values = rng.normal(loc, scale, 600)
+    values[300] += 20 * scale  # one spike, so large z is covered too
+    det = OutlierDetector()
+    for i, v in enumerate(values):
+        z = det.update(v)
+        if i < W:
+            assert math.isnan(z), i
+            continue
+        window = values[i - W + 1:i + 1]
+        want = (v - window.mean()) / window.std()  # population std: divides by 128
+        assert z == pytest.approx(want, rel=1e-7, abs=1e-9), i
+    assert det.count == W
+
+
+def test_first_128_are_nan_and_129th_is_finite():
+    det = OutlierDetector()
+    zs = [det.update(float(i % 7)) for i in range(W + 1)]
+    assert all(math.isnan(z) for z in zs[:W])
+    assert math.isfinite(zs[W])
+
+
+def test_zero_deviation_gives_zero_not_nan():
+    det = OutlierDetector()
+    zs = [det.update(2.5) for _ in range(W + 5)]
+    assert zs[W:] == [0.0] * 5
+
+
+def test_evicts_oldest_and_divides_by_window_size():
+    det = OutlierDetector()
+    for _ in range(W):
+        det.update(1.0)
+    # window is now 127 ones and one 3.0: mean = 1 + 2/128, var = E[x^2] - mean^2
+    z = det.update(3.0)
+    mean = (127 + 3.0) / W
+    var = (127 + 9.0) / W - mean * mean
+    assert z == pytest.approx((3.0 - mean) / math.sqrt(var), rel=1e-12)
+    assert det.index == 1 and det.buffer[0] == 3.0
+
+
+def test_state_round_trip_is_bitwise():
+    rng = random.Random(5)
+    a = OutlierDetector()
+    for _ in range(200):
+        a.update(rng.gauss(4.0, 0.3))
+    saved = json.loads(json.dumps(a.state_dict()))  # through JSON, as a checkpoint would
+    b = OutlierDetector()
+    b.load_state_dict(saved)
+    assert b.sum == a.sum and b.sum_sq == a.sum_sq  # restored, not recomputed
+    for _ in range(300):
+        v = rng.gauss(4.0, 0.3)
+        za, zb = a.update(v), b.update(v)
+        assert za == zb  # bitwise, not approx
+
+
+def test_state_restores_running_sums_not_a_recomputation():
+    # huge values, then small ones: the running sums keep the rounding error of the evicted values
+    rng = random.Random(0)
+    a = OutlierDetector()
+    for _ in range(W):
+        a.update(rng.gauss(0.0, 1e6))
+    for _ in range(300):
+        a.update(rng.gauss(3.0, 0.1))
+    state = a.state_dict()
+    assert state["sum_sq"] != sum(v * v for v in state["buffer"])  # the drift is real
+    b = OutlierDetector()
+    b.load_state_dict(state)
+    assert (b.sum, b.sum_sq) == (a.sum, a.sum_sq)
+    assert b.update(3.2) == a.update(3.2)
+
+
+def test_warming_up_state_round_trip():
+    a = OutlierDetector()
+    for i in range(10):
+        a.update(float(i))
+    b = OutlierDetector()
+    b.load_state_dict(a.state_dict())
+    assert b.count == 10 and b.index == 0
+    zs_a = [a.update(float(i)) for i in range(200)]
+    zs_b = [b.update(float(i)) for i in range(200)]
+    assert sum(math.isnan(z) for z in zs_a) == W - 10
+    assert np.array_equal(np.array(zs_a), np.array(zs_b), equal_nan=True)
+
+
+def test_bad_detector_state_names_the_field():
+    det = OutlierDetector()
+    state = det.state_dict()
+    with pytest.raises(ValueError, match="'buffer'"):
+        det.load_state_dict({**state, "buffer": [0.0] * 64})
+    with pytest.raises(ValueError, match="'count'"):
+        det.load_state_dict({**state, "count": 129})
+    with pytest.raises(ValueError, match="'index'"):
+        det.load_state_dict({**state, "count": 5, "index": 3})
+
+
+# ---------------------------------------------------------------------- SpikeMonitor
+
+def cfg(**kw):
+    base = dict(enabled=True, window=16, min_history=8, soft_z=6.0, hard_z=20.0, gnorm_mult=10.0,
+                max_consecutive=2, safety_steps=1, max_rewinds=3, lr_scale_decay=0.5,
+                min_lr_scale=0.2)
+    base.update(kw)
+    return SpikeConfig(**base)
+
+
+def warmed(c=None, n=16):
+    """A monitor fed n clean steps of loss 3.0 + 0.01 k and gnorm 1.0 + 0.05 k, k cycling through
+    -2..2: median 3.0, MAD 0.01, scaled MAD 0.014826, so a loss of 3.15 has z ~ 10 (soft) and 5.0
+    z ~ 135 (hard). Returns (monitor, next step)."""
+    m = SpikeMonitor(c or cfg())
+    for step in range(n):
+        k = (3 * step) % 5 - 2  # -2..2 in a fixed cycle
+        v = m.check(step, 3.0 + 0.01 * k, 1.0 + 0.05 * k)
+        assert v.kind == "ok"
+    return m, n
+
+
+def test_robust_z_median_and_scaled_mad():
+    values = [1.0, 2.0, 3.0, 4.0, 100.0]  # median 3, |dev| = 2,1,0,1,97 -> MAD 1
+    assert robust_z(6.0, values) == pytest.approx(3.0 / 1.4826)
+    assert robust_z(3.0 + 1e-4, [3.0] * 8) == pytest.approx(0.1)  # MAD 0: floored at 1e-3
+
+
+def test_no_verdict_before_min_history_except_non_finite():
+    m = SpikeMonitor(cfg())
+    for step in range(7):
+        v = m.check(step, 3.0 + 100 * step, 1.0 + 1000 * step)  # wild, but no baseline yet
+        assert v.kind == "ok" and math.isnan(v.loss_z)
+    v = m.check(7, float("nan"), 1.0)
+    assert v.kind == "rewind" and v.spike_start == 7
+
+
+def test_isolated_outlier_is_skipped_and_kept_out_of_the_window():
+    m, step = warmed()
+    before = list(m.losses)
+    v = m.check(step, 3.15, 1.0)
+    assert v.kind == "skip" and v.loss_z > 6.0 and v.spike_start == step
+    assert "soft_z" in v.reason
+    assert list(m.losses) == before  # the spike did not enter the baseline
+    ok = m.check(step + 1, 3.0, 1.0)
+    assert ok.kind == "ok" and m.consecutive == 0 and m.spike_start is None
+    assert list(m.losses)[-1] == 3.0
+
+
+def test_grad_norm_outlier_is_skipped():
+    m, step = warmed()
+    v = m.check(step, 3.0, 50.0)
+    assert v.kind == "skip" and v.gnorm_ratio > 10.0 and "grad norm" in v.reason
+    m2, step = warmed(cfg(gnorm_mult=0.0))
+    assert m2.check(step, 3.0, 50.0).kind == "ok"  # gnorm_mult 0 turns the grad-norm test off
+
+
+def test_loss_drop_is_not_a_spike():
+    m, step = warmed()
+    assert m.check(step, 2.0, 1.0).kind == "ok"
+
+
+def test_consecutive_outliers_turn_into_a_rewind_from_the_first():
+    m, step = warmed()  # max_consecutive = 2
+    kinds = [m.check(step + i, 3.15, 1.0) for i in range(3)]
+    assert [v.kind for v in kinds] == ["skip", "skip", "rewind"]
+    assert all(v.spike_start == step for v in kinds)
+    assert "3 outliers in a row" in kinds[2].reason
+
+
+def test_ok_resets_the_run_of_outliers():
+    m, step = warmed()
+    assert m.check(step, 3.15, 1.0).kind == "skip"
+    assert m.check(step + 1, 3.15, 1.0).kind == "skip"
+    assert m.check(step + 2, 3.0, 1.0).kind == "ok"
+    v = m.check(step + 3, 3.15, 1.0)
+    assert v.kind == "skip" and v.spike_start == step + 3
+
+
+@pytest.mark.parametrize("loss,gnorm", [(float("nan"), 1.0), (float("inf"), 1.0),
+                                        (3.0, float("nan")), (3.0, float("inf"))])
+def test_non_finite_rewinds_at_once(loss, gnorm):
+    m, step = warmed()
+    v = m.check(step, loss, gnorm)
+    assert v.kind == "rewind" and "non-finite" in v.reason and v.spike_start == step
+    assert len(m.losses) == 16 and all(math.isfinite(x) for x in m.losses)
+
+
+def test_hard_z_rewinds_at_once():
+    m, step = warmed()
+    v = m.check(step, 5.0, 1.0)
+    assert v.loss_z > 20.0 and v.kind == "rewind" and "hard_z" in v.reason
+
+
+def test_window_keeps_the_last_clean_steps():
+    m, step = warmed(n=40)
+    assert len(m.losses) == 16 and len(m.gnorms) == 16
+
+
+def test_monitor_state_round_trip_is_exact():
+    a, step = warmed(n=30)
+    a.check(step, 3.15, 1.0)  # one outlier in flight
+    saved = json.loads(json.dumps(a.state_dict()))
+    b = SpikeMonitor(cfg())
+    b.load_state_dict(saved)
+    assert b.consecutive == 1 and b.spike_start == step
+    rng = random.Random(9)
+    for i in range(1, 40):
+        loss = 3.0 + rng.uniform(-0.01, 0.01) + (0.6 if i % 7 == 0 else 0.0)
+        va, vb = a.check(step + i, loss, 1.0), b.check(step + i, loss, 1.0)
+        assert va == vb
+
+
+def test_monitor_state_names_bad_fields():
+    m = SpikeMonitor(cfg())
+    good = m.state_dict()
+    with pytest.raises(ValueError, match="'window'"):
+        m.load_state_dict({**good, "window": 32})
+    with pytest.raises(ValueError, match="'losses/gnorms'"):
+        m.load_state_dict({**good, "losses": [1.0], "gnorms": []})
+    with pytest.raises(ValueError, match="'spike_start'"):
+        m.load_state_dict({**good, "consecutive": 2, "spike_start": None})
+
+
+def test_verdict_kind_is_checked():
+    with pytest.raises(ValueError, match="Verdict.kind"):
+        Verdict("skip_step", 0.0, 1.0, "")
+
+
+# ---------------------------------------------------------------------- rewind policy
+
+def test_rewind_target_newest_checkpoint_before_the_spike():
+    steps = [0, 20, 40, 60]
+    assert rewind_target(steps, 45, 1) == 40
+    assert rewind_target(steps, 41, 1) == 40
+    assert rewind_target(steps, 40, 1) == 20   # the checkpoint at 40 is not strictly before
+    assert rewind_target(steps, 40, 0) == 40
+    assert rewind_target(steps, 60, 25) == 20
+    assert rewind_target([20, 40], 10, 1) is None
+    assert rewind_target([], 10, 1) is None
+    assert rewind_target([60, 0, 40, 20], 59, 1) == 40  # order of the listing does not matter
+
+
+def test_ledger_lowers_lr_scale_when_a_region_spikes_again():
+    c = cfg(max_rewinds=5, lr_scale_decay=0.5, min_lr_scale=0.1)
+    ledger = RewindLedger()
+    scale, esc = ledger.record_rewind(100, 103, [(0, 800, 832)], c)
+    assert (scale, esc) == (1.0, None)                  # first time: the data is blamed
+    scale, esc = ledger.record_rewind(200, 201, [(0, 1600, 1616)], c)
+    assert (scale, esc) == (1.0, None)                  # a different region
+    scale, esc = ledger.record_rewind(103, 106, [(0, 824, 848)], c)
+    assert scale == 0.5 and esc is None                 # overlaps 100-103: data was not the cause
+    assert ledger.rewinds == 3 and ledger.lr_scale == 0.5
+    assert ledger.skipped_ranges() == [(0, 800, 832), (0, 1600, 1616), (0, 824, 848)]
+
+
+def test_ledger_escalates_past_max_rewinds():
+    c = cfg(max_rewinds=2)
+    ledger = RewindLedger()
+    assert ledger.record_rewind(10, 11, [], c)[1] is None
+    assert ledger.record_rewind(50, 51, [], c)[1] is None
+    _, esc = ledger.record_rewind(90, 91, [], c)
+    assert esc is not None and "--spike-max-rewinds 2" in esc and "rewind 3" in esc
+
+
+def test_ledger_escalates_when_lr_scale_falls_below_the_floor():
+    c = cfg(max_rewinds=10, lr_scale_decay=0.5, min_lr_scale=0.2)
+    ledger = RewindLedger()
+    ledger.record_rewind(10, 12, [], c)
+    assert ledger.record_rewind(11, 12, [], c) == (0.5, None)
+    assert ledger.record_rewind(12, 12, [], c) == (0.25, None)
+    scale, esc = ledger.record_rewind(10, 10, [], c)
+    assert scale == 0.125 and "--spike-min-lr-scale 0.2" in esc
+
+
+def test_ledger_state_round_trip():
+    c = cfg(max_rewinds=10)
+    a = RewindLedger()
+    a.record_rewind(10, 12, [(1, 5, 9)], c)
+    a.record_rewind(11, 14, [(1, 9, 13), (2, 0, 4)], c)
+    b = RewindLedger()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    assert b.record_rewind(12, 12, [], c) == a.record_rewind(12, 12, [], c)
+    with pytest.raises(ValueError, match="'lr_scale'"):
+        b.load_state_dict({**a.state_dict(), "lr_scale": 0.0})
+    with pytest.raises(ValueError, match="history\\[0\\]"):
+        b.load_state_dict({**a.state_dict(), "history": [{"region_start": 1}]})
