@@ -1,0 +1,509 @@
+"""raygpt.checkpoint: llm.c state files byte for byte, MANIFEST/DONE verification on a local
+directory and on an in-memory pyarrow filesystem, resume selection, compatibility, retention."""
+
+import io
+import json
+import math
+import os
+import struct
+import uuid
+
+import fsspec
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raygpt.checkpoint import (
+    MANIFEST, MT19937_DTYPE, CheckpointError, WorldSizeMismatch, check_compatible,
+    checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
+    read_manifest, read_state_file, stage_dir, state_file, step_dir, verify_checkpoint,
+    write_done, write_manifest, write_state_file,
+)
+from raygpt.config import TrainConfig
+from raygpt.storage import RunDir, open_run_dir
+
+P = 37  # shard_num_parameters of a toy model
+
+
+# ---------------------------------------------------------------------- helpers
+def loader_state(shuffle: bool, draws: int = 5) -> dict:
+    rng = np.random.MT19937(1234)
+    rng.random_raw(draws)  # move pos off its initial value
+    mt = rng.state["state"]
+    return {
+        "epoch": 2, "shard_pos": 1, "sample_pos": 17, "should_shuffle": shuffle,
+        "shard_indices": [2, 0, 1] if shuffle else None,
+        "shard_num_samples": 6 if shuffle else 0,
+        "intra_shard_indices": [5, 3, 0, 1, 4, 2] if shuffle else None,
+        "shuffle_rng": {"key": mt["key"].tolist(), "pos": int(mt["pos"])} if shuffle else None,
+        "skip_ranges": [(0, 3, 5), (2, 10, 12)], "seed": 1337, "num_shards": 3,
+    }
+
+
+def arrays(master: bool):
+    g = np.random.default_rng(0)
+    m = g.standard_normal(P).astype(np.float32)
+    v = g.random(P).astype(np.float32)
+    m[3] = -0.0  # bit-exactness, not just value equality
+    return m, v, (g.standard_normal(P).astype(np.float32) if master else None)
+
+
+EXTRAS = {"outlier_loss": {"buffer": [1.5, 2.0], "count": 2, "index": 2, "mean": float("nan")},
+          "spike": {"consecutive": 1, "hist": [3.0, 2.9]}, "lr_scale": 0.7,
+          "rewinds": [{"step": 40, "window": [35, 40]}]}
+
+
+def state_bytes(*, master=True, shuffle=True, rank=0, num_processes=2, step=40, loader=None,
+                extras=EXTRAS) -> bytes:
+    m, v, w = arrays(master)
+    buf = io.BytesIO()
+    write_state_file(buf, step=step, num_processes=num_processes, process_rank=rank,
+                     rng_state=0xDEADBEEF12345678, rng_state_last_update=2**64 - 3, m=m, v=v,
+                     master=w, loader_state=loader or loader_state(shuffle), extras=extras)
+    return buf.getvalue()
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def llmc_randint32(mt: dict) -> int:
+    """llmc/rand.h's randint32 on a python copy of mt19937_state (independent of the writer)."""
+    s = mt["state_"]
+    mt["left_"] -= 1
+    if mt["left_"] <= 0:  # next_state(): twist all 624 words in place
+        mt["left_"], mt["next_"] = 624, 0
+        for j in range(624):
+            y = (s[j] & 0x80000000) | (s[(j + 1) % 624] & 0x7FFFFFFF)
+            s[j] = s[(j + 397) % 624] ^ (y >> 1) ^ (mt["MATRIX_A"][y & 1])
+    y = s[mt["next_"]]
+    mt["next_"] += 1
+    y ^= y >> 11
+    y ^= (y << 7) & 0x9D2C5680
+    y ^= (y << 15) & 0xEFC60000
+    y ^= y >> 18
+    return y & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------- state file
+@pytest.mark.parametrize("master", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_state_file_round_trip(tmp_path, master, shuffle):
+    path = tmp_path / state_file(40, 1)
+    m, v, w = arrays(master)
+    ls = loader_state(shuffle)
+    write_state_file(path, step=40, num_processes=2, process_rank=1, rng_state=7,
+                     rng_state_last_update=5, m=m, v=v, master=w, loader_state=ls, extras=EXTRAS)
+    sf = read_state_file(path, num_parameters=P, expect_processes=2, expect_rank=1)
+    assert (sf.step, sf.num_processes, sf.process_rank) == (40, 2, 1)
+    assert (sf.rng_state, sf.rng_state_last_update) == (7, 5)
+    assert (sf.current_shard_idx, sf.current_sample_idx) == (1, 17)
+    assert sf.use_master_weights is master and sf.should_shuffle is shuffle
+    assert same_bits(sf.m, m) and same_bits(sf.v, v)
+    assert (sf.master is None) if not master else same_bits(sf.master, w)
+    assert sf.loader_state == ls
+    assert list(sf.loader_state) == list(ls)  # same key format, same order
+    assert sf.extras["rewinds"] == EXTRAS["rewinds"] and sf.extras["lr_scale"] == 0.7
+    assert math.isnan(sf.extras["outlier_loss"]["mean"])
+    assert sf.name == str(path)
+    assert os.listdir(tmp_path) == [path.name]  # the temp file was renamed away
+
+
+def test_state_file_from_bytes_equals_from_path_and_accepts_torch(tmp_path):
+    m, v, w = arrays(True)
+    path = tmp_path / "s.bin"
+    write_state_file(path, step=40, num_processes=2, process_rank=0, rng_state=0xDEADBEEF12345678,
+                     rng_state_last_update=2**64 - 3, m=torch.from_numpy(m), v=torch.from_numpy(v),
+                     master=torch.from_numpy(w), loader_state=loader_state(True), extras=EXTRAS)
+    assert path.read_bytes() == state_bytes()
+    sf = read_state_file(io.BytesIO(path.read_bytes()), num_parameters=P)
+    assert same_bits(sf.master, w)
+
+
+def test_header_at_llmc_offsets_read_with_plain_struct():
+    ls = loader_state(True)
+    raw = state_bytes(master=True, shuffle=True, rank=1, num_processes=2, step=40, loader=ls)
+    ints = struct.unpack_from("<256i", raw, 0)
+    assert ints[:6] == (20240527, 1, 2, 1, 1, 1)
+    assert ints[10] == 40
+    assert struct.unpack_from("<Q", raw, 20 * 4)[0] == 0xDEADBEEF12345678
+    assert struct.unpack_from("<Q", raw, 22 * 4)[0] == 2**64 - 3
+    assert struct.unpack_from("<Q", raw, 30 * 4)[0] == 1   # current_shard_idx
+    assert struct.unpack_from("<Q", raw, 32 * 4)[0] == 17  # current_sample_idx
+    reserved = [i for i in range(256) if i not in (0, 1, 2, 3, 4, 5, 10, 20, 21, 22, 23, 30, 31, 32, 33)]
+    assert all(ints[i] == 0 for i in reserved)
+    m, v, w = arrays(True)
+    off = 1024
+    for arr in (m, v, w):
+        assert same_bits(np.frombuffer(raw, "<f4", P, off), arr)
+        off += 4 * P
+    # llm.c's shuffle section, read the way load_state does
+    assert struct.unpack_from("<Q", raw, off)[0] == 3
+    assert list(struct.unpack_from("<3i", raw, off + 8)) == [2, 0, 1]
+    off += 8 + 12
+    assert struct.unpack_from("<Q", raw, off)[0] == 6
+    assert list(struct.unpack_from("<6i", raw, off + 8)) == [5, 3, 0, 1, 4, 2]
+    off += 8 + 24
+    # mt19937_state: u64 seed_, int left_, uint next_, uint state_[624], uint MATRIX_A[2]
+    seed_, left_, next_ = struct.unpack_from("<QiI", raw, off)
+    key = struct.unpack_from("<624I", raw, off + 16)
+    matrix_a = struct.unpack_from("<2I", raw, off + 16 + 624 * 4)
+    pos = ls["shuffle_rng"]["pos"]
+    assert (seed_, left_, next_) == (1337, 625 - pos, pos)
+    assert list(key) == ls["shuffle_rng"]["key"] and matrix_a == (0, 0x9908B0DF)
+    off += 2520
+    # raygpt's trailer comes after everything llm.c reads, and ends the file
+    magic, version, n = struct.unpack_from("<iiQ", raw, off)
+    assert version == 1 and magic != 20240527 and off + 16 + n == len(raw)
+    trailer = json.loads(raw[off + 16:])
+    assert trailer["loader"] == {"epoch": 2, "skip_ranges": [[0, 3, 5], [2, 10, 12]], "seed": 1337,
+                                 "num_shards": 3}
+
+
+def test_header_without_master_or_shuffle_is_just_header_m_v_trailer():
+    raw = state_bytes(master=False, shuffle=False)
+    ints = struct.unpack_from("<256i", raw, 0)
+    assert (ints[4], ints[5]) == (0, 0)
+    magic, version, n = struct.unpack_from("<iiQ", raw, 1024 + 8 * P)
+    assert 1024 + 8 * P + 16 + n == len(raw)
+
+
+@pytest.mark.parametrize("draws", [0, 1, 622, 623, 1000])
+def test_mt19937_mapping_continues_numpys_stream_under_llmc_rules(draws):
+    rng = np.random.MT19937(99)
+    rng.random_raw(draws)
+    ls = loader_state(True)
+    ls["shuffle_rng"] = {"key": rng.state["state"]["key"].tolist(), "pos": int(rng.state["state"]["pos"])}
+    raw = state_bytes(loader=ls)
+    mt_off = 1024 + 3 * 4 * P + 8 + 12 + 8 + 24
+    rec = np.frombuffer(raw, MT19937_DTYPE, 1, mt_off)[0]
+    mt = {"left_": int(rec["left_"]), "next_": int(rec["next_"]),
+          "state_": [int(x) for x in rec["state_"]], "MATRIX_A": [int(x) for x in rec["MATRIX_A"]]}
+    ours = [llmc_randint32(mt) for _ in range(700)]  # crosses a twist whatever pos is
+    assert ours == rng.random_raw(700).tolist()
+
+
+def test_llmc_fresh_seed_state_maps_to_pos_624():
+    raw = bytearray(state_bytes())
+    mt_off = 1024 + 3 * 4 * P + 8 + 12 + 8 + 24
+    struct.pack_into("<iI", raw, mt_off + 8, 1, 0)  # llm.c's manual_seed leaves left_=1, next_=0
+    sf = read_state_file(bytes(raw), num_parameters=P)
+    assert sf.loader_state["shuffle_rng"]["pos"] == 624
+
+
+@pytest.mark.parametrize("cut, field", [
+    (100, "header"),
+    (1024 + 10, "m/v/master"),
+    (1024 + 3 * 4 * P + 4, "gl_pathc"),
+    (1024 + 3 * 4 * P + 8 + 12 + 8 + 10, "intra_shard_indices"),
+    (1024 + 3 * 4 * P + 8 + 12 + 8 + 24 + 100, "shuffle_rng"),
+    (1024 + 3 * 4 * P + 8 + 12 + 8 + 24 + 2520, "trailer"),
+    (1024 + 3 * 4 * P + 8 + 12 + 8 + 24 + 2520 + 10, "trailer header"),
+    (-3, "trailer JSON"),
+])
+def test_truncated_state_file_names_file_and_field(tmp_path, cut, field):
+    path = tmp_path / state_file(40, 0)
+    path.write_bytes(state_bytes()[:cut])
+    with pytest.raises(CheckpointError) as e:
+        read_state_file(path, num_parameters=P)
+    assert str(path) in str(e.value) and field in str(e.value)
+
+
+@pytest.mark.parametrize("index, value, field, kwargs", [
+    (0, 20240326, "magic", {}),
+    (1, 2, "version", {}),
+    (2, 4, "num_processes", {"expect_processes": 2}),
+    (3, 0, "process_rank", {"expect_rank": 1}),
+    (4, 7, "use_master_weights", {}),
+])
+def test_bad_header_fields_name_file_field_expected_found(tmp_path, index, value, field, kwargs):
+    raw = bytearray(state_bytes(rank=1))
+    struct.pack_into("<i", raw, 4 * index, value)
+    path = tmp_path / "state_00000040_00001.bin"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError) as e:
+        read_state_file(path, num_parameters=P, **kwargs)
+    msg = str(e.value)
+    assert str(path) in msg and field in msg and f"found {value}" in msg
+
+
+def test_expected_rank_and_processes_match_pass():
+    sf = read_state_file(state_bytes(rank=1, num_processes=2), num_parameters=P,
+                         expect_processes=2, expect_rank=1)
+    assert sf.process_rank == 1
+
+
+def test_wrong_num_parameters_and_trailing_bytes_are_errors():
+    raw = state_bytes()
+    with pytest.raises(CheckpointError, match="m/v/master.*num_parameters"):
+        read_state_file(raw, num_parameters=100 * P)  # the file is far too short for this P
+    with pytest.raises(CheckpointError, match="num_parameters=36"):
+        read_state_file(raw, num_parameters=P - 1)  # misreads the shuffle section's sizes
+    with pytest.raises(CheckpointError, match="trailer magic.*num_parameters=36"):
+        read_state_file(state_bytes(shuffle=False), num_parameters=P - 1)
+    with pytest.raises(CheckpointError, match="file size: expected"):
+        read_state_file(raw + b"\0", num_parameters=P)
+
+
+def test_bad_trailer_json_is_an_error():
+    raw = bytearray(state_bytes(master=False, shuffle=False))
+    raw[-2] = 0xFF  # invalid UTF-8 inside the JSON
+    with pytest.raises(CheckpointError, match="trailer JSON"):
+        read_state_file(bytes(raw), num_parameters=P)
+
+
+def test_writer_rejects_bad_inputs_before_writing(tmp_path):
+    m, v, w = arrays(True)
+    path = tmp_path / "s.bin"
+    common = dict(step=1, num_processes=2, rng_state=1, rng_state_last_update=1, master=None,
+                  extras={})
+    with pytest.raises(CheckpointError, match="v: expected 37 floats"):
+        write_state_file(path, process_rank=0, m=m, v=v[:5], loader_state=loader_state(False), **common)
+    with pytest.raises(CheckpointError, match="process_rank"):
+        write_state_file(path, process_rank=2, m=m, v=v, loader_state=loader_state(False), **common)
+    bad = loader_state(False)
+    del bad["sample_pos"]
+    with pytest.raises(CheckpointError, match="sample_pos"):
+        write_state_file(path, process_rank=0, m=m, v=v, loader_state=bad, **common)
+    bad = loader_state(True)
+    bad["shard_num_samples"] = 5
+    with pytest.raises(CheckpointError, match="shard_num_samples"):
+        write_state_file(path, process_rank=0, m=m, v=v, loader_state=bad, **common)
+    with pytest.raises(CheckpointError, match="m: expected a CPU float32 tensor"):
+        write_state_file(path, process_rank=0, m=torch.zeros(P, dtype=torch.bfloat16), v=v,
+                         loader_state=loader_state(False), **common)
+    assert not path.exists()
+
+
+def test_extras_round_trip_converts_numpy_and_rejects_objects():
+    extras = {"detector": {"buffer": np.arange(4, dtype=np.float64), "count": np.int64(4)},
+              "ledger": [{"step": 10, "reason": "spike"}], "inf": float("inf")}
+    sf = read_state_file(state_bytes(extras=extras), num_parameters=P)
+    assert sf.extras == {"detector": {"buffer": [0.0, 1.0, 2.0, 3.0], "count": 4},
+                         "ledger": [{"step": 10, "reason": "spike"}], "inf": float("inf")}
+    with pytest.raises(CheckpointError, match="JSON"):
+        state_bytes(extras={"bad": object()})
+
+
+# ---------------------------------------------------------------------- manifest and verify
+def memory_fs() -> pafs.FileSystem:
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+
+
+@pytest.fixture(params=["local", "memory"])
+def run_dir(request, tmp_path):
+    if request.param == "local":
+        yield open_run_dir(tmp_path / "run")
+        return
+    fs = memory_fs()
+    root = f"/raygpt-ckpt-test-{uuid.uuid4().hex}"
+    yield open_run_dir((fs, root))
+    if fs.get_file_info(root).type != pafs.FileType.NotFound:
+        fs.delete_dir(root)
+
+
+IDENTITY = TrainConfig().identity()
+
+
+def make_checkpoint(rd: RunDir, step: int, world: int = 2) -> None:
+    d = step_dir(step)
+    rd.write_bytes_atomic(f"{d}/{model_file(step)}", os.urandom(256))
+    for rank in range(world):
+        rd.write_bytes_atomic(f"{d}/{state_file(step, rank)}",
+                              state_bytes(rank=rank, num_processes=world, step=step))
+    write_done(rd, step)
+    write_manifest(rd, step, world_size=world, num_parameters=P, config_hash=TrainConfig().hash(),
+                   tokenizer_hash="tok", data_hash="data", config_identity=IDENTITY,
+                   extra={"note": "test"})
+
+
+def test_clean_checkpoint_verifies_and_manifest_lists_every_file(run_dir):
+    make_checkpoint(run_dir, 20)
+    assert verify_checkpoint(run_dir, 20) == []
+    assert verify_checkpoint(run_dir, 20, world_size=2) == []
+    man = read_manifest(run_dir, 20)
+    assert sorted(man["files"]) == [done_file(20), model_file(20), state_file(20, 0), state_file(20, 1)]
+    name = f"{step_dir(20)}/{state_file(20, 1)}"
+    assert man["files"][state_file(20, 1)] == {"size": run_dir.size_of(name),
+                                               "sha256": run_dir.sha256_of(name)}
+    assert (man["step"], man["world_size"], man["num_parameters"]) == (20, 2, P)
+    assert man["config_identity"] == json.loads(json.dumps(IDENTITY))
+    # the state file read back through storage is the one written
+    sf = read_state_file(run_dir.read_bytes(name), num_parameters=P, expect_processes=2, expect_rank=1)
+    assert sf.step == 20
+
+
+def test_flipped_byte_is_a_sha256_problem_naming_the_file(run_dir):
+    make_checkpoint(run_dir, 20)
+    rel = f"{step_dir(20)}/{state_file(20, 1)}"
+    raw = bytearray(run_dir.read_bytes(rel))
+    raw[2000] ^= 0x01
+    run_dir.write_bytes_atomic(rel, bytes(raw))
+    problems = verify_checkpoint(run_dir, 20)
+    assert len(problems) == 1 and state_file(20, 1) in problems[0] and "sha256" in problems[0]
+
+
+def test_truncated_file_is_a_size_problem(run_dir):
+    make_checkpoint(run_dir, 20)
+    rel = f"{step_dir(20)}/{model_file(20)}"
+    run_dir.write_bytes_atomic(rel, run_dir.read_bytes(rel)[:100])
+    problems = verify_checkpoint(run_dir, 20)
+    assert len(problems) == 1 and model_file(20) in problems[0] and "size" in problems[0]
+
+
+def test_missing_done_is_a_problem(run_dir):
+    make_checkpoint(run_dir, 20)
+    run_dir.delete_file(f"{step_dir(20)}/{done_file(20)}")
+    problems = verify_checkpoint(run_dir, 20)
+    assert any(done_file(20) in p and "missing" in p for p in problems)
+
+
+def test_missing_or_unreadable_manifest_is_a_problem(run_dir):
+    make_checkpoint(run_dir, 20)
+    rel = f"{step_dir(20)}/{MANIFEST}"
+    run_dir.write_bytes_atomic(rel, b"{not json")
+    problems = verify_checkpoint(run_dir, 20)
+    assert len(problems) == 1 and MANIFEST in problems[0] and "unreadable" in problems[0]
+    run_dir.delete_file(rel)
+    problems = verify_checkpoint(run_dir, 20)
+    assert len(problems) == 1 and MANIFEST in problems[0] and "missing" in problems[0]
+    with pytest.raises(CheckpointError, match="MANIFEST.json: missing"):
+        read_manifest(run_dir, 20)
+
+
+def test_missing_rank_file_is_a_problem(run_dir):
+    make_checkpoint(run_dir, 20)
+    run_dir.delete_file(f"{step_dir(20)}/{state_file(20, 1)}")
+    problems = verify_checkpoint(run_dir, 20)
+    assert len(problems) == 1 and state_file(20, 1) in problems[0] and "missing" in problems[0]
+
+
+def test_rank_file_never_written_is_a_problem(run_dir):
+    # a 2-rank checkpoint checked for 3 ranks: rank 2's file was never listed
+    make_checkpoint(run_dir, 20)
+    problems = verify_checkpoint(run_dir, 20, world_size=3)
+    assert len(problems) == 1 and state_file(20, 2) in problems[0] and "not listed" in problems[0]
+
+
+def test_unlisted_extra_files_are_fine_and_temp_files_are_not_hashed(run_dir):
+    d = step_dir(20)
+    run_dir.write_bytes_atomic(f"{d}/.{model_file(20)}.tmp-abc", b"half a write")
+    make_checkpoint(run_dir, 20)
+    assert not any(".tmp-" in name for name in read_manifest(run_dir, 20)["files"])
+    run_dir.write_bytes_atomic(f"{d}/ray_metadata.json", b"{}")
+    assert verify_checkpoint(run_dir, 20) == []
+
+
+def test_list_steps_ignores_temp_dirs_and_non_dirs(run_dir):
+    for step in (30, 10):
+        make_checkpoint(run_dir, step, world=1)
+    run_dir.write_bytes_atomic("step_00000040.tmp-xyz/model_00000040.bin", b"partial")
+    run_dir.write_bytes_atomic("step_00000050", b"a file, not a checkpoint")
+    run_dir.write_bytes_atomic("step_7/x", b"wrong width")
+    run_dir.write_bytes_atomic("main.log", b"s:1 trl:1.0\n")
+    assert list_checkpoint_steps(run_dir) == [10, 30]
+
+
+def test_find_latest_verified_falls_back_past_corrupt_newest(run_dir):
+    for step in (10, 20, 30):
+        make_checkpoint(run_dir, step)
+    rel = f"{step_dir(30)}/{state_file(30, 0)}"
+    raw = bytearray(run_dir.read_bytes(rel))
+    raw[-1] ^= 0xFF
+    run_dir.write_bytes_atomic(rel, bytes(raw))
+    run_dir.delete_file(f"{step_dir(20)}/{done_file(20)}")  # 20 never completed
+    warnings = []
+    assert find_latest_verified(run_dir, warn=warnings.append) == 10
+    assert len(warnings) == 2
+    assert "30" in warnings[0] and state_file(30, 0) in warnings[0]
+    assert "20" in warnings[1] and done_file(20) in warnings[1]
+    # before_step is strict: the newest verified below 10 does not exist
+    assert find_latest_verified(run_dir, before_step=30, warn=warnings.append) == 10
+    assert find_latest_verified(run_dir, before_step=10, warn=warnings.append) is None
+
+
+def test_find_latest_verified_on_empty_run_dir(run_dir):
+    assert find_latest_verified(run_dir, warn=pytest.fail) is None
+
+
+# ---------------------------------------------------------------------- compatibility
+def manifest_for(identity=IDENTITY, world=2, **over):
+    m = {"step": 20, "world_size": world, "config_identity": json.loads(json.dumps(identity)),
+         "config_hash": TrainConfig().hash(), "tokenizer_hash": "tok", "data_hash": "data"}
+    m.update(over)
+    return m
+
+
+def test_check_compatible_accepts_identical_run():
+    check_compatible(manifest_for(), config_identity=IDENTITY, tokenizer_hash="tok",
+                     data_hash="data", world_size=2)
+
+
+def test_check_compatible_names_every_differing_field():
+    cfg = TrainConfig(learning_rate=3e-4, scheduler="wsd")
+    cfg.spike.soft_z = 4.0
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(manifest_for(), config_identity=cfg.identity(), tokenizer_hash="tok2",
+                         data_hash="data", world_size=2)
+    msg = str(e.value)
+    assert not isinstance(e.value, WorldSizeMismatch)
+    for field in ("learning_rate", "scheduler", "spike.soft_z", "tokenizer_hash"):
+        assert field in msg
+    assert "data_hash" not in msg and "world_size" not in msg and "step_00000020/MANIFEST.json" in msg
+
+
+def test_check_compatible_allows_resume_mutable_fields():
+    cfg = TrainConfig(max_steps=500, checkpoint_every=7)  # in RESUME_MUTABLE_FIELDS
+    check_compatible(manifest_for(), config_identity=cfg.identity(), tokenizer_hash="tok",
+                     data_hash="data", world_size=2)
+
+
+def test_world_size_alone_is_its_own_error():
+    with pytest.raises(WorldSizeMismatch, match="world_size: checkpoint 2 ranks, this run 4"):
+        check_compatible(manifest_for(), config_identity=IDENTITY, tokenizer_hash="tok",
+                         data_hash="data", world_size=4)
+    with pytest.raises(CheckpointError, match="(?s)data_hash.*world_size") as e:
+        check_compatible(manifest_for(), config_identity=IDENTITY, tokenizer_hash="tok",
+                         data_hash="other", world_size=4)
+    assert not isinstance(e.value, WorldSizeMismatch)
+
+
+def test_check_compatible_without_identity_compares_the_hash():
+    m = manifest_for(config_identity=None)
+    check_compatible(m, config_identity=IDENTITY, tokenizer_hash="tok", data_hash="data", world_size=2)
+    with pytest.raises(CheckpointError, match="config_hash"):
+        check_compatible(m, config_identity=TrainConfig(seed=1).identity(), tokenizer_hash="tok",
+                         data_hash="data", world_size=2)
+
+
+# ---------------------------------------------------------------------- retention and staging
+STEPS = list(range(10, 101, 10))
+
+
+@pytest.mark.parametrize("keep_last, keep_every, protect, newest_verified, expected", [
+    (2, 40, {70}, None, [10, 20, 30, 50, 60]),
+    (0, 40, set(), None, []),                               # 0 keeps everything
+    (3, 0, set(), None, [10, 20, 30, 40, 50, 60, 70]),
+    (1, 0, set(), 50, [10, 20, 30, 40, 60, 70, 80, 90]),    # newest verified survives
+    (1, 25, {10}, 100, [20, 30, 40, 60, 70, 80, 90]),       # multiples of 25: only 50, 100
+    (20, 0, set(), None, []),                               # fewer steps than keep_last
+])
+def test_retention(keep_last, keep_every, protect, newest_verified, expected):
+    got = checkpoints_to_delete(STEPS, keep_last=keep_last, keep_every=keep_every, protect=protect,
+                                newest_verified=newest_verified)
+    assert got == expected
+
+
+def test_retention_handles_unsorted_input_and_rejects_negative():
+    assert checkpoints_to_delete([30, 10, 20], keep_last=1, keep_every=0, protect=set(),
+                                 newest_verified=None) == [10, 20]
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpoints_to_delete(STEPS, keep_last=-1, keep_every=0, protect=set(), newest_verified=None)
+
+
+def test_stage_dir_is_private_fresh_and_not_a_checkpoint(tmp_path):
+    a, b = stage_dir(tmp_path / "stage", 40), stage_dir(tmp_path / "stage", 40)
+    assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("step_00000040")
+    assert (a.stat().st_mode & 0o777) == 0o700
+    assert list_checkpoint_steps(open_run_dir(tmp_path / "stage")) == []
