@@ -430,6 +430,23 @@ def read_model_file(path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
+def read_model_file_flat(data: bytes, path: str = "<model file>") -> tuple[GPTConfig, torch.Tensor]:
+    """The weights of an llm.c model file held in memory (e.g. read from remote storage), as one
+    flat tensor in llm.c order: fp32 for version 3, bf16 for version 5."""
+    if len(data) < MODEL_HEADER_INTS * 4:
+        raise ModelFileError(path, "header", f"{MODEL_HEADER_INTS * 4} bytes", f"a {len(data)}-byte file")
+    header = np.frombuffer(data, dtype="<i4", count=MODEL_HEADER_INTS)
+    cfg, version = parse_model_header(header, path)
+    dtype = _DTYPE_OF_VERSION[version]
+    expected = model_file_size(cfg, dtype)
+    if len(data) != expected:
+        raise ModelFileError(path, "file size", f"{expected} bytes for {cfg}", f"{len(data)} bytes")
+    raw = np.frombuffer(data, dtype="<f4" if dtype == torch.float32 else "<i2",
+                        offset=MODEL_HEADER_INTS * 4).copy()
+    flat = torch.from_numpy(raw)
+    return cfg, flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat
+
+
 def load_model_file(path, device="cpu") -> GPT:
     """A GPT (fp32 parameters) holding the weights of an llm.c model file."""
     cfg, tensors = read_model_file(path)

@@ -1,0 +1,318 @@
+"""Saving and restoring a running job: the runtime side of `raygpt.checkpoint`'s formats.
+
+Save (every rank, at the same step):
+ 1. copy the state to host memory at the step boundary (the only training stall),
+ 2. write this rank's files (state file; rank 0 also the model file) into a private local staging
+    directory on a background thread, hashing them as they are written,
+ 3. once every rank's write has finished (agreed through the loop's per-step collective), every
+    rank publishes its files through the session: under Ray, `ray.train.report` with a
+    `Checkpoint`; Ray merges the ranks' files into `<run dir>/step_<N>/` and registers it, and
+    a driver-side callback then writes DONE and MANIFEST (`finalize_checkpoint`).
+A checkpoint without DONE and a valid MANIFEST is never resumed from, so a crash anywhere in
+between costs that checkpoint and nothing else.
+
+Restore follows seed 000's order: optimizer state and master weights, working weights
+re-derived from the master weights with `rng_state_last_update`, then `rng_state`, then the data
+loader resumed (never reset) at its saved position with its saved permutation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raygpt import checkpoint as ck
+from raygpt.config import TrainConfig
+from raygpt.data import data_fingerprint
+from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
+from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.schedule import wsd_decay_start
+from raygpt.state import TrainState
+from raygpt.storage import RunDir
+from raygpt.tokenizer import tokenizer_fingerprint
+
+
+class CheckpointCompatibilityError(ck.CheckpointError):
+    pass
+
+
+def run_fingerprints(cfg: TrainConfig) -> dict:
+    """The hashes a checkpoint must agree with to be resumed by this config."""
+    return {"config_hash": cfg.hash(), "tokenizer_hash": tokenizer_fingerprint(),
+            "data_hash": data_fingerprint(cfg.input_bin)}
+
+
+def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
+    """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
+    Called by whoever knows that every rank's files are durably stored: the Ray driver callback
+    after Ray registered the checkpoint, or the single process after its own upload.
+
+    `rank_hashes` are what the ranks hashed while writing; MANIFEST hashes what is actually in
+    storage, and the two must agree, so a corrupted upload never becomes a complete checkpoint."""
+    sdir = ck.step_dir(step)
+    for name, h in rank_hashes.items():
+        stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
+        if stored != h["size"]:
+            raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
+                                     f"as written by its rank, found {stored}; not marking DONE")
+    ck.write_done(run_dir, step)
+    manifest = ck.write_manifest(run_dir, step, **{k: v for k, v in meta.items()
+                                                      if k not in ("retention", "step")})
+    for name, h in rank_hashes.items():
+        if manifest["files"][name]["sha256"] != h["sha256"]:
+            run_dir.delete_file(f"{sdir}/{ck.MANIFEST}")
+            raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: sha256 in storage differs "
+                                     f"from what its rank wrote; checkpoint left incomplete")
+    apply_retention(run_dir, meta["retention"])
+
+
+def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
+    """Delete the checkpoints the retention policy lets go (-nk / -nm, the last before a WSD
+    decay, never the newest verified one). Returns the deleted steps."""
+    steps = ck.list_checkpoint_steps(run_dir)
+    if not steps:
+        return []
+    newest = ck.find_latest_verified(run_dir, warn=lambda m: None)
+    protect = set()
+    if policy.get("wsd_decay_start") is not None:
+        before = [s for s in steps if s <= policy["wsd_decay_start"]]
+        if before:
+            protect.add(max(before))
+    doomed = ck.checkpoints_to_delete(steps, keep_last=policy["keep_last"],
+                                      keep_every=policy["keep_every"], protect=protect,
+                                      newest_verified=newest)
+    for s in doomed:
+        run_dir.delete_dir(ck.step_dir(s))
+    return doomed
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.h, self.size = f, hashlib.sha256(), 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.h.update(b)
+        self.size += len(b)
+        return self.f.write(b)
+
+
+class Checkpointer:
+    def __init__(self, cfg: TrainConfig, session, flat: FlatParameters, opt: AdamW,
+                 model_config: GPTConfig, max_steps: int):
+        self.cfg, self.session, self.flat, self.opt = cfg, session, flat, opt
+        self.model_config = model_config
+        self.run_dir: RunDir = session.run_dir
+        self.rank, self.world = session.rank, session.world
+        self.max_steps = max_steps
+        self.fingerprints = run_fingerprints(cfg)
+        self.stall_seconds = 0.0
+        self._pending = None  # (step, stage_dir, thread, result dict)
+        self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
+
+    # ------------------------------------------------------------------ policy
+    def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
+        if step == 0 or step == resumed_from:
+            return False
+        return last_step or (self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0)
+
+    def verified_steps(self) -> list[int]:
+        steps = []
+        for s in ck.list_checkpoint_steps(self.run_dir):
+            if not ck.verify_checkpoint(self.run_dir, s):
+                steps.append(s)
+        return steps
+
+    def manifest_meta(self, step: int) -> dict:
+        c = self.cfg
+        return {
+            "step": step, "world_size": self.world, "num_parameters": self.flat.num_parameters,
+            "config_hash": self.fingerprints["config_hash"],
+            "tokenizer_hash": self.fingerprints["tokenizer_hash"],
+            "data_hash": self.fingerprints["data_hash"],
+            "config_identity": c.identity(),
+            "extra": {"zero_stage": c.zero_stage, "precision": c.precision,
+                      "model_version": 5 if c.precision == "bf16" else 3},
+            "retention": {"keep_last": c.checkpoints_keep, "keep_every": c.major_checkpoint_every,
+                          "wsd_decay_start": (wsd_decay_start(self.max_steps)
+                                              if c.scheduler == "wsd" else None)},
+        }
+
+    # ------------------------------------------------------------------ save
+    def save(self, state: TrainState, loader, *, blocking: bool) -> None:
+        self.wait_and_publish()  # at most one checkpoint in flight
+        t0 = time.perf_counter()
+        snap = self._host_snapshot(state, loader)
+        self.stall_seconds += time.perf_counter() - t0
+        stage = self._stage_root / f"{self.run_dir.root.strip('/').replace('/', '_')}-r{self.rank}" / ck.step_dir(state.step)
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+        result: dict = {}
+        if blocking or not self.cfg.async_checkpoint:
+            self._write_files(snap, stage, result)
+            self._pending = (state.step, stage, None, result)
+            self.wait_and_publish()
+        else:
+            thread = threading.Thread(target=self._write_files, args=(snap, stage, result),
+                                      name=f"raygpt-ckpt-{state.step}", daemon=True)
+            thread.start()
+            self._pending = (state.step, stage, thread, result)
+
+    def _host_snapshot(self, state: TrainState, loader) -> dict:
+        """Copy everything a checkpoint holds to host memory; training may go on afterwards."""
+        def host(t):
+            return t.detach().to("cpu", copy=True) if t is not None else None
+
+        opt = self.opt
+        snap = {
+            "step": state.step, "rng_state": state.rng_state,
+            "rng_state_last_update": state.rng_state_last_update,
+            "m": host(opt.m), "v": host(opt.v), "master": host(opt.master),
+            "loader_state": loader.state_dict(), "extras": state.extras(),
+            "params": host(self.flat.params[:self.flat.num_parameters]) if self.rank == 0 else None,
+        }
+        return snap
+
+    def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
+        """Background thread: serialise this rank's files into `stage`, hashing them."""
+        try:
+            step = snap["step"]
+            hashes = {}
+            name = ck.state_file(step, self.rank)
+            with open(stage / name, "wb") as f:
+                hw = _HashingWriter(f)
+                ck.write_state_file(
+                    hw, step=step, num_processes=self.world, process_rank=self.rank,
+                    rng_state=snap["rng_state"], rng_state_last_update=snap["rng_state_last_update"],
+                    m=snap["m"].numpy(), v=snap["v"].numpy(),
+                    master=snap["master"].numpy() if snap["master"] is not None else None,
+                    loader_state=snap["loader_state"], extras=snap["extras"])
+                f.flush()
+            hashes[name] = {"sha256": hw.h.hexdigest(), "size": hw.size}
+            if snap["params"] is not None:
+                name = ck.model_file(step)
+                dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+                write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
+                hashes[name] = {"sha256": _sha256_file(stage / name),
+                                "size": (stage / name).stat().st_size}
+            result["hashes"] = hashes
+        except BaseException as e:  # reported by the training thread, never swallowed
+            result["error"] = e
+
+    def ready(self) -> float:
+        """1.0 when no checkpoint is in flight or this rank's files are written (agreed by all)."""
+        if self._pending is None:
+            return 1.0
+        thread = self._pending[2]
+        return 0.0 if thread is not None and thread.is_alive() else 1.0
+
+    def publish_pending(self, metrics: dict) -> None:
+        """Every rank calls this at the same step once all ranks' writes are done."""
+        if self._pending is None:
+            return
+        step, stage, thread, result = self._pending
+        if thread is not None:
+            thread.join()
+        self._pending = None
+        if "error" in result:
+            # A failed save never looks complete: nothing is reported for it, the staged files
+            # go, and the run goes on to its next checkpoint. Every rank raises together only
+            # if the failure is ours, so the others are not left waiting in a collective.
+            shutil.rmtree(stage, ignore_errors=True)
+            raise RuntimeError(f"checkpoint at step {step} failed on rank {self.rank} while "
+                               f"writing {stage}: {result['error']!r}") from result["error"]
+        meta = self.manifest_meta(step) if self.rank == 0 else None
+        self.session.report_checkpoint({**metrics, "checkpoint_step": step}, str(stage),
+                                       ck.step_dir(step), result["hashes"], meta)
+
+    def wait_and_publish(self, metrics: dict | None = None) -> None:
+        if self._pending is not None:
+            self.publish_pending(metrics or {"step": self._pending[0]})
+
+    def finish(self) -> None:
+        self.wait_and_publish()
+
+    # ------------------------------------------------------------------ restore
+    def restore_latest(self, state: TrainState, loader) -> int | None:
+        """Resume from the newest verified checkpoint when the surroundings restored one (a Ray
+        restart) or the config asks (-y 1); returns the step resumed from, or None."""
+        hint = self.session.checkpoint_hint()
+        if hint is None and self.cfg.resume != 1:
+            return None
+        warn = (lambda m: print(f"raygpt | WARNING: {m}", flush=True)) if self.rank == 0 else (lambda m: None)
+        step = ck.find_latest_verified(self.run_dir, warn=warn)
+        if step is None:
+            if hint is not None:
+                warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists in "
+                     f"{self.run_dir}; starting from scratch")
+            elif self.rank == 0:
+                print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting fresh",
+                      flush=True)
+            return None
+        self.load(step, state, loader)
+        return step
+
+    def load(self, step: int, state: TrainState, loader) -> None:
+        manifest = ck.read_manifest(self.run_dir, step)
+        ck.check_compatible(manifest, config_identity=self.cfg.identity(),
+                            tokenizer_hash=self.fingerprints["tokenizer_hash"],
+                            data_hash=self.fingerprints["data_hash"], world_size=self.world)
+        sdir = ck.step_dir(step)
+        opt = self.opt
+        sf = ck.read_state_file(self.run_dir.read_bytes(f"{sdir}/{ck.state_file(step, self.rank)}"),
+                                num_parameters=opt.hi - opt.lo, expect_processes=self.world,
+                                expect_rank=self.rank)
+        # 1. optimizer state and master weights
+        opt.m.copy_(torch.from_numpy(sf.m))
+        opt.v.copy_(torch.from_numpy(sf.v))
+        if opt.master is not None:
+            if sf.master is None:
+                raise ck.CheckpointError(f"{sdir}: state file has no master weights but this run "
+                                         f"trains in {self.cfg.precision} with master weights")
+            opt.master.copy_(torch.from_numpy(sf.master))
+            # 2. working weights re-derived from master with the seed of the last update
+            seed, _ = random_u32(sf.rng_state_last_update)
+            opt.rederive_working_weights(seed)
+        else:
+            # fp32: the working weights are the weights; llm.c reads them from the model file
+            name = f"{sdir}/{ck.model_file(step)}"
+            _, weights = read_model_file_flat(self.run_dir.read_bytes(name), name)
+            self.flat.params[:self.flat.num_parameters].copy_(weights)
+        # 3. then rng_state, 4. then the loader resumed at its position (never reset)
+        state.step = sf.step
+        state.rng_state_last_update = sf.rng_state_last_update
+        state.rng_state = sf.rng_state
+        loader.load_state_dict(sf.loader_state)
+        state.load_extras(sf.extras)
+
+    def rewind_to(self, step: int, state: TrainState, loader) -> None:
+        """Reload checkpoint `step` for a spike rewind, keeping the policy's memory (the rewind
+        ledger with lr_scale, and the loader's grown skip list) from the present."""
+        ledger = state.ledger.state_dict()
+        skips = loader.state_dict()["skip_ranges"]
+        self.load(step, state, loader)
+        state.ledger.load_state_dict(ledger)
+        loader.add_skip_ranges([tuple(r) for r in skips])
+        state.spike_samples = []
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,104 @@
+"""Fault injection for tests and drills: real faults at chosen steps, off unless asked for.
+
+The spec is `--fault` (TrainConfig.fault) or the RAYGPT_FAULT environment variable: faults
+separated by ';', each `kind:key=value,...`:
+
+    kill:rank=1,step=7          SIGKILL this worker process before step 7's update
+    raise:rank=0,step=5         raise InjectedFault in the worker at step 5
+    sigterm:rank=1,step=9       send SIGTERM to this worker process (checkpoint, clean exit)
+    sigusr1:rank=0,step=9       send SIGUSR1 to this worker process (checkpoint, continue)
+    preempt:rank=0,step=9       behave as if Ray announced a preemption of this node
+    nan:rank=1,step=12          make this rank's loss (and so every gradient) NaN at step 12
+    crash_before_done:step=20   kill the process after checkpoint 20's files are reported but
+                                before DONE can be written (the driver callback refuses it)
+
+`rank` defaults to 0. A fault fires once per run directory (a marker file under
+`<run dir>/faults/` remembers it, so the restarted attempt runs clean) unless it carries
+`every=1`, which fires on every attempt (for retry-budget tests).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+KINDS = ("kill", "raise", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `raise:` fault throws."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int = 0
+    every: bool = False
+
+    @property
+    def marker(self) -> str:
+        return f"faults/{self.kind}_r{self.rank}_s{self.step}"
+
+
+def parse_spec(spec: str) -> list[Fault]:
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        kind, _, args = part.partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"--fault {part!r}: expected a kind in {KINDS}, found {kind!r}")
+        kv = {}
+        for item in filter(None, args.split(",")):
+            key, _, value = item.partition("=")
+            if key not in ("rank", "step", "every") or not value.lstrip("-").isdigit():
+                raise ValueError(f"--fault {part!r}: expected rank=N, step=N or every=1, found {item!r}")
+            kv[key] = int(value)
+        if "step" not in kv:
+            raise ValueError(f"--fault {part!r}: expected step=N")
+        faults.append(Fault(kind, kv["step"], kv.get("rank", 0), bool(kv.get("every", 0))))
+    return faults
+
+
+class FaultPlan:
+    """The faults that apply to this rank, and a way to fire them at the right step."""
+
+    def __init__(self, faults: list[Fault], rank: int, run_dir=None):
+        self.faults = [f for f in faults if f.rank == rank]
+        self.run_dir = run_dir
+
+    def _arm(self, kind: str, step: int) -> Fault | None:
+        for f in self.faults:
+            if f.kind == kind and f.step == step:
+                if f.every or self.run_dir is None:
+                    return f
+                if self.run_dir.exists(f.marker):
+                    return None
+                self.run_dir.write_bytes_atomic(f.marker, b"")
+                return f
+        return None
+
+    def before_update(self, step: int) -> None:
+        """Fire process-level faults due at this step (called at the top of the step)."""
+        if self._arm("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._arm("raise", step):
+            raise InjectedFault(f"injected fault at step {step}")
+        if self._arm("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._arm("sigusr1", step):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def preempt_now(self, step: int) -> bool:
+        return self._arm("preempt", step) is not None
+
+    def nan_now(self, step: int) -> bool:
+        return self._arm("nan", step) is not None
+
+    def crash_before_done(self, step: int) -> bool:
+        return self._arm("crash_before_done", step) is not None
+
+
+def plan_for(spec: str, rank: int, run_dir=None) -> FaultPlan:
+    spec = ";".join(s for s in (spec, os.environ.get("RAYGPT_FAULT", "")) if s)
+    return FaultPlan(parse_spec(spec), rank, run_dir)

@@ -1,0 +1,125 @@
+"""The run's own memory: loss_history.jsonl and samples.jsonl, and the resume audit.
+
+`loss_history.jsonl` gets one line per step, validation, event (skip, rewind, resume, failure,
+end) and never loses one: it is appended across restarts and policy changes, never truncated or
+rewritten (seed 002). Each record carries the attempt number. When a resumed attempt passes steps
+an earlier attempt already logged, the audit compares the two losses as floats and says either
+"resume verified bit-exact over K steps" or where and by how much they first differ, so a resume
+that lost state is noticed at once, not a week later.
+
+All I/O goes through `RunDir` (local, NFS or object storage). Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from raygpt.metrics import steps_logged
+from raygpt.storage import RunDir
+
+LOSS_HISTORY = "loss_history.jsonl"
+SAMPLES = "samples.jsonl"
+
+
+def parse_jsonl(data: bytes, name: str) -> list[dict]:
+    """Complete records of a JSONL file; a torn last line (a crash mid-append) is skipped."""
+    out = []
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            print(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}", flush=True)
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def read_history(run_dir: RunDir) -> list[dict]:
+    if not run_dir.exists(LOSS_HISTORY):
+        return []
+    return parse_jsonl(run_dir.read_bytes(LOSS_HISTORY), run_dir.uri(LOSS_HISTORY))
+
+
+class ResumeAudit:
+    """Compares a resumed attempt's losses with an earlier attempt's at the same steps."""
+
+    def __init__(self, previous: dict[int, float]):
+        self.previous = previous
+        self.matched = 0
+        self.first_mismatch: tuple[int, float, float] | None = None
+        self.reported = not previous
+
+    def observe(self, step: int, loss: float) -> str | None:
+        """Returns a line to print when the audit has its answer."""
+        if self.reported:
+            return None
+        if step in self.previous:
+            before = self.previous[step]
+            if before == loss or (before != before and loss != loss):
+                self.matched += 1
+            elif self.first_mismatch is None:
+                self.first_mismatch = (step, before, loss)
+                self.reported = True
+                return (f"resume audit: WARNING step {step} loss {loss!r} differs from the earlier "
+                        f"attempt's {before!r} by {loss - before:+.3e} after {self.matched} equal "
+                        f"steps: the resume did not restore everything")
+        if step >= max(self.previous):
+            self.reported = True
+            return f"resume verified bit-exact over {self.matched} steps"
+        return None
+
+
+class RunHistory:
+    def __init__(self, run_dir: RunDir, cfg, *, enabled: bool):
+        self.run_dir, self.cfg, self.enabled = run_dir, cfg, enabled
+        self.attempt = 1
+        self.audit = ResumeAudit({})
+
+    def _append(self, name: str, record: dict) -> None:
+        if self.enabled:
+            self.run_dir.append_text(name, json.dumps(record, separators=(",", ":")) + "\n")
+
+    def begin_attempt(self, resumed_from: int | None, note: str | None) -> int:
+        """Number this attempt, mark the resume point, arm the resume audit."""
+        if not self.enabled:
+            return 0
+        records = read_history(self.run_dir)
+        self.attempt = 1 + max((r.get("attempt", 0) for r in records), default=0)
+        if resumed_from is not None:
+            earlier = steps_logged([r for r in records if r.get("kind") == "train"])
+            self.audit = ResumeAudit({s: l for s, l in earlier.items() if s >= resumed_from})
+        self.event(resumed_from or 0, "resume" if resumed_from is not None else "start",
+                   resumed_from=resumed_from, note=note,
+                   steps_lost=(max(steps_logged([r for r in records if r.get("kind") == "train"]),
+                                   default=-1) + 1 - resumed_from) if resumed_from is not None else None)
+        return self.attempt
+
+    def train(self, step: int, **fields) -> None:
+        self._append(LOSS_HISTORY, {"kind": "train", "step": step, **fields,
+                                    "time": time.time(), "attempt": self.attempt})
+        if self.enabled:
+            line = self.audit.observe(step, fields["loss"])
+            if line:
+                print(f"raygpt | {line}", flush=True)
+                self.event(step, "audit", message=line, matched=self.audit.matched)
+
+    def val(self, step: int, val_loss: float) -> None:
+        self._append(LOSS_HISTORY, {"kind": "val", "step": step, "val_loss": val_loss,
+                                    "time": time.time(), "attempt": self.attempt})
+
+    def event(self, step: int, kind: str, **fields) -> None:
+        self._append(LOSS_HISTORY, {"kind": kind, "step": step, **fields, "time": time.time(),
+                                    "attempt": self.attempt})
+
+    def sample(self, step: int, text: str) -> None:
+        self._append(SAMPLES, {"step": step, "text": text, "time": time.time(),
+                               "attempt": self.attempt})
+        if self.enabled:
+            print(f"step {step:5d} | sample: {text!r}", flush=True)
+
+    def end(self, summary: dict) -> None:
+        self.event(summary["step"], "end", **{k: v for k, v in summary.items() if k != "step"})

@@ -1,0 +1,270 @@
+"""The per-worker training loop: llm.c's main loop in PyTorch, with no Ray inside.
+
+`train(cfg, session)` reads top to bottom like llm.c's `for (step ...)` body and seed 001's
+pseudocode: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
+(micro-steps, one agreement collective, outlier verdict, lr, grad_scale, update) and logging.
+Everything Ray-specific (rank, device, reporting a checkpoint, the checkpoint to resume from)
+comes through `session` (see `raygpt.session`), so the same loop runs under Ray Train and as a
+plain single process.
+
+One collective per step carries the loss, the squared grad norm (ZeRO shards) and every flag the
+ranks must agree on (signals, preemption, a finished background checkpoint, a non-finite value),
+and one host sync reads it back: that is the only synchronisation inside a step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raygpt import signals, tokenizer
+from raygpt.checkpointer import Checkpointer
+from raygpt.config import TrainConfig
+from raygpt.data import DistributedDataLoader, samples_to_ranges
+from raygpt.faults import plan_for
+from raygpt.history import RunHistory
+from raygpt.metrics import Logger, estimate_mfu, format_step_line
+from raygpt.model import GPT, GPTConfig, load_model_file, num_parameters
+from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.outlier import rewind_target
+from raygpt.schedule import learning_rate
+from raygpt.session import Session
+from raygpt.state import TrainState
+
+# Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
+LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
+
+
+class TrainingStopped(Exception):
+    """Raised when the spike policy escalates: the run needs a human."""
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
+    if cfg.depth is not None:
+        model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
+    else:
+        model = load_model_file(cfg.model)
+    return model.to(device)
+
+
+def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
+    """Mean validation loss over cfg.val_batches micro-batches, the same batches every time."""
+    model.eval()
+    val_loader.reset()
+    acc = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
+    for _ in range(cfg.val_batches):
+        x, y = val_loader.next_batch()
+        loss_sum, _ = model(x.to(device), y.to(device))
+        acc[0] += loss_sum.double()
+        acc[1] += y.numel()
+    all_reduce_sum(acc, world)
+    model.train()
+    return (acc[0] / acc[1]).item()
+
+
+@torch.no_grad()
+def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
+    """A text sample from an end-of-text prompt, seeded by the step so it is reproducible."""
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    idx = torch.full((1, 1), tokenizer.EOT, dtype=torch.long, device=device)
+    out = model.generate(idx, cfg.gen_tokens, top_k=40, generator=gen)
+    model.train()
+    return tokenizer.decode(out[0, 1:].tolist())
+
+
+def train(cfg: TrainConfig, session: Session) -> dict:
+    """Train this worker's share of the run and return a summary (rank 0's is the run's)."""
+    rank, world, device = session.rank, session.world, session.device
+    is_main = rank == 0
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    # ------------------------------------------------------------------ build the run
+    model = build_model(cfg, device)
+    work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
+    if world > 1:
+        dist.broadcast(flat.params, src=0)  # every rank starts from rank 0's weights
+    opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                rank=rank, world=world, zero_stage=cfg.zero_stage)
+    train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
+                                         shuffle=cfg.shuffle, seed=cfg.seed)
+    val_loader = (DistributedDataLoader(cfg.input_val_bin, cfg.batch_size, cfg.seq_len, rank,
+                                        world, shuffle=False, seed=cfg.seed)
+                  if cfg.input_val_bin and cfg.val_every > 0 else None)
+    grad_accum = cfg.grad_accum_steps(world)
+    tokens_per_step = cfg.total_batch_size
+    max_steps = (cfg.max_steps if cfg.max_steps > 0
+                 else train_loader.tokens_per_epoch // tokens_per_step)
+    forward = torch.compile(model) if cfg.compile else model
+
+    state = TrainState.fresh(cfg)
+    ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
+    resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
+    history = RunHistory(session.run_dir, cfg, enabled=is_main)
+    attempt = history.begin_attempt(resumed_from, session.failure_note())
+    logger = Logger(session.local_run_dir if is_main else None, rank,
+                    resume=resumed_from is not None or attempt > 1)
+    faults = plan_for(cfg.fault, rank, session.run_dir)
+    flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
+
+    n_params = num_parameters(model)
+    if is_main:
+        print(f"raygpt | {cfg.model}: {n_params:,} parameters | {world} x {session.device_name}"
+              f" | {cfg.precision} | B={cfg.batch_size} T={cfg.seq_len} grad_accum={grad_accum}"
+              f" | {tokens_per_step:,} tokens/step | {max_steps} steps | attempt {attempt}"
+              + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""),
+              flush=True)
+
+    agree = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
+    val_loss = float("nan")
+    stop_requested = False
+    t_start = time.perf_counter()
+
+    for step in range(state.step, max_steps + 1):
+        last_step = step == max_steps
+
+        # ---------------------------------------------------------- validation and sample
+        if val_loader is not None and (step % cfg.val_every == 0 or last_step):
+            val_loss = evaluate(forward, val_loader, cfg, device, world)
+            logger.log_val(step, val_loss)
+            history.val(step, val_loss)
+            session.report_metrics({"step": step, "val_loss": val_loss, "skips": state.skips,
+                                    "rewinds": state.ledger.rewinds})
+        if is_main and cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step):
+            history.sample(step, sample_text(model, cfg, device, step))
+
+        # ---------------------------------------------------------- checkpoint
+        if ckpt.due(step, last_step, resumed_from) or state.save_requested:
+            ckpt.save(state, train_loader, blocking=last_step or stop_requested)
+            state.save_requested = False
+        if last_step or stop_requested:
+            break
+
+        # ---------------------------------------------------------- TRAINING SECTION
+        t0 = time.perf_counter()
+        faults.before_update(step)
+        flat.zero_grad()
+        step_samples = []
+        loss_acc = torch.zeros((), dtype=torch.float32, device=device)
+        for _ in range(grad_accum):
+            x, y = train_loader.next_batch()
+            step_samples.append(train_loader.last_global_samples)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss_sum, z_sum = forward(x, y, z_loss=cfg.z_loss)
+            if faults.nan_now(step):
+                loss_sum = loss_sum * float("nan")
+            # token-weighted mean over the whole window and all ranks (grads are SUM-reduced)
+            ((loss_sum + z_sum) / tokens_per_step).backward()
+            loss_acc += loss_sum.detach()
+        opt.reduce_gradients()
+        norm_sq = opt.grad_norm_squared()  # this rank's shard; all of it without ZeRO
+
+        # one collective: the loss, the squared norm, and every flag the ranks must agree on
+        agree[LOSS] = loss_acc
+        agree[NORM_SQ] = norm_sq if (cfg.zero_stage == 1 or is_main) else 0.0
+        agree[STOP] = flags.stop_requested()
+        agree[SAVE] = max(flags.take_save_request(), float(session.preemption_notice()),
+                          float(faults.preempt_now(step)))
+        agree[CKPT_READY] = ckpt.ready()
+        all_reduce_sum(agree, world)
+        loss_v, norm_sq_v, stop_v, save_v, ready_v = agree.tolist()  # the step's one host sync
+        loss = loss_v / tokens_per_step
+        norm = math.sqrt(norm_sq_v) if norm_sq_v >= 0 else float("nan")
+
+        verdict = state.judge(cfg, step, loss, norm)
+        lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
+                           warmup_steps=cfg.warmup_steps, total_steps=max_steps,
+                           final_lr_frac=cfg.final_lr_frac) * state.lr_scale
+        grad_scale = cfg.grad_clip / norm if norm > cfg.grad_clip else 1.0
+
+        if verdict.kind in ("rewind", "escalate"):
+            rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
+            continue
+        if verdict.kind == "ok":
+            state.rng_state_last_update = state.rng_state
+            sr_seed, state.rng_state = random_u32(state.rng_state)
+            opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
+            state.spike_samples = []
+        else:  # skip: drop this update only; the step (and with it lr and data order) advances
+            state.skips += 1
+            state.spike_samples += step_samples
+            logger.log_event(step, "skip", reason=verdict.reason)
+            history.event(step, "skip", reason=verdict.reason, loss=loss, norm=norm,
+                          loss_z=verdict.loss_z)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        state.step = step + 1
+        state.tokens_seen += tokens_per_step
+        state.clipped += int(norm > cfg.grad_clip)
+
+        # ---------------------------------------------------------- logging
+        logger.log_train(step, loss, lr, norm)
+        history.train(step, loss=loss, norm=norm, lr=lr, tokens=state.tokens_seen, dt=dt,
+                      verdict=verdict.kind)
+        if is_main and (step % cfg.log_every == 0 or step == max_steps - 1):
+            mfu = estimate_mfu(n_params, model.config.n_layer, model.config.n_embd, cfg.seq_len,
+                               tokens_per_step / world, dt, session.device_name,
+                               "bf16" if cfg.precision == "bf16" else "tf32")
+            line = format_step_line(step + 1, max_steps, loss, norm, lr, dt * 1000,
+                                    tokens_per_step / dt, mfu, precision=cfg.precision)
+            print(line if verdict.kind == "ok" else f"{line} | SKIP: {verdict.reason}", flush=True)
+
+        # ---------------------------------------------------------- what the ranks agreed on
+        if ready_v >= world:
+            ckpt.publish_pending({"step": state.step, "train_loss": loss, "val_loss": val_loss})
+        if save_v > 0:
+            state.save_requested = True  # SIGUSR1 / preemption notice: checkpoint, go on
+        if stop_v > 0:
+            state.save_requested = stop_requested = True  # SIGTERM: checkpoint, then exit
+
+    ckpt.finish()
+    elapsed = time.perf_counter() - t_start
+    summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
+               "stopped_early": state.step < max_steps, "skips": state.skips,
+               "rewinds": state.ledger.rewinds, "elapsed_s": elapsed,
+               "checkpoint_stall_s": ckpt.stall_seconds, "attempt": attempt}
+    history.end(summary)
+    if is_main:
+        how = "stopped by signal; resume with -y 1" if summary["stopped_early"] else "done"
+        print(f"raygpt | {how} at step {state.step}/{max_steps} | val loss {val_loss:.4f} | "
+              f"{state.skips} skipped, {state.ledger.rewinds} rewinds | {elapsed:.1f} s", flush=True)
+    signals.unwatch()
+    return summary
+
+
+def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_samples) -> None:
+    """Seed 001's rewind: back to the newest verified checkpoint before the spike began, with the
+    spike's data window added to the persisted skip list; escalate past the policy's limits."""
+    window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
+    spike_start = verdict.spike_start if verdict.spike_start is not None else step
+    target = rewind_target(ckpt.verified_steps(), spike_start, cfg.spike.safety_steps)
+    lr_scale, escalation = state.ledger.record_rewind(spike_start, step, window, cfg.spike)
+    if verdict.kind == "escalate" and escalation is None:
+        escalation = verdict.reason
+    if target is None and escalation is None:
+        escalation = (f"no verified checkpoint at or before step {spike_start - cfg.spike.safety_steps}"
+                      f" to rewind to (the spike began at step {spike_start})")
+    history.event(step, "rewind", reason=verdict.reason, to_step=target, window=window,
+                  lr_scale=lr_scale, loss_z=verdict.loss_z, rewinds=state.ledger.rewinds)
+    logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
+    if escalation is not None:
+        raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
+    ckpt.wait_and_publish()
+    ckpt.rewind_to(target, state, loader)
+    loader.add_skip_ranges(window)

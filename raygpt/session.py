@@ -1,0 +1,72 @@
+"""What the training loop needs from its surroundings, without importing Ray.
+
+A `Session` says who this worker is (rank, world, device), where the run directory is, which
+checkpoint the surroundings want it to resume from, and how to publish a checkpoint. Under Ray
+Train that is `raygpt.trainer.RaySession` (ray.train.report with a Checkpoint, a driver-side
+callback writes DONE and MANIFEST); `LocalSession` is the same protocol for a single process
+without Ray, which publishes a checkpoint by copying it into the run directory itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from raygpt.storage import RunDir
+
+
+class Session:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    run_dir: RunDir
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return "cpu"
+
+    @property
+    def local_run_dir(self) -> str | None:
+        """The run directory as a local path, or None on remote storage."""
+        return self.run_dir.local_path("") if self.run_dir.is_local else None
+
+    def checkpoint_hint(self) -> int | None:
+        """The step of the checkpoint the surroundings restored (Ray's get_checkpoint), if any."""
+        return None
+
+    def report_metrics(self, metrics: dict) -> None:
+        """Publish metrics (every rank calls this at the same steps)."""
+
+    def report_checkpoint(self, metrics: dict, local_dir: str, dir_name: str,
+                          file_hashes: dict, manifest_meta: dict | None) -> None:
+        """Publish the files of one checkpoint that this rank staged in `local_dir`; every rank
+        calls this at the same step. Must leave DONE and MANIFEST to whoever knows all ranks'
+        files are stored."""
+        raise NotImplementedError
+
+    def preemption_notice(self) -> bool:
+        """True once the surroundings announce that this worker's node is about to go."""
+        return False
+
+    def failure_note(self) -> str | None:
+        """Why this attempt exists, if the surroundings know (e.g. the previous failure)."""
+        return None
+
+
+class LocalSession(Session):
+    """One process, no Ray: rank 0 of 1, publishing checkpoints straight into the run dir."""
+
+    def __init__(self, run_dir: RunDir, device: torch.device | None = None):
+        self.run_dir = run_dir
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
+        from raygpt.checkpointer import finalize_checkpoint
+
+        self.run_dir.upload_dir(local_dir, dir_name)
+        shutil.rmtree(local_dir, ignore_errors=True)
+        finalize_checkpoint(self.run_dir, manifest_meta["step"], file_hashes, manifest_meta)

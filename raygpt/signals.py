@@ -1,0 +1,72 @@
+"""Operator signals and preemption notices, turned into flags the loop reads at step boundaries.
+
+SIGTERM means "checkpoint and exit cleanly"; SIGUSR1 means "checkpoint and continue" (seed 002).
+A preemption notice from Ray (`ray.train.get_preemption_info()`, polled by the Ray session)
+means "checkpoint now, once, and keep training". The handlers only set flags: no I/O and no
+collectives happen inside a signal handler. The loop puts the flags into its per-step agreement
+collective, so a signal delivered to any one rank reaches every rank at the same step boundary.
+
+Python runs signal handlers on the main thread only. Under Ray Train the training function runs
+on a worker thread, so `install()` is executed on each worker's main thread by the trainer's
+backend hook; in a plain process `watch()` installs them itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+_flags = {"stop": False, "save": False}
+_lock = threading.Lock()
+_installed = False
+
+
+def _on_sigterm(signum, frame):
+    _flags["stop"] = True
+
+
+def _on_sigusr1(signum, frame):
+    _flags["save"] = True
+
+
+def install() -> bool:
+    """Install the SIGTERM and SIGUSR1 handlers (main thread only). Returns True if installed."""
+    global _installed
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
+    _installed = True
+    return True
+
+
+def request_stop() -> None:
+    _flags["stop"] = True
+
+
+def request_save() -> None:
+    _flags["save"] = True
+
+
+class Flags:
+    """The loop's view of the flags: a stop stays requested, a save request is taken once."""
+
+    def stop_requested(self) -> float:
+        return 1.0 if _flags["stop"] else 0.0
+
+    def take_save_request(self) -> float:
+        with _lock:
+            save, _flags["save"] = _flags["save"], False
+        return 1.0 if save else 0.0
+
+
+def watch() -> Flags:
+    """Reset the flags for a new training attempt and make sure handlers are in place."""
+    _flags["stop"] = _flags["save"] = False
+    if not _installed:
+        install()
+    return Flags()
+
+
+def unwatch() -> None:
+    _flags["stop"] = _flags["save"] = False
