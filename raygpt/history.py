@@ -123,3 +123,34 @@ class RunHistory:
 
     def end(self, summary: dict) -> None:
         self.event(summary["step"], "end", **{k: v for k, v in summary.items() if k != "step"})
+
+
+def summarize_run(records: list[dict], since: float | None = None) -> dict:
+    """Failures, resumes, recovery times and goodput of a run (or of the part after `since`).
+
+    recovery time: from a failure record to the next step trained after it.
+    goodput: the time spent on the steps that made the final loss curve (each step's latest
+    attempt) over the wall-clock time from the first to the last record; what is missing was
+    lost to failures, restarts, re-done steps, evaluation and checkpoint stalls.
+    """
+    if since is not None:
+        records = [r for r in records if r.get("time", 0) >= since]
+    train = [r for r in records if r.get("kind") == "train"]
+    failures = [r for r in records if r.get("kind") == "failure"]
+    resumes = [r for r in records if r.get("kind") == "resume"]
+    recoveries = []
+    for f in failures:
+        after = [r["time"] for r in train if r["time"] > f["time"]]
+        if after:
+            recoveries.append(min(after) - f["time"])
+    latest: dict[int, float] = {}
+    for r in train:
+        latest[r["step"]] = r.get("dt", 0.0)
+    wall = (records[-1]["time"] - records[0]["time"]) if len(records) > 1 else 0.0
+    useful = sum(latest.values())
+    goodput = useful / wall if wall > 0 else float("nan")
+    line = (f"{len(failures)} failure(s), {len(resumes)} resume(s)"
+            + (f", recovery {', '.join(f'{t:.1f} s' for t in recoveries)}" if recoveries else "")
+            + f" | goodput {100 * goodput:.1f}% ({useful:.1f} s training of {wall:.1f} s)")
+    return {"failures": len(failures), "resumes": len(resumes), "recovery_s": recoveries,
+            "goodput": goodput, "line": line}

@@ -177,8 +177,9 @@ def train(cfg: TrainConfig, session: Session) -> dict:
         # one collective: the loss, the squared norm, and every flag the ranks must agree on
         agree[LOSS] = loss_acc
         agree[NORM_SQ] = norm_sq if (cfg.zero_stage == 1 or is_main) else 0.0
-        agree[STOP] = flags.stop_requested()
-        agree[SAVE] = max(flags.take_save_request(), float(session.preemption_notice()),
+        outside_stop, outside_save = session.poll_requests()  # driver signals, preemption
+        agree[STOP] = max(flags.stop_requested(), float(outside_stop))
+        agree[SAVE] = max(flags.take_save_request(), float(outside_save),
                           float(faults.preempt_now(step)))
         agree[CKPT_READY] = ckpt.ready()
         all_reduce_sum(agree, world)

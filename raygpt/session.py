@@ -48,9 +48,10 @@ class Session:
         files are stored."""
         raise NotImplementedError
 
-    def preemption_notice(self) -> bool:
-        """True once the surroundings announce that this worker's node is about to go."""
-        return False
+    def poll_requests(self) -> tuple[bool, bool]:
+        """(stop, save) asked for from outside the process: the driver's signals, a preemption
+        notice. Called once per step by every rank; the loop agrees on the answer."""
+        return False, False
 
     def failure_note(self) -> str | None:
         """Why this attempt exists, if the surroundings know (e.g. the previous failure)."""

@@ -1,0 +1,16 @@
+"""Pretrain GPT-2 on Tiny Shakespeare with raygpt: the embedded, offline default job.
+
+    python experiments/shakespeare.py                 # local Ray; GPT-2 124M in bf16 on every
+                                                      # GPU, or a small model on 2 CPU workers
+    ray job submit -- python experiments/shakespeare.py   # the same on a running cluster
+    python experiments/shakespeare.py -y 1            # resume the run in runs/shakespeare
+
+Every llm.c flag and long option of `raygpt train --help` works here too.
+"""
+
+import sys
+
+from raygpt.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))

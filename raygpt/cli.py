@@ -1,0 +1,48 @@
+"""The `raygpt` command: train, and the operator's tools around a run directory.
+
+    raygpt train [llm.c flags | long options]   run a job under Ray Train (see --help)
+    raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
+"""
+
+from __future__ import annotations
+
+import sys
+
+from raygpt.config import ConfigError, build_parser, parse_args
+
+
+def _train(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser("raygpt train").print_help()
+        return 0
+    try:
+        cfg = parse_args(argv).resolve()
+    except ConfigError as e:
+        print(f"raygpt: error: {e}", file=sys.stderr)
+        return 2
+    from raygpt.trainer import RunFailed, run
+
+    try:
+        summary = run(cfg)
+    except ConfigError as e:
+        print(f"raygpt: error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"raygpt: {e}", file=sys.stderr)
+        return 1
+    return 0 if not summary.get("stopped_early") else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": _train}
+    from raygpt import tokenizer
+    commands["prepare"] = tokenizer.main
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
+
+- `run(cfg)` starts (or joins) Ray, refuses to overwrite a run directory silently, and runs
+  `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
+  `FailureConfig(max_failures, max_preemption_failures)`: after a worker or node is lost, Ray
+  restarts the worker group and each worker resumes from the newest verified checkpoint.
+- The run directory is Ray's experiment directory (`storage_path/name`), so the step
+  directories Ray merges from the ranks' reports are raygpt's `step_XXXXXXXX/` checkpoints.
+- `CheckpointFinalizer` is a driver-side (controller) `UserCallback`: Ray calls `after_report`
+  only once *every* worker has reported and the merged checkpoint is persisted, which is exactly
+  the moment DONE and MANIFEST may appear. Doing it there, rather than on rank 0 after a
+  barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
+  yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention alone
+  deletes, so the two never fight.
+- SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
+  actor that rank 0 polls; on the workers the handlers are installed on each actor's main
+  thread by the backend hook (Python runs handlers on the main thread only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import _TorchBackend
+
+from raygpt import checkpoint as ck
+from raygpt import signals
+from raygpt.checkpointer import finalize_checkpoint
+from raygpt.config import ConfigError, TrainConfig
+from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.session import Session
+from raygpt.storage import RunDir, open_run_dir
+
+PREEMPTION_POLL_EVERY = 10  # steps; get_preemption_info is a barrier across workers
+
+
+# ---------------------------------------------------------------------- worker side
+
+@ray.remote(num_cpus=0)
+class RunControl:
+    """Requests from the driver to the workers: stop (checkpoint, exit) or save (and go on)."""
+
+    def __init__(self):
+        self.stop, self.save_count = False, 0
+
+    def request(self, kind: str) -> None:
+        if kind == "stop":
+            self.stop = True
+        else:
+            self.save_count += 1
+
+    def poll(self) -> tuple[bool, int]:
+        return self.stop, self.save_count
+
+
+class RaySession(Session):
+    def __init__(self, cfg: TrainConfig, control_name: str | None):
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device() if cfg.device == "gpu" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.run_dir = open_run_dir(cfg.output_dir)
+        self._checkpoint = ray.train.get_checkpoint()
+        self._control = None
+        if control_name and self.rank == 0:
+            try:
+                self._control = ray.get_actor(control_name)
+            except ValueError:
+                self._control = None
+        self._control_ref = None
+        self._saves_seen = 0
+        self._polls = 0
+        self._preempt_noticed = False
+
+    def checkpoint_hint(self) -> int | None:
+        if self._checkpoint is None:
+            return None
+        name = Path(self._checkpoint.path).name
+        return int(name.split("_")[1]) if name.startswith("step_") else -1
+
+    def report_metrics(self, metrics: dict) -> None:
+        ray.train.report(metrics)
+
+    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
+        metrics = {**metrics, "raygpt_files": file_hashes}
+        if manifest_meta is not None:
+            metrics["raygpt_manifest"] = manifest_meta
+        # The files are already written (on our background thread); Ray copies them into
+        # storage on its own upload thread and registers the checkpoint when all ranks are in.
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(local_dir),
+                         checkpoint_dir_name=dir_name,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+    def poll_requests(self) -> tuple[bool, bool]:
+        """(stop, save) requested from outside: the driver's control actor (rank 0, without
+        blocking) and Ray's preemption notice (every PREEMPTION_POLL_EVERY calls, all ranks)."""
+        stop = save = False
+        if self._control is not None:
+            if self._control_ref is None:
+                self._control_ref = self._control.poll.remote()
+            ready, _ = ray.wait([self._control_ref], timeout=0)
+            if ready:
+                stop, saves = ray.get(self._control_ref)
+                self._control_ref = None
+                save = saves > self._saves_seen
+                self._saves_seen = saves
+        self._polls += 1
+        if self._polls % PREEMPTION_POLL_EVERY == 0 and ray.train.get_preemption_info() is not None:
+            if not self._preempt_noticed:  # one checkpoint per notice, then keep training
+                self._preempt_noticed = save = True
+                if self.rank == 0:
+                    print("raygpt | preemption notice from Ray: checkpointing now", flush=True)
+        return stop, save
+
+    def failure_note(self) -> str | None:
+        return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
+
+
+def train_func(config: dict) -> None:
+    """What each Ray Train worker runs."""
+    from raygpt.loop import train
+
+    cfg = TrainConfig.from_dict(config["cfg"])
+    if cfg.device == "cpu":
+        torch.set_num_threads(config.get("threads_per_worker", 1))
+    summary = train(cfg, RaySession(cfg, config.get("control_name")))
+    ray.train.report({"final": True, **summary})
+
+
+class _Backend(_TorchBackend):
+    def on_training_start(self, worker_group, backend_config):
+        super().on_training_start(worker_group, backend_config)
+        worker_group.execute(signals.install)  # runs on each worker actor's main thread
+
+
+class RaygptTorchConfig(TorchConfig):
+    @property
+    def backend_cls(self):
+        return _Backend
+
+
+# ---------------------------------------------------------------------- driver side
+
+class CheckpointFinalizer(UserCallback):
+    """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
+    retention, and records every worker-group failure in the run's loss history."""
+
+    def __init__(self, output_dir: str, crash_before_done_step: int | None = None):
+        self.output_dir = output_dir
+        self.crash_before_done_step = crash_before_done_step
+        self.failures = 0
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if checkpoint is None:
+            return
+        run_dir = open_run_dir(self.output_dir)
+        step = int(Path(checkpoint.path).name.split("_")[1])
+        if self.crash_before_done_step == step:
+            os._exit(1)  # fault injection: the controller dies between registration and DONE
+        rank_hashes = {}
+        for m in metrics:
+            rank_hashes.update(m.get("raygpt_files", {}))
+        meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
+        finalize_checkpoint(run_dir, step, rank_hashes, meta)
+
+    def after_exception(self, run_context, worker_exceptions):
+        self.failures += 1
+        run_dir = open_run_dir(self.output_dir)
+        causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
+        import json
+        run_dir.append_text(LOSS_HISTORY, json.dumps(
+            {"kind": "failure", "failure": self.failures, "causes": causes, "time": time.time(),
+             "attempt": None}) + "\n")
+        print(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()),
+              flush=True)
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def prepare_run_dir(cfg: TrainConfig) -> RunDir:
+    """Never overwrite a run silently: an existing run needs -y 1 (resume) or --overwrite."""
+    run_dir = open_run_dir(cfg.output_dir)
+    holds_run = run_dir.exists() and any(
+        n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in run_dir.listdir())
+    if holds_run and cfg.resume != 1:
+        if not cfg.overwrite:
+            raise ConfigError(f"-o/--output-dir {run_dir.uri()}: expected an empty or new run "
+                              f"directory, found an existing run; pass -y 1 to resume it or "
+                              f"--overwrite to start fresh over it")
+        run_dir.delete_dir("")
+    run_dir.makedirs("")
+    return run_dir
+
+
+def _split_storage(output_dir: str) -> tuple[str, str]:
+    if "://" in output_dir:
+        parent, _, name = output_dir.rstrip("/").rpartition("/")
+        return parent, name
+    p = Path(output_dir).resolve()
+    return str(p.parent), p.name
+
+
+def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
+    """Run one training job under Ray Train and return rank 0's summary."""
+    if "://" not in cfg.output_dir:
+        cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
+    prepare_run_dir(cfg)
+    if not ray.is_initialized():
+        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
+    control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+    control = RunControl.options(name=control_name).remote()
+    restore = _forward_signals_to(control)
+    storage_path, name = _split_storage(cfg.output_dir)
+    faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
+    finalizer = CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None)
+    use_gpu = cfg.device == "gpu"
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
+        torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=None if use_gpu else {"CPU": 1}),
+        run_config=RunConfig(
+            name=name, storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         max_preemption_failures=cfg.max_preemption_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            callbacks=[finalizer]),
+    )
+    t0 = time.time()
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray raises once the retry budget is spent
+        raise RunFailed(_failure_report(cfg, finalizer, e)) from e
+    finally:
+        restore()
+        ray.kill(control)
+    records = read_history(open_run_dir(cfg.output_dir))
+    report = summarize_run(records, since=t0)
+    print(f"raygpt | {report['line']}", flush=True)
+    final = dict(result.metrics or {})
+    final.update(report)
+    return final
+
+
+def _failure_report(cfg, finalizer, error) -> str:
+    records = read_history(open_run_dir(cfg.output_dir))
+    failures = [r for r in records if r.get("kind") == "failure"]
+    lines = [f"raygpt run {cfg.output_dir} failed after {finalizer.failures + 1 if finalizer.failures else 1} "
+             f"attempt(s) (--max-failures {cfg.max_failures}):"]
+    for r in failures[-(cfg.max_failures + 1):]:
+        lines.append(f"  failure {r['failure']}: " + "; ".join(f"rank {k}: {v}" for k, v in r["causes"].items()))
+    lines.append(f"  final error: {type(error).__name__}: {str(error)[:500]}")
+    return "\n".join(lines)
+
+
+def _parse_faults(spec: str):
+    from raygpt.faults import parse_spec
+    return parse_spec(";".join(s for s in (spec, os.environ.get("RAYGPT_FAULT", "")) if s))
+
+
+def _forward_signals_to(control) -> callable:
+    """SIGTERM / SIGUSR1 on the driver become stop / save requests to the workers. `ray.init()`
+    installs its own SIGTERM handler in the driver; this takes it over for the run's duration
+    and gives it back afterwards. The handlers only set an event; a thread makes the call."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    pending: list[str] = []
+    wake = threading.Event()
+    done = threading.Event()
+
+    def handler(signum, frame):
+        pending.append("stop" if signum == signal.SIGTERM else "save")
+        wake.set()
+
+    def forward():
+        while not done.is_set():
+            wake.wait()
+            wake.clear()
+            while pending:
+                kind = pending.pop(0)
+                print(f"raygpt | driver got {'SIGTERM' if kind == 'stop' else 'SIGUSR1'}: "
+                      f"asking the workers to checkpoint{' and stop' if kind == 'stop' else ''}",
+                      flush=True)
+                control.request.remote(kind)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    threading.Thread(target=forward, daemon=True, name="raygpt-signal-forwarder").start()
+
+    def restore():
+        done.set()
+        wake.set()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return restore
