@@ -88,7 +88,7 @@ class RunHistory:
         if not self.enabled:
             return 0
         records = read_history(self.run_dir)
-        self.attempt = 1 + max((r.get("attempt", 0) for r in records), default=0)
+        self.attempt = 1 + max((r.get("attempt") or 0 for r in records), default=0)
         if resumed_from is not None:
             earlier = steps_logged([r for r in records if r.get("kind") == "train"])
             self.audit = ResumeAudit({s: l for s, l in earlier.items() if s >= resumed_from})

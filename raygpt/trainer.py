@@ -251,7 +251,10 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
     records = read_history(open_run_dir(cfg.output_dir))
     report = summarize_run(records, since=t0)
     print(f"raygpt | {report['line']}", flush=True)
-    final = dict(result.metrics or {})
+    # rank 0's own summary is the run's last "end" record (Ray's Result.metrics belong to the
+    # newest checkpoint's report, not necessarily the last one)
+    ends = [r for r in records if r.get("kind") == "end" and r.get("time", 0) >= t0]
+    final = {k: v for k, v in ends[-1].items() if k not in ("kind", "time")} if ends else {}
     final.update(report)
     return final
 
