@@ -1,0 +1,233 @@
+"""Benchmark of raygpt.ops on one CUDA GPU, against PyTorch and a device-to-device copy.
+
+A GPT-2 124M parameter set (llm.c's 16 tensors for L=12, C=768, Vp=50304, maxT=1024) as one
+flat buffer:
+
+* global_norm_squared over bf16 grads vs torch.nn.utils.get_total_norm over the 148 per-layer
+  PyTorch gradient views (foreach);
+* adamw_update (bf16 params + fp32 master, m, v) vs torch.optim.AdamW(fused=True) on fp32
+  params: both move 28 bytes per parameter;
+* adamw_update in fp32 mode, and copy_master_to_params (stochastic rounding);
+* a device-to-device copy of the same bytes, measured in the same run, as the bandwidth
+  reference (bytes read + bytes written over time).
+
+CUDA events around each call, warm-up first, median of --iters. Not a test: prints a table.
+    python bench/ops.py [--iters 50] [--sweep]
+
+Measured on one H200 (torch 2.11, triton 3.6), device ms (% of copy bandwidth, vs torch):
+norm bf16 0.064 (96%, 2.2x get_total_norm), norm fp32 0.122 (98%, 1.5x), AdamW bf16+master
+0.852 (96%, 1.20x AdamW fused fp32 at 1.023), AdamW fp32 0.828 (99%, 1.24x),
+copy_master_to_params 0.234 (78%). The --sweep over block sizes found nothing faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raygpt import ops  # noqa: E402
+
+
+def gpt2_tensor_shapes(L=12, C=768, Vp=50304, maxT=1024):
+    """llm.c's parameter tensors in order: (name, shape, weight decay, per-layer)."""
+    return [
+        ("wte", (Vp, C), True, False), ("wpe", (maxT, C), True, False),
+        ("ln1w", (L, C), False, True), ("ln1b", (L, C), False, True),
+        ("qkvw", (L, 3 * C, C), True, True), ("qkvb", (L, 3 * C), False, True),
+        ("attprojw", (L, C, C), True, True), ("attprojb", (L, C), False, True),
+        ("ln2w", (L, C), False, True), ("ln2b", (L, C), False, True),
+        ("fcw", (L, 4 * C, C), True, True), ("fcb", (L, 4 * C), False, True),
+        ("fcprojw", (L, C, 4 * C), True, True), ("fcprojb", (L, C), False, True),
+        ("lnfw", (C,), False, False), ("lnfb", (C,), False, False),
+    ]
+
+
+def per_layer_views(flat, shapes):
+    """The PyTorch model's parameters as views of the flat buffer: a stacked llm.c tensor of
+    shape (L, ...) becomes L tensors of shape (...)."""
+    views, offset = [], 0
+    for _, shape, _, per_layer in shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        t = flat[offset:offset + numel].view(shape)
+        views.extend(list(t.unbind(0)) if per_layer else [t])
+        offset += numel
+    return views
+
+
+def measure(fn, iters, warmup=5):
+    """(median device ms, host us per call) of fn(), by CUDA events.
+
+    The GPU is kept busy (torch.cuda._sleep) while the host enqueues every timed call, so the
+    events time the kernels, not the host's launch path (Python, custom-op dispatch, Triton's
+    launcher), which for the 0.1 ms norm is of the same order as the kernel itself. The host
+    time is that enqueueing, per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than enqueueing all the calls
+    t0 = time.perf_counter()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    host_us = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events), host_us
+
+
+def copy_reference(src_bytes, iters):
+    """(ms, host us, GB/s) of a device-to-device copy of src_bytes (reads and writes them)."""
+    src = torch.empty(src_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms, host_us = measure(lambda: dst.copy_(src), iters)
+    return ms, host_us, 2 * src.numel() * 4 / ms / 1e6
+
+
+class Table:
+    """Rows of op, device ms, bytes moved, reference copy GB/s, torch's device ms."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, op, timing, nbytes, copy_gbs, torch_ms=None):
+        ms, host_us = timing
+        self.rows.append((op, ms, host_us, nbytes, copy_gbs, torch_ms))
+
+    def print(self):
+        print()
+        print(f"{'op':<40} {'ms':>7} {'host us':>8} {'GB/s':>6} {'% copy':>7} {'vs torch':>9}")
+        for op, ms, host_us, nbytes, copy_gbs, torch_ms in self.rows:
+            gbs = nbytes / ms / 1e6
+            speed = f"{torch_ms / ms:8.2f}x" if torch_ms else ""
+            print(f"{op:<40} {ms:7.3f} {host_us:8.0f} {gbs:6.0f} {100 * gbs / copy_gbs:6.0f}% "
+                  f"{speed:>9}")
+        print("ms: median device time; host us: enqueue cost per call; GB/s: bytes read + "
+              "written once over ms;\n% copy: of a device-to-device copy of the same bytes; "
+              "vs torch: torch's device ms over ours (get_total_norm foreach / AdamW fused)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time other block sizes / warps of the Triton kernels")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/ops.py needs a CUDA GPU")
+    from raygpt.ops import triton_kernels as tk
+
+    torch.manual_seed(0)
+    shapes = gpt2_tensor_shapes()
+    sizes = [torch.Size(s).numel() for _, s, _, _ in shapes]
+    decay = [d for _, _, d, _ in shapes]
+    n = sum(sizes)
+    seg = ops.Segments.build(sizes, decay, device="cuda")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"GPT-2 124M: {n:,} parameters in {len(sizes)} llm.c tensors")
+    table = Table()
+    it = args.iters
+
+    # --- global norm -------------------------------------------------------------------------
+    grad_bf16 = (torch.randn(n, device="cuda") * 1e-2).to(torch.bfloat16)
+    grad_fp32 = grad_bf16.float()
+    views = per_layer_views(grad_bf16, shapes)
+    views32 = per_layer_views(grad_fp32, shapes)
+    ours = ops.global_norm_squared(grad_bf16).sqrt().item()
+    theirs = torch.nn.utils.get_total_norm(views, foreach=True).item()
+    print(f"grad norm: ours {ours:.6f}  torch {theirs:.6f} (over {len(views)} views)")
+    assert abs(ours - theirs) / theirs < 1e-2, (ours, theirs)
+
+    copy_ms, copy_host, copy2 = copy_reference(2 * n, it)  # the bf16 grad buffer's bytes
+    table.add("copy (bf16 grad bytes)", (copy_ms, copy_host), 4 * n, copy2)
+    copy_ms, copy_host, copy4 = copy_reference(4 * n, it)
+    table.add("copy (fp32 grad bytes)", (copy_ms, copy_host), 8 * n, copy4)
+    torch_ms = measure(lambda: torch.nn.utils.get_total_norm(views, foreach=True), it)[0]
+    table.add("global_norm_squared bf16", measure(lambda: ops.global_norm_squared(grad_bf16),
+                                                  it), 2 * n, copy2, torch_ms)
+    torch_ms = measure(lambda: torch.nn.utils.get_total_norm(views32, foreach=True), it)[0]
+    table.add("global_norm_squared fp32", measure(lambda: ops.global_norm_squared(grad_fp32),
+                                                  it), 4 * n, copy4, torch_ms)
+    if args.sweep:
+        saved = (tk.NORM_BLOCK, tk.NORM_WARPS, tk.NORM_PROGRAMS)
+        for block, warps, programs in [(2048, 4, 2048), (8192, 8, 1024), (8192, 16, 512),
+                                       (16384, 16, 512), (8192, 8, 2048)]:
+            tk.NORM_BLOCK, tk.NORM_WARPS, tk.NORM_PROGRAMS = block, warps, programs
+            table.add(f"  sweep norm bf16 B={block} w={warps} P={programs}",
+                      measure(lambda: ops.global_norm_squared(grad_bf16), it), 2 * n, copy2)
+        tk.NORM_BLOCK, tk.NORM_WARPS, tk.NORM_PROGRAMS = saved
+    del grad_fp32, views32
+
+    # --- AdamW -------------------------------------------------------------------------------
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    master = torch.randn(n, device="cuda") * 0.02
+    param = master.to(torch.bfloat16)
+    m = torch.zeros(n, device="cuda")
+    v = torch.zeros(n, device="cuda")
+    adam_bytes = 28 * n  # read grad 2, m 4, v 4, master 4; write m, v, master 12, param 2
+    copy_ms, copy_host, copy_adam = copy_reference(adam_bytes // 2, it)
+    table.add("copy (AdamW bytes)", (copy_ms, copy_host), adam_bytes, copy_adam)
+
+    step = [0]
+
+    def ours_bf16(segments=seg):
+        step[0] += 1
+        ops.adamw_update(param, grad_bf16, m, v, master, segments, grad_scale=1.0, step=step[0],
+                         seed=step[0], **hyper)
+
+    # torch: the 148 per-layer fp32 parameters with fp32 grads, decay / no-decay groups; also
+    # 28 bytes per parameter (read p, g, m, v; write p, m, v)
+    decay_flags = [d for _, shape, d, per_layer in shapes for _ in range(shape[0] if per_layer
+                                                                            else 1)]
+    tparams = [torch.nn.Parameter(t.clone()) for t in per_layer_views(master, shapes)]
+    for p, g in zip(tparams, per_layer_views(grad_bf16.float(), shapes)):
+        p.grad = g.clone()
+    groups = [{"params": [p for p, d in zip(tparams, decay_flags) if d]},
+              {"params": [p for p, d in zip(tparams, decay_flags) if not d],
+               "weight_decay": 0.0}]
+    topt = torch.optim.AdamW(groups, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                             eps=hyper["eps"], weight_decay=hyper["weight_decay"], fused=True)
+    torch_timing = measure(topt.step, it)
+    table.add("torch AdamW(fused) fp32", torch_timing, adam_bytes, copy_adam, torch_timing[0])
+    table.add("adamw_update bf16+master", measure(ours_bf16, it), adam_bytes, copy_adam,
+              torch_timing[0])
+    del tparams, groups, topt
+
+    w32, g32 = master.clone(), grad_bf16.float()
+    m32, v32 = torch.zeros_like(w32), torch.zeros_like(w32)
+
+    def ours_fp32():
+        step[0] += 1
+        ops.adamw_update(w32, g32, m32, v32, None, seg, grad_scale=1.0, step=step[0],
+                         seed=step[0], **hyper)
+
+    table.add("adamw_update fp32", measure(ours_fp32, it), adam_bytes, copy_adam,
+              torch_timing[0])
+    del w32, g32, m32, v32
+
+    if args.sweep:
+        for block in (512, 2048, 4096):
+            seg_b = ops.Segments.build(sizes, decay, device="cuda", block=block)
+            table.add(f"  sweep adamw bf16 block={block}", measure(lambda: ours_bf16(seg_b), it),
+                      adam_bytes, copy_adam, torch_timing[0])
+
+    sr_bytes = 6 * n  # read master 4, write param 2
+    copy_ms, copy_host, copy_sr = copy_reference(sr_bytes // 2, it)
+    table.add("copy_master_to_params", measure(
+        lambda: ops.copy_master_to_params(param, master, seg, 7), it), sr_bytes, copy_sr)
+
+    table.print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The optimizer's two hot loops, one interface: global gradient norm and fused AdamW.
+
+CUDA tensors go to the Triton kernels (triton_kernels.py, registered as torch custom ops under
+`torch.ops.raygpt`); anything else goes to the plain-PyTorch reference (reference.py), which is
+the specification of the math and of the stochastic-rounding hash. Both paths give bitwise-equal
+bf16 for the same fp32 master weights and seed.
+
+All tensors are flat 1-D buffers in llm.c's parameter order (see the team brief). A `Segments`
+says which model tensors a shard [lo, hi) of that buffer holds; ZeRO-1 updates such a slice,
+without ZeRO lo=0 and hi=total. Build it once per run, on the device of the buffers.
+
+    segments = Segments.build(sizes, decay, lo, hi, device="cuda")
+    norm = global_norm_squared(grad_shard).sqrt()            # all-reduce first under ZeRO
+    adamw_update(param, grad, m, v, master, segments, lr=lr, beta1=0.9, beta2=0.95, eps=1e-8,
+                 weight_decay=0.1, grad_scale=min(1.0, clip / norm), step=step + 1, seed=seed)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .reference import Segments
+
+__all__ = ["Segments", "global_norm_squared", "adamw_update", "copy_master_to_params",
+           "stochastic_round_bf16"]
+
+
+_triton_kernels = None
+
+
+def _triton():
+    """The Triton module, imported on first use (it needs Triton; CPU-only machines never get
+    here). Kept in a global so torch.compile traces a plain attribute read after the first call."""
+    global _triton_kernels
+    if _triton_kernels is None:
+        from . import triton_kernels
+        _triton_kernels = triton_kernels
+    return _triton_kernels
+
+
+def global_norm_squared(grad: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a flat grad buffer (fp32 or bf16) as a 0-dim fp32 tensor on its device.
+
+    Accumulated in fp32; on CUDA per-block partial sums then an in-order final sum (no atomics),
+    so repeated calls are bitwise identical. NaN/Inf in the buffer propagate to the result. The
+    caller takes the sqrt, after summing over ranks when each rank holds a shard.
+    """
+    if grad.dim() != 1 or not grad.is_contiguous():
+        raise ValueError(f"global_norm_squared: expected a contiguous 1-D buffer, found shape "
+                         f"{tuple(grad.shape)}")
+    if grad.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"global_norm_squared: expected fp32 or bf16, found {grad.dtype}")
+    if grad.is_cuda:
+        return _triton().global_norm_squared(grad)
+    return reference.global_norm_squared(grad)
+
+
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 master: torch.Tensor | None, segments: Segments, *, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, grad_scale: float, step: int,
+                 seed: int) -> None:
+    """One AdamW step over the shard, in place (llm.c's form, one pass over memory):
+
+        g = grad * grad_scale                      (fp32)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1**step);  v_hat = v / (1 - beta2**step)
+        w = w - lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)   wd = weight_decay on decay tensors
+
+    fp32 mode: param is the fp32 weights, master is None. bf16 mode: master holds the fp32
+    weights (updated), and param is re-derived from it by stochastic rounding with `seed`.
+    `step` counts from 1. grad is in the working dtype; m, v are fp32.
+    """
+    impl = _triton() if param.is_cuda else reference
+    impl.adamw_update(param, grad, m, v, master, segments, lr=lr, beta1=beta1, beta2=beta2,
+                      eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, step=step,
+                      seed=seed)
+
+
+def stochastic_round_bf16(x: torch.Tensor, segments: Segments, seed: int) -> torch.Tensor:
+    """fp32 shard -> bf16 by stochastic rounding keyed on (seed, tensor id, index in tensor)."""
+    if x.is_cuda:
+        return _triton().stochastic_round_bf16(x, segments, seed)
+    return reference.stochastic_round_bf16(x, segments, seed)
+
+
+def copy_master_to_params(param: torch.Tensor, master: torch.Tensor, segments: Segments,
+                          seed: int) -> None:
+    """Re-derive the working weights from master: bitwise what adamw_update wrote with `seed`.
+
+    Checkpoint resume stores master and the last update's seed, and calls this.
+    """
+    if param.shape != master.shape or master.dtype != torch.float32:
+        raise ValueError(f"copy_master_to_params: expected fp32 master of shape "
+                         f"{tuple(param.shape)}, found {master.dtype} {tuple(master.shape)}")
+    if param.dtype == torch.float32:
+        param.copy_(master)
+    elif param.is_cuda:
+        _triton().stochastic_round_bf16(master, segments, seed, out=param)  # no temporary
+    else:
+        param.copy_(reference.stochastic_round_bf16(master, segments, seed))

@@ -1,0 +1,1 @@
+"""Tests for raygpt.ops: global norm, AdamW, stochastic rounding (reference and Triton)."""
