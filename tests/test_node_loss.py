@@ -1,0 +1,69 @@
+"""Node loss: a Ray cluster (head + two 1-CPU worker nodes) loses a worker node ungracefully
+mid-run; a replacement joins; Ray Train restarts the worker group and raygpt resumes from a
+verified checkpoint with the losses an uninterrupted run has."""
+
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from raygpt import checkpoint as ck
+from raygpt.storage import open_run_dir
+from raygpt.trainer import run
+from tests.helpers import records, tiny_config, train_losses
+
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                          "health_check_initial_delay_ms": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=True,
+                head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"gave up after {timeout} s waiting for {what}")
+
+
+def test_node_loss_resumes_with_uninterrupted_losses(cluster, tmp_path):
+    c, nodes = cluster
+    base = dict(num_workers=2, max_steps=16, checkpoint_every=4, max_failures=3)
+    full = tiny_config(tmp_path / "full", **base).resolve(0)
+    run(full)
+
+    lossy = tiny_config(tmp_path / "lossy", **base).resolve(0)
+    result, error = {}, []
+    t = threading.Thread(target=lambda: _run_into(lossy, result, error), daemon=True)
+    t.start()
+    rd = open_run_dir(str(tmp_path / "lossy"))
+    wait_for(lambda: rd.exists() and ck.find_latest_verified(rd, warn=lambda m: None) is not None,
+             120, "the first verified checkpoint")
+    c.remove_node(nodes[1], allow_graceful=False)  # the node dies with its worker
+    c.add_node(num_cpus=1)  # a replacement joins (from the main thread, as Ray requires)
+    t.join(timeout=300)
+    assert not t.is_alive(), "the run did not finish after the node loss"
+    assert not error, error
+    assert result["failures"] >= 1 and result["step"] == 16
+    resumed_from = [r["resumed_from"] for r in records(tmp_path / "lossy") if r["kind"] == "resume"]
+    assert resumed_from and all(s % 4 == 0 for s in resumed_from)
+    assert train_losses(tmp_path / "lossy") == train_losses(tmp_path / "full")
+
+
+def _run_into(cfg, result, error):
+    try:
+        result.update(run(cfg))
+    except Exception as e:  # surfaced by the test
+        error.append(repr(e))

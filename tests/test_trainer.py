@@ -1,0 +1,118 @@
+"""raygpt under Ray Train with 2 gloo workers: learning, data parallel equivalence, and real
+faults (a killed worker, SIGTERM, SIGUSR1, a crash before DONE, a fault on every attempt).
+One local Ray (2 CPUs) is shared by the whole module."""
+
+import pytest
+import ray
+
+from raygpt import checkpoint as ck
+from raygpt.storage import open_run_dir
+from raygpt.trainer import RunFailed, run
+from tests.helpers import records, tiny_config, train_losses
+
+TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def go(cfg):
+    return run(cfg.resolve(0))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full2")
+    cfg = tiny_config(run_dir, **TWO, val_every=6)
+    summary = go(cfg)
+    return run_dir, cfg, summary
+
+
+def test_two_workers_learn(uninterrupted):
+    run_dir, cfg, summary = uninterrupted
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(12))
+    assert losses[11] < losses[0] - 0.5
+    vals = [r["val_loss"] for r in records(run_dir) if r["kind"] == "val"]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    rd = open_run_dir(str(run_dir))
+    assert ck.list_checkpoint_steps(rd) == [4, 8, 12]
+    assert all(not ck.verify_checkpoint(rd, s) for s in (4, 8, 12))
+    assert summary["failures"] == 0
+
+
+def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
+    two = tiny_config(tmp_path / "two", num_workers=2, max_steps=4, checkpoint_every=0, shuffle=False)
+    one = tiny_config(tmp_path / "one", num_workers=1, batch_size=8, max_steps=4,
+                      checkpoint_every=0, shuffle=False)
+    go(two), go(one)
+    a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert a.keys() == b.keys()
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6)
+
+
+def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "killed"
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "fault": "kill:rank=1,step=6"}))
+    assert summary["failures"] == 1 and summary["resumes"] == 1
+    resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
+    assert resumes[0]["resumed_from"] == 4
+    assert train_losses(run_dir) == train_losses(full_dir)
+    full, mine = open_run_dir(str(full_dir)), open_run_dir(str(run_dir))
+    name = f"{ck.step_dir(12)}/{ck.model_file(12)}"
+    assert full.read_bytes(name) == mine.read_bytes(name)  # final weights bit for bit
+
+
+def test_sigterm_to_one_worker_stops_cleanly_and_resumes(uninterrupted, tmp_path):
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "term"
+    stopped = cfg.with_overrides({"output_dir": str(run_dir), "fault": "sigterm:rank=1,step=6"})
+    summary = go(stopped)
+    assert summary["stopped_early"] and summary["step"] == 7 and summary["failures"] == 0
+    rd = open_run_dir(str(run_dir))
+    assert 7 in ck.list_checkpoint_steps(rd) and not ck.verify_checkpoint(rd, 7)
+    summary = go(stopped.with_overrides({"resume": 1}))
+    assert summary["step"] == 12 and not summary["stopped_early"]
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_sigusr1_adds_a_checkpoint_and_changes_nothing(uninterrupted, tmp_path):
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "usr1"
+    go(cfg.with_overrides({"output_dir": str(run_dir), "fault": "sigusr1:rank=1,step=5"}))
+    assert ck.list_checkpoint_steps(open_run_dir(str(run_dir))) == [4, 6, 8, 12]
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, tmp_path):
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "nodone"
+    crashing = cfg.with_overrides({"output_dir": str(run_dir), "fault": "crash_before_done:step=8"})
+    with pytest.raises(Exception):
+        go(crashing)
+    rd = open_run_dir(str(run_dir))
+    assert ck.verify_checkpoint(rd, 8)  # its files are there, its DONE is not
+    assert ck.find_latest_verified(rd, warn=lambda m: None) == 4
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "resume": 1}))
+    assert summary["step"] == 12
+    resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
+    assert resumes[-1]["resumed_from"] == 4
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
+    cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1,
+                      fault="raise:rank=0,step=2,every=1")
+    with pytest.raises(RunFailed) as e:
+        go(cfg)
+    failures = [r for r in records(tmp_path) if r["kind"] == "failure"]
+    assert len(failures) == 2  # max_failures + 1 attempts, each failed
+    starts = [r for r in records(tmp_path) if r["kind"] in ("start", "resume")]
+    assert len(starts) == 2
+    assert "2 attempt(s)" in str(e.value) and "InjectedFault" in str(e.value)
