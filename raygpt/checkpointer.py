@@ -35,7 +35,7 @@ from raygpt import checkpoint as ck
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint
 from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
-from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.schedule import wsd_decay_start
 from raygpt.state import TrainState
 from raygpt.storage import RunDir
@@ -123,6 +123,7 @@ class Checkpointer:
         self.stall_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
         self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
+        self._host_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ policy
     def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
@@ -173,18 +174,27 @@ class Checkpointer:
             self._pending = (state.step, stage, thread, result)
 
     def _host_snapshot(self, state: TrainState, loader) -> dict:
-        """Copy everything a checkpoint holds to host memory; training may go on afterwards."""
-        def host(t):
-            return t.detach().to("cpu", copy=True) if t is not None else None
-
+        """Copy everything a checkpoint holds to host memory; training may go on afterwards.
+        On a GPU the copies go into pinned buffers allocated once (reused: at most one save is
+        in flight) and run asynchronously; one stream sync ends the stall."""
         opt = self.opt
-        snap = {
-            "step": state.step, "rng_state": state.rng_state,
-            "rng_state_last_update": state.rng_state_last_update,
-            "m": host(opt.m), "v": host(opt.v), "master": host(opt.master),
-            "loader_state": loader.state_dict(), "extras": state.extras(),
-            "params": host(self.flat.params[:self.flat.num_parameters]) if self.rank == 0 else None,
-        }
+        tensors = {"m": opt.m, "v": opt.v, "master": opt.master,
+                   "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None}
+        snap = {"step": state.step, "rng_state": state.rng_state,
+                "rng_state_last_update": state.rng_state_last_update,
+                "loader_state": loader.state_dict(), "extras": state.extras()}
+        for name, t in tensors.items():
+            if t is None:
+                snap[name] = None
+                continue
+            buf = self._host_buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                self._host_buffers[name] = buf
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            snap[name] = buf
+        if self.flat.params.is_cuda:
+            torch.cuda.current_stream().synchronize()
         return snap
 
     def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
@@ -268,14 +278,17 @@ class Checkpointer:
 
     def load(self, step: int, state: TrainState, loader) -> None:
         manifest = ck.read_manifest(self.run_dir, step)
-        ck.check_compatible(manifest, config_identity=self.cfg.identity(),
-                            tokenizer_hash=self.fingerprints["tokenizer_hash"],
-                            data_hash=self.fingerprints["data_hash"], world_size=self.world)
+        try:
+            ck.check_compatible(manifest, config_identity=self.cfg.identity(),
+                                tokenizer_hash=self.fingerprints["tokenizer_hash"],
+                                data_hash=self.fingerprints["data_hash"], world_size=self.world)
+            same_sharding = manifest.get("extra", {}).get("zero_stage", 0) == self.cfg.zero_stage
+        except ck.WorldSizeMismatch:
+            same_sharding = False
+        # elastic resume: written by N ranks (or another ZeRO stage), read by this run's M
+        sf = self._read_own_state(step) if same_sharding else self._read_resharded_state(step, manifest)
         sdir = ck.step_dir(step)
         opt = self.opt
-        sf = ck.read_state_file(self.run_dir.read_bytes(f"{sdir}/{ck.state_file(step, self.rank)}"),
-                                num_parameters=opt.hi - opt.lo, expect_processes=self.world,
-                                expect_rank=self.rank)
         # 1. optimizer state and master weights
         opt.m.copy_(torch.from_numpy(sf.m))
         opt.v.copy_(torch.from_numpy(sf.v))
@@ -298,6 +311,47 @@ class Checkpointer:
         state.rng_state = sf.rng_state
         loader.load_state_dict(sf.loader_state)
         state.load_extras(sf.extras)
+
+    def _read_own_state(self, step: int):
+        sdir, opt = ck.step_dir(step), self.opt
+        return ck.read_state_file(self.run_dir.read_bytes(f"{sdir}/{ck.state_file(step, self.rank)}"),
+                                  num_parameters=opt.hi - opt.lo, expect_processes=self.world,
+                                  expect_rank=self.rank)
+
+    def _read_resharded_state(self, step: int, manifest: dict):
+        """A checkpoint of N ranks resumed on this run's M ranks (llm.c refuses this; raygpt
+        re-splits). Everything but the optimizer tensors is rank-independent (the loader state is
+        a global cursor, the RNG and policy state are replicated), so it comes from rank 0's file.
+        m, v and the master weights are the concatenation of the N shards in rank order (or rank
+        0's full copy without ZeRO), sliced to this rank's [lo, hi). The global batch is kept by
+        the config (total_batch_size is part of its identity); grad accumulation absorbs M."""
+        n_old = manifest["world_size"]
+        zero_old = manifest.get("extra", {}).get("zero_stage", 0)
+        total = self.flat.num_parameters
+        sdir = ck.step_dir(step)
+        ranks = range(n_old) if zero_old == 1 and n_old > 1 else [0]
+        parts = {"m": [], "v": [], "master": []}
+        first = None
+        for r in ranks:
+            name = f"{sdir}/{ck.state_file(step, r)}"
+            if not self.run_dir.exists(name):
+                raise ck.CheckpointError(f"{self.run_dir.uri(name)}: expected the state file of "
+                                         f"rank {r} of {n_old} to reshard from, found none")
+            lo, hi = shard_range(total, r, n_old, zero_old)
+            sf = ck.read_state_file(self.run_dir.read_bytes(name), num_parameters=hi - lo,
+                                    expect_processes=n_old, expect_rank=r)
+            first = first or sf
+            for key in parts:
+                if getattr(sf, key) is not None:
+                    parts[key].append(getattr(sf, key))
+        lo, hi = self.opt.lo, self.opt.hi
+        for key, arrays in parts.items():
+            setattr(first, key, np.concatenate(arrays)[lo:hi] if arrays else None)
+        if self.rank == 0:
+            print(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) (ZeRO-{zero_old})"
+                  f" resharded onto {self.world} rank(s) (ZeRO-{self.cfg.zero_stage}); grad "
+                  f"accumulation now {self.cfg.grad_accum_steps(self.world)}", flush=True)
+        return first
 
     def rewind_to(self, step: int, state: TrainState, loader) -> None:
         """Reload checkpoint `step` for a spike rewind, keeping the policy's memory (the rewind

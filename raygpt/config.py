@@ -37,7 +37,8 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "max_steps", "val_every", "val_batches", "sample_every", "gen_tokens", "checkpoint_every",
     "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite", "output_dir",
     "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
-    "watch_every", "async_checkpoint", "max_rewinds", "deterministic",
+    "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
+    "min_workers", "compile", "record_samples",
 })
 
 
@@ -153,6 +154,9 @@ class TrainConfig:
     """auto | cpu | gpu."""
     num_workers: int | None = None
     """Ray Train workers; default: every visible GPU, or 2 CPU workers."""
+    min_workers: int | None = None
+    """Elastic: continue on as few as this many workers after losing nodes (None: fixed size).
+    The global batch (-d) stays the same; grad accumulation absorbs the change."""
     precision: str | None = None
     """bf16 (working weights bf16, fp32 master) or fp32; default bf16 on GPU, fp32 on CPU."""
     zero_stage: int = 0
@@ -172,6 +176,8 @@ class TrainConfig:
     """Fault injection for tests, e.g. 'kill:rank=1,step=7' (see raygpt.faults); off when empty."""
     log_every: int = 1
     """Console line every N steps."""
+    record_samples: bool = False
+    """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -279,10 +285,14 @@ class TrainConfig:
         else:
             need(os.path.isfile(self.model), "-e/--model",
                  "dN (N in 1-6, 12, 24, 36, 48) or an existing llm.c model_*.bin file", self.model)
-        micro = self.batch_size * self.seq_len * self.num_workers
-        need(self.total_batch_size > 0 and self.total_batch_size % micro == 0, "-d/--total-batch-size",
-             f"a positive multiple of B*T*world = {self.batch_size}*{self.seq_len}*{self.num_workers}"
-             f" = {micro}", self.total_batch_size)
+        need(self.min_workers is None or 1 <= self.min_workers <= self.num_workers,
+             "--min-workers", f"an integer in [1, --num-workers={self.num_workers}]", self.min_workers)
+        for world in range(self.min_workers or self.num_workers, self.num_workers + 1):
+            micro = self.batch_size * self.seq_len * world
+            need(self.total_batch_size > 0 and self.total_batch_size % micro == 0,
+                 "-d/--total-batch-size",
+                 f"a positive multiple of B*T*world = {self.batch_size}*{self.seq_len}*{world}"
+                 f" = {micro}", self.total_batch_size)
         need(bool(glob.glob(self.input_bin)), "-i/--input-bin",
              "a glob matching at least one llm.c token shard", self.input_bin)
         if self.input_val_bin:
@@ -366,6 +376,7 @@ _FLAGS = [
     ("-y", "--resume", "resume", int),
     ("-z", "--zero-stage", "zero_stage", int),
     (None, "--num-workers", "num_workers", int),
+    (None, "--min-workers", "min_workers", int),
     (None, "--precision", "precision", str),
     (None, "--seed", "seed", int),
     (None, "--grad-clip", "grad_clip", float),
@@ -406,6 +417,8 @@ def build_parser(prog: str = "raygpt") -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false", default=None)
     p.add_argument("--deterministic", action="store_true", default=None)
+    p.add_argument("--record-samples", action="store_true", default=None,
+                   help="record every step's sample ranges in loss_history.jsonl")
     p.add_argument("--spike", dest="spike_enabled", action="store_true", default=None,
                    help="turn the loss-spike monitor on")
     for long, dest, typ in _SPIKE_FLAGS:

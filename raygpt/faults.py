@@ -9,8 +9,9 @@ separated by ';', each `kind:key=value,...`:
     sigusr1:rank=0,step=9       send SIGUSR1 to this worker process (checkpoint, continue)
     preempt:rank=0,step=9       behave as if Ray announced a preemption of this node
     nan:rank=1,step=12          make this rank's loss (and so every gradient) NaN at step 12
-    crash_before_done:step=20   kill the process after checkpoint 20's files are reported but
-                                before DONE can be written (the driver callback refuses it)
+    crash_before_done:step=20   checkpoint 20's files reach storage but DONE is never written
+                                (the driver's finalizer leaves it, as if it had died there), and
+                                this rank is SIGKILLed two steps later (Ray only)
 
 `rank` defaults to 0. A fault fires once per run directory (a marker file under
 `<run dir>/faults/` remembers it, so the restarted attempt runs clean) unless it carries
@@ -80,7 +81,7 @@ class FaultPlan:
 
     def before_update(self, step: int) -> None:
         """Fire process-level faults due at this step (called at the top of the step)."""
-        if self._arm("kill", step):
+        if self._arm("kill", step) or self._arm("crash_before_done", step - 2):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._arm("raise", step):
             raise InjectedFault(f"injected fault at step {step}")
@@ -94,9 +95,6 @@ class FaultPlan:
 
     def nan_now(self, step: int) -> bool:
         return self._arm("nan", step) is not None
-
-    def crash_before_done(self, step: int) -> bool:
-        return self._arm("crash_before_done", step) is not None
 
 
 def plan_for(spec: str, rank: int, run_dir=None) -> FaultPlan:

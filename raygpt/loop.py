@@ -117,7 +117,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
     history = RunHistory(session.run_dir, cfg, enabled=is_main)
     attempt = history.begin_attempt(resumed_from, session.failure_note())
-    logger = Logger(session.local_run_dir if is_main else None, rank,
+    logger = Logger(session.run_dir if is_main else None, rank,
                     resume=resumed_from is not None or attempt > 1)
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
@@ -131,11 +131,13 @@ def train(cfg: TrainConfig, session: Session) -> dict:
               flush=True)
 
     agree = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
+    clipped_at_last_watch = state.clipped
     val_loss = float("nan")
     stop_requested = False
     t_start = time.perf_counter()
 
-    for step in range(state.step, max_steps + 1):
+    while True:
+        step = state.step  # a rewind moves it back, so the loop reads it rather than counting
         last_step = step == max_steps
 
         # ---------------------------------------------------------- validation and sample
@@ -195,7 +197,10 @@ def train(cfg: TrainConfig, session: Session) -> dict:
 
         if verdict.kind in ("rewind", "escalate"):
             rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
+            resumed_from = state.step  # its checkpoint exists: do not write it again
             continue
+        watching = is_main and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
+        before = flat.params[:flat.num_parameters].clone() if watching else None
         if verdict.kind == "ok":
             state.rng_state_last_update = state.rng_state
             sr_seed, state.rng_state = random_u32(state.rng_state)
@@ -217,7 +222,9 @@ def train(cfg: TrainConfig, session: Session) -> dict:
         # ---------------------------------------------------------- logging
         logger.log_train(step, loss, lr, norm)
         history.train(step, loss=loss, norm=norm, lr=lr, tokens=state.tokens_seen, dt=dt,
-                      verdict=verdict.kind)
+                      verdict=verdict.kind, world=world,
+                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
+                         if cfg.record_samples else {}))
         if is_main and (step % cfg.log_every == 0 or step == max_steps - 1):
             mfu = estimate_mfu(n_params, model.config.n_layer, model.config.n_embd, cfg.seq_len,
                                tokens_per_step / world, dt, session.device_name,
@@ -225,6 +232,16 @@ def train(cfg: TrainConfig, session: Session) -> dict:
             line = format_step_line(step + 1, max_steps, loss, norm, lr, dt * 1000,
                                     tokens_per_step / dt, mfu, precision=cfg.precision)
             print(line if verdict.kind == "ok" else f"{line} | SKIP: {verdict.reason}", flush=True)
+
+        if watching:
+            watch = watch_metrics(flat, before, getattr(model, "last_max_logit", None),
+                                  (state.clipped - clipped_at_last_watch) / cfg.watch_every)
+            clipped_at_last_watch = state.clipped
+            history.event(step, "watch", **watch)
+            logger.log_event(step, "watch", clipped=watch["clipped_frac"], maxlogit=watch["max_logit"])
+            print(f"step {step + 1:5d} | watch: {watch['clipped_frac']:.0%} of steps clipped | max "
+                  f"logit {watch['max_logit']:.2f} | update/param " + " ".join(
+                      f"{k} {v:.1e}" for k, v in watch["update_ratio"].items()), flush=True)
 
         # ---------------------------------------------------------- what the ranks agreed on
         if ready_v >= world:
@@ -249,9 +266,24 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     return summary
 
 
+@torch.no_grad()
+def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
+    """Seed 001's watch metrics: the fraction of recent steps clipped, the largest output logit,
+    and ||update|| / ||param|| per llm.c tensor group (a healthy run keeps these small and steady).
+    One host sync, every watch_every steps only."""
+    after = flat.params[:flat.num_parameters]
+    deltas = torch.split((after.float() - before.float()), flat.tensor_sizes)
+    weights = torch.split(before.float(), flat.tensor_sizes)
+    ratios = torch.stack([d.norm() / w.norm().clamp_min(1e-12) for d, w in zip(deltas, weights)])
+    return {"clipped_frac": clipped_frac,
+            "max_logit": float(max_logit) if max_logit is not None else float("nan"),
+            "update_ratio": dict(zip(flat.names, ratios.tolist()))}
+
+
 def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_samples) -> None:
     """Seed 001's rewind: back to the newest verified checkpoint before the spike began, with the
     spike's data window added to the persisted skip list; escalate past the policy's limits."""
+    ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
     window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
     spike_start = verdict.spike_start if verdict.spike_start is not None else step
     target = rewind_target(ckpt.verified_steps(), spike_start, cfg.spike.safety_steps)
@@ -266,6 +298,5 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
     logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
-    ckpt.wait_and_publish()
     ckpt.rewind_to(target, state, loader)
     loader.add_skip_ranges(window)

@@ -167,7 +167,11 @@ class CheckpointFinalizer(UserCallback):
         run_dir = open_run_dir(self.output_dir)
         step = int(Path(checkpoint.path).name.split("_")[1])
         if self.crash_before_done_step == step:
-            os._exit(1)  # fault injection: the controller dies between registration and DONE
+            # fault injection: act as if the driver died between Ray's registration and DONE
+            print(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST",
+                  flush=True)
+            self.crash_before_done_step = None
+            return
         rank_hashes = {}
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
@@ -219,6 +223,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
         cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
     prepare_run_dir(cfg)
     if not ray.is_initialized():
+        # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
     control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
     control = RunControl.options(name=control_name).remote()
@@ -231,13 +237,17 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
+        scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
+                                                  else (cfg.min_workers, cfg.num_workers)),
+                                     use_gpu=use_gpu,
                                      resources_per_worker=None if use_gpu else {"CPU": 1}),
         run_config=RunConfig(
             name=name, storage_path=storage_path,
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          max_preemption_failures=cfg.max_preemption_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
+            # Ray Train's INFO lines repeat every report's metrics; raygpt prints its own
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=[finalizer]),
     )
     t0 = time.time()

@@ -133,3 +133,16 @@ def test_nonfinite_step_is_skipped_without_touching_weights(tmp_path):
     assert after.step == before.step + 1
     later, _ = state_arrays(tmp_path, 5, n)
     assert not np.array_equal(after.m, later.m)  # the next clean step updates again
+
+
+def test_watch_metrics_are_logged_every_k_steps(tmp_path):
+    run_local(tiny_config(tmp_path, max_steps=6, watch_every=3, checkpoint_every=0, grad_clip=0.5))
+    watch = [r for r in records(tmp_path) if r["kind"] == "watch"]
+    assert [r["step"] for r in watch] == [2, 5]
+    for r in watch:
+        assert r["clipped_frac"] == 1.0  # every norm of a fresh model is above 0.5
+        assert r["max_logit"] > 0
+        assert set(r["update_ratio"]) >= {"wte", "qkvw", "lnfw"}
+        assert all(0 < v < 1 for v in r["update_ratio"].values())
+    log = (tmp_path / "main.log").read_text()
+    assert "s:2 watch:1" in log

@@ -1,0 +1,70 @@
+"""Loss-spike recovery in the loop (LocalSession): a NaN spike rewinds once to the checkpoint
+before it, skips its data window for good, and a spike that comes back lowers lr_scale and,
+past the limit, stops the run with a clear error."""
+
+import pytest
+import torch
+
+from raygpt import checkpoint as ck
+from raygpt.config import SpikeConfig
+from raygpt.loop import TrainingStopped, train
+from raygpt.session import LocalSession
+from raygpt.storage import open_run_dir
+from tests.helpers import records, tiny_config, train_losses
+
+
+def run_local(cfg):
+    return train(cfg.resolve(0), LocalSession(open_run_dir(cfg.output_dir), torch.device("cpu")))
+
+
+def spike_config(run_dir, **kw):
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=1, max_rewinds=2)
+    return tiny_config(run_dir, **{"max_steps": 12, "checkpoint_every": 2, "spike": spike, **kw})
+
+
+def test_one_spike_one_rewind_and_its_window_is_skipped_for_good(tmp_path):
+    summary = run_local(spike_config(tmp_path, fault="nan:rank=0,step=7"))
+    assert summary["rewinds"] == 1 and summary["step"] == 12
+    rewinds = [r for r in records(tmp_path) if r["kind"] == "rewind"]
+    assert len(rewinds) == 1
+    rw = rewinds[0]
+    assert rw["step"] == 7 and rw["to_step"] == 6 and rw["lr_scale"] == 1.0
+    window = [tuple(w) for w in rw["window"]]
+    assert sum(end - start for _, start, end in window) == 4  # the step's 4 samples
+    losses = train_losses(tmp_path)
+    assert sorted(losses) == list(range(12)) and all(l == l for l in losses.values())
+    # every checkpoint written after the rewind carries the window in its skip list
+    rd = open_run_dir(str(tmp_path))
+    n = ck.read_manifest(rd, 12)["num_parameters"]
+    sf = ck.read_state_file(rd.read_bytes("step_00000012/state_00000012_00000.bin"), num_parameters=n)
+    assert set(window) <= {tuple(r) for r in sf.loader_state["skip_ranges"]}
+    sf6 = ck.read_state_file(rd.read_bytes("step_00000006/state_00000006_00000.bin"), num_parameters=n)
+    assert not sf6.loader_state["skip_ranges"]
+
+
+def test_resume_after_a_rewind_keeps_skipping_the_window(tmp_path):
+    run_local(spike_config(tmp_path, fault="nan:rank=0,step=7", max_steps=10))
+    first = train_losses(tmp_path)
+    # resume from the last checkpoint (10) and extend: the skip list comes back with it
+    cfg = spike_config(tmp_path, fault="nan:rank=0,step=7", max_steps=10, resume=1)
+    rd = open_run_dir(str(tmp_path))
+    n = ck.read_manifest(rd, 10)["num_parameters"]
+    sf = ck.read_state_file(rd.read_bytes("step_00000010/state_00000010_00000.bin"), num_parameters=n)
+    rewinds = [r for r in records(tmp_path) if r["kind"] == "rewind"]
+    assert {tuple(w) for w in rewinds[0]["window"]} <= {tuple(r) for r in sf.loader_state["skip_ranges"]}
+    assert sf.extras["ledger"]["rewinds"] == 1
+    assert first.keys() == set(range(10))
+
+
+def test_a_region_that_spikes_again_lowers_lr_scale_then_escalates(tmp_path):
+    cfg = spike_config(tmp_path, fault="nan:rank=0,step=7,every=1")
+    with pytest.raises(TrainingStopped, match="exceeds --spike-max-rewinds 2"):
+        run_local(cfg)
+    rewinds = [r for r in records(tmp_path) if r["kind"] == "rewind"]
+    assert [r["lr_scale"] for r in rewinds] == [1.0, 0.7, pytest.approx(0.49)]
+    assert all(r["to_step"] == 6 for r in rewinds)
+
+
+def test_without_the_monitor_a_nan_step_is_skipped_not_rewound(tmp_path):
+    summary = run_local(tiny_config(tmp_path, max_steps=8, fault="nan:rank=0,step=5"))
+    assert summary["rewinds"] == 0 and summary["skips"] == 1
