@@ -31,6 +31,7 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import checkpoint as ck
 from raygpt import signals
@@ -111,7 +112,12 @@ class RaySession(Session):
                 self._control_ref = self._control.poll.remote()
             ready, _ = ray.wait([self._control_ref], timeout=0)
             if ready:
-                stop, saves = ray.get(self._control_ref)
+                try:
+                    stop, saves = ray.get(self._control_ref)
+                except ray.exceptions.RayError as e:  # the driver is gone: train on without it
+                    print(f"raygpt | WARNING: lost the driver's control channel ({type(e).__name__})"
+                          f"; signals to the driver no longer reach the workers", flush=True)
+                    self._control, stop, saves = None, False, self._saves_seen
                 self._control_ref = None
                 save = saves > self._saves_seen
                 self._saves_seen = saves
@@ -227,7 +233,11 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
     control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-    control = RunControl.options(name=control_name).remote()
+    # on the driver's own node: the control channel must not die with a worker node
+    here = ray.get_runtime_context().get_node_id()
+    control = RunControl.options(
+        name=control_name,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
     restore = _forward_signals_to(control)
     storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
@@ -254,7 +264,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
     try:
         result = trainer.fit()
     except Exception as e:  # Ray raises once the retry budget is spent
-        raise RunFailed(_failure_report(cfg, finalizer, e)) from e
+        raise RunFailed(_failure_report(cfg, t0, e)) from e
     finally:
         restore()
         ray.kill(control)
@@ -269,12 +279,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
     return final
 
 
-def _failure_report(cfg, finalizer, error) -> str:
+def _failure_report(cfg, since: float, error) -> str:
+    """What each attempt of this job died of (the finalizer records failures as they happen)."""
     records = read_history(open_run_dir(cfg.output_dir))
-    failures = [r for r in records if r.get("kind") == "failure"]
-    lines = [f"raygpt run {cfg.output_dir} failed after {finalizer.failures + 1 if finalizer.failures else 1} "
-             f"attempt(s) (--max-failures {cfg.max_failures}):"]
-    for r in failures[-(cfg.max_failures + 1):]:
+    failures = [r for r in records if r.get("kind") == "failure" and r.get("time", 0) >= since]
+    lines = [f"raygpt run {cfg.output_dir} failed after {max(len(failures), 1)} attempt(s) "
+             f"(--max-failures {cfg.max_failures}):"]
+    for r in failures:
         lines.append(f"  failure {r['failure']}: " + "; ".join(f"rank {k}: {v}" for k, v in r["causes"].items()))
     lines.append(f"  final error: {type(error).__name__}: {str(error)[:500]}")
     return "\n".join(lines)

@@ -67,3 +67,24 @@ def _run_into(cfg, result, error):
         result.update(run(cfg))
     except Exception as e:  # surfaced by the test
         error.append(repr(e))
+
+
+def test_elastic_run_finishes_on_fewer_workers_after_node_loss(cluster, tmp_path):
+    """With --min-workers 1 the run does not wait for a replacement: it resumes on the one
+    worker it has left, keeping the global batch through grad accumulation."""
+    c, _ = cluster
+    cfg = tiny_config(tmp_path, num_workers=2, min_workers=1, max_steps=16, checkpoint_every=4,
+                      total_batch_size=4 * 32 * 2, max_failures=3, record_samples=True).resolve(0)
+    result, error = {}, []
+    t = threading.Thread(target=lambda: _run_into(cfg, result, error), daemon=True)
+    t.start()
+    rd = open_run_dir(str(tmp_path))
+    wait_for(lambda: rd.exists() and ck.find_latest_verified(rd, warn=lambda m: None) is not None,
+             120, "the first verified checkpoint")
+    workers = [n for n in c.worker_nodes]
+    c.remove_node(workers[-1], allow_graceful=False)  # no replacement this time
+    t.join(timeout=300)
+    assert not t.is_alive() and not error, error
+    assert result["step"] == 16 and result["failures"] >= 1
+    worlds = [r["world"] for r in records(tmp_path) if r["kind"] == "train"]
+    assert worlds[0] == 2 and worlds[-1] == 1
