@@ -41,7 +41,9 @@ from raygpt.history import LOSS_HISTORY, read_history, summarize_run
 from raygpt.session import Session
 from raygpt.storage import RunDir, open_run_dir
 
-PREEMPTION_POLL_EVERY = 10  # steps; get_preemption_info is a barrier across workers
+# steps between polls of get_preemption_info, a barrier across workers (step-based, so every
+# rank polls at the same steps)
+PREEMPTION_POLL_EVERY = int(os.environ.get("RAYGPT_PREEMPTION_POLL_STEPS", "10"))
 
 
 # ---------------------------------------------------------------------- worker side

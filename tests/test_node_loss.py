@@ -2,6 +2,8 @@
 mid-run; a replacement joins; Ray Train restarts the worker group and raygpt resumes from a
 verified checkpoint with the losses an uninterrupted run has."""
 
+import os
+import subprocess
 import threading
 import time
 
@@ -20,6 +22,9 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_t
 
 @pytest.fixture(scope="module")
 def cluster():
+    # the processes the cluster starts inherit these: notice drains fast, poll them every step
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
+    os.environ["RAYGPT_PREEMPTION_POLL_STEPS"] = "1"
     c = Cluster(initialize_head=True, connect=True,
                 head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
@@ -81,10 +86,46 @@ def test_elastic_run_finishes_on_fewer_workers_after_node_loss(cluster, tmp_path
     rd = open_run_dir(str(tmp_path))
     wait_for(lambda: rd.exists() and ck.find_latest_verified(rd, warn=lambda m: None) is not None,
              120, "the first verified checkpoint")
-    workers = [n for n in c.worker_nodes]
-    c.remove_node(workers[-1], allow_graceful=False)  # no replacement this time
+    c.remove_node(next(iter(c.worker_nodes)), allow_graceful=False)  # no replacement this time
     t.join(timeout=300)
     assert not t.is_alive() and not error, error
     assert result["step"] == 16 and result["failures"] >= 1
     worlds = [r["world"] for r in records(tmp_path) if r["kind"] == "train"]
     assert worlds[0] == 2 and worlds[-1] == 1
+
+
+def test_preemption_notice_checkpoints_once_and_the_restart_resumes_there(cluster, tmp_path):
+    """Ray's own drain API with reason PREEMPTION (what a spot reclaim sends): the run writes one
+    checkpoint at the next step boundary and keeps training; when the node then goes, the
+    restart resumes from that checkpoint. (Which budget Ray charges the restart to is Ray's
+    call: with a local Cluster's removed node it is max_failures.)"""
+    c, _ = cluster
+    cfg = tiny_config(tmp_path, num_workers=2, max_steps=24, checkpoint_every=8, max_failures=2,
+                      max_preemption_failures=2).resolve(0)
+    result, error = {}, []
+    t = threading.Thread(target=lambda: _run_into(cfg, result, error), daemon=True)
+    t.start()
+    rd = open_run_dir(str(tmp_path))
+    trained = lambda: [r for r in records(tmp_path) if r["kind"] == "train"] if rd.exists(
+        "loss_history.jsonl") else []
+    wait_for(lambda: len(trained()) >= 3, 120, "training to start")
+    victim = sorted(c.worker_nodes, key=lambda n: n.node_id)[-1]
+    victim_id = victim.node_id
+    subprocess.run(["ray", "drain-node", "--address", c.address, "--node-id", victim_id,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                    "--deadline-remaining-seconds", "60"], check=True, capture_output=True)
+    drained_at = len(trained())
+    # the notice reaches the loop within a few steps: a checkpoint off the -n 8 grid appears
+    wait_for(lambda: any(s % 8 for s in ck.list_checkpoint_steps(rd)), 120,
+             "the preemption checkpoint")
+    extra = [s for s in ck.list_checkpoint_steps(rd) if s % 8]
+    assert len(extra) == 1 and extra[0] >= drained_at
+    wait_for(lambda: not ck.verify_checkpoint(rd, extra[0]), 120, "the preemption checkpoint's DONE")
+    c.remove_node(victim, allow_graceful=True)  # the reclaim: the drained node goes away
+    c.add_node(num_cpus=1)
+    t.join(timeout=300)
+    assert not t.is_alive() and not error, error
+    assert result["step"] == 24 and result["failures"] >= 1
+    resumes = [r["resumed_from"] for r in records(tmp_path) if r["kind"] == "resume"]
+    assert resumes and resumes[0] >= extra[0]
+    assert len([s for s in ck.list_checkpoint_steps(rd) if s % 8]) == 1  # one per notice
