@@ -2,6 +2,8 @@
 
     raygpt train [llm.c flags | long options]   run a job under Ray Train (see --help)
     raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
+    raygpt status RUN_DIR [--quick]              last step, loss, tok/s, checkpoints, goodput
+    raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": _train}
     from raygpt import tokenizer
     commands["prepare"] = tokenizer.main
+    from raygpt import report
+    commands["status"], commands["plot"] = report.status_main, report.plot_main
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2

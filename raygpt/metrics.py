@@ -23,19 +23,22 @@ import os
 import re
 import warnings
 
+from raygpt.storage import RunDir, open_run_dir
+
 # ---------------------------------------------------------------------- main.log
 
 
-def _append_text(path: str, text: str) -> None:
-    """The one place main.log is written (open "a", write, close). A later change routes this
-    through pyarrow.fs."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
+MAIN_LOG = "main.log"
 
 
-def _truncate(path: str) -> None:
-    with open(path, "w", encoding="utf-8"):
-        pass
+def _append_text(run_dir: RunDir, rel: str, text: str) -> None:
+    """The one place main.log is written: one durable append through the run directory's
+    filesystem (local and NFS append + fsync; object stores emulate it, see RunDir.append_text)."""
+    run_dir.append_text(rel, text)
+
+
+def _truncate(run_dir: RunDir, rel: str) -> None:
+    run_dir.write_bytes_atomic(rel, b"")
 
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -43,19 +46,21 @@ _LLMC_STREAMS = frozenset({"trl", "tel", "eval"})
 
 
 class Logger:
-    """llm.c's Logger: active only on rank 0 with a log_dir; every call opens the file, writes one
-    line and closes it, so a crash loses no buffered lines. A fresh start (resume false) truncates
-    `{log_dir}/main.log`; a resume appends to it."""
+    """llm.c's Logger: active only on rank 0 with a log_dir; every call appends one line to the
+    file and makes it durable, so a crash loses no buffered lines. A fresh start (resume false)
+    truncates `{log_dir}/main.log`; a resume appends to it. log_dir is anything `open_run_dir`
+    takes (a local path, an s3:// / gs:// URI, an (fs, path) pair, a RunDir)."""
 
-    def __init__(self, log_dir: str | None, process_rank: int, resume: bool | int) -> None:
+    def __init__(self, log_dir, process_rank: int, resume: bool | int) -> None:
         self.active = log_dir is not None and process_rank == 0
-        self.output_log_file = os.path.join(log_dir, "main.log") if self.active else None
+        self.run_dir = open_run_dir(log_dir) if self.active else None
+        self.output_log_file = self.run_dir.uri(MAIN_LOG) if self.active else None
         if self.active and not resume:
-            _truncate(self.output_log_file)  # wipe a previous run's log on a fresh start
+            _truncate(self.run_dir, MAIN_LOG)  # wipe a previous run's log on a fresh start
 
     def _write(self, line: str) -> None:
         if self.active:
-            _append_text(self.output_log_file, line + "\n")
+            _append_text(self.run_dir, MAIN_LOG, line + "\n")
 
     def log_train(self, step: int, loss: float, lr: float, norm: float) -> None:
         self._write("s:%d trl:%.4f lr:%.6f norm:%.2f" % (step, loss, lr, norm))

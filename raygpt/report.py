@@ -1,0 +1,449 @@
+"""Seeing a run at a glance: `raygpt status RUN_DIR` (text) and `raygpt plot RUN_DIR` (a PNG).
+
+Both read only what the run left in its run directory, through `RunDir` (local, NFS, s3://,
+gs://), and need neither Ray nor a running job:
+    loss_history.jsonl   every train / val record and event (skip, rewind, failure, resume ...)
+    step_XXXXXXXX/       the checkpoints, each verified as a resume would (DONE, MANIFEST, hashes)
+
+`load_run` gathers that into a `RunView`; `format_status` and `plot_series` are pure functions of
+the view. A step that was trained more than once (after a rewind or a resume) appears once in the
+curves, its latest attempt winning, as loss_history.jsonl's own rule says; the earlier attempts
+are drawn faintly so a rewound spike stays visible.
+
+`plot_run` returns the series read back from the artists it drew (not the inputs it was given),
+so a test checks what is actually on the picture. matplotlib is optional (`pip install
+'raygpt[plot]'`); status needs nothing beyond raygpt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from raygpt import checkpoint as ck
+from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.storage import RunDir, open_run_dir
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    problems: list[str]          # [] = verified (or, with quick checks, complete and sized right)
+    size: int = 0                # bytes listed in its MANIFEST (0 when unreadable)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class RunView:
+    """What a run directory says about its run; every list is in file (= time) order."""
+
+    uri: str
+    records: list[dict]
+    train: dict[int, dict] = field(default_factory=dict)       # step -> latest train record
+    superseded: list[dict] = field(default_factory=list)       # train records a later one replaced
+    val: dict[int, float] = field(default_factory=dict)        # step -> latest val loss
+    skips: list[dict] = field(default_factory=list)
+    rewinds: list[dict] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)         # each with "at_step" added
+    attempts: list[dict] = field(default_factory=list)         # start and resume records
+    audits: list[dict] = field(default_factory=list)
+    ends: list[dict] = field(default_factory=list)
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- reading a run
+
+def view_from_records(uri: str, records: list[dict],
+                      checkpoints: list[CheckpointInfo] | None = None) -> RunView:
+    """Sort loss-history records into a RunView (pure)."""
+    view = RunView(uri=uri, records=records, checkpoints=list(checkpoints or []))
+    last_trained = 0  # failures carry a time, not a step: place each at the last step trained
+    for r in records:
+        kind = r.get("kind")
+        if kind == "train":
+            if r["step"] in view.train:
+                view.superseded.append(view.train[r["step"]])
+            view.train[r["step"]] = r
+            last_trained = r["step"]
+        elif kind == "val":
+            view.val[r["step"]] = r["val_loss"]
+        elif kind == "skip":
+            view.skips.append(r)
+        elif kind == "rewind":
+            view.rewinds.append(r)
+        elif kind == "failure":
+            view.failures.append({**r, "at_step": last_trained})
+        elif kind in ("start", "resume"):
+            view.attempts.append(r)
+        elif kind == "audit":
+            view.audits.append(r)
+        elif kind == "end":
+            view.ends.append(r)
+    return view
+
+
+def quick_check(run_dir: RunDir, step: int) -> list[str]:
+    """verify_checkpoint without the hashing: DONE, a readable MANIFEST, every listed file
+    present with its listed size. Cheap on object stores; a bit flip goes unnoticed."""
+    d = ck.step_dir(step)
+    problems = []
+    if not run_dir.exists(f"{d}/{ck.done_file(step)}"):
+        problems.append(f"{d}/{ck.done_file(step)}: missing (not every rank finished writing)")
+    try:
+        manifest = ck.read_manifest(run_dir, step)
+    except ck.CheckpointError as e:
+        return problems + [str(e)]
+    for name, entry in sorted(manifest["files"].items()):
+        rel = f"{d}/{name}"
+        if not run_dir.exists(rel):
+            problems.append(f"{rel}: listed in {ck.MANIFEST} but missing")
+        elif run_dir.size_of(rel) != entry.get("size"):
+            problems.append(f"{rel}: size: expected {entry.get('size')}, found {run_dir.size_of(rel)}")
+    return problems
+
+
+def _manifest_bytes(run_dir: RunDir, step: int) -> int:
+    try:
+        return sum(int(e.get("size", 0)) for e in ck.read_manifest(run_dir, step)["files"].values())
+    except ck.CheckpointError:
+        return 0
+
+
+def check_checkpoints(run_dir: RunDir, *, verify: str = "full",
+                      progress: Progress | None = None) -> list[CheckpointInfo]:
+    """Every step_XXXXXXXX/ of the run, checked like a resume would ("full": sha256 of every
+    file) or only for completeness and sizes ("quick"). Hashing a week-long run's checkpoints
+    reads every byte, so each one is announced through `progress` first."""
+    if verify not in ("full", "quick"):
+        raise ValueError(f"checkpoint verification: expected 'full' or 'quick', found {verify!r}")
+    steps = ck.list_checkpoint_steps(run_dir)
+    out = []
+    for i, step in enumerate(steps, start=1):
+        size = _manifest_bytes(run_dir, step)
+        if progress is not None:
+            progress(f"{'verifying' if verify == 'full' else 'checking'} checkpoint {i}/{len(steps)}"
+                     f" (step {step}, {_human_bytes(size)})")
+        problems = (ck.verify_checkpoint(run_dir, step) if verify == "full"
+                    else quick_check(run_dir, step))
+        out.append(CheckpointInfo(step, problems, size))
+    return out
+
+
+def load_run(run_dir, *, verify: str = "full", progress: Progress | None = None) -> RunView:
+    """Read a run directory (anything `open_run_dir` takes) into a RunView."""
+    run_dir = open_run_dir(run_dir)
+    if not run_dir.exists(LOSS_HISTORY):
+        raise FileNotFoundError(f"{run_dir.uri(LOSS_HISTORY)}: no such file (is {run_dir.uri()} "
+                                f"a raygpt run directory?)")
+    if progress is not None:
+        progress(f"reading {run_dir.uri(LOSS_HISTORY)} ({_human_bytes(run_dir.size_of(LOSS_HISTORY))})")
+    records = read_history(run_dir)
+    return view_from_records(run_dir.uri(), records,
+                             check_checkpoints(run_dir, verify=verify, progress=progress))
+
+
+# ---------------------------------------------------------------------- derived numbers
+
+def tokens_per_step(rec: dict) -> float:
+    """Tokens of one optimizer step: a train record's `tokens` counts every step from 0 to
+    `step` inclusive (skipped ones too), each the same total batch."""
+    return rec["tokens"] / (rec["step"] + 1)
+
+
+def throughput(rec: dict) -> float:
+    """tok/s of one step (training time only: dt excludes validation and checkpoint stalls)."""
+    dt = rec.get("dt") or 0.0
+    return tokens_per_step(rec) / dt if dt > 0 else float("nan")
+
+
+def max_steps_of(view: RunView) -> int | None:
+    """The run's length, if a record says it (an end record, or an attempt that logged it)."""
+    for r in reversed(view.ends + view.attempts):
+        if r.get("max_steps"):
+            return int(r["max_steps"])
+    return None
+
+
+def run_state(view: RunView) -> str:
+    """One phrase for where the run is, judged from its last meaningful record."""
+    last = next((r for r in reversed(view.records) if r.get("kind") not in ("audit", "watch")), None)
+    if last is None:
+        return "empty"
+    if last.get("kind") == "end":
+        if last.get("stopped_early"):
+            return f"stopped early at step {last['step']} (resume with -y 1)"
+        return f"finished at step {last['step']}"
+    if last.get("kind") == "failure":
+        return "failed (Ray restarts it if the retry budget allows)"
+    return "running, or died without a word (no end record yet)"
+
+
+# ---------------------------------------------------------------------- status
+
+def format_status(view: RunView, *, now: float | None = None) -> str:
+    """The status report of a run (pure; `now` only sets the "ago" figures)."""
+    now = time.time() if now is None else now
+    lines = [f"run       {view.uri}"]
+    last_time = max((r.get("time", 0) for r in view.records), default=0)
+    restarts = max(len(view.attempts) - 1, 0)
+    lines.append(f"state     {run_state(view)} | last record {_human_seconds(now - last_time)} ago"
+                 f" | {len(view.attempts)} attempt(s), {restarts} restart(s)")
+
+    if view.train:
+        step = max(view.train)
+        rec = view.train[step]
+        total = max_steps_of(view)
+        where = (f"{step + 1}/{total} steps ({100 * (step + 1) / total:.1f}%)" if total
+                 else f"{step + 1} steps")
+        recent = [view.train[s] for s in sorted(view.train)[-20:]]
+        dts = sum(r.get("dt", 0.0) for r in recent)
+        avg_tps = sum(tokens_per_step(r) for r in recent) / dts if dts > 0 else float("nan")
+        val_step = max(view.val) if view.val else None
+        val = f"val {view.val[val_step]:.4f} (step {val_step})" if val_step is not None else "val n/a"
+        lines.append(f"progress  {where} | loss {rec['loss']:.4f} | {val} | "
+                     f"lr {rec['lr']:.2e} | norm {rec['norm']:.4f}")
+        eta = ""
+        if total and dts > 0 and step + 1 < total:
+            eta = f" | ETA {_human_seconds((total - step - 1) * dts / len(recent))} of training"
+        lines.append(f"speed     {throughput(rec):,.0f} tok/s last step, {avg_tps:,.0f} tok/s over "
+                     f"the last {len(recent)} | {rec['tokens']:,} tokens seen{eta}")
+    else:
+        lines.append("progress  no step trained yet")
+
+    events = [f"{len(view.skips)} skip(s)"]
+    if view.skips:
+        s = view.skips[-1]
+        events[-1] += f" (last at step {s['step']}: {s.get('reason') or 'no reason given'})"
+    events.append(f"{len(view.rewinds)} rewind(s)" + (
+        " (" + ", ".join(f"step {r['step']} -> {r.get('to_step')}" for r in view.rewinds[-3:]) + ")"
+        if view.rewinds else ""))
+    events.append(f"{len(view.failures)} failure(s)" + (
+        f" (last after step {view.failures[-1]['at_step']}: {_first_cause(view.failures[-1])})"
+        if view.failures else ""))
+    resumed = [r for r in view.attempts if r.get("kind") == "resume"]
+    events.append(f"{len(resumed)} resume(s)" + (
+        " (from step " + ", ".join(str(r.get("resumed_from")) for r in resumed[-5:]) + ")"
+        if resumed else ""))
+    lines.append("events    " + " | ".join(events))
+    if view.audits:
+        lines.append(f"audit     {view.audits[-1].get('message', '')}")
+
+    good = [c for c in view.checkpoints if c.ok]
+    bad = [c for c in view.checkpoints if not c.ok]
+    ckpt = f"{len(good)} verified" + (": step " + ", ".join(str(c.step) for c in good) if good else "")
+    if good:
+        ckpt += f" | newest resumable: step {good[-1].step} ({_human_bytes(good[-1].size)})"
+    lines.append(f"ckpts     {ckpt}")
+    for c in bad:
+        more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+        lines.append(f"          NOT usable: step {c.step}: {c.problems[0]}{more}")
+
+    if view.records:
+        lines.append(f"goodput   {summarize_run(view.records)['line']}")
+    return "\n".join(lines)
+
+
+def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
+    """`raygpt status`: the last step, loss, tok/s, checkpoints, restarts and goodput of a run."""
+    return format_status(load_run(run_dir_uri, verify=verify, progress=progress))
+
+
+def _first_cause(failure: dict) -> str:
+    causes = failure.get("causes") or {}
+    if not causes:
+        return "no cause recorded"
+    rank, cause = next(iter(causes.items()))
+    return f"rank {rank}: {cause[:120]}"
+
+
+def _human_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 172800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+# ---------------------------------------------------------------------- plot
+
+def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
+    """The (x, y) data of every series the plot draws (pure). Markers without a y value of
+    their own (failures, resumes, rewinds, checkpoints) are vertical lines or ticks: y is []."""
+    steps = sorted(view.train)
+    train = [view.train[s] for s in steps]
+    losses = [r["loss"] for r in train]
+    finite = [v for v in losses if math.isfinite(v)]
+    top = max(finite) if finite else 1.0
+    val_steps = sorted(view.val)
+
+    def at_loss(v):  # a non-finite loss is drawn at the top of the curve, not dropped
+        return v if v is not None and math.isfinite(v) else top
+
+    return {
+        "train_loss": (steps, losses),
+        "train_loss_superseded": ([r["step"] for r in view.superseded],
+                                  [at_loss(r["loss"]) for r in view.superseded]),
+        "val_loss": (val_steps, [view.val[s] for s in val_steps]),
+        "lr": (steps, [r["lr"] for r in train]),
+        "grad_norm": (steps, [r["norm"] for r in train]),
+        "tok_per_s": (steps, [throughput(r) for r in train]),
+        "skips": ([r["step"] for r in view.skips], [at_loss(r.get("loss")) for r in view.skips]),
+        "rewinds": ([r["step"] for r in view.rewinds], []),
+        "failures": ([r["at_step"] for r in view.failures], []),
+        "resumes": ([r["resumed_from"] for r in view.attempts
+                     if r.get("kind") == "resume" and r.get("resumed_from") is not None], []),
+        "checkpoints_verified": ([c.step for c in view.checkpoints if c.ok], []),
+        "checkpoints_unusable": ([c.step for c in view.checkpoints if not c.ok], []),
+    }
+
+
+# style of each series: (panel, kind, matplotlib keyword arguments)
+_STYLE = {
+    "train_loss": ("loss", "line", dict(color="tab:blue", lw=1.0, label="train loss")),
+    "train_loss_superseded": ("loss", "points", dict(color="0.55", marker=".", ms=5, ls="none",
+                                                     label="re-done steps (earlier attempt)")),
+    "val_loss": ("loss", "line", dict(color="tab:orange", marker="o", ms=3, lw=1.2, label="val loss")),
+    "skips": ("loss", "points", dict(color="tab:red", marker="x", ms=6, ls="none",
+                                     label="skipped update")),
+    "lr": ("lr", "line", dict(color="tab:green", lw=1.0, label="lr")),
+    "grad_norm": ("norm", "line", dict(color="tab:purple", lw=1.0, label="grad norm")),
+    "tok_per_s": ("speed", "line", dict(color="tab:brown", lw=1.0, label="tok/s")),
+    "rewinds": ("all", "vline", dict(color="tab:red", ls="--", lw=1.0, label="rewind")),
+    "failures": ("all", "vline", dict(color="black", ls="-", lw=1.2, label="failure")),
+    "resumes": ("all", "vline", dict(color="tab:green", ls=":", lw=1.2, label="resume")),
+    "checkpoints_verified": ("loss", "ticks", dict(color="tab:gray", marker="^", ms=6, ls="none",
+                                                   label="checkpoint (verified)")),
+    "checkpoints_unusable": ("loss", "ticks", dict(color="tab:red", marker="^", ms=6, ls="none",
+                                                   label="checkpoint (NOT usable)")),
+}
+_PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"))
+
+
+def plot_run(run_dir_uri, out_png, *, verify: str = "full",
+             progress: Progress | None = None) -> dict[str, tuple[list, list]]:
+    """`raygpt plot`: write a PNG of the run (loss, lr, grad norm, tok/s, with skips, rewinds,
+    failures, resumes and checkpoints marked) and return {series: (x, y)} as read back from the
+    drawn artists (for vertical lines and ticks, x only)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise RuntimeError("raygpt plot needs matplotlib: pip install 'raygpt[plot]'") from e
+    view = load_run(run_dir_uri, verify=verify, progress=progress)
+    if not view.train:
+        raise ValueError(f"{view.uri}/{LOSS_HISTORY}: no train records to plot yet")
+    series = plot_series(view)
+
+    # No pyplot: a Figure with its own Agg canvas touches no global matplotlib state.
+    fig = Figure(figsize=(12, 10), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = dict(zip((p for p, _ in _PANELS), fig.subplots(len(_PANELS), 1, sharex=True)))
+    for name, (_, title) in zip(axes, _PANELS):
+        axes[name].set_ylabel(title)
+        axes[name].grid(True, alpha=0.3)
+    axes["speed"].set_xlabel("step")
+    fig.suptitle(f"{view.uri} | {run_state(view)}", fontsize=10)
+
+    drawn: dict[str, list] = {}
+    for name, (xs, ys) in series.items():
+        panel, kind, style = _STYLE[name]
+        if not xs:
+            continue
+        if kind in ("line", "points"):
+            drawn[name] = axes[panel].plot(xs, ys, **style)
+        elif kind == "ticks":  # along the bottom edge: x in steps, y in axes fraction
+            drawn[name] = axes[panel].plot(xs, [0.02] * len(xs), transform=axes[panel].get_xaxis_transform(),
+                                           **style)
+        else:  # vline on every panel; only the loss panel's lines are labelled and read back
+            drawn[name] = [axes["loss"].axvline(x, **(style if i == 0 else {**style, "label": None}))
+                           for i, x in enumerate(xs)]
+            for other in ("lr", "norm", "speed"):
+                for x in xs:
+                    axes[other].axvline(x, **{**style, "label": None})
+    norms = [v for v in series["grad_norm"][1] if math.isfinite(v)]
+    if norms and min(norms) > 0 and max(norms) / min(norms) > 20:
+        axes["norm"].set_yscale("log")  # a spike of 100x should not flatten the rest
+    axes["loss"].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    for r in view.rewinds:
+        axes["loss"].annotate(f"-> {r.get('to_step')}", (r["step"], 0.95), fontsize=7,
+                              xycoords=axes["loss"].get_xaxis_transform(), color="tab:red")
+    fig.savefig(out_png, format="png")
+    return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
+
+
+def _read_back(artists: list, kind: str) -> tuple[list, list]:
+    if kind == "vline":
+        return [float(a.get_xdata()[0]) for a in artists], []
+    (line,) = artists
+    xs = [float(x) for x in line.get_xdata()]
+    return xs, ([] if kind == "ticks" else [float(y) for y in line.get_ydata()])
+
+
+# ---------------------------------------------------------------------- command line
+
+def _stderr_progress(message: str) -> None:
+    print(f"raygpt | {message}", file=sys.stderr, flush=True)
+
+
+def status_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="raygpt status", description=(
+        "Print where a run is: last step, loss, tok/s, checkpoints (verified as a resume would), "
+        "restarts, failures, skips, rewinds and goodput."))
+    p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
+    p.add_argument("--quick", action="store_true",
+                   help="check checkpoints for DONE, MANIFEST and file sizes only (no sha256)")
+    args = p.parse_args(argv)
+    try:
+        print(run_status(args.run_dir, verify="quick" if args.quick else "full",
+                         progress=_stderr_progress))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"raygpt status: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plot_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="raygpt plot", description=(
+        "Write a PNG of a run: train/val loss, lr, grad norm and tok/s, with skipped steps, "
+        "rewinds, failures, resumes and checkpoints marked."))
+    p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
+    p.add_argument("-o", "--out", default=None,
+                   help="the PNG to write (default: plot.png in a local run directory, "
+                        "<run name>_plot.png here for a remote one)")
+    p.add_argument("--quick", action="store_true", help="check checkpoints without hashing them")
+    args = p.parse_args(argv)
+    out = args.out
+    if out is None:
+        run_dir = open_run_dir(args.run_dir)
+        out = (str(run_dir.local_path("plot.png")) if run_dir.is_local
+               else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
+    try:
+        series = plot_run(args.run_dir, out, verify="quick" if args.quick else "full",
+                          progress=_stderr_progress)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"raygpt plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
+          f"{len(series.get('val_loss', ([],))[0])} validations)")
+    return 0

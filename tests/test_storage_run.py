@@ -1,0 +1,142 @@
+"""A whole run on a non-local filesystem: fsspec's in-memory filesystem seen through pyarrow.fs
+(what s3:// and gs:// run directories look like to raygpt: no local paths, no appends, no
+renames of directories). The training loop runs without Ray (LocalSession); one run goes straight
+to step 10, another is stopped at step 5 and resumed with -y 1, and the two must agree bit for
+bit: losses as floats, val losses, and the sha256 of the final model file. Checkpoints, main.log
+and loss_history.jsonl must all be in the in-memory run directory and nothing on local disk.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raygpt import checkpoint as ck
+from raygpt.config import TrainConfig
+from raygpt.history import read_history
+from raygpt.loop import train
+from raygpt.report import load_run, run_status
+from raygpt.session import LocalSession
+from raygpt.storage import open_run_dir
+
+memory = pytest.importorskip("fsspec.implementations.memory")
+
+
+class StopAfterStep(LocalSession):
+    """A LocalSession whose surroundings ask for a stop (like SIGTERM to the driver) while step
+    `step` trains; the loop then checkpoints at step + 1 and returns."""
+
+    def __init__(self, run_dir, step: int):
+        super().__init__(run_dir, torch.device("cpu"))
+        self.stop_step, self.polls = step, 0
+
+    def poll_requests(self):
+        self.polls += 1  # one poll per step, from step 0 on a fresh run
+        return self.polls > self.stop_step, False
+
+
+@pytest.fixture(scope="module")
+def mem():
+    fs = memory.MemoryFileSystem()
+    yield fs
+    if fs.exists("/raygpt-storage-run"):
+        fs.rm("/raygpt-storage-run", recursive=True)
+
+
+def run_dir_on(mem, name: str):
+    return open_run_dir((pafs.PyFileSystem(pafs.FSSpecHandler(mem)), f"/raygpt-storage-run/{name}"))
+
+
+def config(output_dir, **overrides) -> TrainConfig:
+    base = dict(model="d2", batch_size=4, seq_len=32, max_steps=10, checkpoint_every=5,
+                val_every=5, val_batches=2, sample_every=0, device="cpu", num_workers=1,
+                compile=False, output_dir=str(output_dir))
+    return TrainConfig(**{**base, **overrides}).resolve(0)
+
+
+def kinds(records, kind):
+    return [r for r in records if r["kind"] == kind]
+
+
+def main_log(run_dir) -> list[str]:
+    return run_dir.read_bytes("main.log").decode().splitlines()
+
+
+@pytest.fixture(scope="module")
+def runs(mem, tmp_path_factory):
+    """(straight run, stopped-then-resumed run) on the in-memory filesystem."""
+    nowhere = tmp_path_factory.mktemp("local") / "never-written"
+    straight = run_dir_on(mem, "straight")
+    train(config(nowhere), LocalSession(straight, torch.device("cpu")))
+    resumed = run_dir_on(mem, "resumed")
+    first = train(config(nowhere), StopAfterStep(resumed, 4))
+    second = train(config(nowhere, resume=1), LocalSession(resumed, torch.device("cpu")))
+    assert not nowhere.exists(), "a local path was written for a non-local run directory"
+    return straight, resumed, first, second
+
+
+def test_the_run_directory_is_complete_on_the_memory_filesystem(runs):
+    straight, resumed, first, second = runs
+    assert not straight.is_local
+    for rd in (straight, resumed):
+        names = set(rd.listdir())
+        assert {"main.log", "loss_history.jsonl", "step_00000005", "step_00000010"} <= names
+        assert ck.list_checkpoint_steps(rd) == [5, 10]
+        for step in (5, 10):
+            assert ck.verify_checkpoint(rd, step) == [], (rd, step)
+    assert first["stopped_early"] and first["step"] == 5
+    assert not second["stopped_early"] and second["step"] == 10
+
+
+def test_resume_on_the_memory_filesystem_is_bit_exact(runs):
+    straight, resumed, _, _ = runs
+    want = {r["step"]: r["loss"] for r in kinds(read_history(straight), "train")}
+    got = read_history(resumed)
+    attempt1 = {r["step"]: r["loss"] for r in kinds(got, "train") if r["attempt"] == 1}
+    attempt2 = {r["step"]: r["loss"] for r in kinds(got, "train") if r["attempt"] == 2}
+    assert sorted(want) == list(range(10))
+    assert attempt1 == {s: want[s] for s in range(5)}
+    assert attempt2 == {s: want[s] for s in range(5, 10)}  # float equality, not approx
+    val = lambda recs: {r["step"]: r["val_loss"] for r in kinds(recs, "val")}
+    assert val(got) == val(read_history(straight)) and sorted(val(got)) == [0, 5, 10]
+    (resume,) = kinds(got, "resume")
+    assert resume["resumed_from"] == 5 and resume["attempt"] == 2
+    # same weights and the same optimizer state at the end: the stored files hash the same
+    a, b = ck.read_manifest(straight, 10)["files"], ck.read_manifest(resumed, 10)["files"]
+    assert a[ck.model_file(10)]["sha256"] == b[ck.model_file(10)]["sha256"]
+    assert a[ck.state_file(10, 0)]["sha256"] == b[ck.state_file(10, 0)]["sha256"]
+
+
+def test_main_log_goes_through_the_run_directory(runs):
+    straight, resumed, _, _ = runs
+    log = main_log(straight)
+    assert [line.split()[0] for line in log if " trl:" in line] == [f"s:{s}" for s in range(10)]
+    assert [line for line in log if " tel:" in line][0].startswith("s:0 tel:")
+    # the resumed run appended to its log: the same train lines, in the same order
+    resumed_log = main_log(resumed)
+    assert [x for x in resumed_log if " trl:" in x] == [x for x in log if " trl:" in x]
+    # step 5's validation ran in both attempts (before the stop's checkpoint, and on resume)
+    assert [x.split()[0] for x in resumed_log if " tel:" in x] == ["s:0", "s:5", "s:5", "s:10"]
+
+
+def test_status_reads_the_remote_run(runs):
+    _, resumed, _, _ = runs
+    view = load_run(resumed)
+    assert [(c.step, c.ok) for c in view.checkpoints] == [(5, True), (10, True)]
+    text = run_status(resumed)
+    assert "finished at step 10" in text
+    assert "2 attempt(s), 1 restart(s)" in text
+    assert "1 resume(s) (from step 5)" in text
+    assert text.splitlines()[0].startswith("run       py::fsspec+memory://raygpt-storage-run/resumed")
+
+
+def test_appends_to_the_object_store_keep_every_record(runs):
+    # RunDir emulates append by rewriting via a temp object; no temp object may be left behind
+    straight, resumed, _, _ = runs
+    for rd in (straight, resumed):
+        assert [n for n in rd.listdir() if ".tmp-" in n] == []
+        lines = rd.read_bytes("loss_history.jsonl").splitlines()
+        assert all(json.loads(line)["kind"] for line in lines)  # every line whole
