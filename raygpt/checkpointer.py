@@ -120,7 +120,9 @@ class Checkpointer:
         self.rank, self.world = session.rank, session.world
         self.max_steps = max_steps
         self.fingerprints = run_fingerprints(cfg)
-        self.stall_seconds = 0.0
+        self.stall_seconds = 0.0   # training time lost to host copies
+        self.write_seconds: list[float] = []  # background serialisation, per checkpoint
+        self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
         self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
         self._host_buffers: dict[str, torch.Tensor] = {}
@@ -199,6 +201,7 @@ class Checkpointer:
 
     def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
         """Background thread: serialise this rank's files into `stage`, hashing them."""
+        t0 = time.perf_counter()
         try:
             step = snap["step"]
             hashes = {}
@@ -220,6 +223,7 @@ class Checkpointer:
                 hashes[name] = {"sha256": _sha256_file(stage / name),
                                 "size": (stage / name).stat().st_size}
             result["hashes"] = hashes
+            self.write_seconds.append(time.perf_counter() - t0)
         except BaseException as e:  # reported by the training thread, never swallowed
             result["error"] = e
 
@@ -277,6 +281,11 @@ class Checkpointer:
         return step
 
     def load(self, step: int, state: TrainState, loader) -> None:
+        t0 = time.perf_counter()
+        self._load(step, state, loader)
+        self.load_seconds += time.perf_counter() - t0
+
+    def _load(self, step: int, state: TrainState, loader) -> None:
         manifest = ck.read_manifest(self.run_dir, step)
         try:
             ck.check_compatible(manifest, config_identity=self.cfg.identity(),

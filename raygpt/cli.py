@@ -18,7 +18,8 @@ def _train(argv: list[str]) -> int:
         build_parser("raygpt train").print_help()
         return 0
     try:
-        cfg = parse_args(argv).resolve()
+        cfg = parse_args(argv)
+        cfg = cfg.resolve(_cluster_gpus())
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
@@ -33,6 +34,17 @@ def _train(argv: list[str]) -> int:
         print(f"raygpt: {e}", file=sys.stderr)
         return 1
     return 0 if not summary.get("stopped_early") else 3
+
+
+def _cluster_gpus() -> int | None:
+    """Under `ray job submit` the driver runs on the head node, which often has no GPU: count the
+    cluster's GPUs instead of the local ones (None: no cluster to join, count locally)."""
+    import os
+    if not os.environ.get("RAY_ADDRESS"):
+        return None
+    import ray
+    ray.init(address=os.environ["RAY_ADDRESS"], ignore_reinit_error=True)
+    return int(ray.cluster_resources().get("GPU", 0))
 
 
 def main(argv: list[str] | None = None) -> int:

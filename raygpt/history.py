@@ -83,7 +83,7 @@ class RunHistory:
         if self.enabled:
             self.run_dir.append_text(name, json.dumps(record, separators=(",", ":")) + "\n")
 
-    def begin_attempt(self, resumed_from: int | None, note: str | None) -> int:
+    def begin_attempt(self, resumed_from: int | None, note: str | None, max_steps: int | None = None) -> int:
         """Number this attempt, mark the resume point, arm the resume audit."""
         if not self.enabled:
             return 0
@@ -93,7 +93,7 @@ class RunHistory:
             earlier = steps_logged([r for r in records if r.get("kind") == "train"])
             self.audit = ResumeAudit({s: l for s, l in earlier.items() if s >= resumed_from})
         self.event(resumed_from or 0, "resume" if resumed_from is not None else "start",
-                   resumed_from=resumed_from, note=note,
+                   resumed_from=resumed_from, note=note, max_steps=max_steps,
                    steps_lost=(max(steps_logged([r for r in records if r.get("kind") == "train"]),
                                    default=-1) + 1 - resumed_from) if resumed_from is not None else None)
         return self.attempt

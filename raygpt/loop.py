@@ -34,6 +34,7 @@ from raygpt.outlier import rewind_target
 from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
+from raygpt.tensorboard import TensorBoardWriter
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
@@ -116,9 +117,10 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
     resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
     history = RunHistory(session.run_dir, cfg, enabled=is_main)
-    attempt = history.begin_attempt(resumed_from, session.failure_note())
+    attempt = history.begin_attempt(resumed_from, session.failure_note(), max_steps=max_steps)
     logger = Logger(session.run_dir if is_main else None, rank,
                     resume=resumed_from is not None or attempt > 1)
+    tb = TensorBoardWriter(session.run_dir, enabled=is_main, purge_step=resumed_from)
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
 
@@ -145,6 +147,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
             val_loss = evaluate(forward, val_loader, cfg, device, world)
             logger.log_val(step, val_loss)
             history.val(step, val_loss)
+            tb.val(step, val_loss)
             session.report_metrics({"step": step, "val_loss": val_loss, "skips": state.skips,
                                     "rewinds": state.ledger.rewinds})
         if is_main and cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step):
@@ -197,6 +200,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
 
         if verdict.kind in ("rewind", "escalate"):
             rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
+            tb.restart_at(state.step)
             resumed_from = state.step  # its checkpoint exists: do not write it again
             continue
         watching = is_main and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
@@ -225,6 +229,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
                       verdict=verdict.kind, world=world,
                       **({"samples": samples_to_ranges(np.concatenate(step_samples))}
                          if cfg.record_samples else {}))
+        tb.train(step, loss=loss, lr=lr, norm=norm, tok_per_s=tokens_per_step / dt)
         if is_main and (step % cfg.log_every == 0 or step == max_steps - 1):
             mfu = estimate_mfu(n_params, model.config.n_layer, model.config.n_embd, cfg.seq_len,
                                tokens_per_step / world, dt, session.device_name,
@@ -252,11 +257,14 @@ def train(cfg: TrainConfig, session: Session) -> dict:
             state.save_requested = stop_requested = True  # SIGTERM: checkpoint, then exit
 
     ckpt.finish()
+    tb.close()
     elapsed = time.perf_counter() - t_start
     summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
                "stopped_early": state.step < max_steps, "skips": state.skips,
                "rewinds": state.ledger.rewinds, "elapsed_s": elapsed,
-               "checkpoint_stall_s": ckpt.stall_seconds, "attempt": attempt}
+               "checkpoint_stall_s": ckpt.stall_seconds, "checkpoints_written": len(ckpt.write_seconds),
+               "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
+               "attempt": attempt}
     history.end(summary)
     if is_main:
         how = "stopped by signal; resume with -y 1" if summary["stopped_early"] else "done"
