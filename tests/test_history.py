@@ -1,0 +1,48 @@
+"""The run's own memory: append-only records across attempts, the resume audit, goodput."""
+
+from raygpt.history import ResumeAudit, RunHistory, parse_jsonl, read_history, summarize_run
+from raygpt.storage import open_run_dir
+
+
+def test_attempts_are_numbered_and_nothing_is_rewritten(tmp_path):
+    rd = open_run_dir(str(tmp_path))
+    h = RunHistory(rd, None, enabled=True)
+    assert h.begin_attempt(None, None, max_steps=4) == 1
+    h.train(0, loss=2.0, norm=1.0)
+    h.train(1, loss=1.5, norm=1.0)
+    first = (tmp_path / "loss_history.jsonl").read_bytes()
+    h2 = RunHistory(rd, None, enabled=True)
+    assert h2.begin_attempt(1, "restarted", max_steps=4) == 2
+    h2.train(1, loss=1.5, norm=1.0)
+    assert (tmp_path / "loss_history.jsonl").read_bytes().startswith(first)
+    kinds = [r["kind"] for r in read_history(rd)]
+    assert kinds == ["start", "train", "train", "resume", "train", "audit"]
+
+
+def test_resume_audit_verifies_or_names_the_first_difference():
+    ok = ResumeAudit({5: 1.0, 6: 0.9})
+    assert ok.observe(5, 1.0) is None
+    assert ok.observe(6, 0.9) == "resume verified bit-exact over 2 steps"
+    bad = ResumeAudit({5: 1.0, 6: 0.9})
+    line = bad.observe(5, 1.0000001)
+    assert "WARNING step 5" in line and "after 0 equal steps" in line
+
+
+def test_torn_last_line_is_skipped():
+    data = b'{"kind":"train","step":0,"loss":1.0}\n{"kind":"tra'
+    assert parse_jsonl(data, "x") == [{"kind": "train", "step": 0, "loss": 1.0}]
+
+
+def test_summary_counts_failures_recovery_and_goodput():
+    recs = [{"kind": "start", "time": 0.0},
+            {"kind": "train", "step": 0, "dt": 1.0, "time": 1.0},
+            {"kind": "train", "step": 1, "dt": 1.0, "time": 2.0},
+            {"kind": "failure", "time": 2.5},
+            {"kind": "resume", "time": 5.0},
+            {"kind": "train", "step": 1, "dt": 1.0, "time": 6.0},
+            {"kind": "train", "step": 2, "dt": 1.0, "time": 7.0},
+            {"kind": "end", "time": 8.0}]
+    s = summarize_run(recs)
+    assert s["failures"] == 1 and s["resumes"] == 1
+    assert s["recovery_s"] == [3.5]  # failure at 2.5 -> first new step at 6.0
+    assert s["goodput"] == 3.0 / 8.0  # steps 0, 1, 2 once each, over 8 s of wall time
