@@ -1,0 +1,77 @@
+"""Flat buffers in llm.c order, llm.c's xorshift RNG, ZeRO-1 shard ranges, AdamW over the flat
+buffers against torch.optim.AdamW."""
+
+import pytest
+import torch
+
+from raygpt.model import GPT, GPTConfig, llmc_parameter_layout
+from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
+
+
+def tiny_model():
+    return GPT(GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=2, n_head=2,
+                         n_embd=16), init_seed=3)
+
+
+def test_parameters_and_grads_are_views_in_llmc_order():
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])  # same values, now living in the flat buffer
+    offset = 0
+    for _, params in llmc_parameter_layout(model):
+        for p in params:
+            assert p.data_ptr() == flat.params[offset:].data_ptr()
+            assert p.grad.data_ptr() == flat.grads[offset:].data_ptr()
+            offset += p.numel()
+    x = torch.randint(0, 60, (2, 8))
+    for _ in range(2):  # accumulation lands in the flat gradient buffer, in place
+        loss, _ = model(x, x)
+        loss.backward()
+    assert flat.grads.abs().sum() > 0
+    assert model.transformer.wte.weight.grad.data_ptr() == flat.grads.data_ptr()
+
+
+def test_random_u32_is_llmc_xorshift_star():
+    # llm.c: state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
+    #        return (state * 0x2545F4914F6CDD1D) >> 32   (64-bit arithmetic)
+    s = 13371337
+    mask = (1 << 64) - 1
+    s2 = s ^ (s >> 12)
+    s2 ^= (s2 << 25) & mask
+    s2 ^= s2 >> 27
+    value, state = random_u32(s)
+    assert state == s2 and value == ((s2 * 0x2545F4914F6CDD1D) & mask) >> 32
+    values = {random_u32(v)[0] for v in range(1, 200)}
+    assert len(values) == 199 and all(0 <= v < 2**32 for v in values)
+
+
+@pytest.mark.parametrize("n, world", [(10, 1), (10, 2), (11, 2), (7, 3), (1000003, 8)])
+def test_zero_shards_cover_everything_once(n, world):
+    ranges = [shard_range(n, r, world, 1) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert shard_range(n, 1 % world, world, 0) == (0, n)
+
+
+def test_adamw_matches_torch_adamw_in_fp32():
+    torch.manual_seed(0)
+    model = tiny_model()
+    ref = tiny_model()
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32)
+    # eps well above the float noise: the key bias of attention has an exactly-zero true
+    # gradient, and Adam turns two different 1e-10 noises into two different full-size steps
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-4,
+                                weight_decay=0.0)
+    x = torch.randint(0, 60, (2, 8))
+    for t in range(1, 4):
+        flat.zero_grad()
+        model(x, x)[0].backward()
+        opt.step(lr=1e-3, grad_scale=1.0, t=t, seed=t)
+        ref_opt.zero_grad()
+        ref(x, x)[0].backward()
+        ref_opt.step()
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (n, (a - b).abs().max())
