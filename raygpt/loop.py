@@ -305,6 +305,10 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
     history.event(step, "rewind", reason=verdict.reason, to_step=target, window=window,
                   lr_scale=lr_scale, loss_z=verdict.loss_z, rewinds=state.ledger.rewinds)
     logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
+    if history.enabled:
+        print(f"step {step + 1:5d} | REWIND: {verdict.reason}; back to step {target}, skipping "
+              f"{sum(e - s for _, s, e in window)} samples from now on, lr_scale {lr_scale:.3f}",
+              flush=True)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
     ckpt.rewind_to(target, state, loader)
