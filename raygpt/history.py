@@ -7,7 +7,10 @@ an earlier attempt already logged, the audit compares the two losses as floats a
 "resume verified bit-exact over K steps" or where and by how much they first differ, so a resume
 that lost state is noticed at once, not a week later.
 
-All I/O goes through `RunDir` (local, NFS or object storage). Only rank 0 writes.
+All I/O goes through `RunDir` (local, NFS or object storage). Only rank 0 writes. On an object
+store the appends are buffered in a local mirror (see `RunDir`); the history flushes it after the
+rare events a reader must see even if the process dies next (FLUSH_AFTER), and the checkpointer
+flushes at every checkpoint publish.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from raygpt.storage import RunDir
 
 LOSS_HISTORY = "loss_history.jsonl"
 SAMPLES = "samples.jsonl"
+# an attempt's start, a rewind (perhaps escalated: the process stops right after) and the end
+# (also a stop by signal): stored at once on an object store, not at the next flush interval
+FLUSH_AFTER = frozenset({"start", "resume", "rewind", "end"})
 
 
 def parse_jsonl(data: bytes, name: str) -> list[dict]:
@@ -114,6 +120,8 @@ class RunHistory:
     def event(self, step: int, kind: str, **fields) -> None:
         self._append(LOSS_HISTORY, {"kind": kind, "step": step, **fields, "time": time.time(),
                                     "attempt": self.attempt})
+        if self.enabled and kind in FLUSH_AFTER:
+            self.run_dir.flush()
 
     def sample(self, step: int, text: str) -> None:
         self._append(SAMPLES, {"step": step, "text": text, "time": time.time(),

@@ -8,31 +8,79 @@ Durability differs by backend and is handled here so callers never think about i
 - local: an atomic write is temp file in the same directory + fsync + rename + fsync of the
   directory, so a crash leaves either the old file or the new one, never a torn one;
 - object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
-Appends on object stores are emulated by rewriting the whole object (see `append_text`).
+Object stores have no append: appends go to a local mirror of the file that is uploaded whole
+(one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import shutil
+import sys
 import tempfile
-import uuid
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 _CHUNK = 8 << 20  # 8 MiB: streaming unit for hashing and copying (state files can be GBs)
+DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an append uploads it
 
 
 class RunDir:
-    """A run directory: `fs` + `root`; every method takes a path relative to the root."""
+    """A run directory: `fs` + `root`; every method takes a path relative to the root.
 
-    def __init__(self, fs: pafs.FileSystem, root: str):
+    Appends (`append_text`: loss_history.jsonl, samples.jsonl, main.log) and their durability:
+    - local / NFS: every append is written and fsynced before it returns; nothing is buffered.
+    - object stores: there is no append, and rewriting a 100 MB loss history per step is not an
+      option, so each appended file has a local mirror (a private temp file, seeded on first use
+      from the stored object, so an existing file is continued, never truncated). Appends go to
+      the mirror; the whole mirror is uploaded in one put (all-or-nothing) by the first append
+      that finds its oldest un-uploaded line `flush_interval_s` old (0: every append), and by
+      `flush()` (no timer thread: the interval is checked at each append). The loop flushes at
+      every checkpoint publish (so the stored history is at least as new as the newest
+      checkpoint), at the start, rewinds and the end of an attempt (a stop by signal included),
+      and `close()` / garbage collection / interpreter exit flush too, like a Python file. The
+      trade-off: a process killed outright (SIGKILL, node loss) loses the lines appended since
+      the last upload (about one interval while steps keep coming); a resumed attempt re-trains
+      those steps anyway and logs them again. Each upload is the whole file, synchronous on the
+      appending thread (~100 MB every 30 s for a week-long run: ~3 MB/s from rank 0).
+    - readers: reads through this RunDir (`read_bytes`, `exists`, `size_of`, `sha256_of`,
+      `listdir`) see the mirror, i.e. every line appended so far; any other RunDir or process
+      (`raygpt status`, a resumed attempt) sees what was last flushed.
+    One process owns the appends to a file (rank 0). The Ray driver's failure record is the one
+    foreign append: when an upload finds the stored object grown past what this process last
+    stored, the foreign bytes are kept (spliced in before this process's new lines).
+    """
+
+    def __init__(self, fs: pafs.FileSystem, root: str, *,
+                 flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S, clock=time.monotonic):
+        if not flush_interval_s >= 0:  # also refuses NaN
+            raise ValueError(f"RunDir flush_interval_s: expected seconds >= 0, "
+                             f"found {flush_interval_s!r}")
         self.fs = fs
         self.root = root.rstrip("/") or root  # keep "/" itself
+        self.flush_interval_s = float(flush_interval_s)
+        self._appends = None if self.is_local else _Appends(fs, self.flush_interval_s, clock)
+        if self._appends is not None:  # flush what is buffered when this RunDir goes away
+            weakref.finalize(self, self._appends.close_quietly)
 
     def __repr__(self) -> str:
         return f"RunDir({self.uri()})"
+
+    def __reduce__(self):
+        # a pickled RunDir (sent to another process) arrives without this one's mirrors
+        return _rebuild_run_dir, (self.fs, self.root, self.flush_interval_s)
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ paths
     @property
@@ -60,8 +108,11 @@ class RunDir:
         return self.fs.get_file_info(self.path(rel))
 
     # ------------------------------------------------------------------ queries
+    def _mirror(self, rel: str) -> "_Mirror | None":
+        return self._appends.mirrors.get(self.path(rel)) if self._appends is not None else None
+
     def exists(self, rel: str = "") -> bool:
-        return self._info(rel).type != pafs.FileType.NotFound
+        return self._mirror(rel) is not None or self._info(rel).type != pafs.FileType.NotFound
 
     def is_dir(self, rel: str = "") -> bool:
         return self._info(rel).type == pafs.FileType.Directory
@@ -69,16 +120,25 @@ class RunDir:
     def listdir(self, rel: str = "", *, files_only: bool = False) -> list[str]:
         """Sorted names directly under `rel`; [] when `rel` does not exist."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
-        return sorted(i.base_name for i in infos
-                      if not files_only or i.type == pafs.FileType.File)
+        names = {i.base_name for i in infos if not files_only or i.type == pafs.FileType.File}
+        if self._appends is not None:  # appended files not uploaded yet are here all the same
+            here = self.path(rel).rstrip("/")
+            names.update(p.rpartition("/")[2] for p in self._appends.mirrors
+                         if p.rpartition("/")[0].rstrip("/") == here)
+        return sorted(names)
 
     def size_of(self, rel: str) -> int:
+        if (m := self._mirror(rel)) is not None:
+            return m.local.stat().st_size
         info = self._info(rel)
         if info.type != pafs.FileType.File:
             raise FileNotFoundError(f"{self.uri(rel)}: expected a file, found {info.type.name}")
         return info.size
 
     def read_bytes(self, rel: str) -> bytes:
+        if (m := self._mirror(rel)) is not None:
+            with self._appends.lock:
+                return m.local.read_bytes()
         if not self.exists(rel):
             raise FileNotFoundError(f"{self.uri(rel)}: no such file")
         with self.fs.open_input_stream(self.path(rel)) as f:
@@ -87,6 +147,11 @@ class RunDir:
     def sha256_of(self, rel: str) -> str:
         """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory)."""
         h = hashlib.sha256()
+        if (m := self._mirror(rel)) is not None:
+            with self._appends.lock, open(m.local, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            return h.hexdigest()
         with self.fs.open_input_stream(self.path(rel)) as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
@@ -101,6 +166,7 @@ class RunDir:
         parent = rel.strip("/").rpartition("/")[0]
         self.makedirs(parent)
         if not self.is_local:
+            self._appends.forget(self.path(rel))  # the new content replaces what was appended
             with self.fs.open_output_stream(self.path(rel)) as f:  # one PUT: atomic on object stores
                 f.write(data)
             return
@@ -118,13 +184,9 @@ class RunDir:
         _fsync_dir(target.parent)  # make the rename itself durable
 
     def append_text(self, rel: str, text: str) -> None:
-        """Append `text` (UTF-8) durably.
-
-        Local: append + flush + fsync. Object stores have no append, so the whole object is
-        rewritten: old content + `text` goes to a temp object which is then moved over the
-        original. That is safe against crashes (the original is intact until the move) but
-        NOT against concurrent appenders: one process (rank 0) must own each appended file.
-        """
+        """Append `text` (UTF-8). Local: append + flush + fsync, durable on return. Object
+        stores: appended to the local mirror, stored by the next due upload or `flush()` (see
+        the class docstring). One process (rank 0) owns the appends to a file."""
         if self.is_local:
             target = self.local_path(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -133,18 +195,31 @@ class RunDir:
                 f.flush()
                 os.fsync(f.fileno())
             return
-        old = self.read_bytes(rel) if self.exists(rel) else b""
-        tmp = f"{rel.strip('/')}.tmp-{uuid.uuid4().hex}"
-        self.write_bytes_atomic(tmp, old + text.encode("utf-8"))
-        self.fs.move(self.path(tmp), self.path(rel))
+        self._appends.append(self.path(rel), text.encode("utf-8"))
+
+    def flush(self) -> None:
+        """Store every appended line: upload each mirror with lines not yet stored (one put
+        each). A no-op for local run dirs (their appends are durable already)."""
+        if self._appends is not None:
+            self._appends.flush_all()
+
+    def close(self) -> None:
+        """`flush()`, then remove the local mirrors. The RunDir stays usable: a later append
+        seeds a new mirror from the stored file."""
+        if self._appends is not None:
+            self._appends.close()
 
     def delete_file(self, rel: str) -> None:
         """Remove a file; a file that is already gone is not an error (deletes are retried)."""
+        if self._appends is not None:
+            self._appends.forget(self.path(rel))
         if self._info(rel).type == pafs.FileType.File:
             self.fs.delete_file(self.path(rel))
 
     def delete_dir(self, rel: str) -> None:
         """Remove a directory and everything in it; a missing directory is not an error."""
+        if self._appends is not None:
+            self._appends.forget(self.path(rel), under=True)
         if self.is_dir(rel):
             self.fs.delete_dir(self.path(rel))
 
@@ -183,18 +258,150 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_run_dir(uri) -> RunDir:
-    """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir."""
+def open_run_dir(uri, *, flush_interval_s: float | None = None) -> RunDir:
+    """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir
+    (returned as it is, mirrors and interval included). `flush_interval_s` (default
+    DEFAULT_FLUSH_INTERVAL_S) bounds how long an append to an object store stays local only."""
     if isinstance(uri, RunDir):
         return uri
+    opts = {} if flush_interval_s is None else {"flush_interval_s": flush_interval_s}
     if isinstance(uri, tuple):
         fs, path = uri
         if not isinstance(fs, pafs.FileSystem):
             raise TypeError(f"run dir: expected (pyarrow.fs.FileSystem, path), "
                             f"found ({type(fs).__name__}, ...)")
-        return RunDir(fs, str(path))
+        return RunDir(fs, str(path), **opts)
     uri = os.fspath(uri)
     if "://" not in uri:
-        return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri))
+        return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri), **opts)
     fs, path = pafs.FileSystem.from_uri(uri)
-    return RunDir(fs, path)
+    return RunDir(fs, path, **opts)
+
+
+def _rebuild_run_dir(fs, root, flush_interval_s) -> RunDir:
+    return RunDir(fs, root, flush_interval_s=flush_interval_s)
+
+
+# ---------------------------------------------------------------------- appends on object stores
+
+class _Mirror:
+    """The local copy of one appended object. The whole local file is the object's content as
+    this process knows it; its first `synced` bytes are what storage held when this process
+    last looked (the seeding download or its own last upload). `dirty_since`: clock time of the
+    oldest append not yet uploaded (None: nothing to upload)."""
+
+    def __init__(self, remote: str, local: Path, synced: int):
+        self.remote, self.local, self.synced = remote, local, synced
+        self.dirty_since: float | None = None
+
+
+class _Appends:
+    """The mirrors of one non-local RunDir, keyed by the object's full path. Kept apart from the
+    RunDir so that a finalizer can flush them without keeping the RunDir alive. One lock guards
+    them: an append, a read and an upload of a mirror never interleave."""
+
+    def __init__(self, fs: pafs.FileSystem, interval_s: float, clock):
+        self.fs, self.interval_s, self.clock = fs, interval_s, clock
+        self.mirrors: dict[str, _Mirror] = {}
+        self.tmpdir: Path | None = None
+        self.lock = threading.RLock()
+        self._names = itertools.count()
+
+    def append(self, remote: str, data: bytes) -> None:
+        with self.lock:
+            m = self.mirrors.get(remote) or self._seed(remote)
+            with open(m.local, "ab") as f:  # a temp copy: no fsync, storage is the durable one
+                f.write(data)
+            now = self.clock()
+            if m.dirty_since is None:
+                m.dirty_since = now
+            if now - m.dirty_since >= self.interval_s:
+                self._upload(m)
+
+    def _seed(self, remote: str) -> _Mirror:
+        """Start a mirror with the stored object's content, so appends continue it."""
+        if self.tmpdir is None:
+            self.tmpdir = Path(tempfile.mkdtemp(prefix="raygpt-appends-"))
+        local = self.tmpdir / f"{next(self._names)}-{remote.rpartition('/')[2]}"
+        synced = 0
+        with open(local, "wb") as fout:
+            if self.fs.get_file_info(remote).type == pafs.FileType.File:
+                with self.fs.open_input_stream(remote) as fin:
+                    while chunk := fin.read(_CHUNK):
+                        fout.write(chunk)
+                        synced += len(chunk)
+        m = self.mirrors[remote] = _Mirror(remote, local, synced)
+        return m
+
+    def _upload(self, m: _Mirror) -> None:
+        """Store the whole mirror in one put (all-or-nothing on object stores)."""
+        info = self.fs.get_file_info(m.remote)
+        stored = info.size if info.type == pafs.FileType.File else None
+        if stored is not None and stored > m.synced:
+            self._splice_foreign(m, stored)
+        elif stored != m.synced and not (stored is None and m.synced == 0):
+            print(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
+                  f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
+                  f"uploading this process's copy", file=sys.stderr, flush=True)
+        parent = m.remote.rpartition("/")[0]
+        if stored is None and parent:
+            self.fs.create_dir(parent, recursive=True)
+        size = m.local.stat().st_size
+        with open(m.local, "rb") as fin, self.fs.open_output_stream(m.remote) as fout:
+            while chunk := fin.read(_CHUNK):
+                fout.write(chunk)
+        m.synced, m.dirty_since = size, None
+
+    def _splice_foreign(self, m: _Mirror, stored: int) -> None:
+        """Another process appended to the object since this one last stored it (the Ray
+        driver's failure record): keep its bytes, after what was stored and before this
+        process's own new lines, so neither writer's lines are lost."""
+        with self.fs.open_input_file(m.remote) as f:
+            f.seek(m.synced)
+            foreign = f.read(stored - m.synced)
+        spliced = m.local.with_name(m.local.name + ".splice")
+        with open(m.local, "rb") as src, open(spliced, "wb") as dst:
+            _copy_exactly(src, dst, m.synced)
+            dst.write(foreign)
+            shutil.copyfileobj(src, dst, _CHUNK)
+        os.replace(spliced, m.local)
+        m.synced = stored  # the stored object is now a prefix of the mirror again
+
+    def flush_all(self) -> None:
+        with self.lock:
+            for m in list(self.mirrors.values()):
+                if m.dirty_since is not None:
+                    self._upload(m)
+
+    def forget(self, remote: str, *, under: bool = False) -> None:
+        """Drop the mirror of `remote` (or of every file under it) whose object is being
+        replaced or deleted through the RunDir; a later append seeds afresh."""
+        prefix = remote.rstrip("/") + "/"
+        with self.lock:
+            for p in [p for p in self.mirrors if p == remote or (under and p.startswith(prefix))]:
+                self.mirrors.pop(p).local.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self.lock:
+            self.flush_all()  # raises before anything local is removed
+            if self.tmpdir is not None:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.mirrors.clear()
+            self.tmpdir = None
+
+    def close_quietly(self) -> None:
+        """close() for a finalizer: on failure say where the unstored lines are, keep them."""
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+            print(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
+                  f"their local copies stay in {self.tmpdir}", file=sys.stderr, flush=True)
+
+
+def _copy_exactly(src, dst, n: int) -> None:
+    while n > 0:
+        chunk = src.read(min(n, _CHUNK))
+        if not chunk:
+            raise EOFError(f"{src.name}: expected {n} more bytes, found the end of the file")
+        dst.write(chunk)
+        n -= len(chunk)

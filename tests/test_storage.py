@@ -1,7 +1,9 @@
 """raygpt.storage on a local directory and on fsspec's in-memory filesystem through pyarrow.fs."""
 
+import gc
 import hashlib
 import os
+import pickle
 import uuid
 
 import fsspec
@@ -22,7 +24,9 @@ def run_dir(request, tmp_path):
         return
     fs = memory_fs()  # fsspec's memory store is process-global: give every test its own root
     root = f"/raygpt-test-{uuid.uuid4().hex}"
-    yield open_run_dir((fs, root))
+    rd = open_run_dir((fs, root))
+    yield rd
+    rd.close()  # store what the test appended before the root goes
     if fs.get_file_info(root).type != pafs.FileType.NotFound:
         fs.delete_dir(root)
 
@@ -107,3 +111,198 @@ def test_local_atomic_write_failure_keeps_old_content(tmp_path):
         rd.write_bytes_atomic("f", "not bytes")  # fails inside the write, after the temp exists
     assert rd.read_bytes("f") == b"old"
     assert rd.listdir() == ["f"]  # the temp file was cleaned up
+
+
+# ---------------------------------------------------------------------- appends on object stores
+
+class CountingHandler(pafs.FSSpecHandler):
+    """fsspec's memory filesystem that records every object written (a PUT on an object store)."""
+
+    def __init__(self):
+        super().__init__(fsspec.filesystem("memory"))
+        self.puts: list[str] = []
+
+    def open_output_stream(self, path, metadata):
+        self.puts.append(path)
+        return super().open_output_stream(path, metadata)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def remote():
+    """(handler counting puts, pyarrow fs over it, a fresh root); cleaned up afterwards."""
+    handler = CountingHandler()
+    fs = pafs.PyFileSystem(handler)
+    root = f"/raygpt-appends-{uuid.uuid4().hex}"
+    yield handler, fs, root
+    gc.collect()  # finalizers of the test's RunDirs run (and upload) before the root goes
+    if fs.get_file_info(root).type != pafs.FileType.NotFound:
+        fs.delete_dir(root)
+
+
+def stored(fs, path) -> bytes | None:
+    """What a different process would read: the object itself, bypassing any RunDir."""
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def lines(first: int, last: int) -> bytes:
+    return b"".join(b'{"step":%d}\n' % i for i in range(first, last))
+
+
+def test_appends_stay_local_until_the_interval_then_upload_whole(remote):
+    handler, fs, root = remote
+    clock = FakeClock()
+    rd = RunDir(fs, root, flush_interval_s=30, clock=clock)
+    for i in range(200):
+        rd.append_text("loss_history.jsonl", '{"step":%d}\n' % i)
+        clock.now += 0.1  # 200 appends over 19.9 s: inside one interval
+    assert handler.puts == [] and stored(fs, f"{root}/loss_history.jsonl") is None
+    # this RunDir reads its own appends (read_history, begin_attempt's audit)
+    assert rd.read_bytes("loss_history.jsonl") == lines(0, 200)
+    assert rd.exists("loss_history.jsonl")
+    assert rd.size_of("loss_history.jsonl") == len(lines(0, 200))
+    assert rd.listdir() == ["loss_history.jsonl"]
+    assert rd.sha256_of("loss_history.jsonl") == hashlib.sha256(lines(0, 200)).hexdigest()
+    clock.now += 10.0  # the oldest un-uploaded line is now 30 s old: the next append uploads
+    rd.append_text("loss_history.jsonl", '{"step":200}\n')
+    assert handler.puts == [f"{root}/loss_history.jsonl"]
+    assert stored(fs, f"{root}/loss_history.jsonl") == lines(0, 201)
+    # the interval restarts at the next append, not at the upload
+    clock.now += 100.0
+    rd.append_text("loss_history.jsonl", '{"step":201}\n')
+    assert len(handler.puts) == 1 and stored(fs, f"{root}/loss_history.jsonl") == lines(0, 201)
+    rd.close()
+
+
+def test_flush_uploads_every_file_once_and_a_new_run_dir_sees_it(remote):
+    handler, fs, root = remote
+    rd = RunDir(fs, root, flush_interval_s=3600, clock=FakeClock())
+    for i in range(50):
+        rd.append_text("loss_history.jsonl", '{"step":%d}\n' % i)
+        rd.append_text("logs/main.log", f"s:{i} trl:1.0\n")
+    other = RunDir(fs, root)  # another process: sees only what was flushed
+    assert not other.exists("loss_history.jsonl") and other.listdir() == []
+    rd.flush()
+    assert sorted(handler.puts) == [f"{root}/logs/main.log", f"{root}/loss_history.jsonl"]
+    rd.flush()  # nothing new: nothing uploaded
+    assert len(handler.puts) == 2
+    assert other.read_bytes("loss_history.jsonl") == lines(0, 50)
+    assert other.read_bytes("logs/main.log").splitlines()[-1] == b"s:49 trl:1.0"
+    rd.append_text("loss_history.jsonl", '{"step":50}\n')
+    assert other.read_bytes("loss_history.jsonl") == lines(0, 50)  # not flushed yet
+    rd.close()
+    assert other.read_bytes("loss_history.jsonl") == lines(0, 51)
+
+
+def test_an_existing_remote_file_is_continued_never_truncated(remote):
+    handler, fs, root = remote
+    RunDir(fs, root).write_bytes_atomic("loss_history.jsonl", lines(0, 3))  # attempt 1's record
+    rd = RunDir(fs, root, flush_interval_s=3600)
+    assert rd.read_bytes("loss_history.jsonl") == lines(0, 3)
+    rd.append_text("loss_history.jsonl", '{"step":3}\n')
+    assert rd.read_bytes("loss_history.jsonl") == lines(0, 4)
+    rd.flush()
+    assert stored(fs, f"{root}/loss_history.jsonl") == lines(0, 4)
+
+
+def test_a_foreign_append_between_flushes_is_kept(remote, capsys):
+    # rank 0 buffers its lines while the Ray driver appends a failure record to the same object
+    handler, fs, root = remote
+    rank0 = RunDir(fs, root, flush_interval_s=3600)
+    rank0.append_text("h.jsonl", "a\n")
+    rank0.flush()
+    rank0.append_text("h.jsonl", "b\n")
+    driver = RunDir(fs, root)
+    driver.append_text("h.jsonl", "failure\n")
+    driver.close()
+    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\n"
+    rank0.flush()
+    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\nb\n"
+    assert rank0.read_bytes("h.jsonl") == b"a\nfailure\nb\n"
+    rank0.append_text("h.jsonl", "c\n")
+    rank0.flush()  # the splice left storage a prefix of the mirror: no second splice
+    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\nb\nc\n"
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_a_run_dir_that_goes_away_stores_its_lines_and_removes_its_mirror(remote):
+    handler, fs, root = remote
+    rd = RunDir(fs, root, flush_interval_s=3600)
+    rd.append_text("h.jsonl", "x\n")
+    tmpdir = rd._appends.tmpdir
+    assert tmpdir.is_dir()
+    del rd
+    gc.collect()
+    assert stored(fs, f"{root}/h.jsonl") == b"x\n"
+    assert not tmpdir.exists()
+    with RunDir(fs, root, flush_interval_s=3600) as rd:  # a with block closes it
+        rd.append_text("h.jsonl", "y\n")
+    assert stored(fs, f"{root}/h.jsonl") == b"x\ny\n"
+
+
+def test_writes_and_deletes_through_the_run_dir_replace_its_mirror(remote):
+    # Logger truncates main.log on a fresh start with an atomic write of b""
+    handler, fs, root = remote
+    rd = RunDir(fs, root, flush_interval_s=3600)
+    rd.append_text("main.log", "old run\n")
+    rd.write_bytes_atomic("main.log", b"")
+    rd.append_text("main.log", "new run\n")
+    assert rd.read_bytes("main.log") == b"new run\n"
+    rd.flush()
+    assert stored(fs, f"{root}/main.log") == b"new run\n"
+    rd.append_text("d/f", "1\n")
+    rd.delete_dir("d")
+    rd.append_text("g", "2\n")
+    rd.delete_file("g")
+    rd.flush()
+    assert not rd.exists("d/f") and not rd.exists("g") and rd.listdir() == ["main.log"]
+    assert stored(fs, f"{root}/g") is None and stored(fs, f"{root}/d/f") is None
+
+
+def test_interval_zero_uploads_every_append_and_bad_intervals_are_refused(remote):
+    handler, fs, root = remote
+    rd = open_run_dir((fs, root), flush_interval_s=0)
+    assert rd.flush_interval_s == 0
+    for i in range(3):
+        rd.append_text("h.jsonl", '{"step":%d}\n' % i)
+        assert stored(fs, f"{root}/h.jsonl") == lines(0, i + 1)
+    assert handler.puts == [f"{root}/h.jsonl"] * 3
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="flush_interval_s"):
+            open_run_dir((fs, root), flush_interval_s=bad)
+
+
+def test_a_pickled_run_dir_keeps_its_place_and_interval(remote):
+    handler, fs, root = remote
+    rd = open_run_dir((fs, root), flush_interval_s=5)
+    rd.append_text("h.jsonl", "x\n")
+    copy = pickle.loads(pickle.dumps(rd))
+    assert (copy.root, copy.flush_interval_s, copy.is_local) == (root, 5.0, False)
+    assert not copy.exists("h.jsonl")  # a copy is another process: it sees what was flushed
+    rd.close()
+
+
+def test_local_appends_are_durable_at_once_as_before(tmp_path, monkeypatch):
+    fsyncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
+    rd = open_run_dir(tmp_path, flush_interval_s=3600)
+    for i in range(3):
+        rd.append_text("h.jsonl", '{"step":%d}\n' % i)
+        # on disk before append_text returns, and fsynced once per append
+        assert (tmp_path / "h.jsonl").read_bytes() == lines(0, i + 1)
+        assert len(fsyncs) == i + 1
+    rd.flush()
+    rd.close()  # no-ops: nothing is buffered
+    assert rd._appends is None and len(fsyncs) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.jsonl"]

@@ -4,6 +4,9 @@ renames of directories). The training loop runs without Ray (LocalSession); one 
 to step 10, another is stopped at step 5 and resumed with -y 1, and the two must agree bit for
 bit: losses as floats, val losses, and the sha256 of the final model file. Checkpoints, main.log
 and loss_history.jsonl must all be in the in-memory run directory and nothing on local disk.
+Appends are buffered (the flush interval is set to an hour so only the loop's flushes count):
+loss_history.jsonl is uploaded at the attempt's start, each checkpoint publish and the end, not
+per line, and a fresh RunDir (another process) then reads everything the run wrote.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ class StopAfterStep(LocalSession):
         return self.polls > self.stop_step, False
 
 
+class CountingHandler(pafs.FSSpecHandler):
+    """The memory filesystem, recording every object written (a PUT on an object store)."""
+
+    puts: list[str] = []  # shared by every handler of the module: one record of the writes
+
+    def open_output_stream(self, path, metadata):
+        self.puts.append(path)
+        return super().open_output_stream(path, metadata)
+
+
 @pytest.fixture(scope="module")
 def mem():
     fs = memory.MemoryFileSystem()
@@ -46,8 +59,9 @@ def mem():
         fs.rm("/raygpt-storage-run", recursive=True)
 
 
-def run_dir_on(mem, name: str):
-    return open_run_dir((pafs.PyFileSystem(pafs.FSSpecHandler(mem)), f"/raygpt-storage-run/{name}"))
+def run_dir_on(mem, name: str, flush_interval_s: float = 3600):
+    return open_run_dir((pafs.PyFileSystem(CountingHandler(mem)), f"/raygpt-storage-run/{name}"),
+                        flush_interval_s=flush_interval_s)
 
 
 def config(output_dir, **overrides) -> TrainConfig:
@@ -71,8 +85,10 @@ def runs(mem, tmp_path_factory):
     nowhere = tmp_path_factory.mktemp("local") / "never-written"
     straight = run_dir_on(mem, "straight")
     train(config(nowhere), LocalSession(straight, torch.device("cpu")))
+    attempt1 = run_dir_on(mem, "resumed")  # kept alive: only the loop's own flushes store it
+    first = train(config(nowhere), StopAfterStep(attempt1, 4))
+    # the resume is a new process: a fresh RunDir that sees only what attempt 1 stored
     resumed = run_dir_on(mem, "resumed")
-    first = train(config(nowhere), StopAfterStep(resumed, 4))
     second = train(config(nowhere, resume=1), LocalSession(resumed, torch.device("cpu")))
     assert not nowhere.exists(), "a local path was written for a non-local run directory"
     return straight, resumed, first, second
@@ -140,3 +156,20 @@ def test_appends_to_the_object_store_keep_every_record(runs):
         assert [n for n in rd.listdir() if ".tmp-" in n] == []
         lines = rd.read_bytes("loss_history.jsonl").splitlines()
         assert all(json.loads(line)["kind"] for line in lines)  # every line whole
+
+
+def test_history_is_uploaded_at_the_flush_points_not_per_line(runs):
+    straight, _, _, _ = runs
+    path = straight.path("loss_history.jsonl")
+    records = read_history(straight)
+    assert len(records) == 15  # start, 10 train, 3 val, end: 15 appends
+    # start event, checkpoint 5's publish, checkpoint 10's publish, the end event
+    assert CountingHandler.puts.count(path) == 4
+
+
+def test_another_process_reads_everything_the_run_wrote(mem, runs):
+    for rd in runs[:2]:
+        fresh = run_dir_on(mem, rd.root.rpartition("/")[2])
+        for name in ("loss_history.jsonl", "main.log"):
+            assert fresh.read_bytes(name) == rd.read_bytes(name), name
+        assert read_history(fresh)[-1]["kind"] == "end"
