@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -188,12 +189,11 @@ class CheckpointFinalizer(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions):
         self.failures += 1
-        run_dir = open_run_dir(self.output_dir)
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
-        import json
-        run_dir.append_text(LOSS_HISTORY, json.dumps(
-            {"kind": "failure", "failure": self.failures, "causes": causes, "time": time.time(),
-             "attempt": None}) + "\n")
+        with open_run_dir(self.output_dir) as run_dir:  # uploaded at once on object stores
+            run_dir.append_text(LOSS_HISTORY, json.dumps(
+                {"kind": "failure", "failure": self.failures, "causes": causes,
+                 "time": time.time(), "attempt": None}) + "\n")
         print(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()),
               flush=True)
 
