@@ -14,6 +14,13 @@ the first V columns before the softmax, so those rows receive zero gradient and,
 decoupled decay, stay exactly zero for the whole run. Logits are computed for all Vp columns
 (the matmul shape the hardware likes) and sliced afterwards.
 
+The loss (`loss_impl`): "reference" is the textbook path (full (B*T, Vp) logits, slice,
+fp32 cross-entropy); "fused" (the default, `fused_classifier_loss`) never holds the full logits:
+it walks the rows in chunks, computes logsumexp in fp32 from bf16 logits and writes the
+logits' gradient in the same pass, so the loss's memory traffic is a few bf16 passes instead of
+an fp32 softmax saved for backward. Both give the same loss, z-loss, max |logit| and gradients
+(the fused path masks the padded columns to -inf instead of slicing them off: same result).
+
 Parameters in llm.c order: `llmc_parameter_layout` lists, for each llm.c tensor, the PyTorch
 Parameters that make it up. raygpt/optim.py re-points every Parameter's `.data` at a slice of
 one flat buffer in that order, so nothing here caches a parameter tensor; the weight tie is one
@@ -30,7 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt.config import MODEL_SHAPES
 
@@ -73,6 +82,152 @@ class GPTConfig:
         return cls(block_size=block_size, n_layer=depth, n_head=heads, n_embd=channels)
 
 
+# ---------------------------------------------------------------------- implementation switches
+
+# How GPT computes its training loss (see the module docstring). A GPT takes the module default
+# at construction unless told otherwise (`GPT(cfg, loss_impl=...)`), so a caller that builds
+# its model elsewhere (raygpt.loop, bench/throughput.py) can switch by setting these.
+LOSS_IMPLS = ("reference", "fused")
+DEFAULT_LOSS_IMPL = "fused"
+# Rows of the (B*T, Vp) logits the fused loss holds at once. 16384 rows of GPT-2's Vp = 50304
+# are 1.6 GB in bf16; fewer, larger chunks mean fewer fp32 read-modify-writes of the (Vp, C)
+# weight-gradient accumulator, smaller ones less memory. B*T need not be a multiple.
+DEFAULT_CE_CHUNK_ROWS = 16384
+# Attention kernel preference: "default" = PyTorch's own choice (flash attention on Hopper),
+# "cudnn" = cuDNN's fused attention first, then flash / memory-efficient / math (a preference:
+# where cuDNN cannot run, e.g. on the CPU, the usual kernels do).
+SDPA_BACKENDS = ("default", "cudnn")
+DEFAULT_SDPA_BACKEND = "default"
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+# ---------------------------------------------------------------------- the fused classifier loss
+#
+# Notation for one chunk of n rows: X (n, C) final hidden states, W (Vp, C) the tied lm_head,
+# t (n,) targets with -1 = ignore, keep = t != -1, logits L = X W^T (n, Vp) in the working
+# dtype, Lf = L in fp32 with the padded columns j >= V set to -inf. Per row:
+#   lse = logsumexp(Lf)                 loss_row = lse - Lf[t]        z_row = z lse^2
+#   p = softmax(Lf) = exp(Lf - lse)     (exactly 0 in the padded columns)
+#   d loss_sum / d L = keep (p - onehot(t))     =: G
+#   d z_sum    / d L = keep 2 z lse p           =  s p,  s = keep 2 z lse (a per-row scalar)
+# and for either, d/dX = (d/dL) W, d/dW = (d/dL)^T X. Both losses are sums, so their upstream
+# gradients g_loss, g_z are scalars: the gradients can be computed in the forward pass, where
+# L is at hand, and merely scaled in backward. That is the whole trick: the (B*T, Vp) logits
+# are never stored and never recomputed; under torch.compile Inductor turns each chunk into one
+# matmul for L, one kernel (online max / sum-exp / min, target gather, then G written in bf16
+# over L's buffer) and the two gradient matmuls the textbook backward does anyway, so no fp32
+# (n, Vp) tensor reaches memory (eagerly, the fp32 temporaries exist per chunk only). z > 0
+# costs two more matmuls per chunk, P @ W and P^T (s X) (P = keep p in bf16), because g_z is
+# only known in backward. Padded columns have p = 0, so W's padded rows get exactly zero
+# gradient. The textbook path, compiled, writes an fp32 (B*T, V) softmax in forward for its
+# backward to read (13 GB at GPT-2 d12, B*T = 65536), which is what this avoids.
+# Gradients are first-order only (once_differentiable): a double backward raises.
+
+
+def _chunk_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    """From one chunk's logits L (n, Vp) and targets t (n,): Lf (n, Vp) fp32 with padded
+    columns -inf, lse (n,), target logit (n,), row max and row min over the real columns (n,)."""
+    col = torch.arange(L.shape[1], device=L.device)                        # (Vp,)
+    real = col < vocab_size
+    Lf = L.float()
+    row_min = torch.where(real, Lf, float("inf")).amin(dim=1)              # (n,)
+    Lf = torch.where(real, Lf, float("-inf"))                              # (n, Vp)
+    row_max = Lf.amax(dim=1)                                               # (n,)
+    lse = row_max + torch.log(torch.exp(Lf - row_max[:, None]).sum(dim=1))  # (n,)
+    target_logit = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]            # (n,)
+    return Lf, lse, target_logit, row_max, row_min
+
+
+def _chunks(n_rows: int, chunk_rows: int):
+    return [(lo, min(lo + chunk_rows, n_rows)) for lo in range(0, n_rows, chunk_rows)]
+
+
+class _FusedClassifierLoss(torch.autograd.Function):
+    """(x (N, C), weight (Vp, C), targets (N,)) -> (loss_sum, z_sum, max |logit|), fp32 scalars,
+    with the input gradients computed in forward (see the notes above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size: int, z_loss: float, chunk_rows: int):
+        N, with_z = x.shape[0], z_loss > 0.0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+        max_abs = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)    # (Vp, C)
+        dw_z = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_z else None
+        dx_parts, dx_z_parts = [], []
+        for lo, hi in _chunks(N, chunk_rows):
+            X, t = x[lo:hi], targets[lo:hi]                                    # (n, C), (n,)
+            L = X @ weight.t()                                                 # (n, Vp)
+            Lf, lse, target_logit, row_max, row_min = _chunk_statistics(L, t, vocab_size)
+            keep = t != -1
+            loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()
+            max_abs = torch.maximum(max_abs, torch.maximum(row_max.amax(), -row_min.amin()))
+            p = torch.exp(Lf - lse[:, None])                                   # (n, Vp), 0 in pads
+            onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
+            G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)  # (n, Vp)
+            dx_parts.append((G @ weight).float())                              # (n, C)
+            dw = dw + (G.t() @ X).float()                                      # (Vp, C)
+            if with_z:
+                s = torch.where(keep, 2.0 * z_loss * lse, 0.0)                 # (n,)
+                z_sum = z_sum + z_loss * torch.where(keep, lse.square(), 0.0).sum()
+                P = torch.where(keep[:, None], p, 0.0).to(L.dtype)             # (n, Vp)
+                dx_z_parts.append(s[:, None] * (P @ weight).float())           # (n, C)
+                dw_z = dw_z + (P.t() @ (s[:, None] * X.float()).to(X.dtype)).float()
+        dx = torch.cat(dx_parts)                                               # (N, C) fp32
+        ctx.with_z = with_z
+        ctx.dtypes = (x.dtype, weight.dtype)
+        if with_z:
+            ctx.save_for_backward(dx, dw, torch.cat(dx_z_parts), dw_z)
+        else:
+            ctx.save_for_backward(dx, dw)
+        # one call: each call replaces the previous set
+        ctx.mark_non_differentiable(*((max_abs,) if with_z else (z_sum, max_abs)))
+        return loss_sum, z_sum, max_abs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_loss, g_z, g_max_abs):
+        x_dtype, w_dtype = ctx.dtypes
+        if ctx.with_z:
+            dx, dw, dx_z, dw_z = ctx.saved_tensors
+            grad_x = dx * g_loss + dx_z * g_z
+            grad_w = dw * g_loss + dw_z * g_z
+        else:
+            dx, dw = ctx.saved_tensors
+            grad_x, grad_w = dx * g_loss, dw * g_loss
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None
+
+
+def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          vocab_size: int, *, z_loss: float = 0.0,
+                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS):
+    """Cross-entropy of the classifier x @ weight^T over the first vocab_size columns, in row
+    chunks, without the full logits. x (N, C) final hidden states, weight (Vp, C), targets (N,)
+    with -1 = ignore. Returns fp32 scalars (loss_sum, z_sum, max_abs_logit):
+    loss_sum = sum over kept rows of CE, z_sum = z_loss * sum over kept rows of lse^2 (a 0 that
+    carries no gradient when z_loss is 0), max_abs_logit = max |logit| over every row and the
+    real columns (no gradient). With grad enabled the input gradients are computed here and
+    backward only scales them; without (evaluation), only the statistics are computed."""
+    if chunk_rows < 1:
+        raise ValueError(f"fused_classifier_loss: expected chunk_rows >= 1, found {chunk_rows}")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedClassifierLoss.apply(x, weight, targets, vocab_size, float(z_loss), chunk_rows)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+    z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+    max_abs = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
+    for lo, hi in _chunks(x.shape[0], chunk_rows):
+        t = targets[lo:hi]
+        _, lse, target_logit, row_max, row_min = _chunk_statistics(x[lo:hi] @ weight.t(), t,
+                                                                   vocab_size)
+        keep = t != -1
+        loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()
+        if z_loss > 0.0:
+            z_sum = z_sum + z_loss * torch.where(keep, lse.square(), 0.0).sum()
+        max_abs = torch.maximum(max_abs, torch.maximum(row_max.amax(), -row_min.amin()))
+    return loss_sum, z_sum, max_abs
+
+
 # ---------------------------------------------------------------------- the network
 
 class CausalSelfAttention(nn.Module):
@@ -82,6 +237,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.c_attn = nn.Linear(C, 3 * C)  # weight (3C, C): rows are [q; k; v], llm.c's qkvw
         self.c_proj = nn.Linear(C, C)      # residual projection, attprojw
+        self.sdpa_backend = "default"      # see SDPA_BACKENDS; GPT sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -91,7 +247,11 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         # softmax(q k^T / sqrt(hs) + causal mask) v; flash / memory-efficient kernel when available
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if self.sdpa_backend == "cudnn":
+            with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)              # heads side by side
         return self.c_proj(y)
 
@@ -125,11 +285,26 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2. `GPT(config, init_seed=42)`: GPT-2's init drawn from a private CPU generator, so
     every rank and every device starts from the same weights. `init_seed=None` leaves PyTorch's
-    default init (for a model whose weights are about to be loaded)."""
+    default init (for a model whose weights are about to be loaded).
 
-    def __init__(self, config: GPTConfig, *, init_seed: int | None = 42):
+    Implementation choices, each None = the module default at construction: loss_impl
+    ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
+    ("default" | "cudnn"). They change speed and memory, not the function computed."""
+
+    def __init__(self, config: GPTConfig, *, init_seed: int | None = 42,
+                 loss_impl: str | None = None, ce_chunk_rows: int | None = None,
+                 sdpa_backend: str | None = None):
         super().__init__()
         self.config = config
+        self.loss_impl = DEFAULT_LOSS_IMPL if loss_impl is None else loss_impl
+        self.ce_chunk_rows = DEFAULT_CE_CHUNK_ROWS if ce_chunk_rows is None else ce_chunk_rows
+        sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"GPT loss_impl: expected one of {LOSS_IMPLS}, found {self.loss_impl!r}")
+        if not isinstance(self.ce_chunk_rows, int) or self.ce_chunk_rows < 1:
+            raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
+        if sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"GPT sdpa_backend: expected one of {SDPA_BACKENDS}, found {sdpa_backend!r}")
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
             wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
@@ -139,6 +314,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Weight tying: one Parameter, counted once, its gradient the sum of both uses.
         self.lm_head.weight = self.transformer.wte.weight
+        for block in self.transformer.h:
+            block.attn.sdpa_backend = sdpa_backend
         # Largest |logit| over the real vocab in the last forward with targets (watch metric).
         # A detached device tensor, so reading it is the caller's choice of when to sync.
         self.last_max_logit: torch.Tensor | None = None
@@ -201,6 +378,13 @@ class GPT(nn.Module):
             if last_only:
                 x = x[:, -1:, :]                                           # (B, 1, C)
             return self.lm_head(x)[..., :V].float()                        # (B, T|1, V)
+
+        if self.loss_impl == "fused":
+            loss_sum, z_sum, max_abs = fused_classifier_loss(
+                x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T).long(), V,
+                z_loss=z_loss, chunk_rows=self.ce_chunk_rows)
+            self.last_max_logit = max_abs.detach()
+            return loss_sum, z_sum
 
         logits = self.lm_head(x)[..., :V]        # (B, T, V): padded columns sliced off
         with torch.no_grad():                    # max |logit| without an abs() copy
