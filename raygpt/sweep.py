@@ -1,0 +1,827 @@
+"""Ray Tune sweeps over raygpt runs: every trial is a full raygpt run in its own run directory.
+
+A search space is a dict of `TrainConfig` overrides (`{"scheduler": tune.grid_search([...]),
+"spike.soft_z": tune.choice([...]), "learning_rate": tune.loguniform(...)}`): each trial's config
+is `base.with_overrides(trial_config)`, so there is no second config system.
+
+A sweep directory holds
+
+    sweep.json             the plan (format "raygpt-sweep", version 1): base config, mode, settings
+    tune/                  Ray Tune's experiment; `resume_sweep` hands it to `Tuner.restore`
+    trials/<trial name>/   one raygpt run directory per trial: checkpoints, main.log, loss history
+    stable/                WSD branch mode only: the shared stable phase, trained once
+    results.txt, results.json, best_config.json, val_loss.png    written when the sweep ends
+
+How a trial runs (Ray Train V2's documented Train-inside-Tune pattern): the Tune trial is a small
+driver (`raygpt_trial`) that builds the same `TorchTrainer` a single run builds (`train_func`,
+`CheckpointFinalizer`, `FailureConfig(cfg.max_failures)`, the run directory as Ray's experiment
+directory) and forwards the loop's validation reports to Tune (`TuneReportCallback`). The trial
+driver reserves no CPU or GPU (only a token amount of memory, because a Tune bundle cannot be
+empty), so the cluster's CPUs or GPUs go to the training workers, and `max_concurrent_trials` is
+the number of trials whose workers fit at once.
+
+Early stopping is ASHA on validation loss against step (`GracefulASHA`), with one change: a trial
+ASHA stops is asked to checkpoint and stop through its run's control actor (what a driver's
+SIGTERM does), rather than having Tune kill its actor. A killed trial takes its Ray Train
+controller down with it and leaves the workers' placement group to Ray Train's best-effort
+cleaner, which on a machine running more than one Ray instance never frees it; the graceful
+stop frees everything and leaves a resumable run directory.
+
+Fault tolerance has two levels. A lost worker is raygpt's own business: Ray Train restarts the
+worker group inside the trial and the loop resumes from the newest verified checkpoint. A trial
+whose driver died (or whose Ray Train retry budget ran out) is re-run by Tune
+(`tune.FailureConfig`); every trial runs with `resume=1`, so a re-run continues its run directory
+instead of refusing it. When the sweep's own driver dies, `resume_sweep` restores Tune's
+experiment: finished trials stay finished, unfinished ones continue from their checkpoints.
+
+WSD branches (`run_wsd_branches`): llm.c's WSD holds the peak LR until step
+`int(0.8f * max_steps)` and then decays, so the steps before the shortest branch's decay start S
+are the same in every branch. The stable phase is trained once (scheduler wsd, max_steps = the
+shortest branch total) and asked to stop once its checkpoint at S exists (the request lands a
+few steps later, or the run ends at that total, which is the shortest branch's own schedule).
+Every trial then copies checkpoint S (rank files, DONE, MANIFEST) into its own run directory and
+resumes from it with its own `max_steps`: stable until int(0.8 * max_steps), then its decay.
+Only fields a checkpoint lets change on resume (`config.RESUME_MUTABLE_FIELDS`) may differ
+between branches; anything else would fail the checkpoint's compatibility check, so it is
+refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+import ray.train
+from ray import tune
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train.torch import TorchTrainer
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
+
+from raygpt import checkpoint as ck
+from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, SpikeConfig, TrainConfig, parse_args
+from raygpt.faults import parse_spec
+from raygpt.history import read_history
+from raygpt.schedule import wsd_decay_start
+from raygpt.storage import RunDir, open_run_dir
+from raygpt.trainer import (CheckpointFinalizer, RaygptTorchConfig, RunControl, RunFailed,
+                            prepare_run_dir, train_func)
+
+PLAN_FILE = "sweep.json"
+PLAN_FORMAT = "raygpt-sweep"
+PLAN_VERSION = 1
+TUNE_DIR = "tune"
+TRIALS_DIR = "trials"
+STABLE_DIR = "stable"
+RESULTS_TXT, RESULTS_JSON = "results.txt", "results.json"
+BEST_CONFIG = "best_config.json"
+PLOT = "val_loss.png"
+
+# What the loop reports at every validation (loop.py: session.report_metrics); Tune sees these.
+VAL_KEYS = ("step", "val_loss", "skips", "rewinds")
+# A Tune trial is only the driver of its Ray Train run: it needs no CPU or GPU of its own, but a
+# Tune bundle may not be empty, so it reserves a token 1 MiB of memory.
+TRIAL_DRIVER_RESOURCES = {"memory": 1 << 20}
+# Fields that place a run, not configure it: never written into best_config.json.
+_PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault")
+
+
+# ====================================================================== the plan (sweep.json)
+
+@dataclass
+class SweepPlan:
+    """Everything a trial and `resume_sweep` need besides Tune's own state."""
+
+    sweep_dir: str
+    """Absolute path (or URI) of the sweep directory."""
+    mode: str
+    """"grid" (any search space) or "wsd_branch" (branches from one stable-phase checkpoint)."""
+    user_base: dict
+    """The base config as the user gave it (unresolved); best_config.json is relative to it."""
+    base: dict
+    """The base every trial overrides: hardware defaults resolved on the driver, paths absolute."""
+    settings: dict = field(default_factory=dict)
+    """num_samples, max_concurrent, early_stop, grace_period, reduction_factor, trial_retries."""
+    shared_step: int | None = None
+    """WSD branch mode: the step S of the stable-phase checkpoint every trial starts from."""
+    stable_max_steps: int | None = None
+    """WSD branch mode: max_steps of the stable-phase run (its decay starts at S)."""
+
+    def to_dict(self) -> dict:
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **dataclasses.asdict(self)}
+
+
+def write_plan(sweep: RunDir, plan: SweepPlan) -> None:
+    sweep.write_bytes_atomic(PLAN_FILE, json.dumps(plan.to_dict(), indent=1, sort_keys=True).encode())
+
+
+def read_plan(sweep: RunDir) -> SweepPlan:
+    where = sweep.uri(PLAN_FILE)
+    if not sweep.exists(PLAN_FILE):
+        raise ConfigError(f"{where}: no such file (expected a raygpt sweep directory)")
+    try:
+        d = json.loads(sweep.read_bytes(PLAN_FILE))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: expected JSON, found unreadable content ({e})") from e
+    if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+        raise ConfigError(f"{where}: format: expected {PLAN_FORMAT!r}, found "
+                          f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
+    if d.get("version") != PLAN_VERSION:
+        raise ConfigError(f"{where}: version: expected {PLAN_VERSION}, found {d.get('version')!r}")
+    fields = {f.name for f in dataclasses.fields(SweepPlan)}
+    return SweepPlan(**{k: v for k, v in d.items() if k in fields})
+
+
+# ====================================================================== configs (pure)
+
+def pin_for_trials(base: TrainConfig, gpus_available: int) -> TrainConfig:
+    """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
+    actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
+    their Tune trial directory as working directory). total_batch_size=-1 stays -1, so a trial
+    that changes B or T still gets B*T*world tokens per step."""
+    resolved = base.resolve(gpus_available=gpus_available)
+    pinned = {"total_batch_size": base.total_batch_size,
+              "input_bin": os.path.abspath(resolved.input_bin)}
+    if resolved.input_val_bin:
+        pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
+    if resolved.depth is None:
+        pinned["model"] = os.path.abspath(resolved.model)
+    return resolved.with_overrides(pinned)
+
+
+def _plain(value):
+    """Tune samples numpy scalars; configs and manifests hold plain Python values."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def trial_config(base: TrainConfig, overrides: dict, run_dir: str) -> TrainConfig:
+    """A trial's run config: base + the trial's overrides, in its own run directory, resumable."""
+    cfg = base.with_overrides({k: _plain(v) for k, v in overrides.items()})
+    cfg = cfg.with_overrides({"output_dir": run_dir, "resume": 1})
+    # every hardware field is pinned already; gpus_available only satisfies resolve()'s check
+    return cfg.resolve(gpus_available=cfg.num_workers if cfg.device == "gpu" else 0)
+
+
+def check_space(base: TrainConfig, space: dict) -> None:
+    """Every key of a search space must name a TrainConfig field ('spike.x' for SpikeConfig)."""
+    if not isinstance(space, dict) or not space:
+        raise ConfigError(f"search space: expected a non-empty dict of TrainConfig overrides, found {space!r}")
+    current = base.to_dict()
+    for key in space:
+        if key in _PLACEMENT_FIELDS:
+            raise ConfigError(f"search space key {key!r}: the sweep sets it for every trial "
+                              f"(expected a training field)")
+        value = current["spike"].get(key[6:]) if key.startswith("spike.") else current.get(key)
+        base.with_overrides({key: value})  # raises ConfigError naming an unknown key
+
+
+def max_concurrent_trials(cluster: dict, per_trial: TrainConfig) -> int:
+    """Trials whose workers fit at once: GPUs (or CPUs, one per CPU worker) // workers per trial."""
+    kind = "GPU" if per_trial.device == "gpu" else "CPU"
+    return max(1, int(cluster.get(kind, 0) // per_trial.num_workers))
+
+
+def _upper(value) -> float | None:
+    """The largest value a search-space entry can take (grid, choice, range), or None."""
+    if isinstance(value, dict) and "grid_search" in value:
+        return max(value["grid_search"])
+    if hasattr(value, "categories"):
+        return max(value.categories)
+    if hasattr(value, "upper"):
+        return value.upper
+    if isinstance(value, (int, float)):
+        return value
+    return None
+
+
+def shared_stable_step(branch_totals: list[int]) -> int:
+    """S: the decay start of the shortest branch, where every branch is still in its stable
+    phase (wsd_decay_start grows with max_steps), so checkpoint S is valid for all of them."""
+    step = wsd_decay_start(min(branch_totals))
+    if step < 1:
+        raise ConfigError(f"--wsd-branches {branch_totals}: the shortest branch's decay starts at "
+                          f"step {step}; expected max_steps >= 2 so there is a stable phase")
+    return step
+
+
+def check_branch_space(space: dict) -> None:
+    """Branches resume one checkpoint, so they may differ only where a resume may differ."""
+    for key in space:
+        top = key.split(".", 1)[0]
+        if top not in RESUME_MUTABLE_FIELDS:
+            raise ConfigError(
+                f"WSD branch space key {key!r}: branches resume the shared stable-phase "
+                f"checkpoint, whose compatibility check requires every field outside "
+                f"config.RESUME_MUTABLE_FIELDS to match; expected one of "
+                f"{sorted(RESUME_MUTABLE_FIELDS)}, found {key!r}")
+
+
+# ====================================================================== one run under Ray Train
+
+class _ValReportsToTune(TuneReportCallback):
+    """Forwards the loop's validation reports, and only those, to the Tune trial: checkpoint
+    reports and the final summary carry other keys, and Tune's scheduler needs val_loss in
+    every result it sees."""
+
+    def after_report(self, run_context, metrics, checkpoint):
+        m = metrics[0]
+        if "val_loss" not in m or "checkpoint_step" in m or m.get("final"):
+            return
+        super().after_report(run_context, [{k: m[k] for k in VAL_KEYS if k in m}], None)
+
+
+class _StopAtStep(UserCallback):
+    """Asks the workers to checkpoint and stop (the driver's SIGTERM path) once a report from
+    step >= `step` arrives. Used to end the WSD stable phase at the shared step."""
+
+    def __init__(self, step: int, control):
+        self.step, self.control, self.sent = step, control, False
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if not self.sent and any(m.get("step", -1) >= self.step for m in metrics):
+            self.control.request.remote("stop")
+            self.sent = True
+
+
+def _split_storage(output_dir: str) -> tuple[str, str]:
+    """(storage_path, name): Ray's experiment directory storage_path/name is the run directory."""
+    if "://" in output_dir:
+        parent, _, name = output_dir.rstrip("/").rpartition("/")
+        return parent, name
+    p = Path(output_dir)
+    return str(p.parent), p.name
+
+
+def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None = None,
+            control_name: str | None = None):
+    """One raygpt run under Ray Train, from inside a Tune trial (or the sweep driver).
+
+    The TorchTrainer is built exactly as `trainer.run` builds it (same train_func, backend,
+    scaling, FailureConfig, checkpoint finalizer, logging; tests/test_sweep.py compares the two),
+    with `callbacks` added on the controller. `trainer.run` takes no extra callbacks and names its
+    control actor itself, which is why this is not a call to it. The run's control actor (stop
+    and save requests, polled by rank 0) is named `control_name`, so a scheduler can find it.
+    Raises RunFailed once the run's own retry budget (cfg.max_failures) is spent."""
+    prepare_run_dir(cfg)
+    control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+    control = _create_control(control_name)
+    faults = parse_spec(";".join(s for s in (cfg.fault, os.environ.get("RAYGPT_FAULT", "")) if s))
+    crash = [f for f in faults if f.kind == "crash_before_done"]
+    extra = list(callbacks)
+    if stop_at_step is not None:
+        extra.append(_StopAtStep(stop_at_step, control))
+    use_gpu = cfg.device == "gpu"
+    storage_path, name = _split_storage(cfg.output_dir)
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
+        torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
+                                                  else (cfg.min_workers, cfg.num_workers)),
+                                     use_gpu=use_gpu,
+                                     resources_per_worker=None if use_gpu else {"CPU": 1}),
+        run_config=RunConfig(
+            name=name, storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         max_preemption_failures=cfg.max_preemption_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=[CheckpointFinalizer(cfg.output_dir, crash[0].step if crash else None), *extra]),
+    )
+    try:
+        return trainer.fit()
+    except Exception as e:  # Ray raises once the run's retry budget is spent
+        raise RunFailed(f"raygpt run {cfg.output_dir} failed after --max-failures "
+                        f"{cfg.max_failures} restarts: {type(e).__name__}: {str(e)[:1000]}") from e
+    finally:
+        ray.kill(control)
+
+
+def _create_control(name: str, timeout_s: float = 60.0):
+    """A named RunControl actor. A re-run trial reuses its predecessor's name, which Ray frees
+    once the predecessor (killed with its trial) is gone, so a taken name is retried a while."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RunControl.options(name=name).remote()
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def trial_control_name(trial_id: str) -> str:
+    return f"raygpt-sweep-control-{trial_id}"
+
+
+def request_stop(control_name: str) -> bool:
+    """Ask a run to checkpoint and stop; False when its control actor does not exist (yet)."""
+    try:
+        ray.get_actor(control_name).request.remote("stop")
+    except ValueError:
+        return False
+    return True
+
+
+class GracefulASHA(ASHAScheduler):
+    """ASHA on validation loss whose STOP is a request to the trial's run to checkpoint and stop
+    (the path a driver's SIGTERM takes) instead of Tune killing the trial actor. A killed trial
+    would take its Ray Train controller with it, leave its workers' placement group to Ray
+    Train's best-effort cleaner (which can hold the CPUs or GPUs for good) and end the run
+    without a final checkpoint; a stopped run ends like any run stopped by its operator and can
+    be continued later with -y 1. Tune sees the trial finish on its own a step or two later."""
+
+    def __init__(self, *, time_attr: str, max_t: int, **kwargs):
+        super().__init__(time_attr=time_attr, max_t=max_t, **kwargs)
+        self.time_key, self.max_t = time_attr, max_t
+        self.stopping: set = set()  # trial ids whose run was asked to stop
+
+    def on_trial_result(self, tune_controller, trial, result):
+        if trial.trial_id in self.stopping:  # decided already; results until it stops are late
+            return self.CONTINUE
+        decision = super().on_trial_result(tune_controller, trial, result)
+        if decision != self.STOP:
+            return decision
+        if result.get(self.time_key, 0) >= self.max_t:
+            return self.CONTINUE  # ASHA's STOP at max_t: the run is ending on its own
+        if request_stop(trial_control_name(trial.trial_id)):
+            self.stopping.add(trial.trial_id)
+            print(f"raygpt sweep | early stop: {trial} at step {result.get('step')} "
+                  f"(val loss {result.get('val_loss', float('nan')):.4f}); asked its run to "
+                  f"checkpoint and stop", flush=True)
+        return self.CONTINUE
+
+
+def copy_checkpoint(src: RunDir, dst: RunDir, step: int) -> None:
+    """Copy a verified checkpoint directory, in the write protocol's order: rank files, then DONE,
+    then MANIFEST (atomically, last), so an interrupted copy is never mistaken for a checkpoint."""
+    sdir = ck.step_dir(step)
+    problems = ck.verify_checkpoint(src, step)
+    if problems:
+        raise ck.CheckpointError(f"{src.uri(sdir)}: cannot branch from an unverified checkpoint: "
+                                 + "; ".join(problems))
+    dst.delete_dir(sdir)  # leftovers of an interrupted copy
+    dst.makedirs(sdir)
+    last = (ck.done_file(step), ck.MANIFEST)
+    names = src.listdir(sdir, files_only=True)
+    for name in [n for n in names if n not in last] + [ck.done_file(step)]:
+        with src.fs.open_input_stream(src.path(f"{sdir}/{name}")) as fin, \
+                dst.fs.open_output_stream(dst.path(f"{sdir}/{name}")) as fout:
+            while chunk := fin.read(8 << 20):
+                fout.write(chunk)
+    dst.write_bytes_atomic(f"{sdir}/{ck.MANIFEST}", src.read_bytes(f"{sdir}/{ck.MANIFEST}"))
+    problems = ck.verify_checkpoint(dst, step)
+    if problems:
+        raise ck.CheckpointError(f"{dst.uri(sdir)}: the copy does not verify: " + "; ".join(problems))
+
+
+def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
+    """Give a branch trial the shared stable-phase checkpoint, unless its run directory already
+    has a verified checkpoint of its own (a retried or restored trial continues from that).
+    Returns True when it copied."""
+    if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
+        return False
+    stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
+    copy_checkpoint(stable, run_dir, plan.shared_step)
+    return True
+
+
+def raygpt_trial(config: dict, plan: dict) -> None:
+    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/."""
+    plan = SweepPlan(**{k: v for k, v in plan.items() if k not in ("format", "version")})
+    name = tune.get_context().get_trial_name()
+    run_dir = _join(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
+    cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir)
+    if plan.mode == "wsd_branch":
+        seed_branch(plan, open_run_dir(run_dir))
+    fit_run(cfg, callbacks=(_ValReportsToTune(),),
+            control_name=trial_control_name(tune.get_context().get_trial_id()))
+
+
+def _join(root: str, rel: str) -> str:
+    return f"{root.rstrip('/')}/{rel}"
+
+
+# ====================================================================== the sweep driver
+
+@dataclass
+class TrialRow:
+    name: str
+    trial_id: str
+    status: str
+    """done (reached max_steps) | stopped (early-stopped by the scheduler) | error | pending | running"""
+    overrides: dict
+    val_loss: float
+    step: int | None
+    skips: int
+    rewinds: int
+    retries: int
+    """Times Tune re-ran the trial after its driver failed."""
+    run_dir: str
+    val_curve: list
+    """[(step, val_loss)], the latest record of each step."""
+
+
+@dataclass
+class SweepReport:
+    sweep_dir: str
+    rows: list
+    """TrialRow, sorted by final validation loss (NaN last)."""
+    best: TrialRow | None
+    best_config_path: str | None
+    plot_path: str | None
+    table: str
+    max_concurrent: int
+
+
+def run_sweep(base: TrainConfig, space: dict, sweep_dir: str, *, num_samples: int = 1,
+              early_stop: str = "asha", grace_period: int | None = None,
+              reduction_factor: float = 2.0, max_concurrent: int | None = None,
+              trial_retries: int = 2, ray_address: str | None = None) -> SweepReport:
+    """Sweep `space` (TrainConfig overrides with Tune domains) over raygpt runs.
+
+    early_stop: "asha" (ASHAScheduler on val_loss against step) or "none".
+    max_concurrent: default, the trials whose workers fit the cluster's GPUs (or CPUs) at once."""
+    _ensure_ray(ray_address)
+    check_space(base, space)
+    plan = _new_plan("grid", base, space, sweep_dir, dict(
+        num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
+        reduction_factor=reduction_factor, max_concurrent=max_concurrent,
+        trial_retries=trial_retries))
+    return _fit(plan, space)
+
+
+def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str, *,
+                     space: dict | None = None, max_concurrent: int | None = None,
+                     trial_retries: int = 2, ray_address: str | None = None) -> SweepReport:
+    """WSD decay branches from one shared stable phase: one trial per max_steps in
+    `branch_totals` (times the grid of `space`, resume-mutable fields only). The scheduler is
+    wsd. The stable phase is trained once up to S = wsd_decay_start(min(branch_totals)). No early
+    stopping: at the same step the branches are in different phases (stable or decaying), so
+    ASHA would compare them unfairly."""
+    _ensure_ray(ray_address)
+    totals = sorted({int(n) for n in branch_totals})
+    if not totals or totals[0] < 2:
+        raise ConfigError(f"--wsd-branches: expected branch totals (max_steps) >= 2, found "
+                          f"{branch_totals!r}")
+    space = dict(space or {})
+    if "max_steps" in space:
+        raise ConfigError("WSD branch space: max_steps is given by the branch totals "
+                          "(--wsd-branches), expected it absent from the space")
+    check_branch_space(space)
+    base = base.with_overrides({"scheduler": "wsd"})
+    space["max_steps"] = tune.grid_search(totals)
+    check_space(base, space)
+    plan = _new_plan("wsd_branch", base, space, sweep_dir, dict(
+        num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
+        max_concurrent=max_concurrent, trial_retries=trial_retries),
+        shared_step=shared_stable_step(totals), stable_max_steps=totals[0])
+    return _fit(plan, space)
+
+
+def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
+                 retry_errored: bool = False) -> SweepReport:
+    """Continue a sweep whose driver died: Tune's experiment is restored (finished trials are not
+    run again; unfinished ones continue from their own checkpoints)."""
+    _ensure_ray(ray_address)
+    plan = read_plan(open_run_dir(_abs(sweep_dir)))
+    return _fit(plan, None, restore=True, retry_errored=retry_errored)
+
+
+def _ensure_ray(address: str | None) -> None:
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+
+
+def _abs(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
+
+
+def _new_plan(mode: str, base: TrainConfig, space: dict, sweep_dir: str, settings: dict,
+              **wsd) -> SweepPlan:
+    """Check the settings, pin the base, refuse to clobber an existing sweep, write sweep.json."""
+    sweep = open_run_dir(_abs(sweep_dir))
+    if settings["early_stop"] not in ("asha", "none"):
+        raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
+    pinned = pin_for_trials(base, int(ray.cluster_resources().get("GPU", 0)))
+    upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
+    settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
+    if settings["early_stop"] == "asha" and settings["max_t"] is None:
+        raise ConfigError("--early-stop asha: expected -x/--max-steps >= 1 (ASHA needs the "
+                          "trials' length), found -1 (one epoch)")
+    if sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR):
+        if not base.overwrite:
+            raise ConfigError(f"-o/--output-dir {sweep.uri()}: expected an empty or new sweep "
+                              f"directory, found an existing sweep; pass -y 1 to resume it or "
+                              f"--overwrite to start fresh over it")
+        sweep.delete_dir("")
+    plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
+                     settings=settings, **wsd)
+    sweep.makedirs("")
+    write_plan(sweep, plan)
+    return plan
+
+
+def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
+         retry_errored: bool = False) -> SweepReport:
+    base = TrainConfig.from_dict(plan.base)
+    s = plan.settings
+    concurrent = s.get("max_concurrent") or max_concurrent_trials(ray.cluster_resources(), base)
+    if plan.mode == "wsd_branch":
+        run_stable_phase(plan)
+    trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict()),
+                                    TRIAL_DRIVER_RESOURCES)
+    tune_path = _join(plan.sweep_dir, TUNE_DIR)
+    if restore:
+        tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True,
+                                   resume_errored=retry_errored)
+    else:
+        scheduler = None
+        if s["early_stop"] == "asha":
+            grace = s.get("grace_period") or _default_grace(base, s["max_t"])
+            scheduler = GracefulASHA(
+                time_attr="step", max_t=s["max_t"], grace_period=min(grace, s["max_t"]),
+                reduction_factor=s["reduction_factor"])
+        tuner = tune.Tuner(
+            trainable, param_space=space,
+            tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
+                                        num_samples=s["num_samples"],
+                                        max_concurrent_trials=concurrent),
+            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=plan.sweep_dir,
+                                      failure_config=tune.FailureConfig(max_failures=s["trial_retries"])))
+    print(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "
+          f"trial(s) | early stop {s['early_stop']}" + (" | restored" if restore else ""), flush=True)
+    tuner.fit()
+    return summarize(plan.sweep_dir, max_concurrent=concurrent)
+
+
+def _default_grace(base: TrainConfig, max_t: int) -> int:
+    """A quarter of the run, rounded up to a validation step (the only steps Tune hears of)."""
+    every = max(1, base.val_every)
+    return max(every, math.ceil(max_t / 4 / every) * every)
+
+
+def run_stable_phase(plan: SweepPlan) -> int:
+    """Train the WSD stable phase once (skipped when its checkpoint at S already verifies) and
+    return S. The run is the branches' own config with max_steps = the shortest branch total, so
+    its LR up to S is every branch's LR up to S; it checkpoints at S and is stopped there."""
+    stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
+    S = plan.shared_step
+    if stable.exists(ck.step_dir(S)) and not ck.verify_checkpoint(stable, S):
+        return S
+    base = TrainConfig.from_dict(plan.base)
+    every = base.checkpoint_every if base.checkpoint_every and S % base.checkpoint_every == 0 else S
+    cfg = trial_config(base, {"max_steps": plan.stable_max_steps, "checkpoint_every": every},
+                       stable.uri())
+    print(f"raygpt sweep | WSD stable phase: {cfg.max_steps}-step schedule, stopping after the "
+          f"checkpoint at step {S} | {stable.uri()}", flush=True)
+    fit_run(cfg, stop_at_step=S)
+    problems = ck.verify_checkpoint(stable, S) if stable.exists(ck.step_dir(S)) else ["missing"]
+    if problems:
+        raise ck.CheckpointError(f"{stable.uri(ck.step_dir(S))}: the stable phase ended without a "
+                                 f"verified checkpoint at the shared step {S}: {problems[0]}")
+    return S
+
+
+# ====================================================================== results
+
+def collect_rows(sweep_dir: str) -> list[TrialRow]:
+    """One row per Tune trial, from Tune's experiment state (config, status, retries) and the
+    trial's own loss history (val curve, final step, skips, rewinds), sorted by val loss."""
+    plan = read_plan(open_run_dir(sweep_dir))
+    analysis = tune.ExperimentAnalysis(_join(plan.sweep_dir, TUNE_DIR))
+    rows = []
+    for trial in analysis.trials:
+        name = str(trial)
+        run_dir = _join(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
+        records = read_history(open_run_dir(run_dir))
+        curve = val_curve(records)
+        end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
+        last = trial.last_result or {}
+        done = end is not None and not end.get("stopped_early", True)
+        status = ("done" if done else "stopped" if trial.status == "TERMINATED"
+                  else trial.status.lower())
+        src = end if end is not None else last
+        rows.append(TrialRow(
+            name=name, trial_id=trial.trial_id, status=status,
+            overrides={k: _plain(v) for k, v in trial.config.items()},
+            val_loss=curve[-1][1] if curve else float("nan"),
+            step=src.get("step", curve[-1][0] if curve else None),
+            skips=int(src.get("skips", 0)), rewinds=int(src.get("rewinds", 0)),
+            retries=int(trial.num_failures), run_dir=run_dir, val_curve=curve))
+    rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
+    return rows
+
+
+def val_curve(records: list[dict]) -> list[tuple[int, float]]:
+    """[(step, val_loss)] ascending, the latest record of each step winning (a step validated
+    again after a resume or rewind)."""
+    latest = {}
+    for r in records:
+        if r.get("kind") == "val":
+            latest[int(r["step"])] = float(r["val_loss"])
+    return sorted(latest.items())
+
+
+def format_table(rows: list[TrialRow]) -> str:
+    head = ("#", "trial", "status", "config", "val_loss", "step", "skips", "rewinds", "retries")
+    lines = [head]
+    for i, r in enumerate(rows, 1):
+        config = " ".join(f"{k}={v}" for k, v in sorted(r.overrides.items()))
+        lines.append((str(i), r.name, r.status, config, f"{r.val_loss:.4f}",
+                      "-" if r.step is None else str(r.step), str(r.skips), str(r.rewinds),
+                      str(r.retries)))
+    widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+def best_config(user_base: TrainConfig, overrides: dict) -> dict:
+    """The TrainConfig overrides that reproduce a trial from the defaults: every field of the
+    user's base + the trial's overrides that differs from TrainConfig()'s defaults, without the
+    fields that only place a run ('spike.x' keys for SpikeConfig). Hardware fields left at None
+    stay None, so `--config FILE` resolves them for the machine it runs on."""
+    cfg = user_base.with_overrides({k: _plain(v) for k, v in overrides.items()})
+    mine, default = cfg.to_dict(), TrainConfig().to_dict()
+    out = {}
+    for key, value in mine.items():
+        if key in _PLACEMENT_FIELDS:
+            continue
+        if key == "spike":
+            out.update({f"spike.{k}": v for k, v in value.items() if v != default["spike"][k]})
+        elif value != default[key]:
+            out[key] = value
+    return out
+
+
+def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title: str = "") -> str | None:
+    """PNG of validation loss against step, one line per trial. matplotlib is optional (the
+    `plot` extra): without it no plot is written and None is returned."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("raygpt sweep | matplotlib is not installed (pip install raygpt[plot]); no plot",
+              flush=True)
+        return None
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend
+    ax = fig.add_subplot(1, 1, 1)
+    if stable_curve:
+        ax.plot(*zip(*stable_curve), "k--", linewidth=1, label="WSD stable phase")
+    for r in rows:
+        if r.val_curve:
+            label = " ".join(f"{k}={v}" for k, v in sorted(r.overrides.items())) or r.name
+            ax.plot(*zip(*r.val_curve), marker=".", label=f"{label} ({r.val_loss:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, format="png")
+    return path
+
+
+def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
+    """Write results.txt/.json, best_config.json and val_loss.png; print the table."""
+    sweep = open_run_dir(_abs(sweep_dir))
+    plan = read_plan(sweep)
+    rows = collect_rows(plan.sweep_dir)
+    table = format_table(rows)
+    sweep.write_bytes_atomic(RESULTS_TXT, (table + "\n").encode())
+    sweep.write_bytes_atomic(RESULTS_JSON, json.dumps(
+        [dataclasses.asdict(r) for r in rows], indent=1, default=str).encode())
+    best = next((r for r in rows if r.status == "done"), None) or next(
+        (r for r in rows if not math.isnan(r.val_loss)), None)
+    best_path = None
+    if best is not None:
+        cfg = best_config(TrainConfig.from_dict(plan.user_base), best.overrides)
+        sweep.write_bytes_atomic(BEST_CONFIG, (json.dumps(cfg, indent=1, sort_keys=True) + "\n").encode())
+        best_path = sweep.uri(BEST_CONFIG)
+    stable_curve = None
+    if plan.mode == "wsd_branch":
+        stable_curve = val_curve(read_history(open_run_dir(_join(plan.sweep_dir, STABLE_DIR))))
+    plot_path = None
+    if sweep.is_local:
+        plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve,
+                                    title=f"{Path(plan.sweep_dir).name}: validation loss")
+    print(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}", flush=True)
+    if best is not None:
+        print(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); its config: {best_path} "
+              f"(python experiments/shakespeare.py --config {best_path})", flush=True)
+    return SweepReport(sweep_dir=plan.sweep_dir, rows=rows, best=best, best_config_path=best_path,
+                       plot_path=plot_path, table=table, max_concurrent=max_concurrent)
+
+
+# ====================================================================== command line
+
+class _SweepParser(argparse.ArgumentParser):
+    def error(self, message):  # a usage mistake is a ConfigError, as in raygpt.config
+        raise ConfigError(message)
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = _SweepParser(
+        prog="sweep_shakespeare.py", allow_abbrev=False, add_help=False,
+        description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
+                    "(the base config) and -o is the sweep directory, -y 1 resumes it.")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="grid search over a TrainConfig field ('spike.soft_z' style for the spike monitor)")
+    p.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2")
+    p.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI")
+    p.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--early-stop", choices=("asha", "none"), default="asha")
+    p.add_argument("--grace-period", type=int, default=None)
+    p.add_argument("--reduction-factor", type=float, default=2.0)
+    p.add_argument("--max-concurrent", type=int, default=None)
+    p.add_argument("--trial-retries", type=int, default=2)
+    p.add_argument("--wsd-branches", default=None, metavar="N1,N2,...",
+                   help="WSD branch mode: branch totals (max_steps) sharing one stable phase")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--retry-errored", action="store_true", help="with -y 1: re-run errored trials too")
+    return p
+
+
+def _field_type(key: str) -> type:
+    """bool, int, float or str: the type a TrainConfig (or 'spike.x' SpikeConfig) field holds,
+    read from its annotation ('int | None' is int), so unresolved fields coerce right too."""
+    cls, name = (SpikeConfig, key[6:]) if key.startswith("spike.") else (TrainConfig, key)
+    ann = next((str(f.type) for f in dataclasses.fields(cls) if f.name == name), None)
+    if ann is None:
+        raise ConfigError(f"unknown config field {key!r} in the search space")
+    parts = {p.strip() for p in ann.split("|")}
+    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
+
+
+def _coerce(key: str, text: str):
+    """A command-line value in the type of the field it overrides."""
+    typ = _field_type(key)
+    if typ is bool:
+        if text.lower() not in ("0", "1", "true", "false"):
+            raise ConfigError(f"{key}: expected true/false, found {text!r}")
+        return text.lower() in ("1", "true")
+    try:
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {typ.__name__}, found {text!r}") from None
+
+
+def space_from_args(ns) -> dict:
+    """The search space of --grid/--choice/--uniform/--loguniform, values in their fields' types."""
+    space = {}
+    for flag, make in (("grid", tune.grid_search), ("choice", tune.choice),
+                       ("uniform", lambda v: tune.uniform(*v)),
+                       ("loguniform", lambda v: tune.loguniform(*v))):
+        for item in getattr(ns, flag):
+            key, sep, values = item.partition("=")
+            if not sep or not values:
+                raise ConfigError(f"--{flag} {item!r}: expected KEY=V1,V2,...")
+            vals = [_coerce(key, v) for v in values.split(",")]
+            if flag in ("uniform", "loguniform") and len(vals) != 2:
+                raise ConfigError(f"--{flag} {item!r}: expected KEY=LO,HI")
+            space[key] = make([float(v) for v in vals] if flag in ("uniform", "loguniform") else vals)
+    return space
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        build_sweep_parser().print_help()
+        print("\nbase config flags (raygpt train):")
+        from raygpt.config import build_parser
+        build_parser("raygpt train").print_help()
+        return 0
+    try:
+        ns, rest = build_sweep_parser().parse_known_args(argv)
+        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
+        if base.resume == 1:
+            report = resume_sweep(base.output_dir, ray_address=ns.address,
+                                  retry_errored=ns.retry_errored)
+        elif ns.wsd_branches:
+            totals = [int(v) for v in ns.wsd_branches.split(",")]
+            report = run_wsd_branches(base, totals, base.output_dir,
+                                      space=space_from_args(ns),
+                                      max_concurrent=ns.max_concurrent,
+                                      trial_retries=ns.trial_retries, ray_address=ns.address)
+        else:
+            space = space_from_args(ns) or {"scheduler": tune.grid_search(
+                ["cosine", "linear", "constant", "wsd"])}
+            report = run_sweep(base, space, base.output_dir, num_samples=ns.num_samples,
+                               early_stop=ns.early_stop, grace_period=ns.grace_period,
+                               reduction_factor=ns.reduction_factor,
+                               max_concurrent=ns.max_concurrent, trial_retries=ns.trial_retries,
+                               ray_address=ns.address)
+    except ConfigError as e:
+        print(f"raygpt sweep: error: {e}", file=sys.stderr)
+        return 2
+    return 0 if report.best is not None else 1

@@ -1,0 +1,425 @@
+"""raygpt.sweep: Ray Tune over raygpt runs on 2 CPU cores, 1 gloo worker per trial.
+
+The pure parts (trial configs, search-space checks, the plan file, best config, table) first;
+then the trainer-equivalence check, then four real sweeps of a 1-layer model: scheduler kinds
+ranked by validation loss, trials killed mid-run (resumed inside Ray Train, and re-run by Tune),
+a sweep whose driver is SIGKILLed and restored, and WSD branches from one stable checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from ray import tune
+
+from raygpt import checkpoint as ck
+from raygpt import sweep
+from raygpt.config import ConfigError, TrainConfig, parse_args
+from raygpt.schedule import learning_rate
+from raygpt.storage import open_run_dir
+from tests.helpers import records
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ["cosine", "linear", "constant", "wsd"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny(**overrides) -> TrainConfig:
+    """The base every sweep overrides: a 1-layer, 64-wide GPT-2 on 4 x 32 tokens, one worker."""
+    base = dict(model="d1", batch_size=4, seq_len=32, max_steps=12, warmup_steps=2, val_every=4,
+                val_batches=1, sample_every=0, checkpoint_every=4, num_workers=1, log_every=1000)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it returns something truthy; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def all_cpus_free():
+    return ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU")
+
+
+def train_steps(recs, attempt=None):
+    return [r["step"] for r in recs if r["kind"] == "train"
+            and (attempt is None or r["attempt"] == attempt)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pytest.MonkeyPatch.context() as env:
+        # Ray Train's controller polls its workers every 2 s; every 0.5 s notices a report, a
+        # finished run or a dead worker sooner (seconds per trial). Processes Ray starts for this
+        # cluster (trials, controllers, workers) inherit it from the raylet.
+        env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+        # address="local": a Ray of our own even if `ray start` left one running on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+# ====================================================================== pure parts
+
+def test_trial_config_applies_overrides_in_its_own_resumable_run_dir(tmp_path):
+    base = sweep.pin_for_trials(tiny(), gpus_available=0)
+    assert base.total_batch_size == -1 and base.device == "cpu" and os.path.isabs(base.input_bin)
+    cfg = sweep.trial_config(base, {"batch_size": 8, "scheduler": "wsd",
+                                    "spike.soft_z": np.float64(4.0), "warmup_steps": np.int64(3)},
+                             str(tmp_path / "t"))
+    assert (cfg.batch_size, cfg.scheduler, cfg.spike.soft_z, cfg.warmup_steps) == (8, "wsd", 4.0, 3)
+    assert type(cfg.warmup_steps) is int  # a numpy int would break the manifest's JSON
+    assert cfg.total_batch_size == 8 * 32 * 1  # B*T*world of the trial, not of the base
+    assert cfg.output_dir == str(tmp_path / "t") and cfg.resume == 1
+
+
+def test_search_space_keys_must_be_config_fields():
+    sweep.check_space(tiny(), {"scheduler": tune.grid_search(KINDS), "spike.hard_z": 30.0,
+                               "learning_rate": tune.loguniform(1e-4, 1e-2)})
+    with pytest.raises(ConfigError, match="lr_peak"):
+        sweep.check_space(tiny(), {"lr_peak": 1e-3})
+    with pytest.raises(ConfigError, match="spike field 'soft'"):
+        sweep.check_space(tiny(), {"spike.soft": 4.0})
+    with pytest.raises(ConfigError, match="output_dir"):
+        sweep.check_space(tiny(), {"output_dir": "x"})
+
+
+def test_wsd_branches_may_differ_only_in_resume_mutable_fields():
+    sweep.check_branch_space({"val_every": 2, "checkpoint_every": 5})
+    with pytest.raises(ConfigError, match="final_lr_frac.*RESUME_MUTABLE_FIELDS|RESUME_MUTABLE_FIELDS.*final_lr_frac"):
+        sweep.check_branch_space({"final_lr_frac": 0.0})
+    with pytest.raises(ConfigError, match="spike.soft_z"):
+        sweep.check_branch_space({"spike.soft_z": 4.0})
+    assert sweep.shared_stable_step([15, 10, 30]) == 8  # int(0.8f * 10), the shortest branch
+    with pytest.raises(ConfigError, match="stable phase"):
+        sweep.shared_stable_step([1])
+
+
+def test_concurrency_is_what_the_workers_fit():
+    assert sweep.max_concurrent_trials({"CPU": 2.0}, tiny()) == 2
+    assert sweep.max_concurrent_trials({"CPU": 2.0}, tiny(num_workers=2)) == 1
+    assert sweep.max_concurrent_trials({"CPU": 64.0, "GPU": 8.0},
+                                       tiny(device="gpu", num_workers=4)) == 2
+    assert sweep.max_concurrent_trials({"CPU": 1.0}, tiny(num_workers=2)) == 1  # never 0
+
+
+def test_plan_file_round_trip_and_checks(tmp_path):
+    d = open_run_dir(str(tmp_path))
+    plan = sweep.SweepPlan(sweep_dir=str(tmp_path), mode="wsd_branch", user_base=tiny().to_dict(),
+                           base=tiny().to_dict(), settings={"num_samples": 1}, shared_step=8,
+                           stable_max_steps=10)
+    sweep.write_plan(d, plan)
+    assert sweep.read_plan(d) == plan
+    raw = json.loads(d.read_bytes(sweep.PLAN_FILE))
+    d.write_bytes_atomic(sweep.PLAN_FILE, json.dumps({**raw, "version": 99}).encode())
+    with pytest.raises(ConfigError, match=r"sweep.json: version: expected 1, found 99"):
+        sweep.read_plan(d)
+    d.write_bytes_atomic(sweep.PLAN_FILE, json.dumps({**raw, "format": "other"}).encode())
+    with pytest.raises(ConfigError, match=r"sweep.json: format: expected 'raygpt-sweep'"):
+        sweep.read_plan(d)
+    with pytest.raises(ConfigError, match="no such file"):
+        sweep.read_plan(open_run_dir(str(tmp_path / "missing")))
+
+
+def test_best_config_reproduces_the_trial_through_the_cli(tmp_path):
+    user = tiny(fault="kill:rank=0,step=3", overwrite=True, output_dir=str(tmp_path / "s"))
+    overrides = {"scheduler": "wsd", "spike.soft_z": 4.5, "learning_rate": np.float64(3e-3)}
+    best = sweep.best_config(user, overrides)
+    assert not {"output_dir", "fault", "overwrite", "resume"} & set(best)
+    assert best["spike.soft_z"] == 4.5 and best["scheduler"] == "wsd" and best["model"] == "d1"
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(best))
+    from_cli = parse_args(["--config", str(path)])
+    expected = user.with_overrides({**overrides, "learning_rate": 3e-3, "fault": "",
+                                    "overwrite": False, "output_dir": TrainConfig().output_dir})
+    assert from_cli == expected
+
+
+def test_val_curve_keeps_the_latest_record_of_each_step_and_table_format():
+    recs = [{"kind": "val", "step": 0, "val_loss": 10.0}, {"kind": "train", "step": 0, "loss": 9},
+            {"kind": "val", "step": 4, "val_loss": 9.0}, {"kind": "val", "step": 4, "val_loss": 8.5}]
+    assert sweep.val_curve(recs) == [(0, 10.0), (4, 8.5)]
+    rows = [sweep.TrialRow(name="t1", trial_id="a", status="done", overrides={"scheduler": "wsd"},
+                           val_loss=8.5, step=12, skips=1, rewinds=0, retries=0, run_dir="",
+                           val_curve=[])]
+    lines = sweep.format_table(rows).splitlines()
+    assert lines[0].split() == ["#", "trial", "status", "config", "val_loss", "step", "skips",
+                                "rewinds", "retries"]
+    assert lines[1].split() == ["1", "t1", "done", "scheduler=wsd", "8.5000", "12", "1", "0", "0"]
+
+
+def test_command_line_space_takes_the_fields_types():
+    ns, rest = sweep.build_sweep_parser().parse_known_args(
+        ["-e", "d1", "--grid", "scheduler=cosine,wsd", "--grid", "spike.soft_z=4,6",
+         "--choice", "warmup_steps=2,5", "--loguniform", "learning_rate=1e-4,1e-2", "-x", "-1"])
+    base = parse_args(rest)
+    assert (base.model, base.max_steps) == ("d1", -1)
+    space = sweep.space_from_args(ns)
+    assert space["scheduler"] == {"grid_search": ["cosine", "wsd"]}
+    assert space["spike.soft_z"] == {"grid_search": [4.0, 6.0]}
+    assert all(type(v) is float for v in space["spike.soft_z"]["grid_search"])
+    assert space["warmup_steps"].categories == [2, 5]
+    assert (space["learning_rate"].lower, space["learning_rate"].upper) == (1e-4, 1e-2)
+    bad = sweep.build_sweep_parser().parse_known_args(["--grid", "warmup_steps=two"])[0]
+    with pytest.raises(ConfigError, match="warmup_steps: expected int, found 'two'"):
+        sweep.space_from_args(bad)
+
+
+def test_copy_checkpoint_refuses_an_unverified_source(tmp_path):
+    src, dst = open_run_dir(str(tmp_path / "src")), open_run_dir(str(tmp_path / "dst"))
+    src.write_bytes_atomic(f"{ck.step_dir(8)}/{ck.model_file(8)}", b"x" * 10)  # no DONE, no MANIFEST
+    with pytest.raises(ck.CheckpointError, match="unverified"):
+        sweep.copy_checkpoint(src, dst, 8)
+    assert not dst.exists(ck.step_dir(8))
+
+
+# ====================================================================== the trial's trainer
+
+def test_fit_run_builds_the_trainer_that_trainer_run_builds(cluster, tmp_path, monkeypatch):
+    """sweep.fit_run mirrors trainer.run's TorchTrainer (run() takes no extra callbacks); this
+    catches the two drifting apart."""
+    from raygpt import trainer
+
+    built = []
+
+    class Recorder:
+        def __init__(self, train_loop_per_worker, **kwargs):
+            built.append((train_loop_per_worker, kwargs))
+
+        def fit(self):
+            return type("Result", (), {"metrics": {}})()
+
+    monkeypatch.setattr(trainer, "TorchTrainer", Recorder)
+    monkeypatch.setattr(sweep, "TorchTrainer", Recorder)
+    cfg = tiny(output_dir=str(tmp_path / "run"), fault="crash_before_done:step=4").resolve(0)
+    trainer.run(cfg)
+    sweep.fit_run(cfg)
+    (fn_a, a), (fn_b, b) = built
+    assert fn_a is fn_b is trainer.train_func
+    assert a["train_loop_config"]["cfg"] == b["train_loop_config"]["cfg"]
+    assert set(a["train_loop_config"]) == set(b["train_loop_config"])
+    assert type(a["torch_config"]) is type(b["torch_config"])
+    assert a["torch_config"].backend == b["torch_config"].backend
+    assert a["scaling_config"] == b["scaling_config"]
+    ra, rb = a["run_config"], b["run_config"]
+    for attr in ("name", "storage_path", "failure_config", "checkpoint_config", "logging_config"):
+        assert getattr(ra, attr) == getattr(rb, attr), attr
+    assert [type(c) for c in ra.callbacks] == [type(c) for c in rb.callbacks]
+    assert [vars(c) for c in ra.callbacks] == [vars(c) for c in rb.callbacks]
+    assert set(a) == set(b)
+
+
+def test_an_existing_sweep_is_never_started_over_silently(cluster, tmp_path):
+    sweep.write_plan(open_run_dir(str(tmp_path)), sweep.SweepPlan(
+        sweep_dir=str(tmp_path), mode="grid", user_base={}, base={}))
+    with pytest.raises(ConfigError, match="found an existing sweep; pass -y 1 to resume it"):
+        sweep.run_sweep(tiny(), {"scheduler": tune.grid_search(KINDS)}, str(tmp_path))
+    with pytest.raises(ConfigError, match="final_lr_frac"):
+        sweep.run_wsd_branches(tiny(), [10, 20], str(tmp_path / "b"),
+                               space={"final_lr_frac": tune.grid_search([0.0, 0.1])})
+    assert not (tmp_path / "b").exists()  # refused before anything was written or trained
+
+
+def test_graceful_asha_asks_the_run_to_stop_instead_of_stopping_the_trial(cluster):
+    from raygpt.trainer import RunControl
+
+    class Trial:  # what ASHA reads of a Tune trial
+        def __init__(self, trial_id):
+            self.trial_id = trial_id
+
+    asha = sweep.GracefulASHA(time_attr="step", max_t=12, grace_period=4, reduction_factor=2,
+                              metric="val_loss", mode="min")
+    good, bad, no_run, last = (Trial(f"t{i}-{os.getpid()}") for i in range(4))
+    for t in (good, bad, no_run, last):
+        asha.on_trial_add(None, t)
+    controls = {t: RunControl.options(name=sweep.trial_control_name(t.trial_id)).remote()
+                for t in (good, bad, last)}
+    try:
+        assert asha.on_trial_result(None, good, {"step": 4, "val_loss": 1.0}) == asha.CONTINUE
+        # ASHA stops `bad` at the first rung; the trial goes on, its run is asked to stop
+        assert asha.on_trial_result(None, bad, {"step": 4, "val_loss": 5.0}) == asha.CONTINUE
+        assert ray.get(controls[bad].poll.remote()) == (True, 0)
+        assert ray.get(controls[good].poll.remote()) == (False, 0)
+        assert asha.on_trial_result(None, bad, {"step": 8, "val_loss": 0.1}) == asha.CONTINUE
+        assert asha.stopping == {bad.trial_id}
+        # no run to ask (yet): nothing is recorded as stopping, so the next result asks again
+        assert asha.on_trial_result(None, no_run, {"step": 4, "val_loss": 9.0}) == asha.CONTINUE
+        assert no_run.trial_id not in asha.stopping
+        # ASHA's STOP at max_t is the run ending on its own: no request
+        assert asha.on_trial_result(None, last, {"step": 12, "val_loss": 1.0}) == asha.CONTINUE
+        assert ray.get(controls[last].poll.remote()) == (False, 0)
+    finally:
+        for c in controls.values():
+            ray.kill(c)
+
+
+# ====================================================================== real sweeps
+
+def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
+    # checkpoints only at the end (or where ASHA stops a run): fewer bytes on 2 busy cores
+    report = sweep.run_sweep(tiny(checkpoint_every=0), {"scheduler": tune.grid_search(KINDS)},
+                             str(tmp_path / "s"), grace_period=4)
+    assert report.max_concurrent == 2  # 2 CPUs, 1 CPU worker per trial
+    rows = report.rows
+    assert sorted(r.overrides["scheduler"] for r in rows) == sorted(KINDS)
+    losses = [r.val_loss for r in rows]
+    assert all(math.isfinite(v) for v in losses) and losses == sorted(losses)
+    assert report.best.status == "done"
+    spans = []
+    for r in rows:
+        assert r.run_dir == str(tmp_path / "s" / "trials" / r.name)
+        run = open_run_dir(r.run_dir)
+        assert run.exists("main.log") and run.exists("loss_history.jsonl")
+        recs = records(r.run_dir)
+        assert r.val_curve == sweep.val_curve(recs) and r.val_curve[0][0] == 0
+        end = [x for x in recs if x["kind"] == "end"][-1]
+        assert r.status in ("done", "stopped"), r
+        if r.status == "done":
+            assert end["step"] == r.step == 12 and r.val_curve[-1][0] == 12
+        else:  # ASHA's stop is a checkpoint-and-stop request, not a kill
+            assert end["stopped_early"] and r.step < 12
+        assert ck.find_latest_verified(run) == end["step"]
+        spans.append((recs[0]["time"], recs[-1]["time"]))
+    # never more trials training at once than the 2 cores' worth of workers
+    for t, _ in spans:
+        assert sum(1 for a, b in spans if a <= t <= b) <= 2
+    # the table on disk, the best config through the CLI, the plot
+    assert (tmp_path / "s" / "results.txt").read_text().strip() == report.table
+    assert report.table.splitlines()[1].split()[1] == rows[0].name
+    best = parse_args(["--config", report.best_config_path]).resolve(0)
+    assert best.scheduler == report.best.overrides["scheduler"]
+    manifest = ck.read_manifest(open_run_dir(report.best.run_dir), 12)
+    assert json.loads(json.dumps(best.identity())) == manifest["config_identity"]
+    assert Path(report.plot_path).read_bytes()[:8] == PNG_MAGIC
+    # finished and early-stopped trials gave back every CPU (no leaked placement group)
+    wait_for(all_cpus_free, 30, "the trials' CPUs to be free again")
+
+
+@pytest.fixture(scope="module")
+def interrupted_sweep(cluster, tmp_path_factory):
+    """One sweep, two faults. The sweep runs from the command line (its own driver process, on
+    the same Ray) with trials of 8 and 40 steps and --max-failures 0. The 40-step trial's worker
+    is SIGKILLed at step 10, so its Ray Train run fails and Tune re-runs the trial. Once the
+    8-step trial has finished and the re-run is training, the driver itself is SIGKILLed; then
+    resume_sweep restores the sweep in this process. Returns what the tests below compare."""
+    sweep_dir = tmp_path_factory.mktemp("interrupted") / "s"
+    cmd = [sys.executable, str(REPO / "experiments" / "sweep_shakespeare.py"),
+           "-e", "d1", "-b", "4", "-t", "32", "-u", "2", "-v", "4", "-m", "1", "-s", "0",
+           "-n", "4", "--num-workers", "1", "--log-every", "1000", "-o", str(sweep_dir),
+           "--grid", "max_steps=8,40", "--early-stop", "none", "--max-failures", "0",
+           "--trial-retries", "1", "--fault", "kill:rank=0,step=10", "--address", cluster]
+    # Tune snapshots its state every >= 10 s by default; every second keeps the test short
+    env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # polls
+    log_path = sweep_dir.parent / "driver.log"
+    with open(log_path, "wb") as log:
+        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def short_done_long_rerun_training():
+            assert driver.poll() is None, log_path.read_text()[-3000:]
+            try:
+                trials = tune.ExperimentAnalysis(str(sweep_dir / "tune")).trials
+            except Exception:  # not written yet, or caught mid-write
+                return None
+            # Tune snapshots a running trial as PENDING (so that a restore starts it again)
+            status = {t.config["max_steps"]: (str(t), t.status) for t in trials}
+            if len(status) < 2 or status[8][1] != "TERMINATED" or status[40][1] == "TERMINATED":
+                return None
+            long_dir = sweep_dir / "trials" / status[40][0]
+            if not (long_dir / "loss_history.jsonl").exists():
+                return None
+            rerun = [r for r in records(long_dir) if r["kind"] == "train" and r["attempt"] == 2]
+            return (status[8][0], status[40][0]) if rerun else None
+
+        short, long = wait_for(short_done_long_rerun_training, 300,
+                               "the 8-step trial done and the 40-step trial re-run and training")
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    # Ray ends a dead driver's actors; their CPUs coming back means no old worker still writes
+    wait_for(all_cpus_free, 60, "the dead driver's trials to be gone")
+    short_history = (sweep_dir / "trials" / short / "loss_history.jsonl").read_bytes()
+    long_before = records(sweep_dir / "trials" / long)
+    report = sweep.resume_sweep(str(sweep_dir))
+    return dict(sweep_dir=sweep_dir, short=short, long=long, short_history=short_history,
+                long_before=long_before, report=report)
+
+
+def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
+    s = interrupted_sweep
+    long_dir = s["sweep_dir"] / "trials" / s["long"]
+    assert (long_dir / "faults" / "kill_r0_s10").exists()  # the kill did happen
+    row = next(r for r in s["report"].rows if r.name == s["long"])
+    assert row.retries == 1  # Tune re-ran the failed trial once
+    recs = records(long_dir)
+    assert train_steps(recs, attempt=1) == list(range(10))  # killed before step 10's update
+    resume = [r for r in recs if r["kind"] == "resume" and r["attempt"] == 2]
+    assert len(resume) == 1 and resume[0]["resumed_from"] in (4, 8), resume  # not from scratch
+    steps = train_steps(recs, attempt=2)
+    assert steps[0] == resume[0]["resumed_from"] and steps == list(range(steps[0], steps[-1] + 1))
+
+
+def test_sweep_resumes_after_its_driver_is_killed(interrupted_sweep):
+    s = interrupted_sweep
+    short_dir, long_dir = (s["sweep_dir"] / "trials" / s[k] for k in ("short", "long"))
+    # the finished trial was not run again: not one record added to its history
+    assert (short_dir / "loss_history.jsonl").read_bytes() == s["short_history"]
+    rows = {r.name: r for r in s["report"].rows}
+    assert set(rows) == {s["short"], s["long"]}
+    assert all(r.status == "done" for r in rows.values()), s["report"].table
+    assert rows[s["short"]].step == 8 and rows[s["long"]].step == 40
+    # the interrupted trial continued from a checkpoint after the restore, not from scratch
+    rerun_from = next(r["resumed_from"] for r in s["long_before"] if r["kind"] == "resume")
+    new = records(long_dir)[len(s["long_before"]):]
+    resume = [r for r in new if r["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["resumed_from"] >= rerun_from > 0, resume
+    assert train_steps(new) == list(range(resume[0]["resumed_from"], 40))
+    assert ck.find_latest_verified(open_run_dir(str(long_dir))) == 40
+    wait_for(all_cpus_free, 30, "the trials' CPUs to be free again")
+
+
+def test_wsd_branches_start_at_the_shared_stable_checkpoint(cluster, tmp_path):
+    base = tiny(scheduler="wsd")
+    report = sweep.run_wsd_branches(base, [15, 10], str(tmp_path / "s"))
+    plan = sweep.read_plan(open_run_dir(str(tmp_path / "s")))
+    S = plan.shared_step
+    assert S == 8 and plan.stable_max_steps == 10
+    stable = open_run_dir(str(tmp_path / "s" / "stable"))
+    stable_recs = records(stable.root)
+    assert train_steps(stable_recs)[:S] == list(range(S))  # the stable phase, trained once
+    assert {r.overrides["max_steps"] for r in report.rows} == {10, 15}
+    lr = {}
+    for r in report.rows:
+        N = r.overrides["max_steps"]
+        assert r.status == "done" and r.step == N
+        recs = records(r.run_dir)
+        assert recs[0]["kind"] == "resume" and recs[0]["resumed_from"] == S
+        assert train_steps(recs) == list(range(S, N))  # nothing before S trained again
+        run = open_run_dir(r.run_dir)
+        name = f"{ck.step_dir(S)}/{ck.MANIFEST}"
+        assert run.read_bytes(name) == stable.read_bytes(name)
+        peak = 1e-3  # the CPU default learning rate
+        for x in (x for x in recs if x["kind"] == "train"):
+            assert x["lr"] == learning_rate("wsd", x["step"], peak_lr=peak, warmup_steps=2,
+                                            total_steps=N, final_lr_frac=0.1), (N, x["step"])
+        lr[N] = {x["step"]: x["lr"] for x in recs if x["kind"] == "train"}
+    assert lr[15][9] == lr[15][8] == lr[10][8] > lr[10][9]  # 15 still stable at 9, 10 decaying
+    assert Path(report.plot_path).read_bytes()[:8] == PNG_MAGIC
+    wait_for(all_cpus_free, 30, "the trials' CPUs to be free again")
