@@ -174,7 +174,8 @@ def trial_config(base: TrainConfig, overrides: dict, run_dir: str) -> TrainConfi
 def check_space(base: TrainConfig, space: dict) -> None:
     """Every key of a search space must name a TrainConfig field ('spike.x' for SpikeConfig)."""
     if not isinstance(space, dict) or not space:
-        raise ConfigError(f"search space: expected a non-empty dict of TrainConfig overrides, found {space!r}")
+        raise ConfigError(f"search space: expected a non-empty dict of TrainConfig overrides, "
+                          f"found {space!r}")
     current = base.to_dict()
     for key in space:
         if key in _PLACEMENT_FIELDS:
@@ -747,7 +748,8 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--trial-retries", type=int, default=2)
     p.add_argument("--wsd-branches", default=None, metavar="N1,N2,...",
                    help="WSD branch mode: branch totals (max_steps) sharing one stable phase")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--retry-errored", action="store_true", help="with -y 1: re-run errored trials too")
     return p
 
