@@ -24,12 +24,10 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from raygpt import checkpoint as ck
 from raygpt.config import TrainConfig

@@ -9,7 +9,6 @@ without Ray, which publishes a checkpoint by copying it into the run directory i
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import torch

@@ -62,19 +62,16 @@ import numpy as np
 import ray
 import ray.train
 from ray import tune
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
-from ray.train.torch import TorchTrainer
+from ray.train import UserCallback
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
 from raygpt import checkpoint as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, SpikeConfig, TrainConfig, parse_args
-from raygpt.faults import parse_spec
 from raygpt.history import read_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.storage import RunDir, open_run_dir
-from raygpt.trainer import (CheckpointFinalizer, RaygptTorchConfig, RunControl, RunFailed,
-                            prepare_run_dir, train_func)
+from raygpt.trainer import RunFailed, build_trainer, create_control, prepare_run_dir
 
 PLAN_FILE = "sweep.json"
 PLAN_FORMAT = "raygpt-sweep"
@@ -253,51 +250,21 @@ class _StopAtStep(UserCallback):
             self.sent = True
 
 
-def _split_storage(output_dir: str) -> tuple[str, str]:
-    """(storage_path, name): Ray's experiment directory storage_path/name is the run directory."""
-    if "://" in output_dir:
-        parent, _, name = output_dir.rstrip("/").rpartition("/")
-        return parent, name
-    p = Path(output_dir)
-    return str(p.parent), p.name
-
-
 def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None = None,
             control_name: str | None = None):
     """One raygpt run under Ray Train, from inside a Tune trial (or the sweep driver).
 
-    The TorchTrainer is built exactly as `trainer.run` builds it (same train_func, backend,
-    scaling, FailureConfig, checkpoint finalizer, logging; tests/test_sweep.py compares the two),
-    with `callbacks` added on the controller. `trainer.run` takes no extra callbacks and names its
-    control actor itself, which is why this is not a call to it. The run's control actor (stop
-    and save requests, polled by rank 0) is named `control_name`, so a scheduler can find it.
+    The TorchTrainer is `trainer.build_trainer`'s, the one a single run uses, with `callbacks`
+    added on the controller. The run's control actor (stop and save requests, polled by rank 0)
+    is named `control_name`, so a scheduler can find it.
     Raises RunFailed once the run's own retry budget (cfg.max_failures) is spent."""
     prepare_run_dir(cfg)
     control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-    control = _create_control(control_name)
-    faults = parse_spec(";".join(s for s in (cfg.fault, os.environ.get("RAYGPT_FAULT", "")) if s))
-    crash = [f for f in faults if f.kind == "crash_before_done"]
+    control = create_control(control_name)
     extra = list(callbacks)
     if stop_at_step is not None:
         extra.append(_StopAtStep(stop_at_step, control))
-    use_gpu = cfg.device == "gpu"
-    storage_path, name = _split_storage(cfg.output_dir)
-    trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
-        torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
-                                                  else (cfg.min_workers, cfg.num_workers)),
-                                     use_gpu=use_gpu,
-                                     resources_per_worker=None if use_gpu else {"CPU": 1}),
-        run_config=RunConfig(
-            name=name, storage_path=storage_path,
-            failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                         max_preemption_failures=cfg.max_preemption_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=None),
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[CheckpointFinalizer(cfg.output_dir, crash[0].step if crash else None), *extra]),
-    )
+    trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
     try:
         return trainer.fit()
     except Exception as e:  # Ray raises once the run's retry budget is spent
@@ -305,19 +272,6 @@ def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None
                         f"{cfg.max_failures} restarts: {type(e).__name__}: {str(e)[:1000]}") from e
     finally:
         ray.kill(control)
-
-
-def _create_control(name: str, timeout_s: float = 60.0):
-    """A named RunControl actor. A re-run trial reuses its predecessor's name, which Ray frees
-    once the predecessor (killed with its trial) is gone, so a taken name is retried a while."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return RunControl.options(name=name).remote()
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def trial_control_name(trial_id: str) -> str:

@@ -34,7 +34,6 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import checkpoint as ck
 from raygpt import signals
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig
@@ -225,27 +224,32 @@ def _split_storage(output_dir: str) -> tuple[str, str]:
     return str(p.parent), p.name
 
 
-def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
-    """Run one training job under Ray Train and return rank 0's summary."""
-    if "://" not in cfg.output_dir:
-        cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
-    prepare_run_dir(cfg)
-    if not ray.is_initialized():
-        # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
-    control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-    # on the driver's own node: the control channel must not die with a worker node
+def create_control(name: str, timeout_s: float = 60.0):
+    """The run's RunControl actor, on the caller's node (the control channel must not die with a
+    worker node). A re-run (e.g. a retried Tune trial) may reuse a name that Ray frees only once
+    its predecessor is gone, so a taken name is retried for a while."""
     here = ray.get_runtime_context().get_node_id()
-    control = RunControl.options(
-        name=control_name,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
-    restore = _forward_signals_to(control)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RunControl.options(
+                name=name,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ()) -> TorchTrainer:
+    """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
+    cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
+    Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
+    any extra controller callbacks."""
     storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
-    finalizer = CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None)
     use_gpu = cfg.device == "gpu"
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -260,11 +264,27 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             # Ray Train's INFO lines repeat every report's metrics; raygpt prints its own
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[finalizer]),
+            callbacks=[CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None),
+                       *callbacks]),
     )
+
+
+def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
+    """Run one training job under Ray Train and return rank 0's summary."""
+    if "://" not in cfg.output_dir:
+        cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
+    prepare_run_dir(cfg)
+    if not ray.is_initialized():
+        # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
+    control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+    control = create_control(control_name)
+    restore = _forward_signals_to(control)
+    trainer = build_trainer(cfg, control_name=control_name)
     t0 = time.time()
     try:
-        result = trainer.fit()
+        trainer.fit()
     except Exception as e:  # Ray raises once the retry budget is spent
         raise RunFailed(_failure_report(cfg, t0, e)) from e
     finally:

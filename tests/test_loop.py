@@ -1,7 +1,5 @@
 """The training loop without Ray (LocalSession): exact resume, skips, signals, the audit."""
 
-import os
-import signal
 
 import numpy as np
 import pytest

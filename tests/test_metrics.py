@@ -1,7 +1,6 @@
 """main.log lines, loss_history.jsonl durability and torn-line tolerance, MFU arithmetic and the
 console line."""
 
-import json
 import math
 
 import pytest

@@ -45,8 +45,7 @@ def test_one_spike_one_rewind_and_its_window_is_skipped_for_good(tmp_path):
 def test_resume_after_a_rewind_keeps_skipping_the_window(tmp_path):
     run_local(spike_config(tmp_path, fault="nan:rank=0,step=7", max_steps=10))
     first = train_losses(tmp_path)
-    # resume from the last checkpoint (10) and extend: the skip list comes back with it
-    cfg = spike_config(tmp_path, fault="nan:rank=0,step=7", max_steps=10, resume=1)
+    # the last checkpoint (10) carries the window in its skip list and the rewind in its ledger
     rd = open_run_dir(str(tmp_path))
     n = ck.read_manifest(rd, 10)["num_parameters"]
     sf = ck.read_state_file(rd.read_bytes("step_00000010/state_00000010_00000.bin"), num_parameters=n)
