@@ -42,7 +42,7 @@ def test_d12_job_under_ray_reports_throughput_and_mfu(tmp_path, capfd):
     ray = pytest.importorskip("ray")
     from raygpt.config import TrainConfig
     from raygpt.trainer import run
-    ray.init(num_gpus=1, include_dashboard=False)
+    ray.init(address="local", num_gpus=1, include_dashboard=False)
     try:
         cfg = TrainConfig(model="d12", batch_size=16, seq_len=1024, max_steps=8, val_every=4,
                           val_batches=2, sample_every=8, gen_tokens=16,

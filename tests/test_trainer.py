@@ -15,7 +15,7 @@ TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 *
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

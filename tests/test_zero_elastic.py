@@ -17,7 +17,7 @@ GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
