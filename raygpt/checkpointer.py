@@ -365,7 +365,20 @@ class Checkpointer:
 
     def rewind_to(self, step: int, state: TrainState, loader) -> None:
         """Reload checkpoint `step` for a spike rewind, keeping the policy's memory (the rewind
-        ledger with lr_scale, and the loader's grown skip list) from the present."""
+        ledger with lr_scale, and the loader's grown skip list) from the present.
+
+        Checkpoints newer than `step` belong to the abandoned trajectory: resuming from one
+        would skip the rewind and its skip list, and the re-trained steps will write their own
+        checkpoints under the same names. Rank 0 deletes them first, DONE and MANIFEST before
+        the files, so none of them can be taken as complete while it goes."""
+        if self.rank == 0:
+            for s in ck.list_checkpoint_steps(self.run_dir):
+                if s > step:
+                    sdir = ck.step_dir(s)
+                    for name in (ck.MANIFEST, ck.done_file(s)):
+                        if self.run_dir.exists(f"{sdir}/{name}"):
+                            self.run_dir.delete_file(f"{sdir}/{name}")
+                    self.run_dir.delete_dir(sdir)
         ledger = state.ledger.state_dict()
         skips = loader.state_dict()["skip_ranges"]
         self.load(step, state, loader)

@@ -184,7 +184,13 @@ class CheckpointFinalizer(UserCallback):
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
         meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_checkpoint(run_dir, step, rank_hashes, meta)
+        try:
+            finalize_checkpoint(run_dir, step, rank_hashes, meta)
+        except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
+            # An exception here would end the whole run (a controller error). The checkpoint
+            # simply stays without DONE/MANIFEST, which every reader treats as absent.
+            print(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}",
+                  flush=True)
 
     def after_exception(self, run_context, worker_exceptions):
         self.failures += 1

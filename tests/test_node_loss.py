@@ -100,6 +100,9 @@ def test_preemption_notice_checkpoints_once_and_the_restart_resumes_there(cluste
     restart resumes from that checkpoint. (Which budget Ray charges the restart to is Ray's
     call: with a local Cluster's removed node it is max_failures.)"""
     c, _ = cluster
+    while len(c.worker_nodes) < 2:  # earlier tests may have left one worker node
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
     cfg = tiny_config(tmp_path, num_workers=2, max_steps=24, checkpoint_every=8, max_failures=2,
                       max_preemption_failures=2).resolve(0)
     result, error = {}, []
