@@ -221,7 +221,7 @@ class TrainConfig:
         if c.warmup_steps is None:
             c.warmup_steps = 20 if on_gpu else 10
         if c.max_steps is None:
-            c.max_steps = 200 if on_gpu else 150
+            c.max_steps = 200 if on_gpu else 100
         if c.sample_every is None:
             c.sample_every = 50
         if c.precision is None:

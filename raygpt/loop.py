@@ -148,6 +148,8 @@ def train(cfg: TrainConfig, session: Session) -> dict:
             logger.log_val(step, val_loss)
             history.val(step, val_loss)
             tb.val(step, val_loss)
+            if is_main:
+                print(f"step {step:5d} | val loss {val_loss:.6f}", flush=True)
             session.report_metrics({"step": step, "val_loss": val_loss, "skips": state.skips,
                                     "rewinds": state.ledger.rewinds})
         if is_main and cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step):

@@ -270,6 +270,8 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             # Ray Train's INFO lines repeat every report's metrics; raygpt prints its own
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            # Ray Train's print patch tees every print to its logger as well: each line twice
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
             callbacks=[CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None),
                        *callbacks]),
     )
