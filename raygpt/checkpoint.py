@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from raygpt.storage import RunDir, _fsync_dir
+from raygpt.storage import RunDir, write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -206,19 +206,7 @@ def write_state_file(path_or_fileobj, *, step: int, num_processes: int, process_
         for c in chunks:
             path_or_fileobj.write(_bytes_view(c))
         return
-    target = Path(path_or_fileobj)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}{_TEMP_MARK}")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(_bytes_view(c))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
+    write_local_atomic(Path(path_or_fileobj), (_bytes_view(ch) for ch in chunks))
 
 
 def _encode_shuffle(loader_state: dict, name: str) -> list:

@@ -170,18 +170,7 @@ class RunDir:
             with self.fs.open_output_stream(self.path(rel)) as f:  # one PUT: atomic on object stores
                 f.write(data)
             return
-        target = self.local_path(rel)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(target.parent)  # make the rename itself durable
+        write_local_atomic(self.local_path(rel), [data])
 
     def append_text(self, rel: str, text: str) -> None:
         """Append `text` (UTF-8). Local: append + flush + fsync, durable on return. Object
@@ -248,6 +237,25 @@ class RunDir:
             with self.fs.open_input_stream(info.path) as fin, open(dst, "wb") as fout:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
+
+
+def write_local_atomic(target: Path, chunks) -> None:
+    """Write `chunks` (bytes-like) to a local file atomically: a temporary file in the same
+    directory, fsync, rename over the target, fsync the directory (so the rename is durable).
+    A crash leaves the old file or the new one, never a mix; a failure removes the temp file."""
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
 
 
 def _fsync_dir(path: Path) -> None:
