@@ -7,21 +7,16 @@ in a subprocess (TRITON_INTERPRET=1 must be set before Triton is imported) when 
 installed.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ops.interpreter import needs_triton, run_in_interpreter
 from raygpt.ops import (Segments, adamw_update, copy_master_to_params, reference,
                         stochastic_round_bf16)
 from raygpt.ops.reference import ELEMENTWISE_BLOCK as BLOCK
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # odd sizes around the kernel block, an empty tensor, decay on some
 SIZES = [1, 7, 0, BLOCK - 1, BLOCK + 1, 3001, 5, BLOCK]
@@ -467,14 +462,9 @@ def _interpreter_checks():
     print("interpreter checks passed")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
+@needs_triton
 def test_triton_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "interpreter checks passed" in proc.stdout
+    run_in_interpreter(__file__)
 
 
 if __name__ == "__main__":

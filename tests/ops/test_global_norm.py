@@ -5,21 +5,16 @@ interpreter test runs the Triton kernel on CPU tensors in a subprocess (TRITON_I
 be set before Triton is imported) when Triton is installed.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ops.interpreter import needs_triton, run_in_interpreter
 from raygpt.ops import global_norm_squared, reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NORM_BLOCK = 4096  # triton_kernels.NORM_BLOCK (not imported: that module needs Triton)
 ODD_SIZES = [1, 7, NORM_BLOCK - 1, NORM_BLOCK, NORM_BLOCK + 1, 3 * NORM_BLOCK + 5, 100_003]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _randn(n, seed, dtype=torch.float32, device="cpu"):
@@ -138,14 +133,9 @@ def _interpreter_checks():
     print("interpreter checks passed")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
+@needs_triton
 def test_triton_kernel_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "interpreter checks passed" in proc.stdout
+    run_in_interpreter(__file__)
 
 
 if __name__ == "__main__":
