@@ -29,3 +29,12 @@ def train_losses(run_dir, attempt=None) -> dict[int, float]:
         if r["kind"] == "train" and (attempt is None or r["attempt"] == attempt):
             out[r["step"]] = r["loss"]
     return out
+
+
+def memory_fs():
+    """fsspec's in-memory filesystem as a pyarrow FileSystem: a non-local run-dir store for tests
+    (process-global: give every test its own root)."""
+    import fsspec
+    import pyarrow.fs as pafs
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))

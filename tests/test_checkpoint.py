@@ -8,7 +8,6 @@ import os
 import struct
 import uuid
 
-import fsspec
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
@@ -21,6 +20,7 @@ from raygpt.checkpoint import (
     write_done, write_manifest, write_state_file,
 )
 from raygpt.config import TrainConfig
+from tests.helpers import memory_fs
 from raygpt.storage import RunDir, open_run_dir
 
 P = 37  # shard_num_parameters of a toy model
@@ -287,10 +287,6 @@ def test_extras_round_trip_converts_numpy_and_rejects_objects():
 
 
 # ---------------------------------------------------------------------- manifest and verify
-def memory_fs() -> pafs.FileSystem:
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
-
-
 @pytest.fixture(params=["local", "memory"])
 def run_dir(request, tmp_path):
     if request.param == "local":

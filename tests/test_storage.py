@@ -10,11 +10,8 @@ import fsspec
 import pyarrow.fs as pafs
 import pytest
 
+from tests.helpers import memory_fs
 from raygpt.storage import RunDir, open_run_dir
-
-
-def memory_fs() -> pafs.FileSystem:
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
 
 
 @pytest.fixture(params=["local", "memory"])
