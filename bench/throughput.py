@@ -1,7 +1,7 @@
 """Throughput of raygpt's training step against a plain PyTorch baseline, side by side on one GPU.
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
-                               [--variants ref,fused,fused+cudnn] [--split-only]
+                               [--variants default,cudnn,det,ckpt@100] [--split-only]
 
 Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one process:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
@@ -9,20 +9,27 @@ Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one 
   torch.nn.utils.clip_grad_norm_ (what llm.c's train_gpt2.py does). It is pinned: raygpt's
   model options never change it, so the ratio measures them;
 - raygpt: the real training loop (`raygpt.loop.train` under a LocalSession): bf16 working
-  weights over fp32 master weights, raygpt's global-norm and AdamW kernels, data loading and
-  logging included; and, with --ray, the same run under Ray Train's TorchTrainer with 1 worker
-  (the module defaults of raygpt.model, whatever the variants).
+  weights over fp32 master weights, raygpt's global-norm and AdamW kernels, data loading,
+  logging (loss_history.jsonl, main.log, TensorBoard) and the console line included; and, with
+  --ray, the same run under Ray Train's TorchTrainer with 1 worker (the module defaults of
+  raygpt.model, whatever the variants).
 Per side: tokens/s and ms/step (median over the steps after warm-up, no syncs between phases),
-the first step's time (compilation included), then a separate pass with syncs that splits a
-step into forward+backward, norm, optimizer; MFU from raygpt.metrics for the device; peak
-memory. Numbers, not a test.
+the mean ms/step over the same steps (what a checkpoint's stall moves), the first step's time
+(compilation included), then a separate pass with syncs that splits a step into
+forward+backward, norm, optimizer; "other" is ms/step minus those three (what the step spends
+outside the GPU's work: host gaps, logging, data). Two MFUs: raygpt's own
+(raygpt.metrics.estimate_mfu, llm.c's 6N + 6LCT per token, what the loop prints) and the
+bench's own count: FLOPs of one forward+backward counted by torch.utils.flop_counter, with the
+attention term halved (causal: half the score matrix is masked; FlopCounterMode counts it
+dense), over the datasheet peak. Peak memory. Numbers, not a test.
 
 --variants runs the raygpt side once per variant, one row each. A variant is tokens joined by
 "+" (see VARIANT_TOKENS): `ref` / `fused` / `fused@ROWS` pick the loss, `cudnn` prefers cuDNN
 attention, `autotune` / `coord` turn on Inductor's GEMM autotuning (what
-mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of its own kernels;
-`default` is raygpt.model's module defaults. The loop builds its own model, so a variant sets
-raygpt.model's module defaults (and Inductor's config) for its run and restores them after.
+mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of its own kernels, `det`
+is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps (async, as in a real
+run); `default` is raygpt.model's module defaults. The loop builds its own model, so a variant
+sets raygpt.model's module defaults (and Inductor's config) for its run and restores them after.
 --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,7 +50,7 @@ import torch
 import raygpt.model
 from raygpt.config import TrainConfig
 from raygpt.data import DistributedDataLoader
-from raygpt.metrics import estimate_mfu
+from raygpt.metrics import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 
@@ -63,17 +71,22 @@ VARIANT_TOKENS = {
     "cudnn": 'sdpa_backend="cudnn" (cuDNN attention first)',
     "autotune": "Inductor max_autotune (GEMM templates autotuned against cuBLAS)",
     "coord": "Inductor coordinate_descent_tuning (its reduction / pointwise kernels)",
+    "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace)",
+    "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
 }
+WITH_ARG = {"fused", "ckpt"}
 
 
-def parse_variant(spec: str) -> tuple[dict, dict]:
-    """'fused@8192+cudnn' -> (raygpt.model module defaults, Inductor config) for that run."""
-    model, inductor = {}, {}
+def parse_variant(spec: str) -> tuple[dict, dict, dict]:
+    """'fused@8192+cudnn+det' -> (raygpt.model module defaults, Inductor config, TrainConfig
+    overrides for the loop) for that run."""
+    model, inductor, loop = {}, {}, {}
     for token in spec.split("+"):
         name, _, arg = token.partition("@")
-        if name not in VARIANT_TOKENS or (arg and name != "fused"):
+        if (name not in VARIANT_TOKENS or (arg and name not in WITH_ARG)
+                or (name == "ckpt" and not arg.isdigit()) or (arg and not arg.isdigit())):
             raise SystemExit(f"--variants: unknown token {token!r} in {spec!r}; expected "
-                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS), joined by '+'")
+                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N), joined by '+'")
         if name == "ref":
             model["DEFAULT_LOSS_IMPL"] = "reference"
         elif name == "fused":
@@ -86,7 +99,11 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
             inductor.update(max_autotune=True, max_autotune_gemm=True)
         elif name == "coord":
             inductor["coordinate_descent_tuning"] = True
-    return model, inductor
+        elif name == "det":
+            loop["deterministic"] = True
+        elif name == "ckpt":
+            loop.update(checkpoint_every=int(arg), async_checkpoint=True)
+    return model, inductor, loop
 
 
 @contextlib.contextmanager
@@ -97,17 +114,21 @@ def variant_settings(spec: str):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    model, inductor = parse_variant(spec)
+    model, inductor, loop = parse_variant(spec)
     saved = {k: getattr(raygpt.model, k) for k in model}
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch._dynamo.reset()
     try:
         for k, v in model.items():
             setattr(raygpt.model, k, v)
+        if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
+            torch.use_deterministic_algorithms(True, warn_only=True)
         with inductor_config.patch(inductor):
-            yield
+            yield loop
     finally:
         for k, v in saved.items():
             setattr(raygpt.model, k, v)
+        torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
 
 
@@ -158,15 +179,41 @@ def raygpt_loop(args, cfg_overrides=None):
     from raygpt.storage import open_run_dir
 
     run_dir = tempfile.mkdtemp(prefix="raygpt-bench-")
-    cfg = TrainConfig(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,
-                      max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
-                      output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
-                      warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
-                      compile=True, **(cfg_overrides or {})).resolve(1)
+    fields = dict(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,
+                  max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
+                  output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
+                  warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
+                  compile=True)
+    cfg = TrainConfig(**{**fields, **(cfg_overrides or {})}).resolve(1)
     summary = train(cfg, LocalSession(open_run_dir(run_dir), torch.device("cuda")))
     recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["kind"] == "train"]
     return [r["loss"] for r in train_recs], [r["dt"] for r in train_recs], summary, run_dir
+
+
+def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 4) -> float:
+    """The bench's own FLOP count for one training step (forward + backward) of GPT-2 at
+    (batch, seq): torch.utils.flop_counter counts every matmul and attention op of an eager
+    step at probe_batch (FLOPs are linear in the batch), scaled to `batch`. The attention ops
+    are counted dense; a causal mask leaves half the score matrix unused, so that term is
+    halved (llm.c's formula makes the same choice)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig.from_depth(depth), init_seed=1337, loss_impl="reference",
+                sdpa_backend="default").cuda()
+    x = torch.randint(0, model.config.vocab_size, (probe_batch, seq), device="cuda")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_sum, _ = model(x, x)
+        loss_sum.backward()
+    per_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    attention = sum(n for op, n in per_op.items() if "attention" in op)
+    if attention == 0:
+        raise SystemExit(f"counted FLOPs: no attention op among {sorted(per_op)}; SDPA ran a "
+                         f"kernel torch.utils.flop_counter does not count")
+    del model
+    torch.cuda.empty_cache()
+    return (counter.get_total_flops() - attention / 2) * batch / probe_batch
 
 
 def raygpt_split(args, loader):
@@ -216,6 +263,10 @@ def main():
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         parse_variant(v)  # fail on a typo before minutes of compiling
+    if any(parse_variant(v)[2].get("deterministic") for v in variants):
+        # cuBLAS reads it when its first handle is made (the baseline's first matmul), so
+        # deterministic mode's fixed workspace holds for every row of this run; the table says so
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = TrainConfig()
     dev = torch.cuda.get_device_name()
@@ -224,26 +275,38 @@ def main():
     tokens = args.batch * args.seq
     rows = []
 
+    counted = counted_flops_per_step(args.depth, args.batch, args.seq)
+    peak_flops = promised_flops(dev, "bf16")
+
     def row(name, times, split, peak, losses, first_s=float("nan")):
-        dt = statistics.median(times[args.warmup:]) if times else float("nan")
-        s = {k: statistics.median(v) * 1000 for k, v in split.items()} if split else {}
+        timed = times[args.warmup:]
+        if times and not timed:
+            print(f"{name}: only {len(times)} steps recorded, none after --warmup {args.warmup}",
+                  flush=True)
+        dt = statistics.median(timed) if timed else float("nan")
+        mean = statistics.mean(timed) if timed else float("nan")
+        s = {k: statistics.median(v) * 1000 for k, v in split.items() if v} if split else {}
         if args.split_only and s:  # like for like: every row's step is the sum of its parts
             dt = sum(s.values()) / 1000
-        mfu = estimate_mfu(n_params, L, C, args.seq, tokens, dt, dev, "bf16")
+        if s and dt == dt:
+            s["other"] = dt * 1000 - sum(s.values())
+        mfu = estimate_mfu(n_params, L, C, args.seq, tokens, dt, dev, "bf16") if dt == dt else None
+        mfu_counted = counted / dt / peak_flops if peak_flops and dt == dt else None
         first = times[0] if times else first_s
-        rows.append((name, tokens / dt, dt * 1000, s, mfu, peak, losses, first))
+        rows.append((name, tokens / dt, dt * 1000, mean * 1000, s, mfu, mfu_counted, peak,
+                     losses, first))
 
     loader = DistributedDataLoader(cfg.input_bin, args.batch, args.seq, 0, 1)
     torch.cuda.reset_peak_memory_stats()
     b_losses, b_times, b_split, _ = baseline(args, loader)
     row("pytorch baseline", b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
     for spec in variants:
-        with variant_settings(spec):
+        with variant_settings(spec) as loop_overrides:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             r_losses, r_times = [], []
             if not args.split_only:
-                r_losses, r_times, _, _ = raygpt_loop(args)
+                r_losses, r_times, _, _ = raygpt_loop(args, loop_overrides)
             loader.reset()
             split, first_s, what = raygpt_split(args, loader)
             peak = torch.cuda.max_memory_allocated() / 2**30
@@ -262,26 +325,35 @@ def main():
         run(c)
         recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
         t = [r["dt"] for r in recs if r["kind"] == "train"]
-        row("raygpt under TorchTrainer", t, None, float("nan"), [r["loss"] for r in recs if r["kind"] == "train"])
+        row("raygpt under TorchTrainer", t, None, float("nan"),
+            [r["loss"] for r in recs if r["kind"] == "train"])
 
     print(f"\n{dev} | GPT-2 d{args.depth} ({n_params / 1e6:.1f}M) | B={args.batch} T={args.seq} | "
-          f"{tokens} tokens/step | median of steps {args.warmup}..{args.steps - 1}"
+          f"{tokens} tokens/step | median (and mean) of steps {args.warmup}..{args.steps - 1}"
           + (" | --split-only: ms/step = fwd+bwd + norm + opt" if args.split_only else ""))
-    print(f"{'':28s} {'tok/s':>10s} {'ms/step':>8s} {'fwd+bwd':>8s} {'norm':>7s} {'opt':>7s} "
-          f"{'MFU':>6s} {'peak GiB':>8s} {'1st step s':>10s}")
-    for name, tps, ms, s, mfu, peak, _, first in rows:
-        print(f"{name:28s} {tps:10.0f} {ms:8.1f} {s.get('fwd_bwd', float('nan')):8.1f} "
-              f"{s.get('norm', float('nan')):7.2f} {s.get('opt', float('nan')):7.2f} "
-              f"{100 * mfu if mfu else float('nan'):5.1f}% {peak:8.2f} {first:10.1f}")
+    print(f"FLOPs per step: raygpt's formula {flops_per_token(n_params, L, C, args.seq) * tokens:.4g}"
+          f", counted {counted:.4g}"
+          + (f" | CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']} for every row"
+             if os.environ.get("CUBLAS_WORKSPACE_CONFIG") else ""))
+    print(f"{'':28s} {'tok/s':>8s} {'ms/step':>7s} {'mean':>6s} {'fwd+bwd':>7s} {'norm':>5s} "
+          f"{'opt':>5s} {'other':>5s} {'MFU':>6s} {'counted':>7s} {'GiB':>6s} {'1st s':>5s}")
+    pct = lambda f: f"{100 * f:5.1f}%" if f else "   n/a"  # noqa: E731
+    for name, tps, ms, mean, s, mfu, mfu_c, peak, _, first in rows:
+        print(f"{name:28s} {tps:8.0f} {ms:7.1f} {mean:6.1f} {s.get('fwd_bwd', float('nan')):7.1f} "
+              f"{s.get('norm', float('nan')):5.2f} {s.get('opt', float('nan')):5.2f} "
+              f"{s.get('other', float('nan')):5.1f} {pct(mfu)} {pct(mfu_c):>7s} {peak:6.2f} "
+              f"{first:5.1f}")
     base = rows[0][1]
-    for name, tps, *_ in rows[1:]:
-        print(f"ratio {name} / baseline: {tps / base:.3f}")
-    # same data, same init: the first losses agree within bf16 noise
+    for name, tps, _, mean, *_ in rows[1:]:
+        print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
+              f"{mean:.1f} ms")
+    # same data, same init: the losses agree within bf16 noise
     for name, *_, losses, _ in rows:
         if losses:
             print(f"{name:28s} first losses {[round(l, 4) for l in losses[:5]]} | mean of the "
-                  f"last 10 {statistics.mean(losses[-10:]):.4f}")
-
+                  f"last 10 {statistics.mean(losses[-10:]):.4f}" + (
+                      f" | mean of steps {len(losses) - 50}..{len(losses) - 1} "
+                      f"{statistics.mean(losses[-50:]):.4f}" if len(losses) >= 100 else ""))
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ and one host sync reads it back: that is the only synchronisation inside a step.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -87,9 +88,19 @@ def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
 
 def train(cfg: TrainConfig, session: Session) -> dict:
     """Train this worker's share of the run and return a summary (rank 0's is the run's)."""
+    # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
+    # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
+    with session.run_dir.background_appends(enabled=session.rank == 0):
+        return _train(cfg, session)
+
+
+def _train(cfg: TrainConfig, session: Session) -> dict:
     rank, world, device = session.rank, session.world, session.device
     is_main = rank == 0
     if cfg.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace (PyTorch's reproducibility notes);
+        # read when the first cuBLAS handle is made, which is after this point in a worker
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -171,6 +182,8 @@ def train(cfg: TrainConfig, session: Session) -> dict:
         for _ in range(grad_accum):
             x, y = train_loader.next_batch()
             step_samples.append(train_loader.last_global_samples)
+            if device.type == "cuda":  # page-locked: the copy is async, the host runs ahead
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum, z_sum = forward(x, y, z_loss=cfg.z_loss)
             if faults.nan_now(step):

@@ -10,13 +10,17 @@ Durability differs by backend and is handled here so callers never think about i
 - object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
 Object stores have no append: appends go to a local mirror of the file that is uploaded whole
 (one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
+The training loop's rank 0 moves its appends onto a writer thread (`RunDir.background_appends`)
+so that a training step never waits for an fsync or an upload.
 """
 
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import itertools
 import os
+import queue
 import shutil
 import sys
 import tempfile
@@ -52,6 +56,8 @@ class RunDir:
     - readers: reads through this RunDir (`read_bytes`, `exists`, `size_of`, `sha256_of`,
       `listdir`) see the mirror, i.e. every line appended so far; any other RunDir or process
       (`raygpt status`, a resumed attempt) sees what was last flushed.
+    - in the background (`background_appends()`, what the training loop's rank 0 uses): the
+      appends above are queued to one writer thread and done there in order; see that method.
     One process owns the appends to a file (rank 0). The Ray driver's failure record is the one
     foreign append: when an upload finds the stored object grown past what this process last
     stored, the foreign bytes are kept (spliced in before this process's new lines).
@@ -68,6 +74,7 @@ class RunDir:
         self._appends = None if self.is_local else _Appends(fs, self.flush_interval_s, clock)
         if self._appends is not None:  # flush what is buffered when this RunDir goes away
             weakref.finalize(self, self._appends.close_quietly)
+        self._writer: _Writer | None = None  # set while appends run in the background
 
     def __repr__(self) -> str:
         return f"RunDir({self.uri()})"
@@ -112,13 +119,16 @@ class RunDir:
         return self._appends.mirrors.get(self.path(rel)) if self._appends is not None else None
 
     def exists(self, rel: str = "") -> bool:
+        self._drain()
         return self._mirror(rel) is not None or self._info(rel).type != pafs.FileType.NotFound
 
     def is_dir(self, rel: str = "") -> bool:
+        self._drain()
         return self._info(rel).type == pafs.FileType.Directory
 
     def listdir(self, rel: str = "", *, files_only: bool = False) -> list[str]:
         """Sorted names directly under `rel`; [] when `rel` does not exist."""
+        self._drain()
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
         names = {i.base_name for i in infos if not files_only or i.type == pafs.FileType.File}
         if self._appends is not None:  # appended files not uploaded yet are here all the same
@@ -128,6 +138,7 @@ class RunDir:
         return sorted(names)
 
     def size_of(self, rel: str) -> int:
+        self._drain()
         if (m := self._mirror(rel)) is not None:
             return m.local.stat().st_size
         info = self._info(rel)
@@ -136,6 +147,7 @@ class RunDir:
         return info.size
 
     def read_bytes(self, rel: str) -> bytes:
+        self._drain()
         if (m := self._mirror(rel)) is not None:
             with self._appends.lock:
                 return m.local.read_bytes()
@@ -146,6 +158,7 @@ class RunDir:
 
     def sha256_of(self, rel: str) -> str:
         """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory)."""
+        self._drain()
         h = hashlib.sha256()
         if (m := self._mirror(rel)) is not None:
             with self._appends.lock, open(m.local, "rb") as f:
@@ -159,10 +172,12 @@ class RunDir:
 
     # ------------------------------------------------------------------ writes
     def makedirs(self, rel: str = "") -> None:
+        self._drain()
         self.fs.create_dir(self.path(rel), recursive=True)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Readers see the old content or all of `data`, never a partial file."""
+        self._drain()
         parent = rel.strip("/").rpartition("/")[0]
         self.makedirs(parent)
         if not self.is_local:
@@ -175,7 +190,14 @@ class RunDir:
     def append_text(self, rel: str, text: str) -> None:
         """Append `text` (UTF-8). Local: append + flush + fsync, durable on return. Object
         stores: appended to the local mirror, stored by the next due upload or `flush()` (see
-        the class docstring). One process (rank 0) owns the appends to a file."""
+        the class docstring). In the background (`background_appends`): queued, done in order
+        by the writer thread. One process (rank 0) owns the appends to a file."""
+        if self._writer is not None:
+            self._writer.put(self._append_now, rel, text)
+        else:
+            self._append_now(rel, text)
+
+    def _append_now(self, rel: str, text: str) -> None:
         if self.is_local:
             target = self.local_path(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -186,20 +208,60 @@ class RunDir:
             return
         self._appends.append(self.path(rel), text.encode("utf-8"))
 
+    @contextlib.contextmanager
+    def background_appends(self, enabled: bool = True):
+        """While inside, `append_text` only queues its line and returns: one writer thread does
+        the appends in order (local: write + fsync; object stores: the mirror and its due
+        uploads). Why: a step that waits for two fsyncs (loss_history.jsonl and main.log) leaves
+        the GPU idle for milliseconds per step, several percent of a GPT-2 step on an H200
+        (bench/throughput.py's "other" column), and an upload of a long history far more.
+        What changes for callers:
+        - every other method of this RunDir first waits for the queued appends, so a read
+          through it sees every line, and a delete or an overwrite never races a queued append;
+        - `flush()` waits for the queue, then stores as before: after it, everything appended
+          is durable (the loop flushes at every checkpoint publish and at the end);
+        - a failed append is raised by the next `append_text`, `flush()` or the exit of this
+          block, with the file's name; the appends queued after it are dropped, so the file
+          never has a gap in the middle;
+        - a process killed outright loses the lines still queued (a step's worth or two; a
+          resumed attempt re-trains those steps anyway).
+        Leaving the block drains the queue and stops the thread. `enabled=False` is a no-op
+        (ranks other than 0 append nothing)."""
+        if not enabled or self._writer is not None:
+            yield self
+            return
+        self._writer = _Writer(f"raygpt-appends {self.uri()}")
+        try:
+            yield self
+        except BaseException:
+            writer, self._writer = self._writer, None
+            writer.close_quietly()  # the body's error is the one to see
+            raise
+        writer, self._writer = self._writer, None
+        writer.close()
+
+    def _drain(self) -> None:
+        if self._writer is not None and threading.current_thread() is not self._writer.thread:
+            self._writer.wait()
+
     def flush(self) -> None:
-        """Store every appended line: upload each mirror with lines not yet stored (one put
-        each). A no-op for local run dirs (their appends are durable already)."""
+        """Store every appended line: wait for the queued appends (`background_appends`), then
+        upload each mirror with lines not yet stored (one put each). Local appends are durable
+        once written, so a local flush only waits for the queue."""
+        self._drain()
         if self._appends is not None:
             self._appends.flush_all()
 
     def close(self) -> None:
         """`flush()`, then remove the local mirrors. The RunDir stays usable: a later append
         seeds a new mirror from the stored file."""
+        self._drain()
         if self._appends is not None:
             self._appends.close()
 
     def delete_file(self, rel: str) -> None:
         """Remove a file; a file that is already gone is not an error (deletes are retried)."""
+        self._drain()
         if self._appends is not None:
             self._appends.forget(self.path(rel))
         if self._info(rel).type == pafs.FileType.File:
@@ -207,6 +269,7 @@ class RunDir:
 
     def delete_dir(self, rel: str) -> None:
         """Remove a directory and everything in it; a missing directory is not an error."""
+        self._drain()
         if self._appends is not None:
             self._appends.forget(self.path(rel), under=True)
         if self.is_dir(rel):
@@ -237,6 +300,58 @@ class RunDir:
             with self.fs.open_input_stream(info.path) as fin, open(dst, "wb") as fout:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
+
+
+class _Writer:
+    """One daemon thread that runs queued calls in order; see `RunDir.background_appends`.
+    The first failure is kept and raised to the caller (by `put`, `wait` or `close`), and
+    every call queued after it is dropped rather than run out of order."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            call = self._queue.get()
+            try:
+                if call is None:
+                    return
+                if self._error is None:
+                    fn, args = call
+                    fn(*args)
+            except BaseException as e:  # noqa: BLE001 - kept, raised on the caller's thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"a background append failed ({type(self._error).__name__}: "
+                               f"{self._error}); the lines queued after it were dropped"
+                               ) from self._error
+
+    def put(self, fn, *args) -> None:
+        self._raise()
+        self._queue.put((fn, args))
+
+    def wait(self) -> None:
+        """Return once every queued call has run; raise the first failure."""
+        self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the caller is already raising its own error
+            print(f"raygpt | WARNING: {e}", file=sys.stderr, flush=True)
 
 
 def write_local_atomic(target: Path, chunks) -> None:

@@ -303,3 +303,73 @@ def test_local_appends_are_durable_at_once_as_before(tmp_path, monkeypatch):
     rd.close()  # no-ops: nothing is buffered
     assert rd._appends is None and len(fsyncs) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.jsonl"]
+
+
+# ---------------------------------------------------------------------- background appends
+
+
+def test_background_appends_keep_order_and_reads_see_every_line(run_dir: RunDir):
+    lines = [f'{{"step":{i}}}\n' for i in range(500)]
+    with run_dir.background_appends():
+        for line in lines:
+            run_dir.append_text("loss_history.jsonl", line)
+        # a read through the same RunDir waits for what is queued
+        assert run_dir.read_bytes("loss_history.jsonl") == "".join(lines).encode()
+        run_dir.append_text("main.log", "s:1 trl:1.0\n")
+        assert run_dir.size_of("main.log") == len("s:1 trl:1.0\n")
+    assert run_dir._writer is None  # back to appends on the caller's thread
+
+
+def test_background_appends_are_on_disk_after_flush(tmp_path):
+    rd = open_run_dir(tmp_path / "run")
+    with rd.background_appends():
+        for i in range(50):
+            rd.append_text("h.jsonl", f"{i}\n")
+        rd.flush()
+        # another reader (a resumed attempt, `raygpt status`) sees the file itself
+        assert (tmp_path / "run" / "h.jsonl").read_text() == "".join(f"{i}\n" for i in range(50))
+
+
+def test_background_appends_on_an_object_store_are_stored_by_flush():
+    fs = memory_fs()
+    root = f"/raygpt-test-{uuid.uuid4().hex}"
+    rd = open_run_dir((fs, root), flush_interval_s=3600)
+    with rd.background_appends():
+        rd.append_text("h.jsonl", "a\n")
+        rd.append_text("h.jsonl", "b\n")
+        rd.flush()
+        assert RunDir(fs, root).read_bytes("h.jsonl") == b"a\nb\n"  # a fresh reader: stored
+    rd.close()
+    fs.delete_dir(root)
+
+
+def test_background_append_failure_is_raised_with_the_file_and_later_lines_dropped(tmp_path):
+    rd = open_run_dir(tmp_path / "run")
+    rd.makedirs("")
+    (tmp_path / "run" / "blocked").mkdir()  # appending to a directory fails
+    with pytest.raises(RuntimeError, match="background append failed.*blocked") as err:
+        with rd.background_appends():
+            rd.append_text("blocked", "x\n")
+            rd.append_text("h.jsonl", "after the failure\n")
+            rd.flush()
+    assert isinstance(err.value.__cause__, OSError)
+    assert not (tmp_path / "run" / "h.jsonl").exists()  # never a line past a lost one
+
+
+def test_background_appends_drain_before_delete_and_overwrite(run_dir: RunDir):
+    with run_dir.background_appends():
+        for i in range(100):
+            run_dir.append_text("main.log", f"old {i}\n")
+        run_dir.write_bytes_atomic("main.log", b"")  # a fresh start truncates the old log
+        run_dir.append_text("main.log", "new\n")
+        assert run_dir.read_bytes("main.log") == b"new\n"
+        run_dir.append_text("d/x", "1\n")
+        run_dir.delete_dir("d")
+        assert not run_dir.exists("d/x")
+
+
+def test_background_appends_disabled_is_a_no_op(run_dir: RunDir):
+    with run_dir.background_appends(enabled=False):
+        assert run_dir._writer is None
+        run_dir.append_text("h", "1\n")
+    assert run_dir.read_bytes("h") == b"1\n"
