@@ -8,6 +8,8 @@ flat buffer:
 * adamw_update (bf16 params + fp32 master, m, v) vs torch.optim.AdamW(fused=True) on fp32
   params: both move 28 bytes per parameter;
 * adamw_update in fp32 mode, and copy_master_to_params (stochastic rounding);
+* cross_entropy_grad on one chunk of the fused loss (16384 rows of GPT-2's bf16 logits) vs the
+  same math as PyTorch ops under torch.compile (reference.py compiled: Inductor's kernel);
 * a device-to-device copy of the same bytes, measured in the same run, as the bandwidth
   reference (bytes read + bytes written over time).
 
@@ -114,7 +116,8 @@ class Table:
                   f"{speed:>9}")
         print("ms: median device time; host us: enqueue cost per call; GB/s: bytes read + "
               "written once over ms;\n% copy: of a device-to-device copy of the same bytes; "
-              "vs torch: torch's device ms over ours (get_total_norm foreach / AdamW fused)")
+              "vs torch: torch's device ms over ours (get_total_norm foreach / AdamW fused / "
+              "compiled reference)")
 
 
 def main():
@@ -225,6 +228,33 @@ def main():
     copy_ms, copy_host, copy_sr = copy_reference(sr_bytes // 2, it)
     table.add("copy_master_to_params", measure(
         lambda: ops.copy_master_to_params(param, master, seg, 7), it), sr_bytes, copy_sr)
+
+    del master, param, m, v, grad_bf16
+
+    # --- the classifier's cross-entropy gradient (one chunk of the fused loss) ----------------
+    rows, Vp, V = 16384, 50304, 50257  # raygpt.model.DEFAULT_CE_CHUNK_ROWS rows of GPT-2's logits
+    logits = (torch.randn(rows, Vp, device="cuda") * 3).to(torch.bfloat16)
+    targets = torch.randint(0, V, (rows,), device="cuda")
+    ce_bytes = 2 * 2 * rows * Vp  # read the bf16 logits once, write the bf16 gradient once
+    copy_ms, copy_host, copy_ce = copy_reference(ce_bytes // 2, it)
+    table.add("copy (logits chunk bytes)", (copy_ms, copy_host), ce_bytes, copy_ce)
+    # torch: the same math as PyTorch ops (reference.py), compiled: what Inductor makes of it
+    compiled = torch.compile(ops.reference.cross_entropy_grad)
+    got, want = ops.cross_entropy_grad(logits, targets, V), compiled(logits, targets, V)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-5)
+    torch_ms = measure(lambda: compiled(logits, targets, V), it)[0]
+    table.add("torch.compile(reference) cross-entropy", (torch_ms, float("nan")), ce_bytes,
+              copy_ce, torch_ms)
+    table.add("cross_entropy_grad bf16", measure(
+        lambda: ops.cross_entropy_grad(logits, targets, V), it), ce_bytes, copy_ce, torch_ms)
+    if args.sweep:
+        saved = (tk.CE_BLOCK, tk.CE_WARPS)
+        for block, warps in [(2048, 8), (4096, 4), (4096, 8), (1024, 4), (1024, 2)]:
+            tk.CE_BLOCK, tk.CE_WARPS = block, warps
+            table.add(f"  sweep cross-entropy B={block} w={warps}", measure(
+                lambda: ops.cross_entropy_grad(logits, targets, V), it), ce_bytes, copy_ce,
+                torch_ms)
+        tk.CE_BLOCK, tk.CE_WARPS = saved
 
     table.print()
 

@@ -25,7 +25,8 @@ dense), over the datasheet peak. Peak memory. Numbers, not a test.
 
 --variants runs the raygpt side once per variant, one row each. A variant is tokens joined by
 "+" (see VARIANT_TOKENS): `ref` / `fused` / `fused@ROWS` pick the loss, `cudnn` prefers cuDNN
-attention, `autotune` / `coord` turn on Inductor's GEMM autotuning (what
+attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
+Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's GEMM autotuning (what
 mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of its own kernels, `det`
 is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps (async, as in a real
 run); `default` is raygpt.model's module defaults. The loop builds its own model, so a variant
@@ -71,6 +72,7 @@ VARIANT_TOKENS = {
     "cudnn": 'sdpa_backend="cudnn" (cuDNN attention first)',
     "autotune": "Inductor max_autotune (GEMM templates autotuned against cuBLAS)",
     "coord": "Inductor coordinate_descent_tuning (its reduction / pointwise kernels)",
+    "torchce": "the fused loss's softmax gradient as PyTorch ops (Inductor's kernel), not raygpt.ops",
     "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace)",
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
 }
@@ -99,6 +101,8 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             inductor.update(max_autotune=True, max_autotune_gemm=True)
         elif name == "coord":
             inductor["coordinate_descent_tuning"] = True
+        elif name == "torchce":
+            model["USE_CE_KERNEL"] = False
         elif name == "det":
             loop["deterministic"] = True
         elif name == "ckpt":

@@ -311,20 +311,28 @@ class DistributedDataLoader:
             self.sample_pos += consumed
         return out
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Consume the next global micro-batch (world*B samples); return this rank's (x, y)."""
+    def next_batch(self, device: torch.device | str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume the next global micro-batch (world*B samples); return this rank's (x, y),
+        (B, T) int64 each, on `device` (default: the CPU). For a CUDA device the (B, T+1)
+        window is gathered straight into page-locked memory and sent in one asynchronous copy,
+        so the host never waits for the GPU here (the loop's step stays free of syncs)."""
         B, T = self.B, self.T
         samples = self._take_global_samples(self.world * B)
         self.last_global_samples = samples
         mine = samples[self.rank * B:(self.rank + 1) * B]
-        buf = np.empty((B, T + 1), dtype=np.int64)
+        to_cuda = device is not None and torch.device(device).type == "cuda"
+        # the caching host allocator does not hand this block out again before the copy is done
+        data = torch.empty((B, T + 1), dtype=torch.int64, pin_memory=to_cuda)
+        buf = data.numpy()
         window = np.arange(T + 1, dtype=np.int64)
         for shard in np.unique(mine[:, 0]):
             rows = np.flatnonzero(mine[:, 0] == shard)
             tokens = self._shard_tokens(int(shard))
             # (rows, T+1) token offsets: sample i covers tokens [i*T, i*T + T].
             buf[rows] = tokens[mine[rows, 1][:, None] * T + window[None, :]]
-        data = torch.from_numpy(buf)
+        if device is not None:
+            data = data.to(device, non_blocking=to_cuda)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
     def _shard_tokens(self, shard: int) -> np.ndarray:

@@ -14,6 +14,7 @@ and one host sync reads it back: that is the only synchronisation inside a step.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -36,6 +37,11 @@ from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
 from raygpt.tensorboard import TensorBoardWriter
+
+# After the first step (compiled, warmed up) the live objects are moved out of the collector's
+# reach (gc.freeze): a full collection otherwise walks Dynamo's and Inductor's caches and
+# stalls a step for tens of milliseconds now and then (bench/profile_step.py prints the pauses).
+GC_FREEZE_AFTER_FIRST_STEP = True
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
@@ -66,8 +72,8 @@ def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
     val_loader.reset()
     acc = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
     for _ in range(cfg.val_batches):
-        x, y = val_loader.next_batch()
-        loss_sum, _ = model(x.to(device), y.to(device))
+        x, y = val_loader.next_batch(device)
+        loss_sum, _ = model(x, y)
         acc[0] += loss_sum.double()
         acc[1] += y.numel()
     all_reduce_sum(acc, world)
@@ -148,6 +154,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
     val_loss = float("nan")
     stop_requested = False
     t_start = time.perf_counter()
+    first_step = state.step
 
     while True:
         step = state.step  # a rewind moves it back, so the loop reads it rather than counting
@@ -180,11 +187,8 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         step_samples = []
         loss_acc = torch.zeros((), dtype=torch.float32, device=device)
         for _ in range(grad_accum):
-            x, y = train_loader.next_batch()
+            x, y = train_loader.next_batch(device)
             step_samples.append(train_loader.last_global_samples)
-            if device.type == "cuda":  # page-locked: the copy is async, the host runs ahead
-                x, y = x.pin_memory(), y.pin_memory()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum, z_sum = forward(x, y, z_loss=cfg.z_loss)
             if faults.nan_now(step):
                 loss_sum = loss_sum * float("nan")
@@ -238,6 +242,10 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         state.step = step + 1
         state.tokens_seen += tokens_per_step
         state.clipped += int(norm > cfg.grad_clip)
+
+        if step == first_step and GC_FREEZE_AFTER_FIRST_STEP:
+            gc.collect()
+            gc.freeze()
 
         # ---------------------------------------------------------- logging
         logger.log_train(step, loss, lr, norm)

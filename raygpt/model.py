@@ -17,7 +17,7 @@ decoupled decay, stay exactly zero for the whole run. Logits are computed for al
 The loss (`loss_impl`): "reference" is the textbook path (full (B*T, Vp) logits, slice,
 fp32 cross-entropy); "fused" (the default, `fused_classifier_loss`) never holds the full logits:
 it walks the rows in chunks, computes logsumexp in fp32 from bf16 logits and writes the
-logits' gradient in the same pass, so the loss's memory traffic is a few bf16 passes instead of
+logits' gradient in the same pass (raygpt.ops.cross_entropy_grad: a Triton kernel on CUDA), so the loss's memory traffic is a few bf16 passes instead of
 an fp32 softmax saved for backward. Both give the same loss, z-loss, max |logit| and gradients
 (the fused path masks the padded columns to -inf instead of slicing them off: same result).
 
@@ -41,7 +41,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from raygpt import ops
 from raygpt.config import MODEL_SHAPES
+from raygpt.ops.reference import logit_statistics
 
 
 # ---------------------------------------------------------------------- configuration
@@ -98,6 +100,11 @@ DEFAULT_CE_CHUNK_ROWS = 16384
 # where cuDNN cannot run, e.g. on the CPU, the usual kernels do).
 SDPA_BACKENDS = ("default", "cudnn")
 DEFAULT_SDPA_BACKEND = "default"
+# The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton
+# kernel on CUDA, one read of the logits) when True; the same math as PyTorch ops (which
+# Inductor fuses into a kernel that reads each row three times) when False. z-loss keeps the
+# PyTorch ops, as it also needs the softmax itself.
+USE_CE_KERNEL = True
 _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -125,20 +132,6 @@ _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 # Gradients are first-order only (once_differentiable): a double backward raises.
 
 
-def _chunk_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
-    """From one chunk's logits L (n, Vp) and targets t (n,): Lf (n, Vp) fp32 with padded
-    columns -inf, lse (n,), target logit (n,), row max and row min over the real columns (n,)."""
-    col = torch.arange(L.shape[1], device=L.device)                        # (Vp,)
-    real = col < vocab_size
-    Lf = L.float()
-    row_min = torch.where(real, Lf, float("inf")).amin(dim=1)              # (n,)
-    Lf = torch.where(real, Lf, float("-inf"))                              # (n, Vp)
-    row_max = Lf.amax(dim=1)                                               # (n,)
-    lse = row_max + torch.log(torch.exp(Lf - row_max[:, None]).sum(dim=1))  # (n,)
-    target_logit = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]            # (n,)
-    return Lf, lse, target_logit, row_max, row_min
-
-
 def _chunks(n_rows: int, chunk_rows: int):
     return [(lo, min(lo + chunk_rows, n_rows)) for lo in range(0, n_rows, chunk_rows)]
 
@@ -159,13 +152,16 @@ class _FusedClassifierLoss(torch.autograd.Function):
         for lo, hi in _chunks(N, chunk_rows):
             X, t = x[lo:hi], targets[lo:hi]                                    # (n, C), (n,)
             L = X @ weight.t()                                                 # (n, Vp)
-            Lf, lse, target_logit, row_max, row_min = _chunk_statistics(L, t, vocab_size)
             keep = t != -1
+            if with_z or not USE_CE_KERNEL:
+                Lf, lse, target_logit, row_max, row_min = logit_statistics(L, t, vocab_size)
+                p = torch.exp(Lf - lse[:, None])                               # (n, Vp), 0 in pads
+                onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
+                G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)  # (n, Vp)
+            else:  # the same G and statistics, one kernel (raygpt.ops)
+                G, lse, target_logit, row_max, row_min = ops.cross_entropy_grad(L, t, vocab_size)
             loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()
             max_abs = torch.maximum(max_abs, torch.maximum(row_max.amax(), -row_min.amin()))
-            p = torch.exp(Lf - lse[:, None])                                   # (n, Vp), 0 in pads
-            onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
-            G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)  # (n, Vp)
             dx_parts.append((G @ weight).float())                              # (n, C)
             dw = dw + (G.t() @ X).float()                                      # (Vp, C)
             if with_z:
@@ -218,7 +214,7 @@ def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     max_abs = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
     for lo, hi in _chunks(x.shape[0], chunk_rows):
         t = targets[lo:hi]
-        _, lse, target_logit, row_max, row_min = _chunk_statistics(x[lo:hi] @ weight.t(), t,
+        _, lse, target_logit, row_max, row_min = logit_statistics(x[lo:hi] @ weight.t(), t,
                                                                    vocab_size)
         keep = t != -1
         loss_sum = loss_sum + torch.where(keep, lse - target_logit, 0.0).sum()

@@ -5,6 +5,7 @@ of a row of x names the (shard, sample) it came from (sample i starts at token i
 """
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -426,3 +427,18 @@ def test_data_fingerprint_sees_the_end_of_large_shards(tmp_path):
     tokens[-1] = 1
     write_shard(tmp_path / "big.bin", tokens)
     assert data_fingerprint(str(tmp_path / "big.bin")) != fp
+
+
+def test_next_batch_to_a_device_is_the_same_batch(tmp_path):
+    """next_batch(device) hands out the same (x, y) as next_batch() and advances the same way."""
+    path = tmp_path / "shard.bin"
+    write_shard(path, np.arange(5000, dtype=np.uint16) % 50257)
+    a = DistributedDataLoader(str(path), 4, 16, 0, 1, shuffle=True, seed=3)
+    b = DistributedDataLoader(str(path), 4, 16, 0, 1, shuffle=True, seed=3)
+    for _ in range(3):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch("cpu")
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert xb.is_contiguous() and yb.is_contiguous() and xb.dtype == torch.int64
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+    assert pickle.dumps(a.state_dict()) == pickle.dumps(b.state_dict())

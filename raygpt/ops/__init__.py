@@ -1,4 +1,5 @@
-"""The optimizer's two hot loops, one interface: global gradient norm and fused AdamW.
+"""raygpt's kernels, one interface: the optimizer's two hot loops (global gradient norm, fused
+AdamW) and the classifier's cross-entropy gradient.
 
 CUDA tensors go to the Triton kernels (triton_kernels.py, registered as torch custom ops under
 `torch.ops.raygpt`); anything else goes to the plain-PyTorch reference (reference.py), which is
@@ -23,7 +24,7 @@ from . import reference
 from .reference import Segments
 
 __all__ = ["Segments", "global_norm_squared", "adamw_update", "copy_master_to_params",
-           "stochastic_round_bf16"]
+           "stochastic_round_bf16", "cross_entropy_grad"]
 
 
 _triton_kernels = None
@@ -100,3 +101,21 @@ def copy_master_to_params(param: torch.Tensor, master: torch.Tensor, segments: S
         _triton().stochastic_round_bf16(master, segments, seed, out=param)  # no temporary
     else:
         param.copy_(reference.stochastic_round_bf16(master, segments, seed))
+
+
+def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    """For one chunk of classifier logits L (n, Vp) and targets t (n,) (-1 = ignore; columns
+    >= vocab_size are padding): (G, lse, target_logit, row_max, row_min). G (n, Vp), L's dtype,
+    is d(sum of the kept rows' cross-entropy)/dL = keep * (softmax - onehot(t)); the rest are
+    fp32 (n,): logsumexp, the target's logit, max and min over the real columns.
+
+    Statistics in fp32 from the working-dtype logits. On CUDA one Triton kernel reads each
+    logit once from memory and writes G (reference.py is the math, summed in another order:
+    the two agree to fp32 rounding, and each is deterministic)."""
+    if L.dim() != 2 or t.shape != L.shape[:1] or not 0 < vocab_size <= L.shape[1]:
+        raise ValueError(f"cross_entropy_grad: expected logits (n, Vp), targets (n,) and "
+                         f"0 < vocab_size <= Vp, found {tuple(L.shape)}, {tuple(t.shape)}, "
+                         f"{vocab_size}")
+    if L.is_cuda:
+        return _triton().cross_entropy_grad(L, t, vocab_size)
+    return reference.cross_entropy_grad(L, t, vocab_size)

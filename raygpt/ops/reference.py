@@ -316,3 +316,33 @@ def copy_master_to_params(param, master, segments: Segments, seed: int) -> None:
         param.copy_(master)
     else:
         param.copy_(stochastic_round_bf16(master, segments, seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# The classifier's softmax: one chunk of logits L (n, Vp) in the working dtype, targets t (n,)
+# with -1 = ignore, columns j >= V (the padded vocabulary) excluded. All statistics in fp32.
+
+def logit_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    """Lf (n, Vp) fp32 with padded columns -inf, and per row (n,): lse = logsumexp(Lf), the
+    target logit Lf[t] (t = -1 reads column 0), the max and the min over the real columns."""
+    col = torch.arange(L.shape[1], device=L.device)                        # (Vp,)
+    real = col < vocab_size
+    Lf = L.float()
+    row_min = torch.where(real, Lf, float("inf")).amin(dim=1)              # (n,)
+    Lf = torch.where(real, Lf, float("-inf"))                              # (n, Vp)
+    row_max = Lf.amax(dim=1)                                               # (n,)
+    lse = row_max + torch.log(torch.exp(Lf - row_max[:, None]).sum(dim=1))  # (n,)
+    target_logit = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]            # (n,)
+    return Lf, lse, target_logit, row_max, row_min
+
+
+def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    """(G, lse, target_logit, row_max, row_min): G (n, Vp) in L's dtype is the gradient of the
+    summed cross-entropy of the kept rows with respect to L, keep (softmax(Lf) - onehot(t)),
+    exactly 0 in the padded columns and in ignored rows; the rest as `logit_statistics`."""
+    Lf, lse, target_logit, row_max, row_min = logit_statistics(L, t, vocab_size)
+    keep = t != -1
+    p = torch.exp(Lf - lse[:, None])                                       # (n, Vp), 0 in pads
+    onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
+    G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)    # (n, Vp)
+    return G, lse, target_logit, row_max, row_min

@@ -13,6 +13,12 @@ without Triton still import raygpt.ops. Kernels:
 * `adamw`: one program per block of the shard (Segments.block), one launch for all tensors;
   the block table in Segments tells it which tensor pieces its block touches.
 * `stochastic_round`: fp32 -> bf16 with the same rounding, for copy_master_to_params.
+* `cross_entropy_rows`: one program per row of a chunk of classifier logits. Pass 1 reads the
+  row for max, min and sum of exp (an online softmax: the running sum is rescaled when a block
+  raises the max); pass 2 reads it again and writes keep * (softmax - onehot). Inductor's kernel
+  for the same math reads each row three times. On an H200 it reaches about half of copy
+  bandwidth (bench/ops.py): a persistent grid that keeps rows in L2 between the passes, and
+  per-lane running sums, were both measured slower.
 
 Under TRITON_INTERPRET=1 (set before Triton is imported) the entry points at the bottom also
 take CPU tensors and run the same kernels in Triton's interpreter: that is how the parity tests
@@ -190,6 +196,53 @@ def stochastic_round(x_ptr, out_ptr, seg_ptr, n_seg, block_ptr, n_blocks, n, see
     tl.store(out_ptr + offs, round_bf16(x, index, tseed), mask=mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# The classifier's cross-entropy gradient (reference.cross_entropy_grad).
+
+CE_BLOCK = 2048  # columns per loop iteration (it fixes each row's summation order)
+CE_WARPS = 4  # bench/ops.py --sweep: fastest of the block / warp pairs it tries on an H200
+
+
+@triton.jit
+def cross_entropy_rows(L_ptr, G_ptr, t_ptr, lse_ptr, tgt_ptr, max_ptr, min_ptr, stride_l,
+                       stride_g, V, Vp, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    l_row = L_ptr + row * stride_l
+    g_row = G_ptr + row * stride_g
+    cols = tl.arange(0, BLOCK)
+    # pass 1: running max m, sum of exp(x - m) s, min; every block holds a real column. A NaN
+    # logit makes s, hence lse and the loss, NaN.
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    mn = tl.min(tl.full([BLOCK], float("inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    start = 0
+    while start < V:  # a while loop: see sumsq_partials
+        offs = start + cols
+        real = offs < V
+        x = tl.load(l_row + offs, mask=real, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+        mn = tl.minimum(mn, tl.min(tl.where(real, x, float("inf")), axis=0))
+        start += BLOCK
+    lse = m + tl.log(s)
+    t = tl.load(t_ptr + row)
+    keep = t != -1
+    tl.store(lse_ptr + row, lse)
+    tl.store(tgt_ptr + row, tl.load(l_row + tl.maximum(t, 0)).to(tl.float32))
+    tl.store(max_ptr + row, m)
+    tl.store(min_ptr + row, mn)
+    # pass 2: G = keep * (exp(x - lse) - onehot), 0 in the padded columns
+    start = 0
+    while start < Vp:
+        offs = start + cols
+        x = tl.load(l_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(offs == t, 1.0, 0.0)
+        g = tl.where(keep, g, 0.0)
+        tl.store(g_row + offs, g.to(G_ptr.dtype.element_ty), mask=offs < Vp)
+        start += BLOCK
+
+
 def _seed_arg(seed: int) -> int:
     """The 32-bit seed as a signed int32 kernel argument (one compiled type for every seed)."""
     seed &= 0xFFFFFFFF
@@ -238,8 +291,23 @@ def _launch_stochastic_round(wrap, x, out, seg_table, block_table, block, max_pi
         num_warps=max(1, _elementwise_warps(block) // 2))
 
 
+def _launch_cross_entropy_grad(wrap, L, t, vocab_size):
+    L, t = L.contiguous(), t.contiguous()
+    n, vp = L.shape
+    G = torch.empty_like(L)
+    # four tensors, not views of one: a custom op's outputs must not alias each other
+    lse, target, row_max, row_min = (torch.empty(n, dtype=torch.float32, device=L.device)
+                                     for _ in range(4))
+    if n:
+        wrap(cross_entropy_rows)[(n,)](L, G, t, lse, target, row_max, row_min, L.stride(0),
+                                       G.stride(0), vocab_size, vp, BLOCK=CE_BLOCK,
+                                       num_warps=CE_WARPS)
+    return G, lse, target, row_max, row_min
+
+
 # ---------------------------------------------------------------------------------------------
-# torch custom ops: torch.ops.raygpt.{global_norm_squared, adamw_update, stochastic_round_bf16}.
+# torch custom ops: torch.ops.raygpt.{global_norm_squared, adamw_update, stochastic_round_bf16,
+# cross_entropy_grad}.
 # A Segments object cannot cross the op boundary, so its two tables travel as tensors and the
 # per-step scalars as floats.
 
@@ -266,6 +334,13 @@ def _stochastic_round_op(x: torch.Tensor, out: torch.Tensor, seg_table: torch.Te
                          seed: int) -> None:
     _launch_stochastic_round(wrap_triton, x, out, seg_table, block_table, block, max_pieces,
                              seed)
+
+
+@triton_op("raygpt::cross_entropy_grad", mutates_args=())
+def _cross_entropy_grad_op(L: torch.Tensor, t: torch.Tensor, vocab_size: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    return _launch_cross_entropy_grad(wrap_triton, L, t, vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,3 +400,9 @@ def stochastic_round_bf16(x: torch.Tensor, segments: Segments, seed: int, *,
     else:
         _stochastic_round_op(*args)
     return out
+
+
+def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    if _interpreting(L):
+        return _launch_cross_entropy_grad(_identity, L, t, vocab_size)
+    return _cross_entropy_grad_op(L, t, vocab_size)
