@@ -282,13 +282,44 @@ def main():
     counted = counted_flops_per_step(args.depth, args.batch, args.seq)
     peak_flops = promised_flops(dev, "bf16")
 
-    def row(name, times, split, peak, losses, first_s=float("nan")):
+    pct = lambda f: f"{100 * f:5.1f}%" if f else "   n/a"  # noqa: E731
+
+    def header():
+        print(f"\n{dev} | GPT-2 d{args.depth} ({n_params / 1e6:.1f}M) | B={args.batch} "
+              f"T={args.seq} | {tokens} tokens/step | median (and mean) of steps "
+              f"{args.warmup}..{args.steps - 1}"
+              + (" | --split-only: ms/step = fwd+bwd + norm + opt" if args.split_only else ""))
+        print(f"FLOPs per step: raygpt's formula "
+              f"{flops_per_token(n_params, L, C, args.seq) * tokens:.4g}, counted {counted:.4g}"
+              + (f" | CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']} for every "
+                 f"row" if os.environ.get("CUBLAS_WORKSPACE_CONFIG") else ""))
+        print(f"{'':28s} {'tok/s':>8s} {'ms/step':>7s} {'mean':>6s} {'fwd+bwd':>7s} {'norm':>5s} "
+              f"{'opt':>5s} {'other':>5s} {'MFU':>6s} {'counted':>7s} {'GiB':>6s} {'1st s':>5s}",
+              flush=True)
+
+    def show(r):
+        name, tps, ms, mean, s, mfu, mfu_c, peak, _, first, note = r
+        print(f"{name:28s} {tps:8.0f} {ms:7.1f} {mean:6.1f} {s.get('fwd_bwd', float('nan')):7.1f} "
+              f"{s.get('norm', float('nan')):5.2f} {s.get('opt', float('nan')):5.2f} "
+              f"{s.get('other', float('nan')):5.1f} {pct(mfu)} {pct(mfu_c):>7s} {peak:6.2f} "
+              f"{first:5.1f}" + (f"\n{'':28s} {note}" if note else ""), flush=True)
+
+    def row(name, times, split, peak, losses, first_s=float("nan"), summary=None):
+        """One row, printed at once (a run cut short keeps what it measured) and kept for the
+        table at the end. A loop's checkpoint stall happens between steps, outside their dt:
+        it is added to the mean, and said."""
         timed = times[args.warmup:]
         if times and not timed:
             print(f"{name}: only {len(times)} steps recorded, none after --warmup {args.warmup}",
                   flush=True)
         dt = statistics.median(timed) if timed else float("nan")
-        mean = statistics.mean(timed) if timed else float("nan")
+        note = ""
+        stall = (summary or {}).get("checkpoint_stall_s", 0.0)
+        n_ckpt = (summary or {}).get("checkpoints_written", 0)
+        mean = (sum(timed) + stall) / len(timed) if timed else float("nan")
+        if n_ckpt:
+            note = (f"{n_ckpt} checkpoints, {1000 * stall / n_ckpt:.1f} ms stall each (the first "
+                    f"allocates its pinned buffers), in the mean")
         s = {k: statistics.median(v) * 1000 for k, v in split.items() if v} if split else {}
         if args.split_only and s:  # like for like: every row's step is the sum of its parts
             dt = sum(s.values()) / 1000
@@ -298,8 +329,10 @@ def main():
         mfu_counted = counted / dt / peak_flops if peak_flops and dt == dt else None
         first = times[0] if times else first_s
         rows.append((name, tokens / dt, dt * 1000, mean * 1000, s, mfu, mfu_counted, peak,
-                     losses, first))
+                     losses, first, note))
+        show(rows[-1])
 
+    header()
     loader = DistributedDataLoader(cfg.input_bin, args.batch, args.seq, 0, 1)
     torch.cuda.reset_peak_memory_stats()
     b_losses, b_times, b_split, _ = baseline(args, loader)
@@ -308,14 +341,14 @@ def main():
         with variant_settings(spec) as loop_overrides:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            r_losses, r_times = [], []
+            r_losses, r_times, summary = [], [], None
             if not args.split_only:
-                r_losses, r_times, _, _ = raygpt_loop(args, loop_overrides)
+                r_losses, r_times, summary, _ = raygpt_loop(args, loop_overrides)
             loader.reset()
             split, first_s, what = raygpt_split(args, loader)
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"variant {spec}: {what}", flush=True)
-            row(f"raygpt {spec}", r_times, split, peak, r_losses, first_s)
+            row(f"raygpt {spec}", r_times, split, peak, r_losses, first_s, summary)
     if args.ray:
         import ray
         from raygpt.trainer import run
@@ -332,32 +365,21 @@ def main():
         row("raygpt under TorchTrainer", t, None, float("nan"),
             [r["loss"] for r in recs if r["kind"] == "train"])
 
-    print(f"\n{dev} | GPT-2 d{args.depth} ({n_params / 1e6:.1f}M) | B={args.batch} T={args.seq} | "
-          f"{tokens} tokens/step | median (and mean) of steps {args.warmup}..{args.steps - 1}"
-          + (" | --split-only: ms/step = fwd+bwd + norm + opt" if args.split_only else ""))
-    print(f"FLOPs per step: raygpt's formula {flops_per_token(n_params, L, C, args.seq) * tokens:.4g}"
-          f", counted {counted:.4g}"
-          + (f" | CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']} for every row"
-             if os.environ.get("CUBLAS_WORKSPACE_CONFIG") else ""))
-    print(f"{'':28s} {'tok/s':>8s} {'ms/step':>7s} {'mean':>6s} {'fwd+bwd':>7s} {'norm':>5s} "
-          f"{'opt':>5s} {'other':>5s} {'MFU':>6s} {'counted':>7s} {'GiB':>6s} {'1st s':>5s}")
-    pct = lambda f: f"{100 * f:5.1f}%" if f else "   n/a"  # noqa: E731
-    for name, tps, ms, mean, s, mfu, mfu_c, peak, _, first in rows:
-        print(f"{name:28s} {tps:8.0f} {ms:7.1f} {mean:6.1f} {s.get('fwd_bwd', float('nan')):7.1f} "
-              f"{s.get('norm', float('nan')):5.2f} {s.get('opt', float('nan')):5.2f} "
-              f"{s.get('other', float('nan')):5.1f} {pct(mfu)} {pct(mfu_c):>7s} {peak:6.2f} "
-              f"{first:5.1f}")
+    header()
+    for r in rows:
+        show(r)
     base = rows[0][1]
     for name, tps, _, mean, *_ in rows[1:]:
         print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
               f"{mean:.1f} ms")
     # same data, same init: the losses agree within bf16 noise
-    for name, *_, losses, _ in rows:
+    for name, *_, losses, _first, _note in rows:
         if losses:
             print(f"{name:28s} first losses {[round(l, 4) for l in losses[:5]]} | mean of the "
                   f"last 10 {statistics.mean(losses[-10:]):.4f}" + (
                       f" | mean of steps {len(losses) - 50}..{len(losses) - 1} "
                       f"{statistics.mean(losses[-50:]):.4f}" if len(losses) >= 100 else ""))
+
 
 if __name__ == "__main__":
     main()
