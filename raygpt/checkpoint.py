@@ -443,6 +443,46 @@ def write_done(run_dir: RunDir, step: int) -> None:
     run_dir.write_bytes_atomic(f"{step_dir(step)}/{done_file(step)}", b"")
 
 
+# ---------------------------------------------------------------------------------------------
+# Abandoned trajectories. A spike rewind abandons every checkpoint after its target; rank 0
+# deletes them, but one still on its way (reported, not yet finalized by the driver) could be
+# made complete after the deletion. Each trajectory has a token (a new one at every rewind and
+# every attempt), a checkpoint's MANIFEST "extra" carries the token it was saved under, and this
+# file lists the tokens rewinds abandoned, with the step they went back to; the finalizer
+# refuses DONE to a checkpoint past that step on an abandoned trajectory.
+
+ABANDONED = "abandoned_trajectories.json"
+
+
+def read_abandoned_trajectories(run_dir: RunDir) -> list[dict]:
+    """[{"trajectory": token, "to_step": N}, ...] in rewind order; [] when none."""
+    if not run_dir.exists(ABANDONED):
+        return []
+    try:
+        entries = json.loads(run_dir.read_bytes(ABANDONED))
+        if not (isinstance(entries, list) and all(
+                isinstance(e, dict) and isinstance(e.get("trajectory"), str)
+                and isinstance(e.get("to_step"), int) for e in entries)):
+            raise ValueError("expected a list of {trajectory: str, to_step: int}")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{run_dir.uri(ABANDONED)}: {e}") from e
+    return entries
+
+
+def record_abandoned_trajectory(run_dir: RunDir, trajectory: str, to_step: int) -> None:
+    """Add `trajectory`, abandoned back to `to_step`, to the list (rewritten atomically; rank 0
+    only, before it deletes the abandoned checkpoints)."""
+    entries = read_abandoned_trajectories(run_dir)
+    entries.append({"trajectory": trajectory, "to_step": int(to_step)})
+    run_dir.write_bytes_atomic(ABANDONED, json.dumps(entries, indent=1).encode("utf-8"))
+
+
+def abandoned_by(step: int, trajectory: str | None, entries: list[dict]) -> dict | None:
+    """The entry that abandoned checkpoint `step` saved on `trajectory`, or None."""
+    return next((e for e in entries if e["trajectory"] == trajectory and step > e["to_step"]),
+                None)
+
+
 def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameters: int,
                    config_hash: str, tokenizer_hash: str, data_hash: str,
                    config_identity: dict | None = None, extra: dict | None = None) -> dict:

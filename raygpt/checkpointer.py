@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,12 @@ def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dic
     `rank_hashes` are what the ranks hashed while writing; MANIFEST hashes what is actually in
     storage, and the two must agree, so a corrupted upload never becomes a complete checkpoint."""
     sdir = ck.step_dir(step)
+    trajectory = (meta.get("extra") or {}).get("trajectory")
+    hit = ck.abandoned_by(step, trajectory, ck.read_abandoned_trajectories(run_dir))
+    if hit is not None:
+        raise ck.CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
+                                 f"spike rewind abandoned back to step {hit['to_step']}; not "
+                                 f"marking DONE")
     for name, h in rank_hashes.items():
         stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
         if stored != h["size"]:
@@ -124,6 +131,8 @@ class Checkpointer:
         self._pending = None  # (step, stage_dir, thread, result dict)
         self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
         self._host_buffers: dict[str, torch.Tensor] = {}
+        # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
+        self.trajectory = uuid.uuid4().hex
 
     # ------------------------------------------------------------------ policy
     def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
@@ -138,9 +147,9 @@ class Checkpointer:
                 steps.append(s)
         return steps
 
-    def manifest_meta(self, step: int) -> dict:
+    def manifest_meta(self, step: int, trajectory: str | None = None) -> dict:
         c = self.cfg
-        return {
+        meta = {
             "step": step, "world_size": self.world, "num_parameters": self.flat.num_parameters,
             "config_hash": self.fingerprints["config_hash"],
             "tokenizer_hash": self.fingerprints["tokenizer_hash"],
@@ -152,6 +161,9 @@ class Checkpointer:
                           "wsd_decay_start": (wsd_decay_start(self.max_steps)
                                               if c.scheduler == "wsd" else None)},
         }
+        if trajectory is not None:
+            meta["extra"]["trajectory"] = trajectory
+        return meta
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, loader, *, blocking: bool) -> None:
@@ -162,7 +174,7 @@ class Checkpointer:
         stage = self._stage_root / f"{self.run_dir.root.strip('/').replace('/', '_')}-r{self.rank}" / ck.step_dir(state.step)
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
-        result: dict = {}
+        result: dict = {"trajectory": self.trajectory}  # as of the step saved
         if blocking or not self.cfg.async_checkpoint:
             self._write_files(snap, stage, result)
             self._pending = (state.step, stage, None, result)
@@ -247,7 +259,7 @@ class Checkpointer:
             shutil.rmtree(stage, ignore_errors=True)
             raise RuntimeError(f"checkpoint at step {step} failed on rank {self.rank} while "
                                f"writing {stage}: {result['error']!r}") from result["error"]
-        meta = self.manifest_meta(step) if self.rank == 0 else None
+        meta = self.manifest_meta(step, result["trajectory"]) if self.rank == 0 else None
         # store the appended history first (object stores buffer it, see RunDir): the stored
         # loss_history.jsonl is then at least as new as any checkpoint a resume can pick
         self.run_dir.flush()
@@ -370,8 +382,11 @@ class Checkpointer:
         Checkpoints newer than `step` belong to the abandoned trajectory: resuming from one
         would skip the rewind and its skip list, and the re-trained steps will write their own
         checkpoints under the same names. Rank 0 deletes them first, DONE and MANIFEST before
-        the files, so none of them can be taken as complete while it goes."""
+        the files, so none of them can be taken as complete while it goes. It first records
+        this trajectory as abandoned: a checkpoint of it that the driver finalizes later (it
+        was reported before the rewind) is then refused DONE."""
         if self.rank == 0:
+            ck.record_abandoned_trajectory(self.run_dir, self.trajectory, step)
             for s in ck.list_checkpoint_steps(self.run_dir):
                 if s > step:
                     sdir = ck.step_dir(s)
@@ -379,6 +394,7 @@ class Checkpointer:
                         if self.run_dir.exists(f"{sdir}/{name}"):
                             self.run_dir.delete_file(f"{sdir}/{name}")
                     self.run_dir.delete_dir(sdir)
+        self.trajectory = uuid.uuid4().hex
         ledger = state.ledger.state_dict()
         skips = loader.state_dict()["skip_ranges"]
         self.load(step, state, loader)

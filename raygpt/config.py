@@ -164,7 +164,10 @@ class TrainConfig:
     compile: bool | None = None
     """torch.compile the model; default on GPU."""
     deterministic: bool = False
-    """Deterministic kernels (torch.use_deterministic_algorithms) for bitwise-exact resume on GPU."""
+    """PyTorch's deterministic kernels (torch.use_deterministic_algorithms, warn_only) and a
+    fixed cuBLAS workspace, for bitwise-exact resume on GPU. With warn_only, an op that has no
+    deterministic version keeps its default one and PyTorch warns once (on an H200 the cuDNN
+    attention backward does); raygpt's own kernels are deterministic in every mode."""
     seed: int = 1337
     """Seeds init, the data shuffle and stochastic rounding."""
     # fault tolerance

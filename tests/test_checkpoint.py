@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from raygpt.checkpoint import (
-    MANIFEST, MT19937_DTYPE, CheckpointError, WorldSizeMismatch, check_compatible,
+    ABANDONED, MANIFEST, MT19937_DTYPE, abandoned_by, read_abandoned_trajectories,
+    record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
     read_manifest, read_state_file, stage_dir, state_file, step_dir, verify_checkpoint,
     write_done, write_manifest, write_state_file,
@@ -503,3 +504,67 @@ def test_stage_dir_is_private_fresh_and_not_a_checkpoint(tmp_path):
     assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("step_00000040")
     assert (a.stat().st_mode & 0o777) == 0o700
     assert list_checkpoint_steps(open_run_dir(tmp_path / "stage")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Abandoned trajectories: a checkpoint reported before a spike rewind, finalized after it
+
+
+def _upload_without_done(rd: RunDir, step: int, world: int = 2) -> dict:
+    """What Ray has stored once every rank reported: the files, no DONE, no MANIFEST; returns
+    the hashes the ranks computed while writing."""
+    import hashlib
+    d, hashes = step_dir(step), {}
+    files = {model_file(step): os.urandom(256)}
+    files.update({state_file(step, r): state_bytes(rank=r, num_processes=world, step=step)
+                  for r in range(world)})
+    for name, data in files.items():
+        rd.write_bytes_atomic(f"{d}/{name}", data)
+        hashes[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    return hashes
+
+
+def _meta(step: int, trajectory: str) -> dict:
+    return {"step": step, "world_size": 2, "num_parameters": P,
+            "config_hash": TrainConfig().hash(), "tokenizer_hash": "tok", "data_hash": "data",
+            "config_identity": IDENTITY, "extra": {"trajectory": trajectory},
+            "retention": {"keep_last": 0, "keep_every": 0, "wsd_decay_start": None}}
+
+
+def test_a_checkpoint_of_an_abandoned_trajectory_is_refused_done(run_dir):
+    from raygpt.checkpointer import finalize_checkpoint
+
+    make_checkpoint(run_dir, 20)
+    hashes = _upload_without_done(run_dir, 30)  # reported on trajectory "old" before the rewind
+    record_abandoned_trajectory(run_dir, "old", 20)  # the rewind: back to 20
+    with pytest.raises(CheckpointError, match=r"step_00000030.*trajectory old.*back to step 20"):
+        finalize_checkpoint(run_dir, 30, hashes, _meta(30, "old"))
+    assert not run_dir.exists(f"{step_dir(30)}/{done_file(30)}")
+    assert find_latest_verified(run_dir) == 20
+    # the re-trained step 30, on the new trajectory, becomes complete as usual
+    hashes = _upload_without_done(run_dir, 30)
+    finalize_checkpoint(run_dir, 30, hashes, _meta(30, "new"))
+    assert find_latest_verified(run_dir) == 30
+    assert read_manifest(run_dir, 30)["extra"]["trajectory"] == "new"
+
+
+def test_abandoned_trajectories_file_round_trip_and_rules(run_dir):
+    assert read_abandoned_trajectories(run_dir) == []
+    record_abandoned_trajectory(run_dir, "a", 10)
+    record_abandoned_trajectory(run_dir, "b", 40)
+    entries = read_abandoned_trajectories(run_dir)
+    assert entries == [{"trajectory": "a", "to_step": 10}, {"trajectory": "b", "to_step": 40}]
+    assert abandoned_by(20, "a", entries) == entries[0]
+    assert abandoned_by(10, "a", entries) is None   # the rewind's target itself stays valid
+    assert abandoned_by(30, "b", entries) is None   # saved before b's target
+    assert abandoned_by(50, "c", entries) is None   # another trajectory
+    assert abandoned_by(50, None, entries) is None  # a manifest from before trajectories
+
+
+def test_a_corrupt_abandoned_trajectories_file_is_an_error_naming_it(run_dir):
+    run_dir.write_bytes_atomic(ABANDONED, b'[{"trajectory": 3}]')
+    with pytest.raises(CheckpointError, match=r"abandoned_trajectories.json: expected a list"):
+        read_abandoned_trajectories(run_dir)
+    run_dir.write_bytes_atomic(ABANDONED, b"[{")
+    with pytest.raises(CheckpointError, match=r"abandoned_trajectories.json"):
+        read_abandoned_trajectories(run_dir)

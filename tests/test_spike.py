@@ -40,6 +40,12 @@ def test_one_spike_one_rewind_and_its_window_is_skipped_for_good(tmp_path):
     assert set(window) <= {tuple(r) for r in sf.loader_state["skip_ranges"]}
     sf6 = ck.read_state_file(rd.read_bytes("step_00000006/state_00000006_00000.bin"), num_parameters=n)
     assert not sf6.loader_state["skip_ranges"]
+    # the rewind abandoned the trajectory checkpoint 6 was saved on, back to step 6: 6 stays
+    # valid, and the checkpoints after it belong to the new trajectory
+    [abandoned] = ck.read_abandoned_trajectories(rd)
+    assert abandoned["to_step"] == 6
+    assert ck.read_manifest(rd, 6)["extra"]["trajectory"] == abandoned["trajectory"]
+    assert ck.read_manifest(rd, 12)["extra"]["trajectory"] != abandoned["trajectory"]
 
 
 def test_resume_after_a_rewind_keeps_skipping_the_window(tmp_path):
