@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -142,8 +143,20 @@ def train_func(config: dict) -> None:
     cfg = TrainConfig.from_dict(config["cfg"])
     if cfg.device == "cpu":
         torch.set_num_threads(config.get("threads_per_worker", 1))
+    _quiet_report_log()
     summary = train(cfg, RaySession(cfg, config.get("control_name")))
     ray.train.report({"final": True, **summary})
+
+
+def _quiet_report_log() -> None:
+    """Ray Train 2.60 logs every ray.train.report at INFO, the checkpoint's whole manifest
+    metadata included, through a logger named by its source file, which LoggingConfig's
+    "ray.train" level does not reach; the console keeps raygpt's own lines instead."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: its own logging applies
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 class _Backend(_TorchBackend):
