@@ -97,7 +97,11 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
     # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
     with session.run_dir.background_appends(enabled=session.rank == 0):
-        return _train(cfg, session)
+        try:
+            return _train(cfg, session)
+        finally:
+            if GC_FREEZE_AFTER_FIRST_STEP:
+                gc.unfreeze()  # what the loop froze is collectable again once it is over
 
 
 def _train(cfg: TrainConfig, session: Session) -> dict:
