@@ -16,8 +16,8 @@ so that a training step never waits for an fsync or an upload.
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import itertools
 import os
 import queue
