@@ -1,5 +1,5 @@
-"""What a run reports: llm.c's main.log, the append-only loss_history.jsonl, MFU and the console
-line per step.
+"""What a run reports: llm.c's main.log, MFU, the console line per step, and `steps_logged`
+over loss_history.jsonl's records.
 
 main.log (llm.c's llmc/logger.h, one line per call, rank 0 only):
     s:<step> trl:<loss %.4f> lr:<%.6f> norm:<%.2f>     train step
@@ -11,17 +11,15 @@ token of every line as a named stream and plots only trl/tel/eval, so an event l
 its own and is otherwise ignored. Event values: ints and bools as %d, floats as %.4f, None as
 "none", anything else as its str() with each run of whitespace turned into "_" (one token).
 
-loss_history.jsonl: one JSON object per line, appended and fsynced per record, never truncated,
-across restarts and rewinds; a step re-run after a rewind appears again and the later line wins.
+loss_history.jsonl (written by raygpt.history through RunDir): one JSON object per line, never
+truncated, across restarts and rewinds; a step re-run after a rewind appears again and the later
+line wins.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import warnings
 
 from raygpt.storage import RunDir, open_run_dir
 
@@ -102,72 +100,6 @@ def _event_value(value) -> str:
 
 
 # ---------------------------------------------------------------------- loss_history.jsonl
-
-
-def _append_durable(path: str, data: bytes) -> None:
-    """Append bytes and make them durable before returning (open "a", write, flush, fsync)."""
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _ends_torn(path: str) -> bool:
-    """True when the file is non-empty and its last byte is not a newline (a crash mid-append)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return False
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) != b"\n"
-    except FileNotFoundError:
-        return False
-
-
-class LossHistory:
-    """The append-only per-step record of a run (loss_history.jsonl): one JSON object per line.
-
-    `append` never rewrites: when a crash tore the last line, the next append first ends that
-    fragment with a newline, so the fragment stays a line of its own that `read` skips.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def append(self, record: dict) -> None:
-        if not isinstance(record, dict):
-            raise TypeError(f"{self.path}: a loss history record must be a dict, found "
-                            f"{type(record).__name__}")
-        # allow_nan: a NaN loss is a fact worth keeping (Python's json reads NaN back)
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        prefix = "\n" if _ends_torn(self.path) else ""
-        _append_durable(self.path, (prefix + line).encode("utf-8"))
-
-    def read(self) -> list[dict]:
-        """Every complete record in file order; [] when the file does not exist. A line that does
-        not parse (a torn append) is skipped with a warning naming the file and line."""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        records = []
-        for lineno, raw in enumerate(data.split(b"\n"), start=1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                rec, why = None, str(e)
-            else:
-                why = f"expected a JSON object, found {type(rec).__name__}"
-            if not isinstance(rec, dict):
-                warnings.warn(f"{self.path}: line {lineno} is not a complete record (a write torn "
-                              f"by a crash?): {why}; skipping it", RuntimeWarning, stacklevel=2)
-                continue
-            records.append(rec)
-        return records
 
 
 def steps_logged(records: list[dict]) -> dict[int, float]:

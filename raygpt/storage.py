@@ -75,6 +75,7 @@ class RunDir:
         if self._appends is not None:  # flush what is buffered when this RunDir goes away
             weakref.finalize(self, self._appends.close_quietly)
         self._writer: _Writer | None = None  # set while appends run in the background
+        self._line_checked: set[str] = set()  # files whose last line this RunDir has checked
 
     def __repr__(self) -> str:
         return f"RunDir({self.uri()})"
@@ -188,16 +189,23 @@ class RunDir:
         write_local_atomic(self.local_path(rel), [data])
 
     def append_text(self, rel: str, text: str) -> None:
-        """Append `text` (UTF-8). Local: append + flush + fsync, durable on return. Object
-        stores: appended to the local mirror, stored by the next due upload or `flush()` (see
-        the class docstring). In the background (`background_appends`): queued, done in order
-        by the writer thread. One process (rank 0) owns the appends to a file."""
+        """Append `text` (UTF-8), whole lines. Local: append + flush + fsync, durable on return.
+        Object stores: appended to the local mirror, stored by the next due upload or `flush()`
+        (see the class docstring). In the background (`background_appends`): queued, done in
+        order by the writer thread. One process (rank 0) owns the appends to a file. Nothing is
+        ever rewritten: when a crash tore a file's last line, this RunDir's first append to it
+        starts with a newline, so the fragment stays a line of its own (readers skip it) and
+        the new line is whole."""
         if self._writer is not None:
             self._writer.put(self._append_now, rel, text)
         else:
             self._append_now(rel, text)
 
     def _append_now(self, rel: str, text: str) -> None:
+        if rel not in self._line_checked:  # once per file: a crash may have torn its last line
+            self._line_checked.add(rel)
+            if self._ends_torn(rel):
+                text = "\n" + text  # the fragment stays a line of its own, which readers skip
         if self.is_local:
             target = self.local_path(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +215,27 @@ class RunDir:
                 os.fsync(f.fileno())
             return
         self._appends.append(self.path(rel), text.encode("utf-8"))
+
+    def _ends_torn(self, rel: str) -> bool:
+        """True when the file is non-empty and its last byte is not a newline."""
+        if self.is_local:
+            try:
+                with open(self.local_path(rel), "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    if f.tell() == 0:
+                        return False
+                    f.seek(-1, os.SEEK_END)
+                    return f.read(1) != b"\n"
+            except FileNotFoundError:
+                return False
+        if self._mirror(rel) is not None:
+            return False  # continued from what this process already checked or wrote
+        info = self._info(rel)
+        if info.type != pafs.FileType.File or info.size == 0:
+            return False
+        with self.fs.open_input_file(self.path(rel)) as f:
+            f.seek(info.size - 1)
+            return f.read(1) != b"\n"
 
     @contextlib.contextmanager
     def background_appends(self, enabled: bool = True):

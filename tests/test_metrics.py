@@ -1,11 +1,10 @@
 """main.log lines, loss_history.jsonl durability and torn-line tolerance, MFU arithmetic and the
 console line."""
 
-import math
 
 import pytest
 
-from raygpt.metrics import (PROMISED_TFLOPS, Logger, LossHistory, estimate_mfu, flops_per_token,
+from raygpt.metrics import (PROMISED_TFLOPS, Logger, estimate_mfu, flops_per_token,
                             format_event, format_step_line, promised_flops, steps_logged)
 
 # ---------------------------------------------------------------------- Logger
@@ -93,39 +92,7 @@ def test_each_call_leaves_the_file_complete(tmp_path):
     assert (tmp_path / "main.log").read_bytes() == b"s:1 trl:3.0000 lr:0.001000 norm:0.50\n"
 
 
-# ---------------------------------------------------------------------- LossHistory
-
-
-def test_loss_history_append_and_read(tmp_path):
-    path = tmp_path / "loss_history.jsonl"
-    h = LossHistory(str(path))
-    assert h.read() == []
-    h.append({"step": 0, "loss": 10.5, "lr": 1e-4})
-    h.append({"step": 1, "loss": 10.25, "verdict": "skip"})
-    assert h.read() == [{"step": 0, "loss": 10.5, "lr": 1e-4},
-                        {"step": 1, "loss": 10.25, "verdict": "skip"}]
-    assert path.read_text().count("\n") == 2
-    h2 = LossHistory(str(path))  # a restarted process appends, never truncates
-    h2.append({"step": 2, "loss": float("nan")})
-    recs = h2.read()
-    assert len(recs) == 3 and math.isnan(recs[2]["loss"])
-
-
-def test_torn_final_line_is_skipped_with_a_warning_and_left_in_place(tmp_path):
-    path = tmp_path / "loss_history.jsonl"
-    h = LossHistory(str(path))
-    h.append({"step": 0, "loss": 3.0})
-    with open(path, "a") as f:  # a crash in the middle of a write
-        f.write('{"step": 1, "lo')
-    before = path.read_bytes()
-    with pytest.warns(RuntimeWarning, match="line 2"):
-        assert h.read() == [{"step": 0, "loss": 3.0}]
-    assert path.read_bytes() == before  # reading never rewrites the file
-    # the next append (after the restart) ends the fragment first, so both records survive
-    h.append({"step": 1, "loss": 2.9})
-    assert path.read_bytes().startswith(before)
-    with pytest.warns(RuntimeWarning):
-        assert h.read() == [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.9}]
+# ---------------------------------------------------------------------- steps_logged
 
 
 def test_steps_logged_keeps_the_latest_attempt():

@@ -373,3 +373,26 @@ def test_background_appends_disabled_is_a_no_op(run_dir: RunDir):
         assert run_dir._writer is None
         run_dir.append_text("h", "1\n")
     assert run_dir.read_bytes("h") == b"1\n"
+
+
+def test_a_torn_last_line_is_ended_before_the_first_append(run_dir: RunDir):
+    """A crash tore the file's last line: the next process's first append starts with a newline,
+    so the fragment is a line of its own (readers skip it) and nothing is rewritten."""
+    run_dir.write_bytes_atomic("loss_history.jsonl", b'{"step":0}\n{"step":1,"lo')
+    fresh = RunDir(run_dir.fs, run_dir.root)  # the restarted process
+    with fresh.background_appends():
+        fresh.append_text("loss_history.jsonl", '{"step":1}\n')
+        fresh.append_text("loss_history.jsonl", '{"step":2}\n')
+    fresh.close()
+    data = RunDir(run_dir.fs, run_dir.root).read_bytes("loss_history.jsonl")
+    assert data == b'{"step":0}\n{"step":1,"lo\n{"step":1}\n{"step":2}\n'
+    from raygpt.history import parse_jsonl
+    assert [r["step"] for r in parse_jsonl(data, "loss_history.jsonl")] == [0, 1, 2]
+
+
+def test_a_whole_last_line_gets_no_extra_newline(run_dir: RunDir):
+    run_dir.write_bytes_atomic("h.jsonl", b"a\n")
+    fresh = RunDir(run_dir.fs, run_dir.root)
+    fresh.append_text("h.jsonl", "b\n")
+    fresh.close()
+    assert RunDir(run_dir.fs, run_dir.root).read_bytes("h.jsonl") == b"a\nb\n"
