@@ -35,6 +35,7 @@ from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint
 from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
 from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
+from raygpt.outlier import rewind_target
 from raygpt.schedule import wsd_decay_start
 from raygpt.state import TrainState
 from raygpt.storage import RunDir
@@ -116,6 +117,30 @@ class _HashingWriter(io.RawIOBase):
         return self.f.write(b)
 
 
+# How long a rewind waits for the driver to complete a checkpoint this attempt reported.
+REWIND_WAIT_S = 120.0
+
+
+def choose_rewind_target(published, verified_steps, spike_start: int, safety_steps: int,
+                         wait_s: float, *, clock=time.monotonic, sleep=time.sleep) -> int | None:
+    """The newest verified checkpoint a rewind may go back to (outlier.rewind_target over
+    `verified_steps()`). Under Ray a reported checkpoint becomes verified only once the driver
+    has written its DONE and MANIFEST, a moment after the report: when `published` (the steps
+    this attempt reported) holds a newer eligible step than the newest verified one, wait for it
+    up to `wait_s` rather than go back further than needed, then settle for what is verified."""
+    wanted = rewind_target(published, spike_start, safety_steps)
+    deadline = clock() + wait_s
+    while True:
+        target = rewind_target(verified_steps(), spike_start, safety_steps)
+        if wanted is None or (target is not None and target >= wanted):
+            return target
+        if clock() > deadline:
+            print(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed within "
+                  f"{wait_s:.0f} s; rewinding to {target} instead", flush=True)
+            return target
+        sleep(0.1)
+
+
 class Checkpointer:
     def __init__(self, cfg: TrainConfig, session, flat: FlatParameters, opt: AdamW,
                  model_config: GPTConfig, max_steps: int):
@@ -129,6 +154,7 @@ class Checkpointer:
         self.write_seconds: list[float] = []  # background serialisation, per checkpoint
         self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
+        self.published: list[int] = []  # steps this attempt reported, on the live trajectory
         self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
         self._host_buffers: dict[str, torch.Tensor] = {}
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
@@ -139,6 +165,14 @@ class Checkpointer:
         if step == 0 or step == resumed_from:
             return False
         return last_step or (self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0)
+
+    def rewind_target(self, spike_start: int, safety_steps: int,
+                      wait_s: float = REWIND_WAIT_S) -> int | None:
+        """Where a rewind goes back to: `choose_rewind_target` over this attempt's published
+        steps and the run directory's verified ones. Rank 0's answer is the one the loop uses
+        (it broadcasts it)."""
+        return choose_rewind_target(self.published, self.verified_steps, spike_start,
+                                    safety_steps, wait_s)
 
     def verified_steps(self) -> list[int]:
         steps = []
@@ -265,6 +299,7 @@ class Checkpointer:
         self.run_dir.flush()
         self.session.report_checkpoint({**metrics, "checkpoint_step": step}, str(stage),
                                        ck.step_dir(step), result["hashes"], meta)
+        self.published.append(step)
 
     def wait_and_publish(self, metrics: dict | None = None) -> None:
         if self._pending is not None:
@@ -395,6 +430,7 @@ class Checkpointer:
                             self.run_dir.delete_file(f"{sdir}/{name}")
                     self.run_dir.delete_dir(sdir)
         self.trajectory = uuid.uuid4().hex
+        self.published = [s for s in self.published if s <= step]
         ledger = state.ledger.state_dict()
         skips = loader.state_dict()["skip_ranges"]
         self.load(step, state, loader)

@@ -32,7 +32,6 @@ from raygpt.history import RunHistory
 from raygpt.metrics import Logger, estimate_mfu, format_step_line
 from raygpt.model import GPT, GPTConfig, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.outlier import rewind_target
 from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
@@ -57,6 +56,15 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
     else:
         model = load_model_file(cfg.model)
     return model.to(device)
+
+
+def broadcast_step(step: int | None, world: int, device: torch.device) -> int | None:
+    """Rank 0's step (None: no step) on every rank."""
+    if world == 1:
+        return step
+    t = torch.tensor([-1 if step is None else step], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return None if int(t.item()) < 0 else int(t.item())
 
 
 def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -322,7 +330,10 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
     ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
     window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
     spike_start = verdict.spike_start if verdict.spike_start is not None else step
-    target = rewind_target(ckpt.verified_steps(), spike_start, cfg.spike.safety_steps)
+    # every rank must go back to the same checkpoint, and the driver may complete checkpoints
+    # at different moments as seen from each rank: rank 0 chooses, the others follow
+    target = broadcast_step(ckpt.rewind_target(spike_start, cfg.spike.safety_steps)
+                            if ckpt.rank == 0 else None, ckpt.world, ckpt.flat.params.device)
     lr_scale, escalation = state.ledger.record_rewind(spike_start, step, window, cfg.spike)
     if verdict.kind == "escalate" and escalation is None:
         escalation = verdict.reason

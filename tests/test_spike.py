@@ -73,3 +73,40 @@ def test_a_region_that_spikes_again_lowers_lr_scale_then_escalates(tmp_path):
 def test_without_the_monitor_a_nan_step_is_skipped_not_rewound(tmp_path):
     summary = run_local(tiny_config(tmp_path, max_steps=8, fault="nan:rank=0,step=5"))
     assert summary["rewinds"] == 0 and summary["skips"] == 1
+
+
+# ---------------------------------------------------------------------- the rewind's target
+
+
+class FakeClock:
+    """time for choose_rewind_target: sleep advances it, and the driver's DONE for a reported
+    step lands when the clock passes the given time."""
+
+    def __init__(self, verified, lands_at=None):
+        self.now, self.verified, self.lands_at = 0.0, list(verified), dict(lands_at or {})
+
+    def sleep(self, s):
+        self.now += s
+
+    def verified_steps(self):
+        return self.verified + [s for s, t in self.lands_at.items() if self.now >= t]
+
+
+def test_a_rewind_waits_for_a_reported_checkpoint_the_driver_has_not_completed_yet():
+    from raygpt.checkpointer import choose_rewind_target
+    c = FakeClock([2, 4], lands_at={6: 0.35})  # 6 was reported, its DONE is on its way
+    assert choose_rewind_target([2, 4, 6], c.verified_steps, 7, 1, wait_s=60,
+                                clock=lambda: c.now, sleep=c.sleep) == 6
+    assert 0.35 <= c.now < 1.0
+
+
+def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(capsys):
+    from raygpt.checkpointer import choose_rewind_target
+    c = FakeClock([2, 4])
+    assert choose_rewind_target([2, 4, 6], c.verified_steps, 7, 1, wait_s=5,
+                                clock=lambda: c.now, sleep=c.sleep) == 4
+    assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().out
+    # nothing newer reported than what is verified: no wait at all
+    c = FakeClock([2, 4])
+    assert choose_rewind_target([2, 4], c.verified_steps, 7, 1, wait_s=5,
+                                clock=lambda: c.now, sleep=c.sleep) == 4 and c.now == 0
