@@ -121,24 +121,26 @@ class _HashingWriter(io.RawIOBase):
 REWIND_WAIT_S = 120.0
 
 
-def choose_rewind_target(published, verified_steps, spike_start: int, safety_steps: int,
-                         wait_s: float, *, clock=time.monotonic, sleep=time.sleep) -> int | None:
+def choose_rewind_target(published, verified_steps, completed, spike_start: int,
+                         safety_steps: int, wait_s: float, *, clock=time.monotonic,
+                         sleep=time.sleep) -> int | None:
     """The newest verified checkpoint a rewind may go back to (outlier.rewind_target over
     `verified_steps()`). Under Ray a reported checkpoint becomes verified only once the driver
     has written its DONE and MANIFEST, a moment after the report: when `published` (the steps
-    this attempt reported) holds a newer eligible step than the newest verified one, wait for it
-    up to `wait_s` rather than go back further than needed, then settle for what is verified."""
+    this attempt reported) holds an eligible step, wait up to `wait_s` until `completed(step)`
+    (a cheap look for DONE and MANIFEST, not a verification, which hashes every file), then
+    verify once and settle for what is verified."""
     wanted = rewind_target(published, spike_start, safety_steps)
-    deadline = clock() + wait_s
-    while True:
-        target = rewind_target(verified_steps(), spike_start, safety_steps)
-        if wanted is None or (target is not None and target >= wanted):
-            return target
-        if clock() > deadline:
-            print(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed within "
-                  f"{wait_s:.0f} s; rewinding to {target} instead", flush=True)
-            return target
-        sleep(0.1)
+    if wanted is not None:
+        deadline = clock() + wait_s
+        while not completed(wanted):
+            if clock() > deadline:
+                print(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed "
+                      f"within {wait_s:.0f} s; rewinding to the newest verified one",
+                      flush=True)
+                break
+            sleep(0.1)
+    return rewind_target(verified_steps(), spike_start, safety_steps)
 
 
 class Checkpointer:
@@ -171,7 +173,12 @@ class Checkpointer:
         """Where a rewind goes back to: `choose_rewind_target` over this attempt's published
         steps and the run directory's verified ones. Rank 0's answer is the one the loop uses
         (it broadcasts it)."""
-        return choose_rewind_target(self.published, self.verified_steps, spike_start,
+        def completed(step: int) -> bool:
+            d = ck.step_dir(step)
+            return (self.run_dir.exists(f"{d}/{ck.done_file(step)}")
+                    and self.run_dir.exists(f"{d}/{ck.MANIFEST}"))
+
+        return choose_rewind_target(self.published, self.verified_steps, completed, spike_start,
                                     safety_steps, wait_s)
 
     def verified_steps(self) -> list[int]:

@@ -91,11 +91,14 @@ class FakeClock:
     def verified_steps(self):
         return self.verified + [s for s, t in self.lands_at.items() if self.now >= t]
 
+    def completed(self, step):
+        return step in self.verified_steps()
+
 
 def test_a_rewind_waits_for_a_reported_checkpoint_the_driver_has_not_completed_yet():
     from raygpt.checkpointer import choose_rewind_target
     c = FakeClock([2, 4], lands_at={6: 0.35})  # 6 was reported, its DONE is on its way
-    assert choose_rewind_target([2, 4, 6], c.verified_steps, 7, 1, wait_s=60,
+    assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=60,
                                 clock=lambda: c.now, sleep=c.sleep) == 6
     assert 0.35 <= c.now < 1.0
 
@@ -103,10 +106,10 @@ def test_a_rewind_waits_for_a_reported_checkpoint_the_driver_has_not_completed_y
 def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(capsys):
     from raygpt.checkpointer import choose_rewind_target
     c = FakeClock([2, 4])
-    assert choose_rewind_target([2, 4, 6], c.verified_steps, 7, 1, wait_s=5,
+    assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4
     assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().out
     # nothing newer reported than what is verified: no wait at all
     c = FakeClock([2, 4])
-    assert choose_rewind_target([2, 4], c.verified_steps, 7, 1, wait_s=5,
+    assert choose_rewind_target([2, 4], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4 and c.now == 0
