@@ -23,10 +23,10 @@ import time
 import torch
 
 import raygpt.loop
-from raygpt.config import TrainConfig
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
+from throughput import loop_config  # bench/ is this script's directory
 
 
 class ProfiledSession(LocalSession):
@@ -113,11 +113,7 @@ def main():
     if args.no_gc_freeze:
         raygpt.loop.GC_FREEZE_AFTER_FIRST_STEP = False
     run_dir = tempfile.mkdtemp(prefix="raygpt-profile-")
-    cfg = TrainConfig(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,
-                      max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
-                      output_dir=run_dir, device="cpu" if args.cpu else "gpu", num_workers=1, shuffle=False,
-                      warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0,
-                      scheduler="constant", compile=not args.cpu).resolve(1)
+    cfg = loop_config(args, run_dir, {"device": "cpu", "compile": False} if args.cpu else None)
     wait = args.steps - args.active - 4
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],

@@ -176,6 +176,17 @@ def baseline(args, loader):
     return losses, times, split, model
 
 
+def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfig:
+    """The loop's config for a bench run: the bench's model and batch, a constant LR, no
+    validation, samples or checkpoints unless `overrides` say so (bench/profile_step.py too)."""
+    fields = dict(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,
+                  max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
+                  output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
+                  warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
+                  compile=True)
+    return TrainConfig(**{**fields, **(overrides or {})}).resolve(1)
+
+
 def raygpt_loop(args, cfg_overrides=None):
     """The real loop: returns per-step (loss, dt) from its loss history."""
     from raygpt.loop import train
@@ -183,12 +194,7 @@ def raygpt_loop(args, cfg_overrides=None):
     from raygpt.storage import open_run_dir
 
     run_dir = tempfile.mkdtemp(prefix="raygpt-bench-")
-    fields = dict(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,
-                  max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
-                  output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
-                  warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
-                  compile=True)
-    cfg = TrainConfig(**{**fields, **(cfg_overrides or {})}).resolve(1)
+    cfg = loop_config(args, run_dir, cfg_overrides)
     summary = train(cfg, LocalSession(open_run_dir(run_dir), torch.device("cuda")))
     recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["kind"] == "train"]
