@@ -320,12 +320,15 @@ def main():
                   flush=True)
         dt = statistics.median(timed) if timed else float("nan")
         note = ""
-        stall = (summary or {}).get("checkpoint_stall_s", 0.0)
-        n_ckpt = (summary or {}).get("checkpoints_written", 0)
+        # a checkpoint at step s is taken before step s trains: between timed steps s-1 and s
+        # when warmup < s < len(times); the loop's save after its last step is outside them
+        stalls = [sec for step, sec in (summary or {}).get("checkpoint_stalls", [])
+                  if args.warmup < step < len(times)]
+        stall = sum(stalls)
         mean = (sum(timed) + stall) / len(timed) if timed else float("nan")
-        if n_ckpt:
-            note = (f"{n_ckpt} checkpoints, {1000 * stall / n_ckpt:.1f} ms stall each (the first "
-                    f"allocates its pinned buffers), in the mean")
+        if stalls:
+            note = (f"{len(stalls)} checkpoints within the timed steps, "
+                    f"{', '.join(f'{1000 * s:.1f}' for s in stalls)} ms stall, in the mean")
         s = {k: statistics.median(v) * 1000 for k, v in split.items() if v} if split else {}
         if args.split_only and s:  # like for like: every row's step is the sum of its parts
             dt = sum(s.values()) / 1000

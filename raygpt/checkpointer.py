@@ -152,7 +152,7 @@ class Checkpointer:
         self.rank, self.world = session.rank, session.world
         self.max_steps = max_steps
         self.fingerprints = run_fingerprints(cfg)
-        self.stall_seconds = 0.0   # training time lost to host copies
+        self.stalls: list[tuple[int, float]] = []  # (step, training time lost to host copies)
         self.write_seconds: list[float] = []  # background serialisation, per checkpoint
         self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
@@ -163,6 +163,10 @@ class Checkpointer:
         self.trajectory = uuid.uuid4().hex
 
     # ------------------------------------------------------------------ policy
+    @property
+    def stall_seconds(self) -> float:
+        return sum(s for _, s in self.stalls)
+
     def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
         if step == 0 or step == resumed_from:
             return False
@@ -211,7 +215,7 @@ class Checkpointer:
         self.wait_and_publish()  # at most one checkpoint in flight
         t0 = time.perf_counter()
         snap = self._host_snapshot(state, loader)
-        self.stall_seconds += time.perf_counter() - t0
+        self.stalls.append((state.step, time.perf_counter() - t0))
         stage = self._stage_root / f"{self.run_dir.root.strip('/').replace('/', '_')}-r{self.rank}" / ck.step_dir(state.step)
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)

@@ -22,6 +22,7 @@ ranks: a run can resume on a different world size and see the same global sample
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import os
@@ -199,6 +200,16 @@ def samples_to_ranges(samples) -> list[tuple[int, int, int]]:
 
 # ---------------------------------------------------------------------------- the loader
 
+@dataclasses.dataclass(frozen=True)
+class _Prefetched:
+    """A batch prepared ahead by `DistributedDataLoader.prefetch`, valid at cursor `key` only."""
+    key: tuple
+    device: object
+    cursor_after: tuple
+    samples: np.ndarray
+    batch: tuple
+
+
 _STATE_KEYS = ("epoch", "shard_pos", "sample_pos", "should_shuffle", "shard_indices",
                "shard_num_samples", "intra_shard_indices", "shuffle_rng", "skip_ranges", "seed",
                "num_shards")
@@ -239,6 +250,8 @@ class DistributedDataLoader:
         self._tokens: dict[int, np.ndarray] = {}  # shard id -> memmap, opened lazily
 
         self._skip: list[tuple[int, int, int]] = []
+        self._skip_version = 0
+        self._prefetched: _Prefetched | None = None
         self._skip_mask: dict[int, np.ndarray] = {}  # shard id -> bool[num_samples], True = skip
         self.last_global_samples = np.zeros((0, 2), dtype=np.int64)
         self.reset()
@@ -316,10 +329,33 @@ class DistributedDataLoader:
         """Consume the next global micro-batch (world*B samples); return this rank's (x, y),
         (B, T) int64 each, on `device` (default: the CPU). For a CUDA device the (B, T+1)
         window is gathered straight into page-locked memory and sent in one asynchronous copy,
-        so the host never waits for the GPU here (the loop's step stays free of syncs)."""
-        B, T = self.B, self.T
-        samples = self._take_global_samples(self.world * B)
+        so the host never waits for the GPU here (the loop's step stays free of syncs). If
+        `prefetch(device)` prepared exactly this batch, it is handed out without more work."""
+        ready, self._prefetched = self._prefetched, None
+        if ready is not None and ready.key == self._cursor_key() and ready.device == device:
+            self._restore_cursor(ready.cursor_after)
+            samples, batch = ready.samples, ready.batch
+        else:
+            samples = self._take_global_samples(self.world * self.B)
+            batch = self._gather(samples, device)
         self.last_global_samples = samples
+        return batch
+
+    def prefetch(self, device: torch.device | str | None = None) -> None:
+        """Prepare the batch the next `next_batch(device)` will return (the host's gather and the
+        copy to `device` are started now) without consuming it: the cursor, `state_dict()` and
+        `last_global_samples` are unchanged. The loop calls this while the GPU runs the
+        backward pass, so the gather is off the step's critical path. A later change of
+        position or skip list (a resume, a rewind) makes the prepared batch stale; it is then
+        dropped and the batch built afresh."""
+        key, before = self._cursor_key(), self._save_cursor()
+        samples = self._take_global_samples(self.world * self.B)
+        after = self._save_cursor()
+        self._restore_cursor(before)
+        self._prefetched = _Prefetched(key, device, after, samples, self._gather(samples, device))
+
+    def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.B, self.T
         mine = samples[self.rank * B:(self.rank + 1) * B]
         to_cuda = device is not None and torch.device(device).type == "cuda"
         # the caching host allocator does not hand this block out again before the copy is done
@@ -334,6 +370,19 @@ class DistributedDataLoader:
         if device is not None:
             data = data.to(device, non_blocking=to_cuda)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    # What fixes the next samples: the position in the stream and the skip list (the orders are
+    # functions of seed, epoch and shard). The skip list is versioned, as it is replaced whole.
+    def _cursor_key(self) -> tuple:
+        return (self.epoch, self.shard_pos, self.sample_pos, self._skip_version)
+
+    def _save_cursor(self) -> tuple:
+        return (self.epoch, self.shard_pos, self.sample_pos, self.shard_indices,
+                self.intra_shard_indices, self.shuffle_rng)
+
+    def _restore_cursor(self, saved: tuple) -> None:
+        (self.epoch, self.shard_pos, self.sample_pos, self.shard_indices,
+         self.intra_shard_indices, self.shuffle_rng) = saved
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         tokens = self._tokens.get(shard)
@@ -377,6 +426,7 @@ class DistributedDataLoader:
                              f"{self.pattern!r}, expected at least world*B = {self.world}*{self.B} "
                              f"= {need}")
         self._skip, self._skip_mask = merged, masks
+        self._skip_version += 1
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

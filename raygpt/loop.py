@@ -207,6 +207,8 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
             # token-weighted mean over the whole window and all ranks (grads are SUM-reduced)
             ((loss_sum + z_sum) / tokens_per_step).backward()
             loss_acc += loss_sum.detach()
+            # the next micro-batch's gather and copy, while the GPU runs this backward pass
+            train_loader.prefetch(device)
         opt.reduce_gradients()
         norm_sq = opt.grad_norm_squared()  # this rank's shard; all of it without ZeRO
 
@@ -247,9 +249,9 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
             logger.log_event(step, "skip", reason=verdict.reason)
             history.event(step, "skip", reason=verdict.reason, loss=loss, norm=norm,
                           loss_z=verdict.loss_z)
-        # no sync here: the optimizer kernels overlap the host's logging and the next step's data
-        # loading; in steady state dt (start to start, the host waits in the one sync above) is
-        # the step time
+        # no sync here: the optimizer kernels overlap the host's logging and the next step's
+        # launch (its batch was prefetched during this backward); in steady state dt (start to
+        # start, the host waits in the one sync above) is the step time
         dt = time.perf_counter() - t0
         state.step = step + 1
         state.tokens_seen += tokens_per_step
@@ -298,9 +300,13 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
     summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
                "stopped_early": state.step < max_steps, "skips": state.skips,
                "rewinds": state.ledger.rewinds, "elapsed_s": elapsed,
-               "checkpoint_stall_s": ckpt.stall_seconds, "checkpoints_written": len(ckpt.write_seconds),
+               "checkpoint_stall_s": ckpt.stall_seconds, "checkpoint_stalls": ckpt.stalls,
+               "checkpoints_written": len(ckpt.write_seconds),
                "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
-               "attempt": attempt}
+               "attempt": attempt,
+               # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
+               "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                                   if device.type == "cuda" else None)}
     history.end(summary)
     if is_main:
         how = "stopped by signal; resume with -y 1" if summary["stopped_early"] else "done"

@@ -442,3 +442,68 @@ def test_next_batch_to_a_device_is_the_same_batch(tmp_path):
         assert xb.is_contiguous() and yb.is_contiguous() and xb.dtype == torch.int64
         assert torch.equal(xa[:, 1:], ya[:, :-1])
     assert pickle.dumps(a.state_dict()) == pickle.dumps(b.state_dict())
+
+
+# ------------------------------------------------------------------------ prefetch
+
+def test_prefetch_hands_out_the_batches_next_batch_would(tmp_path, monkeypatch):
+    """Prefetching before every next_batch (as the loop does) changes nothing a reader can see:
+    the same batches, samples and states as a loader that never prefetches, across shard and
+    epoch boundaries and a skip list, on every rank; and the prepared batch is really used."""
+    pattern = make_shards(tmp_path, SIZES)
+    plain = [DistributedDataLoader(pattern, 2, 4, r, 2, shuffle=True) for r in range(2)]
+    ahead = [DistributedDataLoader(pattern, 2, 4, r, 2, shuffle=True) for r in range(2)]
+    for ld in plain + ahead:
+        ld.add_skip_ranges([(1, 2, 5)])
+    gathers = []
+    real_gather = DistributedDataLoader._gather
+    monkeypatch.setattr(DistributedDataLoader, "_gather",
+                        lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    for ld in ahead:
+        ld.prefetch("cpu")
+    for _ in range(20):  # 2.5 epochs of 8 batches
+        for p, a in zip(plain, ahead):
+            before = pickle.dumps(a.state_dict())
+            a.prefetch("cpu")  # again at the same cursor: replaces the prepared batch
+            assert pickle.dumps(a.state_dict()) == before  # prefetch consumes nothing
+            xp, yp = p.next_batch("cpu")
+            n = len(gathers)
+            xa, ya = a.next_batch("cpu")
+            assert len(gathers) == n, "next_batch rebuilt a batch that prefetch had prepared"
+            assert torch.equal(xp, xa) and torch.equal(yp, ya)
+            assert np.array_equal(p.last_global_samples, a.last_global_samples)
+            assert pickle.dumps(p.state_dict()) == pickle.dumps(a.state_dict())
+            a.prefetch("cpu")
+
+
+def test_a_prefetched_batch_goes_stale_when_the_cursor_or_skip_list_moves(tmp_path):
+    """A resume (load_state_dict), a rewind's skip ranges and a reset each invalidate the prepared
+    batch: next_batch then serves what the new position and skip list say."""
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True)
+    ref = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True)
+    for _ in range(3):
+        ld.next_batch(), ref.next_batch()
+    saved = ld.state_dict()
+    ld.next_batch(), ref.next_batch()
+
+    ld.prefetch("cpu")
+    ld.load_state_dict(saved)  # back one batch
+    ref.load_state_dict(saved)
+    assert torch.equal(ld.next_batch("cpu")[0], ref.next_batch()[0])
+
+    ld.prefetch("cpu")
+    window = samples_to_ranges(ref.last_global_samples)  # skip what was just served ...
+    ref.load_state_dict(saved)
+    ld.load_state_dict(saved)
+    ld.prefetch("cpu")  # ... prepared at the old skip list
+    ld.add_skip_ranges(window), ref.add_skip_ranges(window)
+    x, _ = ld.next_batch("cpu")
+    assert torch.equal(x, ref.next_batch()[0])
+    assert not set(map(tuple, ld.last_global_samples)) & set(
+        (s, i) for s, a, b in window for i in range(a, b))
+
+    ld.prefetch("cpu")
+    ld.reset(), ref.reset()
+    assert torch.equal(ld.next_batch("cpu")[0], ref.next_batch()[0])
+    assert ld.state_dict()["sample_pos"] == ref.state_dict()["sample_pos"]
