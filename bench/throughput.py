@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+import raygpt.loop
 import raygpt.model
 from raygpt.config import TrainConfig
 from raygpt.data import DistributedDataLoader
@@ -75,14 +76,16 @@ VARIANT_TOKENS = {
     "torchce": "the fused loss's softmax gradient as PyTorch ops (Inductor's kernel), not raygpt.ops",
     "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace)",
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
+    "noprefetch": "the loop builds each batch after the step's sync (raygpt.loop.PREFETCH_BATCHES off)",
 }
 WITH_ARG = {"fused", "ckpt"}
 
 
 def parse_variant(spec: str) -> tuple[dict, dict, dict]:
-    """'fused@8192+cudnn+det' -> (raygpt.model module defaults, Inductor config, TrainConfig
-    overrides for the loop) for that run."""
+    """'fused@8192+cudnn+det' -> (module switches {(module, name): value} of raygpt.model and
+    raygpt.loop, Inductor config, TrainConfig overrides for the loop) for that run."""
     model, inductor, loop = {}, {}, {}
+    m = raygpt.model
     for token in spec.split("+"):
         name, _, arg = token.partition("@")
         if (name not in VARIANT_TOKENS or (arg and name not in WITH_ARG)
@@ -90,48 +93,51 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             raise SystemExit(f"--variants: unknown token {token!r} in {spec!r}; expected "
                              f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N), joined by '+'")
         if name == "ref":
-            model["DEFAULT_LOSS_IMPL"] = "reference"
+            model[m, "DEFAULT_LOSS_IMPL"] = "reference"
         elif name == "fused":
-            model["DEFAULT_LOSS_IMPL"] = "fused"
+            model[m, "DEFAULT_LOSS_IMPL"] = "fused"
             if arg:
-                model["DEFAULT_CE_CHUNK_ROWS"] = int(arg)
+                model[m, "DEFAULT_CE_CHUNK_ROWS"] = int(arg)
         elif name == "cudnn":
-            model["DEFAULT_SDPA_BACKEND"] = "cudnn"
+            model[m, "DEFAULT_SDPA_BACKEND"] = "cudnn"
         elif name == "autotune":
             inductor.update(max_autotune=True, max_autotune_gemm=True)
         elif name == "coord":
             inductor["coordinate_descent_tuning"] = True
         elif name == "torchce":
-            model["USE_CE_KERNEL"] = False
+            model[m, "USE_CE_KERNEL"] = False
         elif name == "det":
             loop["deterministic"] = True
         elif name == "ckpt":
             loop.update(checkpoint_every=int(arg), async_checkpoint=True)
+        elif name == "noprefetch":
+            model[raygpt.loop, "PREFETCH_BATCHES"] = False
     return model, inductor, loop
 
 
 @contextlib.contextmanager
 def variant_settings(spec: str):
-    """raygpt.model's module defaults and Inductor's config as the variant says, restored after;
+    """raygpt.model's and raygpt.loop's module switches and Inductor's config as the variant says,
+    restored after;
     Dynamo's caches are reset so each variant compiles afresh (and never hits the recompile
     limit, past which Dynamo silently runs eager)."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
     model, inductor, loop = parse_variant(spec)
-    saved = {k: getattr(raygpt.model, k) for k in model}
+    saved = {(mod, k): getattr(mod, k) for mod, k in model}
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch._dynamo.reset()
     try:
-        for k, v in model.items():
-            setattr(raygpt.model, k, v)
+        for (mod, k), v in model.items():
+            setattr(mod, k, v)
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
             torch.use_deterministic_algorithms(True, warn_only=True)
         with inductor_config.patch(inductor):
             yield loop
     finally:
-        for k, v in saved.items():
-            setattr(raygpt.model, k, v)
+        for (mod, k), v in saved.items():
+            setattr(mod, k, v)
         torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
 

@@ -42,6 +42,11 @@ from raygpt.tensorboard import TensorBoardWriter
 # stalls a step for tens of milliseconds now and then (bench/profile_step.py prints the pauses).
 GC_FREEZE_AFTER_FIRST_STEP = True
 
+# The next micro-batch is gathered on the host and copied to the device while the GPU runs the
+# backward pass (DistributedDataLoader.prefetch), not after the step's sync. A switch so the
+# throughput bench can measure it (its `noprefetch` variant).
+PREFETCH_BATCHES = True
+
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
 
@@ -207,8 +212,8 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
             # token-weighted mean over the whole window and all ranks (grads are SUM-reduced)
             ((loss_sum + z_sum) / tokens_per_step).backward()
             loss_acc += loss_sum.detach()
-            # the next micro-batch's gather and copy, while the GPU runs this backward pass
-            train_loader.prefetch(device)
+            if PREFETCH_BATCHES:  # the next micro-batch's gather and copy, during this backward
+                train_loader.prefetch(device)
         opt.reduce_gradients()
         norm_sq = opt.grad_norm_squared()  # this rank's shard; all of it without ZeRO
 
