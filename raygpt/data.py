@@ -14,7 +14,8 @@ uint16. `write_shard` / `read_shard_header` / `read_shard` own that format.
   * the *global stream* is the concatenation of those per-shard orders, epoch after epoch without
     end, with the samples of the persisted skip list left out;
   * each `next_batch()` takes the next world*B samples of the stream, and rank r gets the rows
-    [r*B, (r+1)*B) of that global micro-batch.
+    [r*B, (r+1)*B) of that global micro-batch; `prefetch()` builds that batch ahead of time
+    (the loop calls it during the backward pass) without moving the cursor.
 
 The loader state (`state_dict`) is that global cursor, so it does not depend on the number of
 ranks: a run can resume on a different world size and see the same global sample sequence.
