@@ -492,7 +492,6 @@ def test_a_prefetched_batch_goes_stale_when_the_cursor_or_skip_list_moves(tmp_pa
     ref.load_state_dict(saved)
     assert torch.equal(ld.next_batch("cpu")[0], ref.next_batch()[0])
 
-    ld.prefetch("cpu")
     window = samples_to_ranges(ref.last_global_samples)  # skip what was just served ...
     ref.load_state_dict(saved)
     ld.load_state_dict(saved)
