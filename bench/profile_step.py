@@ -26,7 +26,7 @@ import raygpt.loop
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
-from throughput import loop_config  # bench/ is this script's directory
+from throughput import add_loop_args, loop_config  # bench/ is this script's directory
 
 
 class ProfiledSession(LocalSession):
@@ -99,10 +99,7 @@ def analyse(trace_path: str, top: int = 12) -> None:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=30)
+    add_loop_args(p)
     p.add_argument("--active", type=int, default=6)
     p.add_argument("--cpu", action="store_true", help="a dry run of this script without a GPU")
     p.add_argument("--no-gc-freeze", action="store_true",

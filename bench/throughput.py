@@ -182,6 +182,14 @@ def baseline(args, loader):
     return losses, times, split, model
 
 
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The flags `loop_config` reads (bench/profile_step.py too)."""
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+
+
 def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfig:
     """The loop's config for a bench run: the bench's model and batch, a constant LR, no
     validation, samples or checkpoints unless `overrides` say so (bench/profile_step.py too)."""
@@ -264,10 +272,7 @@ def raygpt_split(args, loader):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=30)
+    add_loop_args(p)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--ray", action="store_true", help="also run the loop under TorchTrainer")
     p.add_argument("--variants", default="default",
