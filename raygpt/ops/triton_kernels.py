@@ -18,7 +18,9 @@ without Triton still import raygpt.ops. Kernels:
   raises the max); pass 2 reads it again and writes keep * (softmax - onehot). Inductor's kernel
   for the same math reads each row three times. On an H200 it reaches about half of copy
   bandwidth (bench/ops.py): a persistent grid that keeps rows in L2 between the passes, and
-  per-lane running sums, were both measured slower.
+  per-lane running sums, were both measured slower; so was a kernel that loads a whole row
+  once and keeps it in registers (GPT-2's row in four power-of-two pieces: 2.1 ms per chunk at
+  16 warps, 3.0 at 32, 3.5 at 8, against 1.59; the compiler spills).
 
 Under TRITON_INTERPRET=1 (set before Triton is imported) the entry points at the bottom also
 take CPU tensors and run the same kernels in Triton's interpreter: that is how the parity tests
@@ -199,9 +201,9 @@ def stochastic_round(x_ptr, out_ptr, seg_ptr, n_seg, block_ptr, n_blocks, n, see
 # ---------------------------------------------------------------------------------------------
 # The classifier's cross-entropy gradient (reference.cross_entropy_grad).
 
-CE_BLOCK = 2048  # columns per loop iteration (it fixes each row's summation order)
-CE_WARPS = 4  # bench/ops.py --sweep on an H200: 1.58 ms per 16384-row chunk; 1024 x 2 warps
-# measured 1.54, the other pairs tried 1.67-1.74 (larger blocks and more warps were slower)
+CE_BLOCK = 1024  # columns per loop iteration (it fixes each row's summation order)
+CE_WARPS = 2  # bench/ops.py --sweep on an H200, ms per 16384-row chunk: 1024 x 2 warps 1.54 and
+# 1.55 in two runs, 2048 x 4 1.58 and 1.59; 1024 x 4, 2048 x 8, 4096 x 4 and larger: 1.67-2.2
 
 
 @triton.jit
