@@ -6,9 +6,11 @@ gaps and what the host was doing during each gap; plus Python's garbage-collecto
                                  [--active 6] [--trace trace.json] [--no-gc-freeze]
 
 The loop runs unchanged under a LocalSession whose once-per-step `poll_requests` also advances
-the profiler's schedule. Prints, per profiled step, wall time (start to start of the
-steady state), GPU kernel time and idle time; then the largest idle gaps with the host
-operations that overlapped them. Numbers for deciding what to change, not a test.
+the profiler's schedule. Prints, per profiled step, its span on the GPU's timeline, GPU kernel
+time and idle time; the idle time in gaps of 50 us and less (launch latency) and the largest
+gaps with the host operations that overlapped them; then the GPU time per step by kernel class
+(matmul, attention, Inductor's kernels, raygpt's kernels) and the kernels that take the most.
+Numbers for deciding what to change, not a test.
 """
 
 from __future__ import annotations
@@ -53,14 +55,56 @@ def gc_pauses() -> list[tuple[int, float, float]]:
     return pauses
 
 
+# Kernel classes by name (lower case), first match wins: what a step's GPU time is spent on.
+KERNEL_CLASSES = [
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_", "ampere_", "cublas")),
+    ("cross-entropy (raygpt)", ("cross_entropy_rows",)),
+    ("adamw (raygpt)", ("adamw",)),
+    ("grad norm (raygpt)", ("sumsq_partials", "sum_partials")),
+    ("inductor reduction", ("triton_red", "triton_per")),
+    ("inductor pointwise", ("triton_poi",)),
+    ("memcpy / memset", ("memcpy", "memset")),
+]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def kernel_table(kernels, lo: float, hi: float, n_steps: int, top: int = 20) -> None:
+    """GPU time per step by kernel class, and the kernels that take most of it, over the
+    profiled steps' span on the GPU [lo, hi]."""
+    inside = [k for k in kernels if lo <= k["ts"] < hi]
+    by_class, by_name = {}, {}
+    for k in inside:
+        c = kernel_class(k["name"])
+        by_class[c] = by_class.get(c, 0.0) + k["dur"]
+        n, d = by_name.get(k["name"], (0, 0.0))
+        by_name[k["name"]] = (n + 1, d + k["dur"])
+    total = sum(by_class.values())
+    print(f"\nGPU time per step by kernel class ({total / 1e3 / n_steps:.2f} ms per step in all):")
+    for c, d in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {c:28s} {d / 1e3 / n_steps:8.2f} ms  {d / total:6.1%}")
+    print(f"the {top} kernels with the most time (per step: calls, ms, class):")
+    for name, (n, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {n / n_steps:6.1f} x {d / 1e3 / n_steps:7.2f} ms  {kernel_class(name):22s} {name[:90]}")
+
+
 def analyse(trace_path: str, top: int = 12) -> None:
     events = json.load(open(trace_path))["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
     host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation",
                                                    "python_function") and "dur" in e]
-    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    # a step's span on the GPU's timeline (Kineto's gpu_user_annotation), from its first kernel
+    # to its last; the host's span of the same step (user_annotation) runs ahead of it
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+                    and e.get("cat") == "gpu_user_annotation"), key=lambda e: e["ts"])
     print(f"{'step':>14s} {'wall ms':>8s} {'GPU busy':>9s} {'GPU idle':>9s}")
     for s in steps:
         t0, t1 = s["ts"], s["ts"] + s["dur"]
@@ -77,6 +121,7 @@ def analyse(trace_path: str, top: int = 12) -> None:
     if not steps:
         return
     lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    n_steps = len(steps)
     gaps, end = [], None
     for k in kernels:
         if k["ts"] < lo or k["ts"] > hi:
@@ -84,10 +129,18 @@ def analyse(trace_path: str, top: int = 12) -> None:
         if end is not None and k["ts"] - end > 50:
             gaps.append((k["ts"] - end, end, k["name"]))
         end = max(end or 0, k["ts"] + k["dur"])
+    small = 0.0  # the gaps of 50 us and less: launch latency between back-to-back kernels
+    end = None
+    for k in kernels:
+        if lo <= k["ts"] <= hi:
+            if end is not None and 0 < k["ts"] - end <= 50:
+                small += k["ts"] - end
+            end = max(end or 0, k["ts"] + k["dur"])
     gaps.sort(reverse=True)
     total = sum(g for g, *_ in gaps)
-    print(f"\nidle gaps > 50 us over {len(steps)} steps: {len(gaps)}, {total / 1e3:.2f} ms in all "
-          f"({total / 1e3 / len(steps):.2f} ms per step); the largest, with the host ops that "
+    print(f"\nidle gaps of 50 us or less: {small / 1e3 / n_steps:.2f} ms per step")
+    print(f"\nidle gaps > 50 us over {n_steps} steps: {len(gaps)}, {total / 1e3:.2f} ms in all "
+          f"({total / 1e3 / n_steps:.2f} ms per step); the largest, with the host ops that "
           f"overlap them (longest first):")
     for g, start, after in gaps[:top]:
         stop = start + g
@@ -95,6 +148,7 @@ def analyse(trace_path: str, top: int = 12) -> None:
                        if e["ts"] < stop and e["ts"] + e["dur"] > start), reverse=True)
         names = ", ".join(f"{n[:48]} {d / 1e3:.2f}" for d, n in over[:5])
         print(f"  {g / 1e3:6.2f} ms before {after[:40]!r}: {names}")
+    kernel_table(kernels, lo, hi, n_steps)
 
 
 def main():

@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
                                [--variants default,cudnn,det,ckpt@100] [--split-only]
+                               [--no-rebaseline]
 
 Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one process:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
@@ -23,13 +24,21 @@ bench's own count: FLOPs of one forward+backward counted by torch.utils.flop_cou
 attention term halved (causal: half the score matrix is masked; FlopCounterMode counts it
 dense), over the datasheet peak. Peak memory. Numbers, not a test.
 
+The baseline runs first and, unless --no-rebaseline, again after the raygpt rows; the ratios are
+against the mean of its two runs, and the two are printed side by side: a GPU whose speed drifts
+during the bench shows it there. Under each row: the GPU's median SM clock, power and
+temperature over its timed steps (nvidia-smi, sampled every 200 ms); an H200 at its 700 W cap
+lowers its clock. With 100 steps or more, each row's mean loss over the last half is compared
+with the first baseline's step by step; the two baseline runs' difference is the noise.
+
 --variants runs the raygpt side once per variant, one row each. A variant is tokens joined by
 "+" (see VARIANT_TOKENS): `ref` / `fused` / `fused@ROWS` pick the loss, `cudnn` prefers cuDNN
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
 Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's GEMM autotuning (what
 mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of its own kernels, `det`
 is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps (async, as in a real
-run); `default` is raygpt.model's module defaults. The loop builds its own model, so a variant
+run), `noprefetch` builds each batch after the step's sync, `cgraph` compiles the model with
+mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's module defaults. The loop builds its own model, so a variant
 sets raygpt.model's module defaults (and Inductor's config) for its run and restores them after.
 --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
@@ -77,6 +86,7 @@ VARIANT_TOKENS = {
     "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace)",
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
     "noprefetch": "the loop builds each batch after the step's sync (raygpt.loop.PREFETCH_BATCHES off)",
+    "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
 }
 WITH_ARG = {"fused", "ckpt"}
 
@@ -112,6 +122,8 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             loop.update(checkpoint_every=int(arg), async_checkpoint=True)
         elif name == "noprefetch":
             model[raygpt.loop, "PREFETCH_BATCHES"] = False
+        elif name == "cgraph":
+            model[raygpt.loop, "COMPILE_MODE"] = "reduce-overhead"
     return model, inductor, loop
 
 
@@ -142,6 +154,65 @@ def variant_settings(spec: str):
         torch._dynamo.reset()
 
 
+class GpuClocks:
+    """SM clock (MHz), power (W) and temperature (C) of this process's GPU, sampled every
+    200 ms by `nvidia-smi` in the background; `mark(label, window)` names the wall-clock
+    window of one row's timed steps and `summary(label)` gives the medians over it. A GPU that
+    slows down under heat or a power cap moves every row it runs, so a ratio is only as good
+    as the clocks were steady. Samples carry nvidia-smi's own timestamps: its output reaches
+    this process in bursts where stdbuf cannot make it line-buffered."""
+
+    def __init__(self):
+        import shutil
+        import subprocess
+        import threading
+        self.samples, self.marks = [], []
+        index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        try:
+            line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
+            self.proc = subprocess.Popen(
+                line_buffered + ["nvidia-smi", "-i", index,
+                 "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        from datetime import datetime
+        for line in self.proc.stdout:
+            try:
+                stamp, *values = line.split(",")
+                when = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((when, *map(float, values)))
+            except ValueError:
+                pass  # "[N/A]" and the like
+
+    def mark(self, label: str, window) -> None:
+        """The phase `label` is the wall-clock window (start, end) of its timed steps."""
+        if window[0] is not None and window[1] is not None:
+            self.marks.append((label, *window))
+
+    def summary(self, label: str) -> str:
+        for name, t0, t1 in self.marks:
+            if name == label:
+                inside = [s for s in list(self.samples) if t0 <= s[0] <= t1]
+                if not inside:
+                    return "clocks: no samples (yet: nvidia-smi's output comes in bursts)"
+                med = lambda i: statistics.median(s[i] for s in inside)  # noqa: E731
+                return (f"SM clock {med(1):.0f} MHz (min {min(s[1] for s in inside):.0f}), "
+                        f"{med(2):.0f} W, {med(3):.0f} C over {len(inside)} samples")
+        return "clocks: not measured"
+
+    def close(self):
+        if self.proc is not None:
+            time.sleep(0.5)  # the last samples
+            self.proc.terminate()
+            self.proc.wait()
+
+
 def describe(model: GPT) -> str:
     return (f"loss={model.loss_impl}" + (f"@{model.ce_chunk_rows}" if model.loss_impl == "fused" else "")
             + f" attn={model.transformer.h[0].attn.sdpa_backend}")
@@ -166,7 +237,10 @@ def baseline(args, loader):
         (loss_sum / tokens).backward()
         return loss_sum
 
+    window = [None, None]  # wall-clock start and end of the timed steps (for GpuClocks)
     for step in range(args.steps):
+        if step == args.warmup:
+            window[0] = time.time()
         t0 = time.perf_counter()
         loss_sum = fwd_bwd()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -175,11 +249,12 @@ def baseline(args, loader):
         losses.append((loss_sum / tokens).item())  # the one host sync per step
         norm.item()
         times.append(time.perf_counter() - t0)
+    window[1] = time.time()
     for _ in range(5):
         split["fwd_bwd"].append(cuda_time(fwd_bwd))
         split["norm"].append(cuda_time(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         split["opt"].append(cuda_time(lambda: (opt.step(), opt.zero_grad(set_to_none=True))))
-    return losses, times, split, model
+    return losses, times, split, window
 
 
 def add_loop_args(p: argparse.ArgumentParser) -> None:
@@ -212,7 +287,10 @@ def raygpt_loop(args, cfg_overrides=None):
     summary = train(cfg, LocalSession(open_run_dir(run_dir), torch.device("cuda")))
     recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["kind"] == "train"]
-    return [r["loss"] for r in train_recs], [r["dt"] for r in train_recs], summary, run_dir
+    # wall-clock window of the timed steps: from the end of the last warm-up step
+    window = ((train_recs[args.warmup - 1]["time"], train_recs[-1]["time"])
+              if 0 < args.warmup < len(train_recs) else (None, None))
+    return [r["loss"] for r in train_recs], [r["dt"] for r in train_recs], summary, window
 
 
 def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 4) -> float:
@@ -244,7 +322,7 @@ def raygpt_split(args, loader):
     model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337).cuda()  # the variant's defaults
     flat = FlatParameters(model, torch.device("cuda"), torch.bfloat16)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    fwd = torch.compile(model)
+    fwd = torch.compile(model, mode=raygpt.loop.COMPILE_MODE)
     tokens = args.batch * args.seq
     rng = 13371337
 
@@ -278,6 +356,9 @@ def main():
     p.add_argument("--variants", default="default",
                    help="comma-separated raygpt variants, one row each; tokens joined by '+': "
                         + "; ".join(f"{k}: {v}" for k, v in VARIANT_TOKENS.items()))
+    p.add_argument("--no-rebaseline", action="store_true",
+                   help="run the baseline only once, before the raygpt rows (by default it runs "
+                        "again after them, and each ratio is against the mean of both runs)")
     p.add_argument("--split-only", action="store_true",
                    help="raygpt variants: only the forward+backward / norm / optimizer split")
     args = p.parse_args()
@@ -353,22 +434,41 @@ def main():
         show(rows[-1])
 
     header()
+    clocks = GpuClocks()
     loader = DistributedDataLoader(cfg.input_bin, args.batch, args.seq, 0, 1)
-    torch.cuda.reset_peak_memory_stats()
-    b_losses, b_times, b_split, _ = baseline(args, loader)
-    row("pytorch baseline", b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
-    for spec in variants:
+
+    def run_baseline(name):
+        import torch._dynamo
+        torch._dynamo.reset()  # compiled afresh, as the first time
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        loader.reset()
+        b_losses, b_times, b_split, window = baseline(args, loader)
+        clocks.mark(name, window)
+        row(name, b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
+        print(f"{'':28s} {clocks.summary(name)}", flush=True)
+
+    run_baseline("pytorch baseline")
+    for i, spec in enumerate(variants):
+        # a variant named twice (to see the run-to-run spread) gets a second label
+        label = f"raygpt {spec}" + (f" #{variants[:i].count(spec) + 1}" if spec in variants[:i] else "")
         with variant_settings(spec) as loop_overrides:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            r_losses, r_times, summary = [], [], None
+            r_losses, r_times, summary, window = [], [], None, (None, None)
             if not args.split_only:
-                r_losses, r_times, summary, _ = raygpt_loop(args, loop_overrides)
+                r_losses, r_times, summary, window = raygpt_loop(args, loop_overrides)
             loader.reset()
             split, first_s, what = raygpt_split(args, loader)
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"variant {spec}: {what}", flush=True)
-            row(f"raygpt {spec}", r_times, split, peak, r_losses, first_s, summary)
+            clocks.mark(label, window)
+            row(label, r_times, split, peak, r_losses, first_s, summary)
+            print(f"{'':28s} {clocks.summary(label)}", flush=True)
+    if not args.no_rebaseline:
+        # the same baseline again: if the GPU drifted (clocks, heat) over the raygpt rows, the
+        # two baseline rows differ, and the ratio is against their mean
+        run_baseline("pytorch baseline again")
     if args.ray:
         import ray
         from raygpt.trainer import run
@@ -385,21 +485,36 @@ def main():
         row("raygpt under TorchTrainer", t, None, float("nan"),
             [r["loss"] for r in recs if r["kind"] == "train"])
 
+    clocks.close()
     header()
     for r in rows:
         show(r)
-    base = rows[0][1]
-    for name, tps, _, mean, *_ in rows[1:]:
-        print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
-              f"{mean:.1f} ms")
-    # same data, same init: the losses agree within bf16 noise
+        print(f"{'':28s} {clocks.summary(r[0])}")
+    bases = [r[1] for r in rows if r[0].startswith("pytorch baseline")]
+    base = statistics.mean(bases)
+    if len(bases) > 1:
+        print(f"baseline before / after the raygpt rows: {bases[0]:.0f} / {bases[1]:.0f} tok/s "
+              f"({bases[1] / bases[0] - 1:+.1%}); ratios against their mean, {base:.0f}")
+    for name, tps, _, mean, *_ in rows:
+        if not name.startswith("pytorch baseline"):
+            print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
+                  f"{mean:.1f} ms")
+    # same data, same init: the losses agree within noise. The noise: the two baseline runs
+    # differ too (non-deterministic kernels), so their difference is the yardstick
+    ref = rows[0][8]
     for name, *_, losses, _first, _note in rows:
         if losses:
-            print(f"{name:28s} first losses {[round(l, 4) for l in losses[:5]]} | mean of the "
-                  f"last 10 {statistics.mean(losses[-10:]):.4f}" + (
-                      f" | mean of steps {len(losses) - 50}..{len(losses) - 1} "
-                      f"{statistics.mean(losses[-50:]):.4f}" if len(losses) >= 100 else ""))
-
+            line = (f"{name:28s} first losses {[round(l, 4) for l in losses[:5]]} | mean of the "
+                    f"last 10 {statistics.mean(losses[-10:]):.4f}")
+            if len(losses) >= 100:
+                n = len(losses)
+                half = losses[n - 50:] if n < 200 else losses[n // 2:]
+                line += f" | mean of steps {n - len(half)}..{n - 1} {statistics.mean(half):.4f}"
+                if name != rows[0][0] and len(ref) == n:
+                    d = [a - b for a, b in zip(half, ref[n - len(half):])]
+                    line += (f" | minus the baseline's: mean {statistics.mean(d):+.4f}, "
+                             f"mean |d| {statistics.mean(abs(x) for x in d):.4f}")
+            print(line)
 
 if __name__ == "__main__":
     main()

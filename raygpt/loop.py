@@ -47,6 +47,10 @@ GC_FREEZE_AFTER_FIRST_STEP = True
 # throughput bench can measure it (its `noprefetch` variant).
 PREFETCH_BATCHES = True
 
+# torch.compile's mode for the model (None: Inductor's default). "reduce-overhead" replays the
+# forward and backward graphs as CUDA graphs. A switch so the throughput bench can measure it.
+COMPILE_MODE = None
+
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
 
@@ -145,7 +149,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
     tokens_per_step = cfg.total_batch_size
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // tokens_per_step)
-    forward = torch.compile(model) if cfg.compile else model
+    forward = torch.compile(model, mode=COMPILE_MODE) if cfg.compile else model
 
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
