@@ -34,12 +34,13 @@ with the first baseline's step by step; the two baseline runs' difference is the
 --variants runs the raygpt side once per variant, one row each. A variant is tokens joined by
 "+" (see VARIANT_TOKENS): `ref` / `fused` / `fused@ROWS` pick the loss, `cudnn` prefers cuDNN
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
-Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's GEMM autotuning (what
-mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of its own kernels, `det`
-is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps (async, as in a real
-run), `noprefetch` builds each batch after the step's sync, `cgraph` compiles the model with
-mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's module defaults. The loop builds its own model, so a variant
-sets raygpt.model's module defaults (and Inductor's config) for its run and restores them after.
+Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's
+GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
+its own kernels, `det` is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps
+(async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
+compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
+module defaults. The loop builds its own model, so a variant sets raygpt.model's and
+raygpt.loop's module switches (and Inductor's config) for its run and restores them after.
 --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
