@@ -92,7 +92,8 @@ def kernel_table(kernels, lo: float, hi: float, n_steps: int, top: int = 20) -> 
         print(f"  {c:28s} {d / 1e3 / n_steps:8.2f} ms  {d / total:6.1%}")
     print(f"the {top} kernels with the most time (per step: calls, ms, class):")
     for name, (n, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"  {n / n_steps:6.1f} x {d / 1e3 / n_steps:7.2f} ms  {kernel_class(name):22s} {name[:90]}")
+        print(f"  {n / n_steps:6.1f} x {d / 1e3 / n_steps:7.2f} ms  {kernel_class(name):22s} "
+              f"{name[:90]}")
 
 
 def analyse(trace_path: str, top: int = 12) -> None:

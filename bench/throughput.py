@@ -452,7 +452,8 @@ def main():
     run_baseline("pytorch baseline")
     for i, spec in enumerate(variants):
         # a variant named twice (to see the run-to-run spread) gets a second label
-        label = f"raygpt {spec}" + (f" #{variants[:i].count(spec) + 1}" if spec in variants[:i] else "")
+        repeat = variants[:i].count(spec)
+        label = f"raygpt {spec}" + (f" #{repeat + 1}" if repeat else "")
         with variant_settings(spec) as loop_overrides:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
