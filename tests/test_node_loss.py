@@ -25,6 +25,9 @@ def cluster():
     # the processes the cluster starts inherit these: notice drains fast, poll them every step
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
     os.environ["RAYGPT_PREEMPTION_POLL_STEPS"] = "1"
+    # after a node loss an elastic run first retries its old size until Ray Train's worker-group
+    # start times out (60 s by default), then resumes smaller: 30 s keeps that path, faster
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "30"
     c = Cluster(initialize_head=True, connect=True,
                 head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
