@@ -123,20 +123,17 @@ def analyse(trace_path: str, top: int = 12) -> None:
         return
     lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     n_steps = len(steps)
-    gaps, end = [], None
+    # gaps of 50 us and less are launch latency between back-to-back kernels; longer ones are
+    # listed with what the host was doing meanwhile
+    gaps, small, end = [], 0.0, None
     for k in kernels:
         if k["ts"] < lo or k["ts"] > hi:
             continue
         if end is not None and k["ts"] - end > 50:
             gaps.append((k["ts"] - end, end, k["name"]))
+        elif end is not None and k["ts"] > end:
+            small += k["ts"] - end
         end = max(end or 0, k["ts"] + k["dur"])
-    small = 0.0  # the gaps of 50 us and less: launch latency between back-to-back kernels
-    end = None
-    for k in kernels:
-        if lo <= k["ts"] <= hi:
-            if end is not None and 0 < k["ts"] - end <= 50:
-                small += k["ts"] - end
-            end = max(end or 0, k["ts"] + k["dur"])
     gaps.sort(reverse=True)
     total = sum(g for g, *_ in gaps)
     print(f"\nidle gaps of 50 us or less: {small / 1e3 / n_steps:.2f} ms per step")

@@ -51,9 +51,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -164,9 +168,6 @@ class GpuClocks:
     this process in bursts where stdbuf cannot make it line-buffered."""
 
     def __init__(self):
-        import shutil
-        import subprocess
-        import threading
         self.samples, self.marks = [], []
         index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
         try:
@@ -182,7 +183,6 @@ class GpuClocks:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        from datetime import datetime
         for line in self.proc.stdout:
             try:
                 stamp, *values = line.split(",")
