@@ -149,7 +149,7 @@ def variant_settings(spec: str):
         for (mod, k), v in model.items():
             setattr(mod, k, v)
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.use_deterministic_algorithms(True)
         with inductor_config.patch(inductor):
             yield loop
     finally:

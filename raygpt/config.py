@@ -164,10 +164,10 @@ class TrainConfig:
     compile: bool | None = None
     """torch.compile the model; default on GPU."""
     deterministic: bool = False
-    """PyTorch's deterministic kernels (torch.use_deterministic_algorithms, warn_only) and a
-    fixed cuBLAS workspace, for bitwise-exact resume on GPU. With warn_only, an op that has no
-    deterministic version keeps its default one and PyTorch warns once (on an H200 the cuDNN
-    attention backward does); raygpt's own kernels are deterministic in every mode."""
+    """PyTorch's deterministic kernels (torch.use_deterministic_algorithms, strict) and a fixed
+    cuBLAS workspace, for bitwise-exact runs and resumes on GPU. An op with no deterministic
+    implementation stops the run with its name (exit 2); raygpt's own kernels are deterministic
+    in every mode."""
     seed: int = 1337
     """Seeds init, the data shuffle and stochastic rounding."""
     # fault tolerance

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from raygpt import signals, tokenizer
 from raygpt.checkpointer import Checkpointer
-from raygpt.config import TrainConfig
+from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, samples_to_ranges
 from raygpt.faults import plan_for
 from raygpt.history import RunHistory
@@ -53,6 +53,25 @@ COMPILE_MODE = None
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
+
+
+# How PyTorch words the error an op without a deterministic implementation raises in strict mode
+NOT_DETERMINISTIC = "does not have a deterministic implementation"
+
+
+class NonDeterministicOp(ConfigError):
+    """--deterministic met an op with no deterministic implementation: the run cannot keep its
+    promise, and a restart would meet the same op (a bad-input error, not a fault to retry)."""
+
+    def __init__(self, op: str):
+        super().__init__(f"--deterministic: {op} has no deterministic implementation on this "
+                         f"device; run without --deterministic, or avoid the op")
+        self.op = op
+
+
+def _op_named_in(message: str) -> str:
+    """The op's name from PyTorch's error ('<op> does not have a deterministic ...')."""
+    return message.split(NOT_DETERMINISTIC)[0].strip().rstrip(",") or "an op"
 
 
 class TrainingStopped(Exception):
@@ -116,6 +135,10 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     with session.run_dir.background_appends(enabled=session.rank == 0):
         try:
             return _train(cfg, session)
+        except RuntimeError as e:
+            if cfg.deterministic and NOT_DETERMINISTIC in str(e):
+                raise NonDeterministicOp(_op_named_in(str(e))) from e
+            raise
         finally:
             if GC_FREEZE_AFTER_FIRST_STEP:
                 gc.unfreeze()  # what the loop froze is collectable again once it is over
@@ -128,7 +151,10 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         # cuBLAS is deterministic only with a fixed workspace (PyTorch's reproducibility notes);
         # read when the first cuBLAS handle is made, which is after this point in a worker
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # strict: an op without a deterministic implementation raises (see train()), rather than
+        # warning and running its non-deterministic kernel (on an H200, with warn_only, cuDNN's
+        # attention backward made step 2's loss differ run to run)
+        torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 

@@ -144,3 +144,26 @@ def test_watch_metrics_are_logged_every_k_steps(tmp_path):
         assert all(0 < v < 1 for v in r["update_ratio"].values())
     log = (tmp_path / "main.log").read_text()
     assert "s:2 watch:1" in log
+
+
+def test_deterministic_mode_refuses_an_op_without_a_deterministic_kernel(tmp_path, monkeypatch):
+    """--deterministic is strict: an op with no deterministic implementation stops the run with
+    the op's name (a ConfigError, not retried) instead of warning and running it anyway."""
+    from raygpt.config import ConfigError
+    from raygpt.loop import NonDeterministicOp
+    from raygpt.model import GPT
+
+    forward = GPT.forward
+
+    def forward_with_put(self, *args, **kwargs):
+        # put_ has no deterministic CPU kernel: it raises under strict mode, runs under warn_only
+        torch.zeros(4).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", forward_with_put)
+    try:
+        with pytest.raises(NonDeterministicOp, match=r"put_ has no deterministic") as info:
+            run_local(tiny_config(tmp_path / "det", deterministic=True, max_steps=2))
+        assert isinstance(info.value, ConfigError) and info.value.op == "put_"
+    finally:
+        torch.use_deterministic_algorithms(False)  # process-wide: the next tests run without it
