@@ -14,6 +14,7 @@ and one host sync reads it back: that is the only synchronisation inside a step.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     """Train this worker's share of the run and return a summary (rank 0's is the run's)."""
     # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
     # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
-    with session.run_dir.background_appends(enabled=session.rank == 0):
+    with session.run_dir.background_appends(enabled=session.rank == 0), _torch_settings_restored():
         try:
             return _train(cfg, session)
         except RuntimeError as e:
@@ -142,6 +143,21 @@ def train(cfg: TrainConfig, session: Session) -> dict:
         finally:
             if GC_FREEZE_AFTER_FIRST_STEP:
                 gc.unfreeze()  # what the loop froze is collectable again once it is over
+
+
+@contextlib.contextmanager
+def _torch_settings_restored():
+    """The loop sets process-wide torch switches (deterministic algorithms, TF32); the caller's
+    values come back when it returns or raises, so a process that trains and then goes on (a
+    test session, a notebook, the bench) is not left computing differently."""
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2:]
 
 
 def _train(cfg: TrainConfig, session: Session) -> dict:
