@@ -4,6 +4,7 @@ gaps and what the host was doing during each gap; plus Python's garbage-collecto
 
     python bench/profile_step.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30]
                                  [--active 6] [--trace trace.json] [--no-gc-freeze]
+                                 [--variant det+flash]   (throughput.py's variant tokens)
 
 The loop runs unchanged under a LocalSession whose once-per-step `poll_requests` also advances
 the profiler's schedule. Prints, per profiled step, its span on the GPU's timeline, GPU kernel
@@ -28,7 +29,7 @@ import raygpt.loop
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
-from throughput import add_loop_args, loop_config  # bench/ is this script's directory
+from throughput import add_loop_args, loop_config, variant_settings  # bench/ is this script's directory
 
 
 class ProfiledSession(LocalSession):
@@ -158,11 +159,19 @@ def main():
                    help="leave raygpt.loop.GC_FREEZE_AFTER_FIRST_STEP off (to see what it saves)")
     p.add_argument("--trace", default=os.path.join(os.environ.get("OUT", tempfile.gettempdir()),
                                                    "profile_step.json"))
+    p.add_argument("--variant", default="default",
+                   help="a bench/throughput.py variant, e.g. det or det+flash: see which kernels it swaps")
     args = p.parse_args()
     if args.no_gc_freeze:
         raygpt.loop.GC_FREEZE_AFTER_FIRST_STEP = False
     run_dir = tempfile.mkdtemp(prefix="raygpt-profile-")
-    cfg = loop_config(args, run_dir, {"device": "cpu", "compile": False} if args.cpu else None)
+    with variant_settings(args.variant) as loop_overrides:
+        profile(args, run_dir, loop_overrides)
+
+
+def profile(args, run_dir: str, loop_overrides: dict) -> None:
+    cfg = loop_config(args, run_dir, {**loop_overrides, **({"device": "cpu", "compile": False}
+                                                            if args.cpu else {})})
     wait = args.steps - args.active - 4
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],

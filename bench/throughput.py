@@ -85,6 +85,7 @@ VARIANT_TOKENS = {
     "ref": 'loss_impl="reference" (full logits, fp32 cross-entropy)',
     "fused": 'loss_impl="fused" (chunked, gradients in forward); fused@ROWS sets ce_chunk_rows',
     "cudnn": 'sdpa_backend="cudnn" (cuDNN attention first)',
+    "flash": 'sdpa_backend="flash" (FlashAttention-2 first)',
     "autotune": "Inductor max_autotune (GEMM templates autotuned against cuBLAS)",
     "coord": "Inductor coordinate_descent_tuning (its reduction / pointwise kernels)",
     "torchce": "the fused loss's softmax gradient as PyTorch ops (Inductor's kernel), not raygpt.ops",
@@ -113,8 +114,8 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             model[m, "DEFAULT_LOSS_IMPL"] = "fused"
             if arg:
                 model[m, "DEFAULT_CE_CHUNK_ROWS"] = int(arg)
-        elif name == "cudnn":
-            model[m, "DEFAULT_SDPA_BACKEND"] = "cudnn"
+        elif name in ("cudnn", "flash"):
+            model[m, "DEFAULT_SDPA_BACKEND"] = name
         elif name == "autotune":
             inductor.update(max_autotune=True, max_autotune_gemm=True)
         elif name == "coord":

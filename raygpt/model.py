@@ -97,16 +97,21 @@ DEFAULT_LOSS_IMPL = "fused"
 DEFAULT_CE_CHUNK_ROWS = 16384
 # Attention kernel preference: "default" = PyTorch's own choice (flash attention on Hopper),
 # "cudnn" = cuDNN's fused attention first, then flash / memory-efficient / math (a preference:
-# where cuDNN cannot run, e.g. on the CPU, the usual kernels do).
-SDPA_BACKENDS = ("default", "cudnn")
+# where cuDNN cannot run, e.g. on the CPU, the usual kernels do), "flash" = FlashAttention-2 first
+# (its backward has a deterministic variant PyTorch picks in --deterministic mode).
+SDPA_BACKENDS = ("default", "cudnn", "flash")
 DEFAULT_SDPA_BACKEND = "default"
 # The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton
 # kernel on CUDA, one read of the logits) when True; the same math as PyTorch ops (which
 # Inductor fuses into a kernel that reads each row three times) when False. z-loss keeps the
 # PyTorch ops, as it also needs the softmax itself.
 USE_CE_KERNEL = True
-_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_PRIORITY = {
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+}
 
 
 # ---------------------------------------------------------------------- the fused classifier loss
@@ -243,8 +248,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         # softmax(q k^T / sqrt(hs) + causal mask) v; flash / memory-efficient kernel when available
-        if self.sdpa_backend == "cudnn":
-            with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
+        if self.sdpa_backend in _SDPA_PRIORITY:
+            with sdpa_kernel(_SDPA_PRIORITY[self.sdpa_backend], set_priority=True):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
