@@ -167,3 +167,4 @@ def test_deterministic_mode_refuses_an_op_without_a_deterministic_kernel(tmp_pat
     assert isinstance(info.value, ConfigError) and info.value.op == "put_"
     # the switch is process-wide: the loop hands the caller's setting back, even when it raises
     assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory
