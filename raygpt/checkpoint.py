@@ -483,6 +483,12 @@ def abandoned_by(step: int, trajectory: str | None, entries: list[dict]) -> dict
                 None)
 
 
+def published_files(run_dir: RunDir, step: int) -> list[str]:
+    """The names in a step directory that its MANIFEST lists (all but MANIFEST and temp files)."""
+    return [name for name in run_dir.listdir(step_dir(step), files_only=True)
+            if name != MANIFEST and _TEMP_MARK not in name]
+
+
 def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameters: int,
                    config_hash: str, tokenizer_hash: str, data_hash: str,
                    config_identity: dict | None = None, extra: dict | None = None) -> dict:
@@ -493,9 +499,7 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
     """
     d = step_dir(step)
     files = {}
-    for name in run_dir.listdir(d, files_only=True):
-        if name == MANIFEST or _TEMP_MARK in name:
-            continue
+    for name in published_files(run_dir, step):
         rel = f"{d}/{name}"
         files[name] = {"size": run_dir.size_of(rel), "sha256": run_dir.sha256_of(rel)}
     manifest = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
 import tempfile
 import threading
@@ -71,6 +72,10 @@ def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dic
         if stored != h["size"]:
             raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
                                      f"as written by its rank, found {stored}; not marking DONE")
+    # every byte durable before anything declares it complete: the rank files as stored (Ray
+    # copied them without an fsync), then their names in the step directory and the step
+    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
+    run_dir.make_durable([f"{sdir}/{n}" for n in ck.published_files(run_dir, step)] + [sdir, ""])
     ck.write_done(run_dir, step)
     manifest = ck.write_manifest(run_dir, step, **{k: v for k, v in meta.items()
                                                       if k not in ("retention", "step")})
@@ -270,6 +275,8 @@ class Checkpointer:
                     master=snap["master"].numpy() if snap["master"] is not None else None,
                     loader_state=snap["loader_state"], extras=snap["extras"])
                 f.flush()
+                os.fsync(f.fileno())  # durable before it is reported (the model file's writer
+                # fsyncs its own file and its rename)
             hashes[name] = {"sha256": hw.h.hexdigest(), "size": hw.size}
             if snap["params"] is not None:
                 name = ck.model_file(step)
@@ -277,6 +284,7 @@ class Checkpointer:
                 write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
                 hashes[name] = {"sha256": _sha256_file(stage / name),
                                 "size": (stage / name).stat().st_size}
+            _fsync_dir(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
         except BaseException as e:  # reported by the training thread, never swallowed
@@ -448,6 +456,14 @@ class Checkpointer:
         state.ledger.load_state_dict(ledger)
         loader.add_skip_ranges([tuple(r) for r in skips])
         state.spike_samples = []
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:
