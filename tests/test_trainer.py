@@ -2,6 +2,8 @@
 faults (a killed worker, SIGTERM, SIGUSR1, a crash before DONE, a fault on every attempt).
 One local Ray (2 CPUs) is shared by the whole module."""
 
+import json
+
 import pytest
 import ray
 
@@ -125,3 +127,31 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
     starts = [r for r in records(tmp_path) if r["kind"] in ("start", "resume")]
     assert len(starts) == 2
     assert "2 attempt(s)" in str(e.value) and "InjectedFault" in str(e.value)
+
+
+def snapshot_names(run_dir) -> list[str]:
+    from raygpt.ray_snapshot import SNAPSHOT
+    snap = json.loads((run_dir / SNAPSHOT).read_text())
+    return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
+
+
+def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
+    """-n 2 -nk 2, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
+    follows (after each report, in the controller), the resumed controller accepts the run
+    directory, and a checkpoint deleted after the last report (as a rewind does) is dropped
+    from Ray's list before the next fit()."""
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "keep"
+    stopped = cfg.with_overrides({"output_dir": str(run_dir), "checkpoint_every": 2,
+                                  "checkpoints_keep": 2, "fault": "sigterm:rank=1,step=8"})
+    summary = go(stopped)
+    assert summary["stopped_early"] and summary["step"] == 9
+    rd = open_run_dir(str(run_dir))
+    assert ck.list_checkpoint_steps(rd) == [8, 9]
+    assert snapshot_names(run_dir) == [ck.step_dir(8), ck.step_dir(9)]
+    rd.delete_dir(ck.step_dir(8))  # deleted behind Ray's back after its last report
+    summary = go(stopped.with_overrides({"resume": 1}))
+    assert summary["step"] == 12 and not summary["stopped_early"]
+    assert train_losses(run_dir) == train_losses(full_dir)
+    assert ck.list_checkpoint_steps(rd) == [10, 12]
+    assert snapshot_names(run_dir) == [ck.step_dir(10), ck.step_dir(12)]
