@@ -155,3 +155,30 @@ def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
     assert train_losses(run_dir) == train_losses(full_dir)
     assert ck.list_checkpoint_steps(rd) == [10, 12]
     assert snapshot_names(run_dir) == [ck.step_dir(10), ck.step_dir(12)]
+
+
+def test_a_worker_killed_right_after_a_rewind_resumes_with_the_rewinds_decision(tmp_path):
+    """2 workers, spike monitor on: NaN at step 9 rewinds to checkpoint 6 (safety 3), deleting
+    checkpoint 8, the newest one Ray registered. Rank 1 is then SIGKILLed at step 7 of the
+    re-run, before a checkpoint carries the rewind. Ray restarts the group inside the same fit()
+    (its latest registered checkpoint is gone: a hint only), the workers resume from 6 and
+    apply the recorded decision: the final losses equal, as floats, the same run without the
+    kill. Ray's checkpoint list names only what exists, once each, and -y 1 accepts it."""
+    from raygpt.config import SpikeConfig
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
+    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike)
+    ref = tiny_config(tmp_path / "ref", **base, fault="nan:rank=1,step=9")
+    summary = go(ref)
+    assert summary["rewinds"] == 1 and summary["failures"] == 0
+    crash = tiny_config(tmp_path / "crash", **base,
+                        fault="nan:rank=1,step=9;kill:rank=1,step=7,visit=2")
+    summary = go(crash)
+    assert summary["failures"] == 1 and summary["rewinds"] == 1 and summary["step"] == 12
+    resumes = [r for r in records(tmp_path / "crash") if r["kind"] == "resume"]
+    assert resumes[-1]["resumed_from"] == 6
+    assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
+    rd = open_run_dir(str(tmp_path / "crash"))
+    names = snapshot_names(tmp_path / "crash")
+    assert names == [ck.step_dir(s) for s in ck.list_checkpoint_steps(rd)]
+    summary = go(crash.with_overrides({"resume": 1, "max_steps": 14}))  # a new controller
+    assert summary["step"] == 14 and summary["failures"] == 0
