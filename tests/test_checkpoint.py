@@ -570,6 +570,26 @@ def test_a_corrupt_abandoned_trajectories_file_is_an_error_naming_it(run_dir):
         read_abandoned_trajectories(run_dir)
 
 
+def test_a_rewinds_decision_is_recorded_with_its_abandonment(run_dir):
+    from raygpt.checkpoint import latest_rewind_decision
+    record_abandoned_trajectory(run_dir, "old", 4)  # written before decisions existed
+    assert latest_rewind_decision(read_abandoned_trajectories(run_dir)) is None
+    ledger = {"rewinds": 1, "lr_scale": 1.0, "history": []}
+    record_abandoned_trajectory(run_dir, "a", 10, ledger=ledger, skip_ranges=[(0, 8, 12)])
+    record_abandoned_trajectory(run_dir, "b", 20, ledger={**ledger, "rewinds": 2},
+                                skip_ranges=[(0, 8, 12), (0, 40, 44)])
+    entries = read_abandoned_trajectories(run_dir)
+    assert latest_rewind_decision(entries) == {
+        "trajectory": "b", "to_step": 20, "ledger": {**ledger, "rewinds": 2},
+        "skip_ranges": [[0, 8, 12], [0, 40, 44]]}
+    run_dir.write_bytes_atomic(ABANDONED, json.dumps(
+        [{"trajectory": "a", "to_step": 1, "ledger": {"rewinds": 1}, "skip_ranges": [[0, 1]]}]
+    ).encode())
+    with pytest.raises(CheckpointError, match=r"abandoned_trajectories.json: entry 0: expected "
+                                              r"a rewind decision"):
+        read_abandoned_trajectories(run_dir)
+
+
 # ---------------------------------------------------------------------- durable before published
 def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monkeypatch):
     """A real save (LocalSession: stage on the worker, copy into storage without an fsync, then
