@@ -45,14 +45,19 @@ class Campaign:
 
 
 def plan(seed: int, n_faults: int, max_steps: int) -> Campaign:
-    """A seeded sequence of faults at distinct steps. Every kind comes once before any repeats;
-    a NaN is always among them (so there is a rewind to survive), and every worker killed right
-    after a rewind is placed between a NaN's rewind target and the NaN."""
+    """A seeded sequence of faults at distinct steps: the kinds in shuffled rounds (each kind
+    once per round); a NaN is always among them (so there is a rewind to survive), and every
+    worker killed right after a rewind is placed between a NaN's rewind target and the NaN.
+    A fault that finds no free step is left out (the summary counts the ones that fired)."""
     rng = random.Random(seed)
-    kinds = ["nan"]
+    kinds: list[str] = []
     while len(kinds) < n_faults:
-        rest = [k for k in KINDS if k not in kinds] or list(KINDS)
-        kinds.append(rng.choice(rest))
+        round_ = list(KINDS)
+        rng.shuffle(round_)
+        kinds += round_
+    kinds = kinds[:n_faults]
+    if "nan" not in kinds:
+        kinds[0] = "nan"
     taken: set[int] = set()
 
     def free(lo: int, hi: int, pred=lambda s: True) -> int | None:
@@ -63,13 +68,17 @@ def plan(seed: int, n_faults: int, max_steps: int) -> Campaign:
         taken.add(s)
         return s
 
-    # NaNs first, spaced so that each rewind's region is its own: step >= 8 + 8 k
+    # NaNs first, one in each of equal segments of [8, max_steps - 2), at least 8 steps apart
+    # so that each rewind's region is its own
+    k = kinds.count("nan")
+    seg = (max_steps - 10) // k
+    if seg < 8:
+        raise ValueError(f"{k} spikes need at least {8 * k + 10} steps, found {max_steps}")
     nans = []
-    for _ in range(kinds.count("nan")):
-        lo = (nans[-1] + 8) if nans else 8
-        s = free(lo, max_steps - 2)
-        if s is not None:
-            nans.append(s)
+    for i in range(k):
+        s = 8 + i * seg + rng.randrange(seg - 7)
+        taken.add(s)
+        nans.append(s)
     faults = []
     for kind in kinds:
         if kind == "nan":

@@ -179,9 +179,9 @@ class CheckpointFinalizer(UserCallback):
     """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
     retention, and records every worker-group failure in the run's loss history."""
 
-    def __init__(self, output_dir: str, crash_before_done_step: int | None = None):
+    def __init__(self, output_dir: str, crash_before_done_steps=()):
         self.output_dir = output_dir
-        self.crash_before_done_step = crash_before_done_step
+        self.crash_before_done_steps = set(crash_before_done_steps)
         self.failures = 0
 
     def after_report(self, run_context, metrics, checkpoint):
@@ -189,11 +189,11 @@ class CheckpointFinalizer(UserCallback):
             return
         run_dir = open_run_dir(self.output_dir)
         step = int(Path(checkpoint.path).name.split("_")[1])
-        if self.crash_before_done_step == step:
+        if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
             print(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST",
                   flush=True)
-            self.crash_before_done_step = None
+            self.crash_before_done_steps.discard(step)
             self._reconcile(run_dir)
             return
         rank_hashes = {}
@@ -307,7 +307,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             # Ray Train's print patch tees every print to its logger as well: each line twice
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-            callbacks=[CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None),
+            callbacks=[CheckpointFinalizer(cfg.output_dir, [f.step for f in faults]),
                        *callbacks]),
     )
 
