@@ -183,7 +183,15 @@ def main(argv=None) -> int:
     steps = args.steps or 3 * args.faults + 12
     campaign = plan(seed, args.faults, steps)
     import ray
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # on a loaded machine the local node may miss Ray's 30 s start-up
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - retried, then raised
+            if attempt == 2:
+                raise
+            print(f"campaign | Ray did not start ({e}); retrying", flush=True)
+            ray.shutdown()
     result = execute(campaign, args.dir or tempfile.mkdtemp(prefix="raygpt-campaign-"))
     ok = not (result["lost"] or result["extra"] or result["differing"])
     return 0 if ok else 1
