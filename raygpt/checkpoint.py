@@ -449,13 +449,24 @@ def write_done(run_dir: RunDir, step: int) -> None:
 # made complete after the deletion. Each trajectory has a token (a new one at every rewind and
 # every attempt), a checkpoint's MANIFEST "extra" carries the token it was saved under, and this
 # file lists the tokens rewinds abandoned, with the step they went back to; the finalizer
-# refuses DONE to a checkpoint past that step on an abandoned trajectory.
+# refuses DONE to a checkpoint past that step on an abandoned trajectory, and resume passes
+# over one (a crash may come between this record and the deletion).
+#
+# The same entry is the rewind's decision, made durable before training goes on (the file is
+# written atomically and fsynced): "ledger" (the RewindLedger's state after the rewind: count,
+# lr_scale, regions) and "skip_ranges" (the loader's whole skip list after it). Checkpoints
+# written later carry both; one written before does not, so a resume from it (a worker lost
+# right after the rewind, -y 1) applies the newest decision whose rewind count is above the
+# checkpoint's. Decisions only accumulate along the run's one live trajectory (a rewind keeps
+# the ledger and skip list of the present), so the newest one holds them all.
 
 ABANDONED = "abandoned_trajectories.json"
 
 
 def read_abandoned_trajectories(run_dir: RunDir) -> list[dict]:
-    """[{"trajectory": token, "to_step": N}, ...] in rewind order; [] when none."""
+    """[{"trajectory": token, "to_step": N, "ledger": {...}, "skip_ranges": [...]}, ...] in
+    rewind order (the decision fields absent from entries written before they existed); []
+    when none."""
     if not run_dir.exists(ABANDONED):
         return []
     try:
@@ -464,23 +475,49 @@ def read_abandoned_trajectories(run_dir: RunDir) -> list[dict]:
                 isinstance(e, dict) and isinstance(e.get("trajectory"), str)
                 and isinstance(e.get("to_step"), int) for e in entries)):
             raise ValueError("expected a list of {trajectory: str, to_step: int}")
+        for i, e in enumerate(entries):
+            if "ledger" in e and not (
+                    isinstance(e["ledger"], dict) and isinstance(e["ledger"].get("rewinds"), int)
+                    and isinstance(e.get("skip_ranges"), list) and all(
+                        isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) for v in r)
+                        for r in e["skip_ranges"])):
+                raise ValueError(f"entry {i}: expected a rewind decision with ledger "
+                                 f"{{rewinds: int, ...}} and skip_ranges [[shard, start, end], ...]")
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{run_dir.uri(ABANDONED)}: {e}") from e
     return entries
 
 
-def record_abandoned_trajectory(run_dir: RunDir, trajectory: str, to_step: int) -> None:
-    """Add `trajectory`, abandoned back to `to_step`, to the list (rewritten atomically; rank 0
-    only, before it deletes the abandoned checkpoints)."""
+def record_abandoned_trajectory(run_dir: RunDir, trajectory: str, to_step: int, *,
+                                ledger: dict | None = None, skip_ranges=None) -> None:
+    """Add `trajectory`, abandoned back to `to_step`, to the list, with the rewind's decision
+    (the ledger's state and the whole skip list after the rewind) when given. Rewritten
+    atomically and durably; rank 0 only, before it deletes the abandoned checkpoints and before
+    training goes on."""
     entries = read_abandoned_trajectories(run_dir)
-    entries.append({"trajectory": trajectory, "to_step": int(to_step)})
+    entry = {"trajectory": trajectory, "to_step": int(to_step)}
+    if ledger is not None:
+        entry["ledger"] = ledger
+        entry["skip_ranges"] = [[int(v) for v in r] for r in (skip_ranges or [])]
+    entries.append(entry)
     run_dir.write_bytes_atomic(ABANDONED, json.dumps(entries, indent=1).encode("utf-8"))
+
+
+def latest_rewind_decision(entries: list[dict]) -> dict | None:
+    """The newest entry that carries a rewind's decision ("ledger" and "skip_ranges"), or None."""
+    return next((e for e in reversed(entries) if "ledger" in e), None)
 
 
 def abandoned_by(step: int, trajectory: str | None, entries: list[dict]) -> dict | None:
     """The entry that abandoned checkpoint `step` saved on `trajectory`, or None."""
     return next((e for e in entries if e["trajectory"] == trajectory and step > e["to_step"]),
                 None)
+
+
+def published_files(run_dir: RunDir, step: int) -> list[str]:
+    """The names in a step directory that its MANIFEST lists (all but MANIFEST and temp files)."""
+    return [name for name in run_dir.listdir(step_dir(step), files_only=True)
+            if name != MANIFEST and _TEMP_MARK not in name]
 
 
 def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameters: int,
@@ -493,9 +530,7 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
     """
     d = step_dir(step)
     files = {}
-    for name in run_dir.listdir(d, files_only=True):
-        if name == MANIFEST or _TEMP_MARK in name:
-            continue
+    for name in published_files(run_dir, step):
         rel = f"{d}/{name}"
         files[name] = {"size": run_dir.size_of(rel), "sha256": run_dir.sha256_of(rel)}
     manifest = {

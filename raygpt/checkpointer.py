@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
 import tempfile
 import threading
@@ -32,7 +33,7 @@ import torch
 
 from raygpt import checkpoint as ck
 from raygpt.config import TrainConfig
-from raygpt.data import data_fingerprint
+from raygpt.data import data_fingerprint, merge_ranges
 from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
 from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.outlier import rewind_target
@@ -71,6 +72,10 @@ def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dic
         if stored != h["size"]:
             raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
                                      f"as written by its rank, found {stored}; not marking DONE")
+    # every byte durable before anything declares it complete: the rank files as stored (Ray
+    # copied them without an fsync), then their names in the step directory and the step
+    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
+    run_dir.make_durable([f"{sdir}/{n}" for n in ck.published_files(run_dir, step)] + [sdir, ""])
     ck.write_done(run_dir, step)
     manifest = ck.write_manifest(run_dir, step, **{k: v for k, v in meta.items()
                                                       if k not in ("retention", "step")})
@@ -270,6 +275,8 @@ class Checkpointer:
                     master=snap["master"].numpy() if snap["master"] is not None else None,
                     loader_state=snap["loader_state"], extras=snap["extras"])
                 f.flush()
+                os.fsync(f.fileno())  # durable before it is reported (the model file's writer
+                # fsyncs its own file and its rename)
             hashes[name] = {"sha256": hw.h.hexdigest(), "size": hw.size}
             if snap["params"] is not None:
                 name = ck.model_file(step)
@@ -277,6 +284,7 @@ class Checkpointer:
                 write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
                 hashes[name] = {"sha256": _sha256_file(stage / name),
                                 "size": (stage / name).stat().st_size}
+            _fsync_dir(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
         except BaseException as e:  # reported by the training thread, never swallowed
@@ -327,7 +335,8 @@ class Checkpointer:
         if hint is None and self.cfg.resume != 1:
             return None
         warn = (lambda m: print(f"raygpt | WARNING: {m}", flush=True)) if self.rank == 0 else (lambda m: None)
-        step = ck.find_latest_verified(self.run_dir, warn=warn)
+        decisions = ck.read_abandoned_trajectories(self.run_dir)
+        step = self._latest_resumable(decisions, warn)
         if step is None:
             if hint is not None:
                 warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists in "
@@ -337,7 +346,36 @@ class Checkpointer:
                       flush=True)
             return None
         self.load(step, state, loader)
+        self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
+
+    def _latest_resumable(self, decisions: list[dict], warn) -> int | None:
+        """The newest verified checkpoint that no rewind abandoned (a crash can come between a
+        rewind's record and its deletion of the abandoned checkpoints)."""
+        before = None
+        while (step := ck.find_latest_verified(self.run_dir, before_step=before, warn=warn)) is not None:
+            trajectory = ck.read_manifest(self.run_dir, step).get("extra", {}).get("trajectory")
+            hit = ck.abandoned_by(step, trajectory, decisions)
+            if hit is None:
+                return step
+            warn(f"checkpoint step {step} belongs to a trajectory a spike rewind abandoned "
+                 f"back to step {hit['to_step']}; passing over it")
+            before = step
+        return None
+
+    def _apply_rewind_decision(self, decision: dict | None, step: int, state: TrainState,
+                               loader) -> None:
+        """A rewind decided after checkpoint `step` was written (its ledger counts more rewinds
+        than the checkpoint's) still holds: its ledger (count, lr_scale) and skip list replace
+        and extend the checkpoint's, exactly as the rewind itself left them in memory."""
+        if decision is None or decision["ledger"]["rewinds"] <= state.ledger.rewinds:
+            return
+        state.ledger.load_state_dict(decision["ledger"])
+        loader.add_skip_ranges([tuple(r) for r in decision["skip_ranges"]])
+        if self.rank == 0:
+            print(f"raygpt | checkpoint {step} predates rewind {state.ledger.rewinds} (back to "
+                  f"step {decision['to_step']}): its skip list and lr_scale "
+                  f"{state.ledger.lr_scale:.3f} apply from here", flush=True)
 
     def load(self, step: int, state: TrainState, loader) -> None:
         t0 = time.perf_counter()
@@ -421,9 +459,15 @@ class Checkpointer:
                   f"accumulation now {self.cfg.grad_accum_steps(self.world)}", flush=True)
         return first
 
-    def rewind_to(self, step: int, state: TrainState, loader) -> None:
+    def rewind_to(self, step: int, state: TrainState, loader, window) -> None:
         """Reload checkpoint `step` for a spike rewind, keeping the policy's memory (the rewind
-        ledger with lr_scale, and the loader's grown skip list) from the present.
+        ledger with lr_scale, and the loader's skip list grown by the spike's data `window`)
+        from the present.
+
+        The decision (ledger and skip list) is durable before anything else happens: rank 0
+        writes it into the abandoned-trajectories record, so a worker lost before the next
+        checkpoint resumes from an older one and still applies it (`restore_latest`). The
+        other ranks go no further than the next step's collective without rank 0.
 
         Checkpoints newer than `step` belong to the abandoned trajectory: resuming from one
         would skip the rewind and its skip list, and the re-trained steps will write their own
@@ -431,8 +475,12 @@ class Checkpointer:
         the files, so none of them can be taken as complete while it goes. It first records
         this trajectory as abandoned: a checkpoint of it that the driver finalizes later (it
         was reported before the rewind) is then refused DONE."""
+        skips = merge_ranges([tuple(r) for r in loader.state_dict()["skip_ranges"]]
+                             + [tuple(r) for r in window])
+        ledger = state.ledger.state_dict()
         if self.rank == 0:
-            ck.record_abandoned_trajectory(self.run_dir, self.trajectory, step)
+            ck.record_abandoned_trajectory(self.run_dir, self.trajectory, step, ledger=ledger,
+                                           skip_ranges=skips)
             for s in ck.list_checkpoint_steps(self.run_dir):
                 if s > step:
                     sdir = ck.step_dir(s)
@@ -442,12 +490,18 @@ class Checkpointer:
                     self.run_dir.delete_dir(sdir)
         self.trajectory = uuid.uuid4().hex
         self.published = [s for s in self.published if s <= step]
-        ledger = state.ledger.state_dict()
-        skips = loader.state_dict()["skip_ranges"]
         self.load(step, state, loader)
         state.ledger.load_state_dict(ledger)
-        loader.add_skip_ranges([tuple(r) for r in skips])
+        loader.add_skip_ranges(skips)
         state.spike_samples = []
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:

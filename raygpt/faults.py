@@ -13,7 +13,10 @@ separated by ';', each `kind:key=value,...`:
                                 (the driver's finalizer leaves it, as if it had died there), and
                                 this rank is SIGKILLed two steps later (Ray only)
 
-`rank` defaults to 0. A fault fires once per run directory (a marker file under
+`rank` defaults to 0. `visit=N` fires it at the Nth arrival at its step within one attempt
+(default 1; a spike rewind brings the loop back to steps it has been through, so
+`kill:rank=1,step=7,visit=2` kills a worker between a rewind and the next checkpoint).
+A fault fires once per run directory (a marker file under
 `<run dir>/faults/` remembers it, so the restarted attempt runs clean) unless it carries
 `every=1`, which fires on every attempt (for retry-budget tests).
 """
@@ -37,6 +40,7 @@ class Fault:
     step: int
     rank: int = 0
     every: bool = False
+    visit: int = 1
 
     @property
     def marker(self) -> str:
@@ -52,12 +56,16 @@ def parse_spec(spec: str) -> list[Fault]:
         kv = {}
         for item in filter(None, args.split(",")):
             key, _, value = item.partition("=")
-            if key not in ("rank", "step", "every") or not value.lstrip("-").isdigit():
-                raise ValueError(f"--fault {part!r}: expected rank=N, step=N or every=1, found {item!r}")
+            if key not in ("rank", "step", "every", "visit") or not value.lstrip("-").isdigit():
+                raise ValueError(f"--fault {part!r}: expected rank=N, step=N, every=1 or visit=N, "
+                                 f"found {item!r}")
             kv[key] = int(value)
         if "step" not in kv:
             raise ValueError(f"--fault {part!r}: expected step=N")
-        faults.append(Fault(kind, kv["step"], kv.get("rank", 0), bool(kv.get("every", 0))))
+        if kv.get("visit", 1) < 1:
+            raise ValueError(f"--fault {part!r}: visit: expected N >= 1, found {kv['visit']}")
+        faults.append(Fault(kind, kv["step"], kv.get("rank", 0), bool(kv.get("every", 0)),
+                            kv.get("visit", 1)))
     return faults
 
 
@@ -67,10 +75,11 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], rank: int, run_dir=None):
         self.faults = [f for f in faults if f.rank == rank]
         self.run_dir = run_dir
+        self.visits: dict[int, int] = {}  # arrivals at each step in this attempt
 
     def _arm(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
-            if f.kind == kind and f.step == step:
+            if f.kind == kind and f.step == step and self.visits.get(step, 1) >= f.visit:
                 if f.every or self.run_dir is None:
                     return f
                 if self.run_dir.exists(f.marker):
@@ -81,6 +90,7 @@ class FaultPlan:
 
     def before_update(self, step: int) -> None:
         """Fire process-level faults due at this step (called at the top of the step)."""
+        self.visits[step] = self.visits.get(step, 0) + 1
         if self._arm("kill", step) or self._arm("crash_before_done", step - 2):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._arm("raise", step):

@@ -412,5 +412,4 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
               flush=True)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
-    ckpt.rewind_to(target, state, loader)
-    loader.add_skip_ranges(window)
+    ckpt.rewind_to(target, state, loader, window)  # the decision is durable before it returns

@@ -188,6 +188,16 @@ class RunDir:
             return
         write_local_atomic(self.local_path(rel), [data])
 
+    def make_durable(self, rels) -> None:
+        """Make files and directories (their entries) that something else wrote durable, without
+        reading their data: local / NFS, open + fsync each (a directory's fsync makes the names
+        in it durable); object stores, nothing to do (a completed put is durable). For files
+        another writer copied in without an fsync (Ray's checkpoint upload)."""
+        if not self.is_local:
+            return
+        for rel in rels:
+            _fsync_path(self.local_path(rel))
+
     def append_text(self, rel: str, text: str) -> None:
         """Append `text` (UTF-8), whole lines. Local: append + flush + fsync, durable on return.
         Object stores: appended to the local mirror, stored by the next due upload or `flush()`
@@ -399,10 +409,11 @@ def write_local_atomic(target: Path, chunks) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    _fsync_path(target.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory by name (a read-only descriptor is enough on Linux)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

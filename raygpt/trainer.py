@@ -10,8 +10,9 @@
   only once *every* worker has reported and the merged checkpoint is persisted, which is exactly
   the moment DONE and MANIFEST may appear. Doing it there, rather than on rank 0 after a
   barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
-  yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention alone
-  deletes, so the two never fight.
+  yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds
+  alone delete, and Ray's list of checkpoints (its snapshot file) is brought back to what
+  exists after every report and before every fit() (raygpt.ray_snapshot).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
   actor that rank 0 polls; on the workers the handlers are installed on each actor's main
   thread by the backend hook (Python runs handlers on the main thread only).
@@ -39,6 +40,7 @@ from raygpt import signals
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.session import Session
 from raygpt.storage import RunDir, open_run_dir
 
@@ -177,9 +179,9 @@ class CheckpointFinalizer(UserCallback):
     """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
     retention, and records every worker-group failure in the run's loss history."""
 
-    def __init__(self, output_dir: str, crash_before_done_step: int | None = None):
+    def __init__(self, output_dir: str, crash_before_done_steps=()):
         self.output_dir = output_dir
-        self.crash_before_done_step = crash_before_done_step
+        self.crash_before_done_steps = set(crash_before_done_steps)
         self.failures = 0
 
     def after_report(self, run_context, metrics, checkpoint):
@@ -187,11 +189,12 @@ class CheckpointFinalizer(UserCallback):
             return
         run_dir = open_run_dir(self.output_dir)
         step = int(Path(checkpoint.path).name.split("_")[1])
-        if self.crash_before_done_step == step:
+        if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
             print(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST",
                   flush=True)
-            self.crash_before_done_step = None
+            self.crash_before_done_steps.discard(step)
+            self._reconcile(run_dir)
             return
         rank_hashes = {}
         for m in metrics:
@@ -204,6 +207,17 @@ class CheckpointFinalizer(UserCallback):
             # simply stays without DONE/MANIFEST, which every reader treats as absent.
             print(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}",
                   flush=True)
+        self._reconcile(run_dir)
+
+    @staticmethod
+    def _reconcile(run_dir: RunDir) -> None:
+        """Ray's CheckpointManager wrote its snapshot just before this callback (same thread):
+        take out what retention just deleted and what a rewind deleted since the last report."""
+        try:
+            reconcile_snapshot(run_dir)
+        except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
+            print(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
+                  f"{type(e).__name__}: {e}", flush=True)
 
     def after_exception(self, run_context, worker_exceptions):
         self.failures += 1
@@ -264,7 +278,15 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
     cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
     Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
-    any extra controller callbacks."""
+    any extra controller callbacks.
+
+    Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
+    snapshot is first brought back to the checkpoints that exist (see raygpt.ray_snapshot), or
+    Ray's controller would refuse the directory after retention or a rewind deleted some."""
+    dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
+    if dropped:
+        print(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
+              f"no longer in the run directory; dropped: {', '.join(dropped)}", flush=True)
     storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
@@ -285,7 +307,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             # Ray Train's print patch tees every print to its logger as well: each line twice
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-            callbacks=[CheckpointFinalizer(cfg.output_dir, faults[0].step if faults else None),
+            callbacks=[CheckpointFinalizer(cfg.output_dir, [f.step for f in faults]),
                        *callbacks]),
     )
 

@@ -568,3 +568,74 @@ def test_a_corrupt_abandoned_trajectories_file_is_an_error_naming_it(run_dir):
     run_dir.write_bytes_atomic(ABANDONED, b"[{")
     with pytest.raises(CheckpointError, match=r"abandoned_trajectories.json"):
         read_abandoned_trajectories(run_dir)
+
+
+def test_a_rewinds_decision_is_recorded_with_its_abandonment(run_dir):
+    from raygpt.checkpoint import latest_rewind_decision
+    record_abandoned_trajectory(run_dir, "old", 4)  # written before decisions existed
+    assert latest_rewind_decision(read_abandoned_trajectories(run_dir)) is None
+    ledger = {"rewinds": 1, "lr_scale": 1.0, "history": []}
+    record_abandoned_trajectory(run_dir, "a", 10, ledger=ledger, skip_ranges=[(0, 8, 12)])
+    record_abandoned_trajectory(run_dir, "b", 20, ledger={**ledger, "rewinds": 2},
+                                skip_ranges=[(0, 8, 12), (0, 40, 44)])
+    entries = read_abandoned_trajectories(run_dir)
+    assert latest_rewind_decision(entries) == {
+        "trajectory": "b", "to_step": 20, "ledger": {**ledger, "rewinds": 2},
+        "skip_ranges": [[0, 8, 12], [0, 40, 44]]}
+    run_dir.write_bytes_atomic(ABANDONED, json.dumps(
+        [{"trajectory": "a", "to_step": 1, "ledger": {"rewinds": 1}, "skip_ranges": [[0, 1]]}]
+    ).encode())
+    with pytest.raises(CheckpointError, match=r"abandoned_trajectories.json: entry 0: expected "
+                                              r"a rewind decision"):
+        read_abandoned_trajectories(run_dir)
+
+
+# ---------------------------------------------------------------------- durable before published
+def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monkeypatch):
+    """A real save (LocalSession: stage on the worker, copy into storage without an fsync, then
+    finalize): every file of the checkpoint is fsynced where its rank wrote it, then again as
+    stored, and the step directory and the run directory (the names) are fsynced, all before
+    DONE is renamed into place (MANIFEST comes after DONE)."""
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from tests.helpers import tiny_config
+
+    events = []  # ("fsync", path) / ("rename", target), in order, from every thread
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **kw):
+        events.append(("rename", os.path.abspath(dst)))
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    run_dir = (tmp_path / "run").resolve()
+    cfg = tiny_config(run_dir, max_steps=4, checkpoint_every=2).resolve(0)
+    train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
+    monkeypatch.undo()
+
+    stage_root = os.path.realpath(os.path.join(__import__("tempfile").gettempdir(), "raygpt-stage"))
+    steps = list_checkpoint_steps(open_run_dir(str(run_dir)))
+    assert steps == [2, 4]
+    for step in steps:
+        sdir = run_dir / step_dir(step)
+        done_at = events.index(("rename", str(sdir / done_file(step))))
+        manifest_at = events.index(("rename", str(sdir / MANIFEST)))
+        assert done_at < manifest_at
+        before = events[:done_at]
+        names = [n for n in os.listdir(sdir) if n not in (MANIFEST, done_file(step))]
+        assert sorted(names) == sorted([model_file(step), state_file(step, 0)])
+        for name in names:
+            stored = before.index(("fsync", str(sdir / name)))  # as stored, before DONE
+            staged = [i for i, (kind, p) in enumerate(before) if kind == "fsync"
+                      and p.startswith(stage_root) and os.path.basename(p).split(".tmp")[0] == name]
+            assert staged and staged[0] < stored, f"{name}: not fsynced where its rank wrote it"
+        assert any(kind == "fsync" and p.startswith(stage_root) and os.path.basename(p) ==
+                   step_dir(step) for kind, p in before), "the staged names"
+        first_stored = min(before.index(("fsync", str(sdir / n))) for n in names)
+        assert ("fsync", str(sdir)) in before[first_stored:], "the step directory's names"
+        assert ("fsync", str(run_dir)) in before[first_stored:], "the step directory's own name"

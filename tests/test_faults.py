@@ -28,3 +28,17 @@ def test_fires_once_per_run_dir_unless_every(tmp_path):
     every = FaultPlan(parse_spec("nan:step=3,every=1"), rank=0, run_dir=rd)
     assert every.nan_now(3) and every.nan_now(3)
     assert not FaultPlan(parse_spec("nan:rank=1,step=3"), rank=0, run_dir=rd).nan_now(3)
+
+
+def test_visit_fires_at_the_nth_arrival_at_its_step_in_one_attempt(tmp_path):
+    """A rewind brings the loop back to a step: visit=2 fires there the second time only."""
+    rd = open_run_dir(str(tmp_path))
+    assert parse_spec("raise:step=7,visit=2") == [Fault("raise", 7, 0, False, 2)]
+    plan = FaultPlan(parse_spec("nan:step=7,visit=2"), rank=0, run_dir=rd)
+    fired = []
+    for step in (6, 7, 8, 9, 6, 7, 8):  # a rewind from 9 back to 6
+        plan.before_update(step)
+        fired.append(plan.nan_now(step))
+    assert fired == [False, False, False, False, False, True, False]
+    with pytest.raises(ValueError, match="visit: expected N >= 1"):
+        parse_spec("kill:step=3,visit=0")

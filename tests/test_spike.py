@@ -7,6 +7,7 @@ import torch
 
 from raygpt import checkpoint as ck
 from raygpt.config import SpikeConfig
+from raygpt.faults import InjectedFault
 from raygpt.loop import TrainingStopped, train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
@@ -113,3 +114,52 @@ def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4 and c.now == 0
+
+
+# ---------------------------------------------------------------------- a rewind survives a crash
+def test_a_crash_between_a_rewind_and_the_next_checkpoint_keeps_the_rewinds_decision(tmp_path):
+    """NaN at step 9 rewinds to checkpoint 6 (safety 3), abandoning checkpoint 8; the process
+    dies at step 7 of the re-run, before any checkpoint carries the rewind. -y 1 resumes from
+    6, which predates the rewind: the decision recorded in the run directory still applies, so
+    the window stays skipped and the losses equal the same run without the crash."""
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
+    kw = dict(max_steps=12, checkpoint_every=2, spike=spike)
+    run_local(tiny_config(tmp_path / "ref", **kw, fault="nan:rank=0,step=9"))
+    crash = tiny_config(tmp_path / "crash", **kw,
+                        fault="nan:rank=0,step=9;raise:rank=0,step=7,visit=2")
+    with pytest.raises(InjectedFault):
+        run_local(crash)
+    rd = open_run_dir(str(tmp_path / "crash"))
+    assert ck.list_checkpoint_steps(rd) == [2, 4, 6]  # 8 went with the abandoned trajectory
+    [decision] = ck.read_abandoned_trajectories(rd)
+    assert decision["to_step"] == 6 and decision["ledger"]["rewinds"] == 1
+    assert decision["skip_ranges"]
+    summary = run_local(crash.with_overrides({"resume": 1}))
+    assert summary["rewinds"] == 1 and summary["step"] == 12
+    assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
+    resumes = [r for r in records(tmp_path / "crash") if r["kind"] == "resume"]
+    assert resumes[-1]["resumed_from"] == 6
+
+
+def test_resume_passes_over_a_checkpoint_a_rewind_abandoned_but_did_not_delete(tmp_path):
+    """A crash between the rewind's record and its deletions leaves an abandoned checkpoint
+    complete on disk: resume goes back to the rewind's target instead."""
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
+    kw = dict(max_steps=12, checkpoint_every=2, spike=spike)
+    run_local(tiny_config(tmp_path / "ref", **kw, fault="nan:rank=0,step=9"))
+    crash = tiny_config(tmp_path / "crash", **kw, fault="raise:rank=0,step=9")
+    with pytest.raises(InjectedFault):
+        run_local(crash)
+    rd = open_run_dir(str(tmp_path / "crash"))
+    assert ck.list_checkpoint_steps(rd) == [2, 4, 6, 8]
+    # what the reference run's rewind recorded, as if this run had crashed right after it
+    [decision] = ck.read_abandoned_trajectories(open_run_dir(str(tmp_path / "ref")))
+    trajectory = ck.read_manifest(rd, 8)["extra"]["trajectory"]
+    ck.record_abandoned_trajectory(rd, trajectory, 6, ledger=decision["ledger"],
+                                   skip_ranges=decision["skip_ranges"])
+    summary = run_local(crash.with_overrides({"resume": 1, "fault": ""}))
+    resumes = [r for r in records(tmp_path / "crash") if r["kind"] == "resume"]
+    assert resumes[-1]["resumed_from"] == 6 and summary["rewinds"] == 1
+    ref = train_losses(tmp_path / "ref")
+    assert {s: l for s, l in train_losses(tmp_path / "crash").items() if s >= 6} == \
+        {s: l for s, l in ref.items() if s >= 6}

@@ -2,6 +2,8 @@
 faults (a killed worker, SIGTERM, SIGUSR1, a crash before DONE, a fault on every attempt).
 One local Ray (2 CPUs) is shared by the whole module."""
 
+import json
+
 import pytest
 import ray
 
@@ -125,3 +127,58 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
     starts = [r for r in records(tmp_path) if r["kind"] in ("start", "resume")]
     assert len(starts) == 2
     assert "2 attempt(s)" in str(e.value) and "InjectedFault" in str(e.value)
+
+
+def snapshot_names(run_dir) -> list[str]:
+    from raygpt.ray_snapshot import SNAPSHOT
+    snap = json.loads((run_dir / SNAPSHOT).read_text())
+    return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
+
+
+def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
+    """-n 2 -nk 2, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
+    follows (after each report, in the controller), the resumed controller accepts the run
+    directory, and a checkpoint deleted after the last report (as a rewind does) is dropped
+    from Ray's list before the next fit()."""
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "keep"
+    stopped = cfg.with_overrides({"output_dir": str(run_dir), "checkpoint_every": 2,
+                                  "checkpoints_keep": 2, "fault": "sigterm:rank=1,step=8"})
+    summary = go(stopped)
+    assert summary["stopped_early"] and summary["step"] == 9
+    rd = open_run_dir(str(run_dir))
+    assert ck.list_checkpoint_steps(rd) == [8, 9]
+    assert snapshot_names(run_dir) == [ck.step_dir(8), ck.step_dir(9)]
+    rd.delete_dir(ck.step_dir(8))  # deleted behind Ray's back after its last report
+    summary = go(stopped.with_overrides({"resume": 1}))
+    assert summary["step"] == 12 and not summary["stopped_early"]
+    assert train_losses(run_dir) == train_losses(full_dir)
+    assert ck.list_checkpoint_steps(rd) == [10, 12]
+    assert snapshot_names(run_dir) == [ck.step_dir(10), ck.step_dir(12)]
+
+
+def test_a_worker_killed_right_after_a_rewind_resumes_with_the_rewinds_decision(tmp_path):
+    """2 workers, spike monitor on: NaN at step 9 rewinds to checkpoint 6 (safety 3), deleting
+    checkpoint 8, the newest one Ray registered. Rank 1 is then SIGKILLed at step 7 of the
+    re-run, before a checkpoint carries the rewind. Ray restarts the group inside the same fit()
+    (its latest registered checkpoint is gone: a hint only), the workers resume from 6 and
+    apply the recorded decision: the final losses equal, as floats, the same run without the
+    kill. Ray's checkpoint list names only what exists, once each, and -y 1 accepts it."""
+    from raygpt.config import SpikeConfig
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
+    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike)
+    ref = tiny_config(tmp_path / "ref", **base, fault="nan:rank=1,step=9")
+    summary = go(ref)
+    assert summary["rewinds"] == 1 and summary["failures"] == 0
+    crash = tiny_config(tmp_path / "crash", **base,
+                        fault="nan:rank=1,step=9;kill:rank=1,step=7,visit=2")
+    summary = go(crash)
+    assert summary["failures"] == 1 and summary["rewinds"] == 1 and summary["step"] == 12
+    resumes = [r for r in records(tmp_path / "crash") if r["kind"] == "resume"]
+    assert resumes[-1]["resumed_from"] == 6
+    assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
+    rd = open_run_dir(str(tmp_path / "crash"))
+    names = snapshot_names(tmp_path / "crash")
+    assert names == [ck.step_dir(s) for s in ck.list_checkpoint_steps(rd)]
+    summary = go(crash.with_overrides({"resume": 1, "max_steps": 14}))  # a new controller
+    assert summary["step"] == 14 and summary["failures"] == 0
