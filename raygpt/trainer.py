@@ -377,6 +377,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
             raise RunFailed(f"raygpt run {cfg.output_dir} stopped (not retried, it would fail "
                             f"again): {stopped.message}", stopped.exit_code) from e
         raise RunFailed(_failure_report(cfg, t0, e)) from e
+    except KeyboardInterrupt:
+        # Ray's get() turns an exception raised by a signal handler into a plain
+        # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
+        if driver_signals.aborted:
+            raise RunAborted(f"raygpt run {cfg.output_dir} aborted by a second Ctrl-C; -y 1 "
+                             f"resumes from the last verified checkpoint") from None
+        raise
     finally:
         driver_signals.restore()
         ray.kill(control)
@@ -423,6 +430,7 @@ class DriverSignals:
     def __init__(self, control):
         self.control = control
         self.sigints = 0
+        self.aborted = False
         self._pending: list[str] = []
         self._wake = threading.Event()
         self._done = threading.Event()
@@ -446,11 +454,12 @@ class DriverSignals:
             return
         print("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
               "the last verified checkpoint", flush=True)
+        self.aborted = True
         try:
             ray.get(controller.abort.remote(), timeout=self.ABORT_WAIT_S)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # the controller exits inside abort(): its actor error is the expected answer
-        raise RunAborted("aborted by a second Ctrl-C")
+        raise KeyboardInterrupt  # out of fit(); run() turns it into RunAborted
 
     def _forward(self):
         while not self._done.is_set():
