@@ -116,6 +116,9 @@ def test_spike_escalation_stops_the_run_without_a_retry(local_ray, tmp_path):
 # A killed worker is still retried under this failure policy and resumes bit-exactly:
 # tests/test_trainer.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
 
+CTRL_C = dict(num_workers=2, max_steps=30, checkpoint_every=10, total_batch_size=4 * 32 * 2)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(local_ray, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("full")
