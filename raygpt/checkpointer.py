@@ -416,7 +416,9 @@ class Checkpointer:
         state.rng_state_last_update = sf.rng_state_last_update
         state.rng_state = sf.rng_state
         loader.load_state_dict(sf.loader_state)
-        state.load_extras(sf.extras)
+        for note in state.load_extras(sf.extras):
+            if self.rank == 0:
+                print(f"raygpt | WARNING: checkpoint {step}: {note}", flush=True)
 
     def _read_own_state(self, step: int):
         sdir, opt = ck.step_dir(step), self.opt

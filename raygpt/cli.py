@@ -23,17 +23,21 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
-    from raygpt.trainer import RunFailed, run
+    from raygpt.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
+    from raygpt.trainer import RunAborted, RunFailed, run
 
     try:
         summary = run(cfg)
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
+        return EXIT_BAD_INPUT
+    except RunFailed as e:  # exit code by cause: a bad input met in a worker is 2, else 1
+        print(f"raygpt: {'error: ' if e.exit_code == EXIT_BAD_INPUT else ''}{e}", file=sys.stderr)
+        return e.exit_code
+    except RunAborted as e:
         print(f"raygpt: {e}", file=sys.stderr)
-        return 1
-    return 0 if not summary.get("stopped_early") else 3
+        return e.exit_code
+    return EXIT_FINISHED if not summary.get("stopped_early") else EXIT_STOPPED
 
 
 def _cluster_gpus() -> int | None:

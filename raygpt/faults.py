@@ -4,7 +4,10 @@ The spec is `--fault` (TrainConfig.fault) or the RAYGPT_FAULT environment variab
 separated by ';', each `kind:key=value,...`:
 
     kill:rank=1,step=7          SIGKILL this worker process before step 7's update
-    raise:rank=0,step=5         raise InjectedFault in the worker at step 5
+    raise:rank=0,step=5         raise InjectedFault in the worker at step 5 (a fault a restart
+                                may cure: Ray retries it)
+    bad_input:rank=0,step=5     raise InjectedBadInput, a ShardError as a shard that changed
+                                under the loader raises (not retried: the run ends, exit 2)
     sigterm:rank=1,step=9       send SIGTERM to this worker process (checkpoint, clean exit)
     sigusr1:rank=0,step=9       send SIGUSR1 to this worker process (checkpoint, continue)
     preempt:rank=0,step=9       behave as if Ray announced a preemption of this node
@@ -27,11 +30,17 @@ import os
 import signal
 from dataclasses import dataclass
 
-KINDS = ("kill", "raise", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
+from raygpt.data import ShardError
+
+KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
 
 
 class InjectedFault(RuntimeError):
     """The exception a `raise:` fault throws."""
+
+
+class InjectedBadInput(ShardError):
+    """The exception a `bad_input:` fault throws: a bad input met inside a worker."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,9 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._arm("raise", step):
             raise InjectedFault(f"injected fault at step {step}")
+        if self._arm("bad_input", step):
+            raise InjectedBadInput(f"injected bad input at step {step}: a shard's token count "
+                                   f"changed under the loader")
         if self._arm("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._arm("sigusr1", step):

@@ -28,6 +28,7 @@ from raygpt import signals, tokenizer
 from raygpt.checkpointer import Checkpointer
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, samples_to_ranges
+from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
 from raygpt.history import RunHistory
 from raygpt.metrics import Logger, estimate_mfu, format_step_line
@@ -73,10 +74,6 @@ class NonDeterministicOp(ConfigError):
 def _op_named_in(message: str) -> str:
     """The op's name from PyTorch's error ('<op> does not have a deterministic ...')."""
     return message.split(NOT_DETERMINISTIC)[0].strip().rstrip(",") or "an op"
-
-
-class TrainingStopped(Exception):
-    """Raised when the spike policy escalates: the run needs a human."""
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
@@ -209,6 +206,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
     tb = TensorBoardWriter(session.run_dir, enabled=is_main, purge_step=resumed_from)
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
+    save_clock = signals.SaveClock(cfg.checkpoint_minutes if is_main else 0.0)  # rank 0 decides
 
     n_params = num_parameters(model)
     if is_main:
@@ -246,6 +244,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         if ckpt.due(step, last_step, resumed_from) or state.save_requested:
             ckpt.save(state, train_loader, blocking=last_step or stop_requested)
             state.save_requested = False
+            save_clock.saved()
         if last_step or stop_requested:
             break
 
@@ -275,7 +274,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         outside_stop, outside_save = session.poll_requests()  # driver signals, preemption
         agree[STOP] = max(flags.stop_requested(), float(outside_stop))
         agree[SAVE] = max(flags.take_save_request(), float(outside_save),
-                          float(faults.preempt_now(step)))
+                          float(faults.preempt_now(step)), float(save_clock.due()))
         agree[CKPT_READY] = ckpt.ready()
         all_reduce_sum(agree, world)
         loss_v, norm_sq_v, stop_v, save_v, ready_v = agree.tolist()  # the step's one host sync
@@ -347,7 +346,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         if ready_v >= world:
             ckpt.publish_pending({"step": state.step, "train_loss": loss, "val_loss": val_loss})
         if save_v > 0:
-            state.save_requested = True  # SIGUSR1 / preemption notice: checkpoint, go on
+            state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
         if stop_v > 0:
             state.save_requested = stop_requested = True  # SIGTERM: checkpoint, then exit
 

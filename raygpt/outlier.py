@@ -23,6 +23,14 @@ from dataclasses import dataclass
 from raygpt.config import SpikeConfig
 
 OUTLIER_DETECTOR_WINDOW_SIZE = 128
+MAX_WINDOW_VALUE = 1e150
+"""Values at or above this magnitude stay out of the detector's window: 128 squares of 1e150 sum
+to 1.3e302, well inside a double, so the running sums can never overflow to inf (and then NaN)."""
+
+
+def admissible(x: float) -> bool:
+    """Whether x may enter a detector's window: finite and below MAX_WINDOW_VALUE in magnitude."""
+    return math.isfinite(x) and abs(x) < MAX_WINDOW_VALUE
 
 
 class OutlierDetector:
@@ -35,10 +43,16 @@ class OutlierDetector:
         mean = sum / 128,  var = sum_sq / 128 - mean^2,  z = (x - mean) / sqrt(var)
     and z is 0.0 when the std is exactly 0. The sums are running doubles (Python floats are C
     doubles), so they carry llm.c's rounding history; `state_dict` saves them as they are rather
-    than recomputing them from the buffer, which keeps resumed z-scores bitwise equal. As in llm.c,
-    a non-finite value poisons the sums for good: feed it finite values (SpikeMonitor turns
-    non-finite losses into a rewind first). A variance that rounds below zero gives NaN, as C's
-    sqrt does.
+    than recomputing them from the buffer, which keeps resumed z-scores bitwise equal. A variance
+    that rounds below zero gives NaN, as C's sqrt does.
+
+    Where raygpt departs from llm.c: a value that is not finite, or so large that its square
+    could overflow the running sums (|x| >= MAX_WINDOW_VALUE), never enters the window. In llm.c
+    one NaN loss makes sum and sum_sq NaN for the rest of the run (evicting it computes NaN - NaN),
+    every later z is NaN and -sl / -sg never skip again; the poisoned sums would also be saved in
+    every checkpoint. Such a value gets its z against the window as it stands (NaN for NaN, and
+    nothing is entered or evicted), and `load_state_dict` repairs a detector poisoned by an older
+    raygpt (see `repair_note`).
     """
 
     def __init__(self) -> None:
@@ -47,10 +61,19 @@ class OutlierDetector:
         self.index = 0   # circular write cursor once the window is full
         self.sum = 0.0
         self.sum_sq = 0.0
+        self.repair_note: str | None = None  # set by load_state_dict when it had to repair
 
     def update(self, value: float) -> float:
         x = float(value)
         n = OUTLIER_DETECTOR_WINDOW_SIZE
+        if not admissible(x):
+            # judged against the window as it stands; entering it would poison the sums
+            if self.count < n:
+                return math.nan
+            mean = self.sum / n
+            variance = self.sum_sq / n - mean * mean
+            std_dev = math.sqrt(variance) if variance >= 0.0 else math.nan
+            return math.nan if math.isnan(x) or std_dev == 0.0 else (x - mean) / std_dev
         if self.count < n:
             self.buffer[self.count] = x
             self.sum += x
@@ -72,6 +95,12 @@ class OutlierDetector:
         return (x - mean) / std_dev
 
     def state_dict(self) -> dict:
+        # update() and load_state_dict() keep the sums clean; a checkpoint must never carry
+        # poisoned ones, so a broken invariant stops the save rather than being written
+        if not self.is_clean():
+            raise ValueError(f"OutlierDetector state: sum {self.sum!r} / sum_sq {self.sum_sq!r}: "
+                             f"expected finite running sums of finite values; refusing to save a "
+                             f"poisoned detector")
         return {"window_size": OUTLIER_DETECTOR_WINDOW_SIZE, "buffer": list(self.buffer),
                 "count": self.count, "index": self.index, "sum": self.sum, "sum_sq": self.sum_sq}
 
@@ -94,6 +123,37 @@ class OutlierDetector:
         self.buffer = [float(v) for v in buffer]
         self.count, self.index = count, index
         self.sum, self.sum_sq = float(state["sum"]), float(state["sum_sq"])
+        self.repair_note = None
+        if not self.is_clean():
+            self._repair()
+
+    def is_clean(self) -> bool:
+        """Finite running sums over admissible window values (what update() guarantees)."""
+        return (math.isfinite(self.sum) and math.isfinite(self.sum_sq)
+                and all(admissible(v) for v in self.window()))
+
+    def window(self) -> list[float]:
+        """The values in the window, oldest first."""
+        if self.count < OUTLIER_DETECTOR_WINDOW_SIZE:
+            return self.buffer[:self.count]
+        return self.buffer[self.index:] + self.buffer[:self.index]
+
+    def _repair(self) -> None:
+        """A detector saved poisoned (by a raygpt before this fix, as llm.c would): rebuild it
+        from the admissible values of its window, oldest first, and say what was done. The
+        rebuilt sums are a fresh computation, so z-scores from here differ in the last bits from
+        the never-poisoned detector that cannot be recovered."""
+        values = self.window()
+        kept = [v for v in values if admissible(v)]
+        was = f"sum {self.sum!r}, sum_sq {self.sum_sq!r}"
+        self.buffer = [0.0] * OUTLIER_DETECTOR_WINDOW_SIZE
+        self.count = self.index = 0
+        self.sum = self.sum_sq = 0.0
+        for v in kept:
+            self.update(v)
+        self.repair_note = (f"poisoned by a non-finite value ({was}, {len(values) - len(kept)} "
+                            f"of {len(values)} window values not finite); rebuilt from the "
+                            f"{len(kept)} finite ones")
 
 
 def _expect(ok: bool, owner: str, field: str, expected, found) -> None:
@@ -161,6 +221,7 @@ class SpikeMonitor:
         self.gnorms: deque[float] = deque(maxlen=cfg.window)   # their grad norms
         self.consecutive = 0                 # outliers in a row up to the last step checked
         self.spike_start: int | None = None  # first step of that run of outliers
+        self.repair_note: str | None = None  # set by load_state_dict when it had to repair
 
     def check(self, step: int, loss: float, gnorm: float) -> Verdict:
         loss, gnorm = float(loss), float(gnorm)
@@ -212,6 +273,9 @@ class SpikeMonitor:
         return Verdict(kind, z, ratio, reason, self.spike_start)
 
     def state_dict(self) -> dict:
+        if not all(math.isfinite(v) for v in (*self.losses, *self.gnorms)):
+            raise ValueError("SpikeMonitor state: losses/gnorms: expected finite values only; "
+                             "refusing to save a poisoned window")
         return {"window": self.cfg.window, "losses": list(self.losses), "gnorms": list(self.gnorms),
                 "consecutive": self.consecutive, "spike_start": self.spike_start}
 
@@ -229,8 +293,16 @@ class SpikeMonitor:
                 "an integer >= 0", consecutive)
         _expect((start is None) == (consecutive == 0) and (start is None or isinstance(start, int)),
                 "SpikeMonitor", "spike_start", "a step when consecutive > 0, else None", start)
-        self.losses = deque((float(v) for v in losses), maxlen=w)
-        self.gnorms = deque((float(v) for v in gnorms), maxlen=w)
+        pairs = [(float(a), float(b)) for a, b in zip(losses, gnorms)]
+        clean = [(a, b) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+        # check() never lets a non-finite step into the windows; one found here was written by
+        # something else (a hand-edited or foreign checkpoint): it would turn every median and
+        # MAD after it into NaN, so it is dropped, and said so
+        self.repair_note = (None if len(clean) == len(pairs) else
+                            f"dropped {len(pairs) - len(clean)} non-finite step(s) of "
+                            f"{len(pairs)} from the clean-loss window")
+        self.losses = deque((a for a, _ in clean), maxlen=w)
+        self.gnorms = deque((b for _, b in clean), maxlen=w)
         self.consecutive, self.spike_start = consecutive, start
 
 

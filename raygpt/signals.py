@@ -6,6 +6,9 @@ means "checkpoint now, once, and keep training". The handlers only set flags: no
 collectives happen inside a signal handler. The loop puts the flags into its per-step agreement
 collective, so a signal delivered to any one rank reaches every rank at the same step boundary.
 
+`SaveClock` is the time-based request of the same kind (--checkpoint-minutes): rank 0's clock
+puts it into the same agreement, so every rank saves at the same step.
+
 Python runs signal handlers on the main thread only. Under Ray Train the training function runs
 on a worker thread, so `install()` is executed on each worker's main thread by the trainer's
 backend hook; in a plain process `watch()` installs them itself.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 _flags = {"stop": False, "save": False}
 _lock = threading.Lock()
@@ -70,3 +74,22 @@ def watch() -> Flags:
 
 def unwatch() -> None:
     _flags["stop"] = _flags["save"] = False
+
+
+class SaveClock:
+    """--checkpoint-minutes: asks for a checkpoint once `minutes` of wall time have passed since
+    the last checkpoint (or since the attempt started). Wall clocks differ between ranks, so only
+    rank 0 keeps one (the others get minutes=0, never due); its request travels in the loop's
+    per-step agreement like SIGUSR1's, and every rank saves at the same step boundary."""
+
+    def __init__(self, minutes: float, clock=time.monotonic):
+        self.interval_s = 60.0 * minutes
+        self.clock = clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        return self.interval_s > 0 and self.clock() - self.last >= self.interval_s
+
+    def saved(self) -> None:
+        """A checkpoint was written: the interval starts again."""
+        self.last = self.clock()

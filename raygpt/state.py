@@ -50,6 +50,7 @@ class TrainState:
         """llm.c's z-score skip (-sl / -sg), then seed 001's spike policy when it is on.
         A non-finite loss or norm never reaches AdamW: it rewinds under the spike policy and is
         skipped (with the reason said) without it."""
+        # a non-finite value is judged but never enters a detector's window (see OutlierDetector)
         zloss = self.loss_detector.update(loss)
         zgrad = self.grad_detector.update(norm)
         if self.monitor is not None:
@@ -78,7 +79,9 @@ class TrainState:
             "ledger": self.ledger.state_dict(),
         }
 
-    def load_extras(self, extras: dict) -> None:
+    def load_extras(self, extras: dict) -> list[str]:
+        """Restore from a state file's extras; returns a note for each policy window that had to
+        be repaired (a detector poisoned by a non-finite value in an older checkpoint)."""
         self.tokens_seen = extras["tokens_seen"]
         self.skips = extras["skips"]
         self.clipped = extras["clipped"]
@@ -87,6 +90,10 @@ class TrainState:
         if self.monitor is not None and extras.get("monitor") is not None:
             self.monitor.load_state_dict(extras["monitor"])
         self.ledger.load_state_dict(extras["ledger"])
+        owners = {"loss outlier detector (-sl)": self.loss_detector,
+                  "grad-norm outlier detector (-sg)": self.grad_detector, "spike monitor": self.monitor}
+        return [f"{name}: {owner.repair_note}" for name, owner in owners.items()
+                if owner is not None and owner.repair_note]
 
     def copy(self) -> "TrainState":
         return dataclasses.replace(self)

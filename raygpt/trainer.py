@@ -15,7 +15,13 @@
   exists after every report and before every fit() (raygpt.ray_snapshot).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
   actor that rank 0 polls; on the workers the handlers are installed on each actor's main
-  thread by the backend hook (Python runs handlers on the main thread only).
+  thread by the backend hook (Python runs handlers on the main thread only). A first Ctrl-C
+  (SIGINT) is a SIGTERM; a second aborts at once. Ray Train installs its own SIGINT handler
+  when `fit()` starts its controller (it aborts the run without a checkpoint), so
+  `RaygptTrainer` puts raygpt's in its place.
+- Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.errors`) end
+  the run at once: the worker raises `RunStopped`, and `StopOnRunStopped`, the controller's
+  failure policy, answers RAISE instead of spending the retry budget on them.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import signals
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig
+from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
 from raygpt.history import LOSS_HISTORY, read_history, summarize_run
 from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.session import Session
@@ -146,7 +154,13 @@ def train_func(config: dict) -> None:
     if cfg.device == "cpu":
         torch.set_num_threads(config.get("threads_per_worker", 1))
     _quiet_report_log()
-    summary = train(cfg, RaySession(cfg, config.get("control_name")))
+    try:
+        summary = train(cfg, RaySession(cfg, config.get("control_name")))
+    except Exception as e:
+        code = stop_code(e)  # classified here, where the exception still has its cause
+        if code is None:
+            raise  # a fault a restart may cure: Ray's retry budget is for these
+        raise RunStopped(f"{type(e).__name__}: {e}", code) from e
     ray.train.report({"final": True, **summary})
 
 
@@ -230,8 +244,58 @@ class CheckpointFinalizer(UserCallback):
               flush=True)
 
 
+class StopOnRunStopped(DefaultFailurePolicy):
+    """Ray Train's failure policy, except that a worker group in which any worker raised
+    `RunStopped` is not restarted: the run ends at once with that error (see raygpt.errors).
+    Everything else (a lost process, node or collective, preemptions) keeps Ray's budgets."""
+
+    def make_decision(self, training_failed_error):
+        if run_stopped(training_failed_error) is not None:
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
+
+
+def run_stopped(error) -> RunStopped | None:
+    """The RunStopped a worker raised, found in a Ray Train error (WorkerGroupError's
+    worker_failures, by rank), else None."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        if isinstance(failures[rank], RunStopped):
+            return failures[rank]
+    return None
+
+
+class RaygptTrainer(TorchTrainer):
+    """TorchTrainer with raygpt's failure policy and, when `on_sigint` is set, raygpt's Ctrl-C.
+    Both hooks are Ray Train 2.60's own seams (`_initialize_and_run_controller` receives the
+    failure policy it ships to the controller; `_register_sigint_handler` installs Ctrl-C's
+    handler once the controller exists); test_run_end.py fails if either stops being called."""
+
+    on_sigint = None  # callable(controller) installed as the SIGINT handler during fit()
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["failure_policy"] = StopOnRunStopped(self.run_config.failure_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    def _register_sigint_handler(self, controller):
+        if self.on_sigint is None:
+            return super()._register_sigint_handler(controller)
+        signal.signal(signal.SIGINT, lambda signum, frame: self.on_sigint(controller))
+
+
 class RunFailed(RuntimeError):
-    pass
+    """The run ended without finishing; `exit_code` is what the command line exits with
+    (EXIT_FAILED, or EXIT_BAD_INPUT when a worker met a bad input)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RunAborted(KeyboardInterrupt):
+    """A second Ctrl-C: the run was aborted without a final checkpoint (EXIT_ABORTED)."""
+
+    exit_code = EXIT_ABORTED
 
 
 def prepare_run_dir(cfg: TrainConfig) -> RunDir:
@@ -274,7 +338,7 @@ def create_control(name: str, timeout_s: float = 60.0):
             time.sleep(0.5)
 
 
-def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ()) -> TorchTrainer:
+def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ()) -> RaygptTrainer:
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
     cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
     Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
@@ -290,7 +354,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
-    return TorchTrainer(
+    return RaygptTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -323,15 +387,27 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
     control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
     control = create_control(control_name)
-    restore = _forward_signals_to(control)
+    driver_signals = DriverSignals(control)
     trainer = build_trainer(cfg, control_name=control_name)
+    trainer.on_sigint = driver_signals.on_sigint
     t0 = time.time()
     try:
         trainer.fit()
-    except Exception as e:  # Ray raises once the retry budget is spent
+    except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
+        stopped = run_stopped(e)
+        if stopped is not None:
+            raise RunFailed(f"raygpt run {cfg.output_dir} stopped (not retried, it would fail "
+                            f"again): {stopped.message}", stopped.exit_code) from e
         raise RunFailed(_failure_report(cfg, t0, e)) from e
+    except KeyboardInterrupt:
+        # Ray's get() turns an exception raised by a signal handler into a plain
+        # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
+        if driver_signals.aborted:
+            raise RunAborted(f"raygpt run {cfg.output_dir} aborted by a second Ctrl-C; -y 1 "
+                             f"resumes from the last verified checkpoint") from None
+        raise
     finally:
-        restore()
+        driver_signals.restore()
         ray.kill(control)
     records = read_history(open_run_dir(cfg.output_dir))
     report = summarize_run(records, since=t0)
@@ -361,37 +437,66 @@ def _parse_faults(spec: str):
     return parse_spec(";".join(s for s in (spec, os.environ.get("RAYGPT_FAULT", "")) if s))
 
 
-def _forward_signals_to(control) -> callable:
-    """SIGTERM / SIGUSR1 on the driver become stop / save requests to the workers. `ray.init()`
-    installs its own SIGTERM handler in the driver; this takes it over for the run's duration
-    and gives it back afterwards. The handlers only set an event; a thread makes the call."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    pending: list[str] = []
-    wake = threading.Event()
-    done = threading.Event()
+class DriverSignals:
+    """The driver's signals while a run trains: SIGTERM and the first Ctrl-C become a stop
+    request (every rank checkpoints at the next step boundary and exits; -y 1 resumes), SIGUSR1
+    a save request, forwarded to the workers through the control actor. A second Ctrl-C aborts
+    at once: Ray Train's controller is told to abort (it kills the workers) and the driver raises
+    RunAborted. `ray.init()` installs its own SIGTERM handler in the driver; this takes it over
+    for the run's duration and `restore()` gives every handler back. The handlers only record
+    the request; a thread makes the remote call (no Ray calls inside a handler), except for the
+    abort, which must happen before the handler returns."""
 
-    def handler(signum, frame):
-        pending.append("stop" if signum == signal.SIGTERM else "save")
-        wake.set()
+    ABORT_WAIT_S = 10.0  # how long a second Ctrl-C waits for the controller to abort
 
-    def forward():
-        while not done.is_set():
-            wake.wait()
-            wake.clear()
-            while pending:
-                kind = pending.pop(0)
-                print(f"raygpt | driver got {'SIGTERM' if kind == 'stop' else 'SIGUSR1'}: "
-                      f"asking the workers to checkpoint{' and stop' if kind == 'stop' else ''}",
-                      flush=True)
-                control.request.remote(kind)
+    def __init__(self, control):
+        self.control = control
+        self.sigints = 0
+        self.aborted = False
+        self._pending: list[str] = []
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self._old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # a sweep trial's thread: signals belong to the sweep's driver
+        self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self._old[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+        threading.Thread(target=self._forward, daemon=True, name="raygpt-signal-forwarder").start()
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    threading.Thread(target=forward, daemon=True, name="raygpt-signal-forwarder").start()
+    def _handler(self, signum, frame):
+        self._pending.append("stop" if signum == signal.SIGTERM else "save")
+        self._wake.set()
 
-    def restore():
-        done.set()
-        wake.set()
-        for s, h in old.items():
+    def on_sigint(self, controller) -> None:
+        """Ctrl-C while fit() runs (installed by RaygptTrainer in place of Ray Train's)."""
+        self.sigints += 1
+        if self.sigints == 1:
+            self._pending.append("ctrl-c")
+            self._wake.set()
+            return
+        print("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
+              "the last verified checkpoint", flush=True)
+        self.aborted = True
+        try:
+            ray.get(controller.abort.remote(), timeout=self.ABORT_WAIT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # the controller exits inside abort(): its actor error is the expected answer
+        raise KeyboardInterrupt  # out of fit(); run() turns it into RunAborted
+
+    def _forward(self):
+        while not self._done.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                kind = self._pending.pop(0)
+                what = {"stop": "SIGTERM", "save": "SIGUSR1",
+                        "ctrl-c": "Ctrl-C (press it again to abort at once)"}[kind]
+                print(f"raygpt | driver got {what}: asking the workers to checkpoint"
+                      f"{'' if kind == 'save' else ' and stop'}", flush=True)
+                self.control.request.remote("save" if kind == "save" else "stop")
+
+    def restore(self) -> None:
+        self._done.set()
+        self._wake.set()
+        for s, h in self._old.items():
             signal.signal(s, h)
-    return restore

@@ -118,6 +118,95 @@ def test_bad_detector_state_names_the_field():
         det.load_state_dict({**state, "count": 5, "index": 3})
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1e200])
+def test_a_non_finite_or_huge_value_never_enters_the_window(bad):
+    # llm.c's detector takes every value: one NaN makes its sums NaN for good and -sl/-sg never
+    # skip again; raygpt's judges the value but keeps it out of the window
+    rng = random.Random(3)
+    values = [rng.gauss(3.0, 0.1) for _ in range(400)]
+    a, b = OutlierDetector(), OutlierDetector()  # b never sees the bad value
+    for i, v in enumerate(values):
+        if i == 200:
+            z = a.update(bad)
+            assert math.isnan(z) if math.isnan(bad) else abs(z) > 1e3
+        za, zb = a.update(v), b.update(v)
+        assert za == zb or (i < W and math.isnan(za) and math.isnan(zb)), i
+    assert math.isfinite(a.sum) and math.isfinite(a.sum_sq) and a.is_clean()
+    assert a.update(3.0 + 20 * 0.1) > 5  # a later spike is still seen
+    saved = json.loads(json.dumps(a.state_dict()))
+    assert all(math.isfinite(v) for v in saved["buffer"]) and math.isfinite(saved["sum_sq"])
+
+
+def test_a_bad_value_while_filling_is_not_counted():
+    det = OutlierDetector()
+    det.update(1.0)
+    assert math.isnan(det.update(float("nan")))
+    assert det.count == 1 and det.window() == [1.0]
+
+
+def test_a_poisoned_detector_from_an_old_checkpoint_is_repaired_and_said_so():
+    rng = random.Random(4)
+    values = [rng.gauss(3.0, 0.1) for _ in range(300)]
+    old = OutlierDetector()
+    for v in values[:150]:
+        old.update(v)
+    # what raygpt before the fix (and llm.c) did with a NaN: into the sums
+    old.sum, old.sum_sq = math.nan, math.nan
+    old.buffer[old.index] = math.nan
+    state = {"window_size": W, "buffer": old.buffer, "count": old.count, "index": old.index,
+             "sum": old.sum, "sum_sq": old.sum_sq}
+    det = OutlierDetector()
+    det.load_state_dict(json.loads(json.dumps(state)))
+    assert det.repair_note and "rebuilt from the 127 finite" in det.repair_note
+    assert det.is_clean() and det.count == W - 1
+    ref = OutlierDetector()  # the same window without the NaN, fed fresh
+    for v in det.window():
+        ref.update(v)
+    zs = [(det.update(v), ref.update(v)) for v in values[150:]]
+    assert math.isnan(zs[0][0]) and math.isnan(zs[0][1])  # the 128th value fills the window
+    assert all(za == zb for za, zb in zs[1:])
+    assert det.update(5.0) > 5  # -sl would skip again
+
+
+def test_sums_poisoned_after_the_nan_was_evicted_are_rebuilt_from_the_window():
+    det = OutlierDetector()
+    for i in range(W):
+        det.update(float(i % 5))
+    state = {**det.state_dict(), "sum": math.nan}
+    fresh = OutlierDetector()
+    fresh.load_state_dict(state)
+    assert fresh.repair_note and fresh.count == W and fresh.is_clean()
+    assert fresh.sum == pytest.approx(det.sum)
+
+
+def test_a_poisoned_detector_is_never_saved():
+    det = OutlierDetector()
+    det.sum = math.inf
+    with pytest.raises(ValueError, match="poisoned"):
+        det.state_dict()
+
+
+def test_judge_keeps_skipping_outliers_after_a_nan_step():
+    from raygpt.config import TrainConfig
+    from raygpt.state import TrainState
+
+    c = TrainConfig(skip_update_lossz=3.0, skip_update_gradz=3.0)
+    state = TrainState.fresh(c)
+    rng = random.Random(6)
+    for step in range(200):
+        state.judge(c, step, rng.gauss(3.0, 0.05), rng.gauss(1.0, 0.05))
+    assert state.judge(c, 200, math.nan, math.nan).kind == "skip"  # non-finite: skipped
+    assert state.judge(c, 201, math.inf, 1.0).kind == "skip"
+    assert state.judge(c, 202, 3.0, 1.0).kind == "ok"
+    v = state.judge(c, 203, 4.0, 1.0)
+    assert v.kind == "skip" and "loss z-score" in v.reason
+    v = state.judge(c, 204, 3.0, 9.0)
+    assert v.kind == "skip" and "grad-norm z-score" in v.reason
+    extras = state.extras()  # what a checkpoint carries: clean
+    assert math.isfinite(extras["loss_detector"]["sum"])
+    assert math.isfinite(extras["grad_detector"]["sum_sq"])
+
+
 # ---------------------------------------------------------------------- SpikeMonitor
 
 def cfg(**kw):
@@ -204,6 +293,21 @@ def test_non_finite_rewinds_at_once(loss, gnorm):
     v = m.check(step, loss, gnorm)
     assert v.kind == "rewind" and "non-finite" in v.reason and v.spike_start == step
     assert len(m.losses) == 16 and all(math.isfinite(x) for x in m.losses)
+
+
+def test_a_monitor_window_with_a_non_finite_step_is_repaired_on_load():
+    m, step = warmed()
+    state = json.loads(json.dumps(m.state_dict()))
+    state["losses"][3] = math.nan
+    state["gnorms"][5] = math.inf
+    b = SpikeMonitor(cfg())
+    b.load_state_dict(state)
+    assert b.repair_note and "dropped 2 non-finite step(s) of 16" in b.repair_note
+    assert len(b.losses) == 14 and all(math.isfinite(v) for v in (*b.losses, *b.gnorms))
+    assert b.check(step, 3.0, 1.0).kind == "ok" and b.check(step + 1, 5.0, 1.0).kind == "rewind"
+    b.losses.append(math.nan)
+    with pytest.raises(ValueError, match="poisoned"):
+        b.state_dict()
 
 
 def test_hard_z_rewinds_at_once():

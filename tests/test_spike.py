@@ -2,6 +2,8 @@
 before it, skips its data window for good, and a spike that comes back lowers lr_scale and,
 past the limit, stops the run with a clear error."""
 
+import math
+
 import pytest
 import torch
 
@@ -74,6 +76,23 @@ def test_a_region_that_spikes_again_lowers_lr_scale_then_escalates(tmp_path):
 def test_without_the_monitor_a_nan_step_is_skipped_not_rewound(tmp_path):
     summary = run_local(tiny_config(tmp_path, max_steps=8, fault="nan:rank=0,step=5"))
     assert summary["rewinds"] == 0 and summary["skips"] == 1
+
+
+def test_a_nan_step_never_reaches_a_checkpointed_detector(tmp_path):
+    # -sl/-sg on, no spike monitor: the NaN step is skipped and kept out of both z-score windows,
+    # so the checkpoints after it carry clean detectors (llm.c's would carry NaN sums for good)
+    summary = run_local(tiny_config(tmp_path, max_steps=8, checkpoint_every=4, skip_update_lossz=6,
+                                    skip_update_gradz=6, fault="nan:rank=0,step=2"))
+    assert summary["skips"] == 1
+    rd = open_run_dir(str(tmp_path))
+    manifest = ck.read_manifest(rd, 8)
+    sf = ck.read_state_file(rd.read_bytes(f"{ck.step_dir(8)}/{ck.state_file(8, 0)}"),
+                            num_parameters=manifest["num_parameters"])
+    for name in ("loss_detector", "grad_detector"):
+        det = sf.extras[name]
+        assert det["count"] == 7, name  # steps 0-7 less the NaN one
+        assert all(math.isfinite(det[k]) for k in ("sum", "sum_sq")), det
+        assert all(math.isfinite(v) for v in det["buffer"][:7])
 
 
 # ---------------------------------------------------------------------- the rewind's target

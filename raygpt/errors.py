@@ -1,0 +1,72 @@
+"""How a run ends: which errors a restart can cure, and the exit codes that tell them apart.
+
+Ray Train restarts the whole worker group when a worker raises (`FailureConfig.max_failures`).
+That cures what a restart can cure: a lost process, node or collective. It cannot cure a bad
+input met inside a worker (a corrupt shard, a checkpoint or config the run cannot use) or a
+decision raygpt made itself (the spike policy escalating to a human): the next attempt meets the
+same error after minutes of start-up, and the run fails anyway with its budget spent.
+`stop_code(exc)` tells the two apart; it runs inside the worker, where the exception still has
+its cause. `RunStopped` carries the verdict to the driver, whose failure policy
+(`raygpt.trainer.StopOnRunStopped`) ends the run at once instead of retrying.
+
+Exit codes of `raygpt train` and `experiments/shakespeare.py`:
+    0  finished               1  failed (retry budget spent, or raygpt decided to stop)
+    2  bad input              3  stopped early by a signal or Ctrl-C, resumable with -y 1
+    130  aborted by a second Ctrl-C (resumable from the last verified checkpoint)
+"""
+
+from __future__ import annotations
+
+from raygpt.checkpoint import CheckpointError
+from raygpt.config import ConfigError
+from raygpt.data import ShardError
+
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 3
+EXIT_ABORTED = 130  # 128 + SIGINT, the shell's code for a process ended by Ctrl-C
+
+
+class TrainingStopped(Exception):
+    """raygpt decided to stop the run: the spike policy escalates to a human."""
+
+
+class RunStopped(Exception):
+    """Raised by a worker whose error a restart would meet again: the run ends now with
+    `message`, and the driver exits with `exit_code` (EXIT_BAD_INPUT or EXIT_FAILED)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.message, self.exit_code = message, exit_code
+
+    def __reduce__(self):  # crosses processes (worker -> Ray controller -> driver)
+        return (RunStopped, (self.message, self.exit_code))
+
+
+def stop_code(exc: BaseException) -> int | None:
+    """EXIT_BAD_INPUT for an input the run cannot use, EXIT_FAILED for a stop raygpt decided,
+    None for a fault a restart may cure (the retry budget is for those).
+
+    Bad input: ConfigError, CheckpointError (a verified checkpoint that this run cannot use, a
+    corrupt run-dir file) and ShardError (a token shard that is wrong or changed under the
+    loader), unless the error was caused by an OSError: a read that failed on a flaky mount or
+    object store may succeed on the next attempt."""
+    if isinstance(exc, RunStopped):
+        return exc.exit_code
+    if isinstance(exc, TrainingStopped):
+        return EXIT_FAILED
+    if isinstance(exc, (ConfigError, CheckpointError, ShardError)):
+        return None if _caused_by_os_error(exc) else EXIT_BAD_INPUT
+    return None
+
+
+def _caused_by_os_error(exc: BaseException) -> bool:
+    seen = set()
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
