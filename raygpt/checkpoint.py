@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -678,9 +679,43 @@ def delete_checkpoint(run_dir: RunDir, step: int) -> None:
     run_dir.delete_dir(step_dir(step))
 
 
+def private_stage_root(label: str) -> Path:
+    """A new local directory, private to this process's user, for one run's staged checkpoint
+    files on this machine (every rank writes its files here before Ray uploads them). Created
+    atomically by mkdtemp under the system temp directory: mode 0700 and a fresh unpredictable
+    name, so no other user can have created it, or a symlink in its place, beforehand (a fixed
+    path such as /tmp/raygpt-stage can be: the first user to create it locks every other user
+    out, and a planted symlink receives their weights). Checked by `check_private_dir` too.
+    The caller removes it when the run ends."""
+    root = Path(tempfile.mkdtemp(prefix=f"raygpt-stage-{label}-"))
+    check_private_dir(root)
+    return root
+
+
+def check_private_dir(path: str | os.PathLike) -> None:
+    """CheckpointError unless `path` is a real directory (not a symlink), owned by this user,
+    that no other user may read or write (mode 0700 or narrower)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: expected a private staging directory, cannot stat it ({e})")
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path}: expected a private staging directory, found a symlink "
+                              f"(to {os.readlink(path)!r}); refusing to write checkpoint files there")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path}: expected a private staging directory, found another kind "
+                              f"of file")
+    if st.st_uid != os.getuid():
+        raise CheckpointError(f"{path}: expected a staging directory owned by uid {os.getuid()}, "
+                              f"found one owned by uid {st.st_uid}; refusing to write there")
+    if st.st_mode & 0o077:
+        raise CheckpointError(f"{path}: expected a staging directory only its owner can use "
+                              f"(mode 0700), found mode {stat.S_IMODE(st.st_mode):04o}")
+
+
 def stage_dir(tmp_root: str | os.PathLike, step: int) -> Path:
-    """A fresh private local directory (mode 0700) where a rank writes its files for `step`
-    before they are reported/uploaded; its name carries the temp mark so no scan mistakes it
-    for a checkpoint."""
-    Path(tmp_root).mkdir(parents=True, exist_ok=True)
+    """A fresh directory inside the private `tmp_root` (see `private_stage_root`, checked again
+    here) where a rank writes its files for `step` before they are reported/uploaded; its name
+    carries the temp mark so no scan mistakes it for a checkpoint."""
+    check_private_dir(tmp_root)
     return Path(tempfile.mkdtemp(prefix=f"{step_dir(step)}{_TEMP_MARK}", dir=tmp_root))
