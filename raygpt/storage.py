@@ -186,17 +186,24 @@ class RunDir:
             if pending:
                 yield pending + b"..." if overlong else pending
 
-    def sha256_of(self, rel: str) -> str:
-        """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory)."""
+    def sha256_of(self, rel: str, *, max_bytes: int | None = None) -> str:
+        """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory). With
+        `max_bytes`, FileTooLarge once more than that many bytes come (a file that is a link to
+        /dev/zero does not stream forever)."""
         self._drain()
         h = hashlib.sha256()
-        if (m := self._mirror(rel)) is not None:
-            with self._appends.lock, open(m.local, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-            return h.hexdigest()
-        with self.fs.open_input_stream(self.path(rel)) as f:
+        with contextlib.ExitStack() as stack:
+            if (m := self._mirror(rel)) is not None:
+                stack.enter_context(self._appends.lock)
+                f = stack.enter_context(open(m.local, "rb"))
+            else:
+                f = stack.enter_context(self.fs.open_input_stream(self.path(rel)))
+            seen = 0
             while chunk := f.read(_CHUNK):
+                seen += len(chunk)
+                if max_bytes is not None and seen > max_bytes:
+                    raise FileTooLarge(f"{self.uri(rel)}: expected at most {max_bytes:,} bytes, "
+                                       f"found more")
                 h.update(chunk)
         return h.hexdigest()
 
