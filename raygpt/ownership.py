@@ -41,7 +41,7 @@ import time
 import uuid
 
 from raygpt.config import ConfigError
-from raygpt.storage import RunDir, read_json_bounded
+from raygpt.storage import RunDir, read_json_bounded, redact
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
@@ -69,7 +69,10 @@ def refused_overwrite_target(uri: str, *, home: str | None = None, cwd: str | No
         return "an empty -o/--output-dir (an unset variable?) names the current directory"
     if "://" in uri:
         scheme, _, rest = uri.partition("://")
-        rest = rest.split("?", 1)[0].strip("/")
+        rest = rest.split("?", 1)[0]
+        if "@" in rest:  # credentials (s3://KEY:SECRET@bucket/...), a "/" in the secret too
+            rest = rest.rsplit("@", 1)[1]
+        rest = rest.strip("/")
         if scheme in ("file", "local"):
             return refused_overwrite_target("/" + rest, home=home, cwd=cwd)
         if "/" not in rest:
@@ -119,8 +122,8 @@ def check_overwrite(run_dir: RunDir, kind: str, uri: str) -> None:
     not a refused place, and marked as raygpt's of this kind."""
     why = refused_overwrite_target(uri)
     if why:
-        raise RunDirRefused(f"--overwrite {uri!r}: refused, {why}; name the run directory itself "
-                            f"(e.g. -o runs/NAME or s3://BUCKET/PREFIX/NAME)")
+        raise RunDirRefused(redact(f"--overwrite {uri!r}: refused, {why}; name the run directory "
+                                   f"itself (e.g. -o runs/NAME or s3://BUCKET/PREFIX/NAME)"))
     marker = read_marker(run_dir)
     if marker is None:
         raise RunDirRefused(

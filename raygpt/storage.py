@@ -162,9 +162,9 @@ class RunDir:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return _read_at_most(f, max_bytes, self.uri(rel))
 
-    def iter_lines(self, rel: str, *, max_line: int = 1 << 20):
-        """The file's lines (bytes, without the newline), streamed in 8 MiB chunks: memory stays
-        bounded by one chunk plus one line, whatever the file's size. A line longer than
+    def iter_lines(self, rel: str, *, max_line: int = 1 << 20, chunk_bytes: int = 1 << 20):
+        """The file's lines (bytes, without the newline), streamed in `chunk_bytes` chunks:
+        memory stays bounded by a few chunks plus one line, whatever the file's size. A line longer than
         `max_line` bytes is yielded as its first `max_line` bytes followed by b"..." (never a
         valid JSON record), so a hostile file cannot make a reader hold it whole."""
         self._drain()
@@ -175,7 +175,7 @@ class RunDir:
             return
         with self.fs.open_input_stream(self.path(rel)) as f:
             pending, overlong = b"", False
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(chunk_bytes):
                 parts = (pending + chunk).split(b"\n")
                 pending = parts.pop()
                 for part in parts:
