@@ -24,7 +24,10 @@ Atomicity: on a local or NFS directory the read-check-write of an acquisition ru
 pyarrow.fs) offer no conditional put here, so an acquisition writes, waits `settle_s`, reads
 back, and gives up if another holder's token is there: two jobs started within the same second
 on the same bucket prefix can both see themselves lose (both are refused; start one again),
-never both win unless the store reorders their puts beyond `settle_s`.
+never both win unless the store reorders their puts beyond `settle_s`. Expiry is judged in
+wall-clock time against the holder's own clock: hosts are assumed NTP-synchronised (a skew
+of s seconds moves a takeover s seconds earlier or later; a live holder renews every
+ttl_s / 4, so a skew below 3/4 of ttl_s never takes a live lease).
 """
 
 from __future__ import annotations

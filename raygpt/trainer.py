@@ -1,6 +1,9 @@
 """The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
 
-- `run(cfg)` starts (or joins) Ray, refuses to overwrite a run directory silently, and runs
+- `run(cfg)` claims the run directory (`claimed_run_dir`: never overwrite a run silently, never
+  delete what is not a marked run, one writer at a time through the lease of
+  raygpt/ownership.py, armed faults announced), starts its own Ray (or joins the one
+  RAY_ADDRESS names; never whatever /tmp/ray names), and runs
   `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
   `FailureConfig(max_failures, max_preemption_failures)`: after a worker or node is lost, Ray
   restarts the worker group and each worker resumes from the newest verified checkpoint.
