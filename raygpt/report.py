@@ -521,7 +521,7 @@ def plot_main(argv: list[str]) -> int:
         series = plot_run(args.run_dir, out, verify="quick" if args.quick else "full",
                           progress=_stderr_progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"raygpt plot: error: {e}", file=sys.stderr)
+        print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
     print(f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
           f"{len(series.get('val_loss', ([],))[0])} validations)")
