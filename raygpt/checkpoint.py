@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from raygpt.storage import RunDir, write_local_atomic
+from raygpt.storage import MAX_JSON_BYTES, FileTooLarge, RunDir, read_json_bounded, write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +471,7 @@ def read_abandoned_trajectories(run_dir: RunDir) -> list[dict]:
     if not run_dir.exists(ABANDONED):
         return []
     try:
-        entries = json.loads(run_dir.read_bytes(ABANDONED))
+        entries = read_json_bounded(run_dir, ABANDONED)
         if not (isinstance(entries, list) and all(
                 isinstance(e, dict) and isinstance(e.get("trajectory"), str)
                 and isinstance(e.get("to_step"), int) for e in entries)):
@@ -553,21 +554,64 @@ def read_manifest(run_dir: RunDir, step: int) -> dict:
 
 
 def _load_manifest(run_dir: RunDir, step: int) -> tuple[dict | None, str | None]:
+    """(manifest, None) or (None, what is wrong with it). A MANIFEST is untrusted input: it is
+    read with a size bound, and every field a reader uses is checked here, each file name
+    confined to its step directory, so a malformed one condemns its checkpoint (readers fall
+    back to an older one) instead of raising somewhere later."""
     rel = f"{step_dir(step)}/{MANIFEST}"
     if not run_dir.exists(rel):
         return None, "missing (the checkpoint was never completed)"
     try:
-        manifest = json.loads(run_dir.read_bytes(rel).decode("utf-8"))
+        manifest = json.loads(run_dir.read_bytes(rel, max_bytes=MAX_JSON_BYTES).decode("utf-8"))
+    except FileTooLarge:
+        return None, f"unreadable: expected at most {MAX_JSON_BYTES:,} bytes of JSON, found more"
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, f"unreadable: expected JSON ({e})"
+    except OSError as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         return None, f"format: expected {MANIFEST_FORMAT!r}, found {found!r}"
     if manifest.get("version") != MANIFEST_VERSION:
         return None, f"version: expected {MANIFEST_VERSION}, found {manifest.get('version')!r}"
     if not isinstance(manifest.get("files"), dict):
-        return None, f"files: expected an object, found {manifest.get('files')!r}"
+        return None, f"files: expected an object, found {_short(manifest.get('files'))}"
+    for name, entry in manifest["files"].items():
+        problem = _bad_file_name(name) or _bad_file_entry(entry)
+        if problem:
+            return None, f"files[{_short(name)}]: {problem}"
+    for key, kinds, what in (("world_size", int, "an integer"), ("num_parameters", int, "an integer"),
+                             ("extra", dict, "an object"), ("config_identity", dict, "an object"),
+                             ("retention", dict, "an object")):
+        value = manifest.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            return None, f"{key}: expected {what}, found {_short(value)}"
     return manifest, None
+
+
+def _bad_file_name(name: str) -> str | None:
+    """Why `name` cannot be a file of a step directory (a plain name: no path separator, no
+    `..`, nothing hidden from a listing), or None."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
+            or "\\" in name or "\x00" in name or name != name.strip():
+        return "expected a file name inside the step directory, found a path or an empty name"
+    return None
+
+
+def _bad_file_entry(entry) -> str | None:
+    if not isinstance(entry, dict):
+        return f"expected {{size, sha256}}, found {_short(entry)}"
+    size, digest = entry.get("size"), entry.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"size: expected an integer >= 0, found {_short(size)}"
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return f"sha256: expected 64 hex digits, found {_short(digest)}"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = None) -> list[str]:
@@ -599,11 +643,19 @@ def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = No
         if not run_dir.exists(rel):
             problems.append(f"{rel}: listed in {MANIFEST} but missing")
             continue
-        size = run_dir.size_of(rel)
+        try:
+            size = run_dir.size_of(rel)
+        except (OSError, ValueError) as e:  # a directory or other non-file under a listed name
+            problems.append(f"{rel}: listed in {MANIFEST} but not a readable file ({e})")
+            continue
         if size != entry.get("size"):
             problems.append(f"{rel}: size: expected {entry.get('size')}, found {size}")
             continue  # a size mismatch already condemns it; skip hashing gigabytes
-        digest = run_dir.sha256_of(rel)
+        try:  # at most the listed size: a name that is a link to /dev/zero ends here
+            digest = run_dir.sha256_of(rel, max_bytes=size)
+        except (OSError, ValueError) as e:
+            problems.append(f"{rel}: unreadable ({e})")
+            continue
         if digest != entry.get("sha256"):
             problems.append(f"{rel}: sha256: expected {entry.get('sha256')}, found {digest}")
     return problems
@@ -713,9 +765,43 @@ def delete_checkpoint(run_dir: RunDir, step: int) -> None:
     run_dir.delete_dir(step_dir(step))
 
 
+def private_stage_root(label: str) -> Path:
+    """A new local directory, private to this process's user, for one run's staged checkpoint
+    files on this machine (every rank writes its files here before Ray uploads them). Created
+    atomically by mkdtemp under the system temp directory: mode 0700 and a fresh unpredictable
+    name, so no other user can have created it, or a symlink in its place, beforehand (a fixed
+    path such as /tmp/raygpt-stage can be: the first user to create it locks every other user
+    out, and a planted symlink receives their weights). Checked by `check_private_dir` too.
+    The caller removes it when the run ends."""
+    root = Path(tempfile.mkdtemp(prefix=f"raygpt-stage-{label}-"))
+    check_private_dir(root)
+    return root
+
+
+def check_private_dir(path: str | os.PathLike) -> None:
+    """CheckpointError unless `path` is a real directory (not a symlink), owned by this user,
+    that no other user may read or write (mode 0700 or narrower)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: expected a private staging directory, cannot stat it ({e})")
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path}: expected a private staging directory, found a symlink "
+                              f"(to {os.readlink(path)!r}); refusing to write checkpoint files there")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path}: expected a private staging directory, found another kind "
+                              f"of file")
+    if st.st_uid != os.getuid():
+        raise CheckpointError(f"{path}: expected a staging directory owned by uid {os.getuid()}, "
+                              f"found one owned by uid {st.st_uid}; refusing to write there")
+    if st.st_mode & 0o077:
+        raise CheckpointError(f"{path}: expected a staging directory only its owner can use "
+                              f"(mode 0700), found mode {stat.S_IMODE(st.st_mode):04o}")
+
+
 def stage_dir(tmp_root: str | os.PathLike, step: int) -> Path:
-    """A fresh private local directory (mode 0700) where a rank writes its files for `step`
-    before they are reported/uploaded; its name carries the temp mark so no scan mistakes it
-    for a checkpoint."""
-    Path(tmp_root).mkdir(parents=True, exist_ok=True)
+    """A fresh directory inside the private `tmp_root` (see `private_stage_root`, checked again
+    here) where a rank writes its files for `step` before they are reported/uploaded; its name
+    carries the temp mark so no scan mistakes it for a checkpoint."""
+    check_private_dir(tmp_root)
     return Path(tempfile.mkdtemp(prefix=f"{step_dir(step)}{_TEMP_MARK}", dir=tmp_root))

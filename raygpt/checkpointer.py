@@ -18,11 +18,11 @@ loader resumed (never reset) at its saved position with its saved permutation.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -162,7 +162,7 @@ class Checkpointer:
         self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
-        self._stage_root = Path(tempfile.gettempdir()) / "raygpt-stage"
+        self._stage_root: Path | None = None  # private to this user and run (made at first save)
         self._host_buffers: dict[str, torch.Tensor] = {}
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
         self.trajectory = uuid.uuid4().hex
@@ -221,9 +221,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         snap = self._host_snapshot(state, loader)
         self.stalls.append((state.step, time.perf_counter() - t0))
-        stage = self._stage_root / f"{self.run_dir.root.strip('/').replace('/', '_')}-r{self.rank}" / ck.step_dir(state.step)
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
+        if self._stage_root is None:
+            self._stage_root = ck.private_stage_root(f"r{self.rank}")
+            # what Ray has not removed after its upload goes when this process ends
+            atexit.register(shutil.rmtree, self._stage_root, True)
+        stage = ck.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
         if blocking or not self.cfg.async_checkpoint:
             self._write_files(snap, stage, result)

@@ -15,7 +15,10 @@ import glob
 import hashlib
 import json
 import math
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +42,13 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite", "output_dir",
     "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
     "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
-    "min_workers", "compile", "record_samples",
+    "min_workers", "compile", "record_samples", "allow_fault_injection",
 })
+
+# Fields a --config file may not set: where the run writes and whether it may delete or resume
+# are the command line's to say (a config file is often someone else's), and so is arming faults.
+CONFIG_FILE_FORBIDDEN = ("output_dir", "overwrite", "resume", "fault", "allow_fault_injection")
+CONFIG_FILE_MAX_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -183,6 +191,9 @@ class TrainConfig:
     """Restarts after preemptions, counted apart from max_failures."""
     fault: str = ""
     """Fault injection for tests, e.g. 'kill:rank=1,step=7' (see raygpt.faults); off when empty."""
+    allow_fault_injection: bool = False
+    """Let RAYGPT_FAULT from the environment arm faults (refused without it: an inherited
+    variable must not inject kills into a real run)."""
     log_every: int = 1
     """Console line every N steps."""
     record_samples: bool = False
@@ -249,6 +260,9 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"{flag}: expected {expected}, found {found!r}")
 
+        need(bool(self.output_dir.strip()), "-o/--output-dir",
+             "a run directory (a path or URI; empty is the current directory: an unset variable?)",
+             self.output_dir)
         need(self.scheduler in SCHEDULERS, "-k/--scheduler", " | ".join(SCHEDULERS), self.scheduler)
         need(self.device in ("cpu", "gpu"), "--device", "cpu or gpu", self.device)
         need(self.precision in ("fp32", "bf16"), "--precision", "fp32 or bf16", self.precision)
@@ -320,14 +334,20 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict, where: str = "config") -> "TrainConfig":
+        """A TrainConfig from {field: value}, every value checked against its field's annotation
+        (ConfigError naming the field: the string "false" is not a bool). An int is taken for
+        a float field (as a float)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected an object of config fields, found {type(d).__name__}")
         d = dict(d)
-        spike = SpikeConfig(**d.pop("spike", {}))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; expected some of {sorted(known)}")
-        return cls(spike=spike, **d)
+        spike = d.pop("spike", {})
+        if isinstance(spike, SpikeConfig):
+            spike = dataclasses.asdict(spike)
+        if not isinstance(spike, dict):
+            raise ConfigError(f"{where}: spike: expected an object of spike fields, found {spike!r}")
+        return cls(spike=SpikeConfig(**_typed(SpikeConfig, spike, f"{where}: spike.")),
+                   **_typed(cls, d, f"{where}: "))
 
     def with_overrides(self, overrides: dict) -> "TrainConfig":
         """Apply {field: value} overrides; 'spike.soft_z' style keys reach SpikeConfig.
@@ -352,6 +372,71 @@ class TrainConfig:
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+
+
+def _typed(cls, d: dict, where: str) -> dict:
+    """`d` with every value checked against `cls`'s annotation for it (and ints made floats
+    where a float is expected); ConfigError naming the first field that does not fit."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)} - {"spike"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where}unknown config field(s) {unknown}; expected some of {sorted(known)}")
+    out = {}
+    for key, value in d.items():
+        hint = hints[key]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        for t in allowed:
+            ok, converted = _fits(value, t)
+            if ok:
+                out[key] = converted
+                break
+        else:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ConfigError(f"{where}{key}: expected {names}, found {value!r} "
+                              f"({type(value).__name__})")
+    return out
+
+
+def _fits(value, t) -> tuple[bool, object]:
+    if t is type(None):
+        return value is None, None
+    if t is bool:
+        return isinstance(value, bool), value
+    if isinstance(value, bool):  # a bool is an int to Python, never to a config
+        return False, value
+    if t is int:
+        return isinstance(value, numbers.Integral), int(value) if isinstance(value, numbers.Integral) else value
+    if t is float:
+        ok = isinstance(value, numbers.Real)
+        return ok, float(value) if ok else value
+    return isinstance(value, t), value
+
+
+def read_config_file(path: str) -> dict:
+    """The fields of a --config JSON file: bounded in size, an object, none of
+    CONFIG_FILE_FORBIDDEN (the types are checked by TrainConfig.from_dict)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CONFIG_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e})") from e
+    if len(data) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"--config {path}: expected a JSON file of at most "
+                          f"{CONFIG_FILE_MAX_BYTES:,} bytes, found a larger one")
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except ValueError as e:
+        raise ConfigError(f"--config {path}: expected a JSON object of config fields ({e})") from e
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {path}: expected a JSON object of config fields, "
+                          f"found {type(d).__name__}")
+    forbidden = sorted(set(d) & set(CONFIG_FILE_FORBIDDEN))
+    if forbidden:
+        raise ConfigError(f"--config {path}: may not set {forbidden} (where a run writes, whether "
+                          f"it overwrites or resumes, and fault injection are given on the "
+                          f"command line: -o, --overwrite, -y, --fault)")
+    return d
 
 
 def _visible_gpus() -> int:
@@ -429,6 +514,8 @@ def build_parser(prog: str = "raygpt") -> argparse.ArgumentParser:
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=None)
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="start fresh over a run directory that already holds a run")
+    p.add_argument("--allow-fault-injection", dest="allow_fault_injection", action="store_true",
+                   default=None, help="let RAYGPT_FAULT from the environment arm faults")
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false", default=None)
@@ -448,10 +535,16 @@ def parse_args(argv: list[str] | None = None, base: TrainConfig | None = None) -
     ns = build_parser().parse_args(argv)
     cfg = base or TrainConfig()
     if ns.config:
+        fields = read_config_file(ns.config)
+        spike = fields.pop("spike", None)
+        if spike is not None:
+            if not isinstance(spike, dict):
+                raise ConfigError(f"--config {ns.config}: spike: expected an object, found {spike!r}")
+            fields.update({f"spike.{k}": v for k, v in spike.items()})
         try:
-            cfg = cfg.with_overrides(json.loads(Path(ns.config).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"--config {ns.config}: expected a JSON object of config fields ({e})")
+            cfg = cfg.with_overrides(fields)
+        except ConfigError as e:
+            raise ConfigError(f"--config {ns.config}: {e}") from e
     overrides = {}
     for key, value in vars(ns).items():
         if value is None or key == "config":

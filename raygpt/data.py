@@ -23,6 +23,7 @@ ranks: a run can resume on a different world size and see the same global sample
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import hashlib
@@ -222,8 +223,10 @@ class DistributedDataLoader:
     `next_batch()` returns (x, y), int64 tensors of shape (B, T) with y = x shifted by one token.
     """
 
+    MAX_OPEN_SHARDS = 16  # memory maps (each holds a file descriptor) kept open at once
+
     def __init__(self, pattern: str, B: int, T: int, rank: int, world: int, *,
-                 shuffle: bool = False, seed: int = 1337):
+                 shuffle: bool = False, seed: int = 1337, max_open_shards: int | None = None):
         if B < 1 or T < 1:
             raise ValueError(f"DistributedDataLoader: B and T: expected integers >= 1, found B={B}, T={T}")
         if world < 1 or not 0 <= rank < world:
@@ -248,7 +251,14 @@ class DistributedDataLoader:
             num_tokens.append(ntok)
         self.num_tokens = np.array(num_tokens, dtype=np.int64)
         self.num_samples = (self.num_tokens - 1) // self.T  # per shard
-        self._tokens: dict[int, np.ndarray] = {}  # shard id -> memmap, opened lazily
+        # shard id -> memmap, opened on demand, least recently used closed past the bound: a
+        # glob of thousands of shards must not hold a descriptor per shard (the limit is often
+        # 1,024). The stream visits one shard at a time, so a small bound costs no reopening.
+        self.max_open_shards = int(max_open_shards or self.MAX_OPEN_SHARDS)
+        if self.max_open_shards < 1:
+            raise ValueError(f"DistributedDataLoader: max_open_shards: expected an integer >= 1, "
+                             f"found {max_open_shards}")
+        self._tokens: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
         self._skip: list[tuple[int, int, int]] = []
         self._skip_version = 0
@@ -387,13 +397,25 @@ class DistributedDataLoader:
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         tokens = self._tokens.get(shard)
-        if tokens is None:
-            tokens = self._tokens[shard] = read_shard(self.paths[shard])
-            if len(tokens) != self.num_tokens[shard]:
-                raise ShardError(f"{self.paths[shard]}: token count (header[2]): expected "
-                                 f"{int(self.num_tokens[shard])} (as validated at start), found "
-                                 f"{len(tokens)} -- the file changed under the loader")
+        if tokens is not None:
+            self._tokens.move_to_end(shard)
+            return tokens
+        tokens = read_shard(self.paths[shard])
+        if len(tokens) != self.num_tokens[shard]:
+            raise ShardError(f"{self.paths[shard]}: token count (header[2]): expected "
+                             f"{int(self.num_tokens[shard])} (as validated at start), found "
+                             f"{len(tokens)} -- the file changed under the loader")
+        self._tokens[shard] = tokens
+        while len(self._tokens) > self.max_open_shards:
+            # dropping the last reference unmaps it and closes its descriptor (batches are
+            # gathered into copies, so no view of it outlives this)
+            self._tokens.popitem(last=False)
         return tokens
+
+    @property
+    def open_shards(self) -> int:
+        """Shards mapped right now (at most `max_open_shards`)."""
+        return len(self._tokens)
 
     # ------------------------------------------------------------------ skip list
     @property

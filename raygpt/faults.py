@@ -1,7 +1,11 @@
 """Fault injection for tests and drills: real faults at chosen steps, off unless asked for.
 
-The spec is `--fault` (TrainConfig.fault) or the RAYGPT_FAULT environment variable: faults
-separated by ';', each `kind:key=value,...`:
+The spec is `--fault` (TrainConfig.fault) and, only with `--allow-fault-injection`, the
+RAYGPT_FAULT environment variable (an inherited variable must not arm kills in a real run:
+without the flag the run is refused). The driver folds both into `cfg.fault` before anything
+starts (`armed_spec`), prints the armed faults and records them in `<run dir>/fault_injection.jsonl`
+(`raygpt status` shows them); workers read only `cfg.fault`, never their environment. Faults
+are separated by ';', each `kind:key=value,...`:
 
     kill:rank=1,step=7          SIGKILL this worker process before step 7's update
     raise:rank=0,step=5         raise InjectedFault in the worker at step 5 (a fault a restart
@@ -26,10 +30,13 @@ A fault fires once per run directory (a marker file under
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 
+from raygpt.config import ConfigError
 from raygpt.data import ShardError
 
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
@@ -120,5 +127,55 @@ class FaultPlan:
 
 
 def plan_for(spec: str, rank: int, run_dir=None) -> FaultPlan:
-    spec = ";".join(s for s in (spec, os.environ.get("RAYGPT_FAULT", "")) if s)
+    """This rank's plan for `spec` (cfg.fault, already holding any allowed RAYGPT_FAULT)."""
     return FaultPlan(parse_spec(spec), rank, run_dir)
+
+
+ENV = "RAYGPT_FAULT"
+RECORD = "fault_injection.jsonl"
+
+
+def armed_spec(cfg_fault: str, environ, allow: bool) -> tuple[str, list[str]]:
+    """(the whole fault spec, where it came from): `cfg_fault` (--fault) plus RAYGPT_FAULT when
+    `allow` (--allow-fault-injection). ConfigError when the environment arms a fault without
+    the flag, or when the spec does not parse. Pure."""
+    env = (environ.get(ENV) or "").strip()
+    if env and not allow:
+        raise ConfigError(f"{ENV}={env!r} is set in the environment: refusing to inject faults "
+                          f"into this run without --allow-fault-injection (unset {ENV}, or pass "
+                          f"the flag if this is a drill)")
+    parts = [(s, src) for s, src in ((cfg_fault.strip(), "--fault"), (env, ENV)) if s]
+    spec = ";".join(s for s, _ in parts)
+    try:
+        parse_spec(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return spec, [src for _, src in parts]
+
+
+def announce(run_dir, spec: str, sources: list[str]) -> None:
+    """Print the armed faults and append them to the run directory's record (nothing when none
+    are armed)."""
+    if not spec:
+        return
+    print(f"raygpt | FAULT INJECTION ARMED: {spec} (from {' and '.join(sources)})", flush=True)
+    run_dir.append_text(RECORD, json.dumps({"spec": spec, "sources": sources,
+                                            "time": time.time()}) + "\n")
+    run_dir.flush()
+
+
+def read_armed(run_dir, *, keep: int = 5) -> tuple[int, list[dict]]:
+    """(how many times faults were armed in this run directory, the last `keep` records),
+    streamed from the record (bounded memory whatever its size)."""
+    if not run_dir.exists(RECORD):
+        return 0, []
+    count, last = 0, []
+    for raw in run_dir.iter_lines(RECORD):
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("spec"), str):
+            count += 1
+            last = (last + [rec])[-keep:]
+    return count, last

@@ -28,10 +28,10 @@ SAMPLES = "samples.jsonl"
 FLUSH_AFTER = frozenset({"start", "resume", "rewind", "end"})
 
 
-def parse_jsonl(data: bytes, name: str) -> list[dict]:
-    """Complete records of a JSONL file; a torn last line (a crash mid-append) is skipped."""
-    out = []
-    for raw in data.split(b"\n"):
+def iter_records(lines, name: str):
+    """The complete records among JSONL `lines` (bytes); a torn line (a crash mid-append) or an
+    overlong one is skipped with a warning."""
+    for raw in lines:
         if not raw.strip():
             continue
         try:
@@ -40,14 +40,24 @@ def parse_jsonl(data: bytes, name: str) -> list[dict]:
             print(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}", flush=True)
             continue
         if isinstance(rec, dict):
-            out.append(rec)
-    return out
+            yield rec
+
+
+def parse_jsonl(data: bytes, name: str) -> list[dict]:
+    """Complete records of a JSONL file; a torn last line (a crash mid-append) is skipped."""
+    return list(iter_records(data.split(b"\n"), name))
+
+
+def iter_history(run_dir: RunDir):
+    """The records of loss_history.jsonl, streamed (memory bounded by one chunk and one line,
+    whatever the file's size); nothing when there is no history."""
+    if not run_dir.exists(LOSS_HISTORY):
+        return
+    yield from iter_records(run_dir.iter_lines(LOSS_HISTORY), run_dir.uri(LOSS_HISTORY))
 
 
 def read_history(run_dir: RunDir) -> list[dict]:
-    if not run_dir.exists(LOSS_HISTORY):
-        return []
-    return parse_jsonl(run_dir.read_bytes(LOSS_HISTORY), run_dir.uri(LOSS_HISTORY))
+    return list(iter_history(run_dir))
 
 
 class ResumeAudit:
@@ -133,32 +143,64 @@ class RunHistory:
         self.event(summary["step"], "end", **{k: v for k, v in summary.items() if k != "step"})
 
 
-def summarize_run(records: list[dict], since: float | None = None) -> dict:
+def summarize_run(records, since: float | None = None) -> dict:
     """Failures, resumes, recovery times and goodput of a run (or of the part after `since`).
 
     recovery time: from a failure record to the next step trained after it.
     goodput: the time spent on the steps that made the final loss curve (each step's latest
     attempt) over the wall-clock time from the first to the last record; what is missing was
     lost to failures, restarts, re-done steps, evaluation and checkpoint stalls.
+    `records` may be any iterable (a stream: see `GoodputTally`).
     """
-    if since is not None:
-        records = [r for r in records if r.get("time", 0) >= since]
-    train = [r for r in records if r.get("kind") == "train"]
-    failures = [r for r in records if r.get("kind") == "failure"]
-    resumes = [r for r in records if r.get("kind") == "resume"]
-    recoveries = []
-    for f in failures:
-        after = [r["time"] for r in train if r["time"] > f["time"]]
-        if after:
-            recoveries.append(min(after) - f["time"])
-    latest: dict[int, float] = {}
-    for r in train:
-        latest[r["step"]] = r.get("dt", 0.0)
-    wall = (records[-1]["time"] - records[0]["time"]) if len(records) > 1 else 0.0
-    useful = sum(latest.values())
-    goodput = useful / wall if wall > 0 else float("nan")
-    line = (f"{len(failures)} failure(s), {len(resumes)} resume(s)"
-            + (f", recovery {', '.join(f'{t:.1f} s' for t in recoveries)}" if recoveries else "")
-            + f" | goodput {100 * goodput:.1f}% ({useful:.1f} s training of {wall:.1f} s)")
-    return {"failures": len(failures), "resumes": len(resumes), "recovery_s": recoveries,
-            "goodput": goodput, "line": line}
+    tally = GoodputTally(since)
+    for r in records:
+        tally.add(r)
+    return tally.result()
+
+
+class GoodputTally:
+    """`summarize_run` one record at a time, keeping only a number per step (not the records),
+    so `raygpt status` can stream a long history."""
+
+    def __init__(self, since: float | None = None):
+        self.since = since
+        self.failures = self.resumes = 0
+        self.pending: list[float] = []  # failure times awaiting the next step trained after them
+        self.recoveries: list[float] = []
+        self.latest: dict[int, float] = {}  # step -> dt of its latest attempt
+        self.first_time = self.last_time = None
+        self.count = 0
+
+    def add(self, r: dict) -> None:
+        t = r.get("time", 0)
+        if not isinstance(t, (int, float)):
+            return
+        if self.since is not None and t < self.since:
+            return
+        self.count += 1
+        if self.first_time is None:
+            self.first_time = t
+        self.last_time = t
+        kind = r.get("kind")
+        if kind == "train":
+            dt = r.get("dt", 0.0)
+            self.latest[r.get("step")] = dt if isinstance(dt, (int, float)) else 0.0
+            still = [f for f in self.pending if not t > f]
+            self.recoveries += [t - f for f in self.pending if t > f]
+            self.pending = still
+        elif kind == "failure":
+            self.failures += 1
+            self.pending.append(t)
+        elif kind == "resume":
+            self.resumes += 1
+
+    def result(self) -> dict:
+        wall = (self.last_time - self.first_time) if self.count > 1 else 0.0
+        useful = sum(self.latest.values())
+        goodput = useful / wall if wall > 0 else float("nan")
+        recoveries = self.recoveries
+        line = (f"{self.failures} failure(s), {self.resumes} resume(s)"
+                + (f", recovery {', '.join(f'{t:.1f} s' for t in recoveries)}" if recoveries else "")
+                + f" | goodput {100 * goodput:.1f}% ({useful:.1f} s training of {wall:.1f} s)")
+        return {"failures": self.failures, "resumes": self.resumes, "recovery_s": recoveries,
+                "goodput": goodput, "line": line}

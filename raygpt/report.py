@@ -18,6 +18,7 @@ so a test checks what is actually on the picture. matplotlib is optional (`pip i
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import sys
 import time
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from raygpt import checkpoint as ck
-from raygpt.history import LOSS_HISTORY, read_history, summarize_run
-from raygpt.storage import RunDir, open_run_dir
+from raygpt.faults import read_armed
+from raygpt.history import LOSS_HISTORY, GoodputTally, iter_history
+from raygpt.storage import RunDir, open_run_dir, redact
 
 Progress = Callable[[str], None]
 
@@ -44,7 +46,12 @@ class CheckpointInfo:
 
 @dataclass
 class RunView:
-    """What a run directory says about its run; every list is in file (= time) order."""
+    """What a run directory says about its run; every list is in file (= time) order.
+
+    A view built with `recent=K` (what `raygpt status` uses, streaming the history) keeps only
+    the K highest steps in `train` and `val`, the last K records of each event list and no
+    `records` or `superseded`; `counts`, `last_time`, `last_record` and `goodput` always cover
+    the whole history."""
 
     uri: str
     records: list[dict]
@@ -58,36 +65,78 @@ class RunView:
     audits: list[dict] = field(default_factory=list)
     ends: list[dict] = field(default_factory=list)
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)       # records of each kind, all of them
+    last_time: float = 0.0                                     # newest record's time
+    last_record: dict | None = None                            # last record but audit / watch
+    goodput: dict | None = None                                # summarize_run over the history
+    faults: tuple[int, list] = (0, [])                         # faults.read_armed
 
 
 # ---------------------------------------------------------------------- reading a run
 
-def view_from_records(uri: str, records: list[dict],
-                      checkpoints: list[CheckpointInfo] | None = None) -> RunView:
-    """Sort loss-history records into a RunView (pure)."""
-    view = RunView(uri=uri, records=records, checkpoints=list(checkpoints or []))
+_EVENT_LISTS = {"skip": "skips", "rewind": "rewinds", "failure": "failures", "start": "attempts",
+                "resume": "attempts", "audit": "audits", "end": "ends"}
+
+
+_NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",)}
+
+
+def _well_formed(r: dict) -> bool:
+    """A train or val record whose numbers are numbers (the history is untrusted input: a
+    record that is not is counted as malformed and left out, rather than crash the report)."""
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return (isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
+            and all(num(r.get(k)) for k in _NUMBERS[r["kind"]])
+            and (r.get("dt") is None or num(r.get("dt"))))
+
+
+def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | None = None, *,
+                      recent: int | None = None) -> RunView:
+    """Sort loss-history records (any iterable, a stream included) into a RunView (pure).
+    `recent`: keep only that much of each series (see RunView); memory is then bounded by a
+    number per step (for goodput), not by the records."""
+    keep_all = recent is None
+    view = RunView(uri=uri, records=[], checkpoints=list(checkpoints or []))
+    if not keep_all:
+        for name in set(_EVENT_LISTS.values()):
+            setattr(view, name, collections.deque(maxlen=recent))
+    tally = GoodputTally()
     last_trained = 0  # failures carry a time, not a step: place each at the last step trained
     for r in records:
+        if keep_all:
+            view.records.append(r)
+        tally.add(r)
         kind = r.get("kind")
+        view.counts[kind] = view.counts.get(kind, 0) + 1
+        t = r.get("time")
+        if isinstance(t, (int, float)) and t > view.last_time:
+            view.last_time = t
+        if kind not in ("audit", "watch"):
+            view.last_record = r
+        step = r.get("step")
+        if kind in ("train", "val") and not _well_formed(r):
+            view.counts["malformed"] = view.counts.get("malformed", 0) + 1
+            continue
         if kind == "train":
-            if r["step"] in view.train:
-                view.superseded.append(view.train[r["step"]])
-            view.train[r["step"]] = r
-            last_trained = r["step"]
+            if step in view.train and keep_all:
+                view.superseded.append(view.train[step])
+            view.train[step] = r
+            last_trained = step
+            if not keep_all and len(view.train) > 2 * recent:
+                for s in sorted(view.train)[:-recent]:
+                    del view.train[s]
         elif kind == "val":
-            view.val[r["step"]] = r["val_loss"]
-        elif kind == "skip":
-            view.skips.append(r)
-        elif kind == "rewind":
-            view.rewinds.append(r)
-        elif kind == "failure":
-            view.failures.append({**r, "at_step": last_trained})
-        elif kind in ("start", "resume"):
-            view.attempts.append(r)
-        elif kind == "audit":
-            view.audits.append(r)
-        elif kind == "end":
-            view.ends.append(r)
+            view.val[step] = r.get("val_loss")
+            if not keep_all and len(view.val) > 2 * recent:
+                for s in sorted(view.val)[:-recent]:
+                    del view.val[s]
+        elif kind in _EVENT_LISTS:
+            getattr(view, _EVENT_LISTS[kind]).append(
+                {**r, "at_step": last_trained} if kind == "failure" else r)
+    view.goodput = tally.result() if tally.count else None
+    for name in set(_EVENT_LISTS.values()):
+        setattr(view, name, list(getattr(view, name)))
     return view
 
 
@@ -102,12 +151,15 @@ def quick_check(run_dir: RunDir, step: int) -> list[str]:
         manifest = ck.read_manifest(run_dir, step)
     except ck.CheckpointError as e:
         return problems + [str(e)]
-    for name, entry in sorted(manifest["files"].items()):
+    for name, entry in sorted(manifest["files"].items()):  # names confined by read_manifest
         rel = f"{d}/{name}"
-        if not run_dir.exists(rel):
-            problems.append(f"{rel}: listed in {ck.MANIFEST} but missing")
-        elif run_dir.size_of(rel) != entry.get("size"):
-            problems.append(f"{rel}: size: expected {entry.get('size')}, found {run_dir.size_of(rel)}")
+        try:
+            if not run_dir.exists(rel):
+                problems.append(f"{rel}: listed in {ck.MANIFEST} but missing")
+            elif run_dir.size_of(rel) != entry.get("size"):
+                problems.append(f"{rel}: size: expected {entry.get('size')}, found {run_dir.size_of(rel)}")
+        except (OSError, ValueError) as e:
+            problems.append(f"{rel}: listed in {ck.MANIFEST} but not a readable file ({e})")
     return problems
 
 
@@ -138,17 +190,21 @@ def check_checkpoints(run_dir: RunDir, *, verify: str = "full",
     return out
 
 
-def load_run(run_dir, *, verify: str = "full", progress: Progress | None = None) -> RunView:
-    """Read a run directory (anything `open_run_dir` takes) into a RunView."""
+def load_run(run_dir, *, verify: str = "full", progress: Progress | None = None,
+             recent: int | None = None) -> RunView:
+    """Read a run directory (anything `open_run_dir` takes) into a RunView; the history is
+    streamed, and with `recent` (see RunView) never held whole."""
     run_dir = open_run_dir(run_dir)
     if not run_dir.exists(LOSS_HISTORY):
         raise FileNotFoundError(f"{run_dir.uri(LOSS_HISTORY)}: no such file (is {run_dir.uri()} "
                                 f"a raygpt run directory?)")
     if progress is not None:
         progress(f"reading {run_dir.uri(LOSS_HISTORY)} ({_human_bytes(run_dir.size_of(LOSS_HISTORY))})")
-    records = read_history(run_dir)
-    return view_from_records(run_dir.uri(), records,
-                             check_checkpoints(run_dir, verify=verify, progress=progress))
+    view = view_from_records(run_dir.uri(), iter_history(run_dir),
+                             check_checkpoints(run_dir, verify=verify, progress=progress),
+                             recent=recent)
+    view.faults = read_armed(run_dir)
+    return view
 
 
 # ---------------------------------------------------------------------- derived numbers
@@ -168,14 +224,15 @@ def throughput(rec: dict) -> float:
 def max_steps_of(view: RunView) -> int | None:
     """The run's length, if a record says it (an end record, or an attempt that logged it)."""
     for r in reversed(view.ends + view.attempts):
-        if r.get("max_steps"):
-            return int(r["max_steps"])
+        m = r.get("max_steps")
+        if isinstance(m, int) and not isinstance(m, bool) and m > 0:
+            return m
     return None
 
 
 def run_state(view: RunView) -> str:
     """One phrase for where the run is, judged from its last meaningful record."""
-    last = next((r for r in reversed(view.records) if r.get("kind") not in ("audit", "watch")), None)
+    last = view.last_record
     if last is None:
         return "empty"
     if last.get("kind") == "end":
@@ -193,10 +250,15 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
     """The status report of a run (pure; `now` only sets the "ago" figures)."""
     now = time.time() if now is None else now
     lines = [f"run       {view.uri}"]
-    last_time = max((r.get("time", 0) for r in view.records), default=0)
-    restarts = max(len(view.attempts) - 1, 0)
-    lines.append(f"state     {run_state(view)} | last record {_human_seconds(now - last_time)} ago"
-                 f" | {len(view.attempts)} attempt(s), {restarts} restart(s)")
+    n_attempts = view.counts.get("start", 0) + view.counts.get("resume", 0)
+    restarts = max(n_attempts - 1, 0)
+    lines.append(f"state     {run_state(view)} | last record {_human_seconds(now - view.last_time)}"
+                 f" ago | {n_attempts} attempt(s), {restarts} restart(s)")
+    armed, last_armed = view.faults
+    if armed:
+        a = last_armed[-1]
+        lines.append(f"faults    FAULT INJECTION ARMED {armed} time(s) in this run directory; "
+                     f"last: {a.get('spec')} (from {' and '.join(map(str, a.get('sources') or []))})")
 
     if view.train:
         step = max(view.train)
@@ -219,20 +281,23 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
     else:
         lines.append("progress  no step trained yet")
 
-    events = [f"{len(view.skips)} skip(s)"]
+    n = view.counts
+    events = [f"{n.get('skip', 0)} skip(s)"]
     if view.skips:
         s = view.skips[-1]
-        events[-1] += f" (last at step {s['step']}: {s.get('reason') or 'no reason given'})"
-    events.append(f"{len(view.rewinds)} rewind(s)" + (
-        " (" + ", ".join(f"step {r['step']} -> {r.get('to_step')}" for r in view.rewinds[-3:]) + ")"
+        events[-1] += f" (last at step {s.get('step')}: {s.get('reason') or 'no reason given'})"
+    events.append(f"{n.get('rewind', 0)} rewind(s)" + (
+        " (" + ", ".join(f"step {r.get('step')} -> {r.get('to_step')}" for r in view.rewinds[-3:]) + ")"
         if view.rewinds else ""))
-    events.append(f"{len(view.failures)} failure(s)" + (
+    events.append(f"{n.get('failure', 0)} failure(s)" + (
         f" (last after step {view.failures[-1]['at_step']}: {_first_cause(view.failures[-1])})"
         if view.failures else ""))
     resumed = [r for r in view.attempts if r.get("kind") == "resume"]
-    events.append(f"{len(resumed)} resume(s)" + (
+    events.append(f"{n.get('resume', 0)} resume(s)" + (
         " (from step " + ", ".join(str(r.get("resumed_from")) for r in resumed[-5:]) + ")"
         if resumed else ""))
+    if n.get("malformed"):
+        events.append(f"{n['malformed']} malformed record(s) left out")
     lines.append("events    " + " | ".join(events))
     if view.audits:
         lines.append(f"audit     {view.audits[-1].get('message', '')}")
@@ -247,22 +312,36 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
         more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
         lines.append(f"          NOT usable: step {c.step}: {c.problems[0]}{more}")
 
-    if view.records:
-        lines.append(f"goodput   {summarize_run(view.records)['line']}")
-    return "\n".join(lines)
+    if view.goodput is not None:
+        lines.append(f"goodput   {view.goodput['line']}")
+    return "\n".join(printable(line) for line in lines)
+
+
+def printable(text: str) -> str:
+    """`text` safe to print to a terminal: credentials in URIs redacted (storage.redact), and
+    every control or format character (terminal escape sequences, carriage returns, bidi
+    overrides; strings in a run directory are untrusted) shown as a visible escape instead."""
+    return "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100
+                                              else f"\\u{ord(c):04x}")
+                   for c in redact(str(text)))
+
+
+STATUS_RECENT = 20  # train steps (and events of each kind) `raygpt status` keeps in memory
 
 
 def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
-    """`raygpt status`: the last step, loss, tok/s, checkpoints, restarts and goodput of a run."""
-    return format_status(load_run(run_dir_uri, verify=verify, progress=progress))
+    """`raygpt status`: the last step, loss, tok/s, checkpoints, restarts and goodput of a run.
+    The history is streamed: memory does not grow with its records (only a number per step)."""
+    return format_status(load_run(run_dir_uri, verify=verify, progress=progress,
+                                  recent=STATUS_RECENT))
 
 
 def _first_cause(failure: dict) -> str:
-    causes = failure.get("causes") or {}
-    if not causes:
+    causes = failure.get("causes")
+    if not causes or not isinstance(causes, dict):
         return "no cause recorded"
     rank, cause = next(iter(causes.items()))
-    return f"rank {rank}: {cause[:120]}"
+    return f"rank {rank}: {str(cause)[:120]}"
 
 
 def _human_seconds(s: float) -> str:
@@ -403,7 +482,7 @@ def _read_back(artists: list, kind: str) -> tuple[list, list]:
 # ---------------------------------------------------------------------- command line
 
 def _stderr_progress(message: str) -> None:
-    print(f"raygpt | {message}", file=sys.stderr, flush=True)
+    print(f"raygpt | {printable(message)}", file=sys.stderr, flush=True)
 
 
 def status_main(argv: list[str]) -> int:
@@ -418,7 +497,7 @@ def status_main(argv: list[str]) -> int:
         print(run_status(args.run_dir, verify="quick" if args.quick else "full",
                          progress=_stderr_progress))
     except (FileNotFoundError, ValueError) as e:
-        print(f"raygpt status: error: {e}", file=sys.stderr)
+        print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2
     return 0
 
@@ -442,7 +521,7 @@ def plot_main(argv: list[str]) -> int:
         series = plot_run(args.run_dir, out, verify="quick" if args.quick else "full",
                           progress=_stderr_progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"raygpt plot: error: {e}", file=sys.stderr)
+        print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
     print(f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
           f"{len(series.get('val_loss', ([],))[0])} validations)")

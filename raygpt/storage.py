@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import queue
+import re
 import shutil
 import sys
 import tempfile
@@ -147,27 +149,61 @@ class RunDir:
             raise FileNotFoundError(f"{self.uri(rel)}: expected a file, found {info.type.name}")
         return info.size
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole file; with `max_bytes`, FileTooLarge instead of reading past that many
+        bytes (a file in a run directory is untrusted: a MANIFEST that is a link to /dev/zero
+        must not be read until memory runs out)."""
         self._drain()
         if (m := self._mirror(rel)) is not None:
-            with self._appends.lock:
-                return m.local.read_bytes()
+            with self._appends.lock, open(m.local, "rb") as f:
+                return _read_at_most(f, max_bytes, self.uri(rel))
         if not self.exists(rel):
             raise FileNotFoundError(f"{self.uri(rel)}: no such file")
         with self.fs.open_input_stream(self.path(rel)) as f:
-            return f.read()
+            return _read_at_most(f, max_bytes, self.uri(rel))
 
-    def sha256_of(self, rel: str) -> str:
-        """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory)."""
+    def iter_lines(self, rel: str, *, max_line: int = 1 << 20, chunk_bytes: int = 1 << 20):
+        """The file's lines (bytes, without the newline), streamed in `chunk_bytes` chunks:
+        memory stays bounded by a few chunks plus one line, whatever the file's size. A line longer than
+        `max_line` bytes is yielded as its first `max_line` bytes followed by b"..." (never a
+        valid JSON record), so a hostile file cannot make a reader hold it whole."""
+        self._drain()
+        if (m := self._mirror(rel)) is not None:
+            with self._appends.lock:
+                data = m.local.read_bytes()  # this process's own appends (bounded by its run)
+            yield from data.split(b"\n")
+            return
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            pending, overlong = b"", False
+            while chunk := f.read(chunk_bytes):
+                parts = (pending + chunk).split(b"\n")
+                pending = parts.pop()
+                for part in parts:
+                    yield part[:max_line] + b"..." if overlong or len(part) > max_line else part
+                    overlong = False
+                if len(pending) > max_line:  # keep the head of an overlong line, drop the rest
+                    pending, overlong = pending[:max_line], True
+            if pending:
+                yield pending + b"..." if overlong else pending
+
+    def sha256_of(self, rel: str, *, max_bytes: int | None = None) -> str:
+        """Hex sha256 of a file, streamed in 8 MiB chunks (never the whole file in memory). With
+        `max_bytes`, FileTooLarge once more than that many bytes come (a file that is a link to
+        /dev/zero does not stream forever)."""
         self._drain()
         h = hashlib.sha256()
-        if (m := self._mirror(rel)) is not None:
-            with self._appends.lock, open(m.local, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-            return h.hexdigest()
-        with self.fs.open_input_stream(self.path(rel)) as f:
+        with contextlib.ExitStack() as stack:
+            if (m := self._mirror(rel)) is not None:
+                stack.enter_context(self._appends.lock)
+                f = stack.enter_context(open(m.local, "rb"))
+            else:
+                f = stack.enter_context(self.fs.open_input_stream(self.path(rel)))
+            seen = 0
             while chunk := f.read(_CHUNK):
+                seen += len(chunk)
+                if max_bytes is not None and seen > max_bytes:
+                    raise FileTooLarge(f"{self.uri(rel)}: expected at most {max_bytes:,} bytes, "
+                                       f"found more")
                 h.update(chunk)
         return h.hexdigest()
 
@@ -393,6 +429,32 @@ class _Writer:
             print(f"raygpt | WARNING: {e}", file=sys.stderr, flush=True)
 
 
+class FileTooLarge(ValueError):
+    """A file is larger than its reader allows; the message names it and the bound."""
+
+
+MAX_JSON_BYTES = 16 << 20  # raygpt's JSON files (MANIFEST, markers, plans) are KBs to a few MB
+
+
+def _read_at_most(f, max_bytes: int | None, name: str) -> bytes:
+    if max_bytes is None:
+        return f.read()
+    data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLarge(f"{name}: expected at most {max_bytes:,} bytes, found more")
+    return data
+
+
+def read_json_bounded(run_dir: "RunDir", rel: str, max_bytes: int = MAX_JSON_BYTES):
+    """Parse a JSON file of a run directory, reading at most `max_bytes`; ValueError (naming
+    the file) when it is larger, not UTF-8, or not JSON."""
+    data = run_dir.read_bytes(rel, max_bytes=max_bytes)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{run_dir.uri(rel)}: expected UTF-8 JSON ({e})") from e
+
+
 def write_local_atomic(target: Path, chunks) -> None:
     """Write `chunks` (bytes-like) to a local file atomically: a temporary file in the same
     directory, fsync, rename over the target, fsync the directory (so the rename is durable).
@@ -419,6 +481,20 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# credentials a URI can carry: s3://KEY:SECRET@bucket/... and pyarrow's ?access_key=...&secret_key=...
+_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s@]+@")  # "/" too: secrets hold it
+_URI_SECRET_PARAM = re.compile(r"((?:access_key|secret_key|session_token|token|password)=)[^&\s]*",
+                               re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with every credential a storage URI can carry replaced by ***: whatever raygpt
+    prints about a run directory or stores outside it (failure reports, status, sweep.json)
+    goes through this."""
+    text = _URI_USERINFO.sub(r"\1***@", str(text))
+    return _URI_SECRET_PARAM.sub(r"\1***", text)
 
 
 def open_run_dir(uri, *, flush_interval_s: float | None = None) -> RunDir:

@@ -49,6 +49,7 @@ refused before anything runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -70,8 +71,9 @@ from raygpt import checkpoint as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, SpikeConfig, TrainConfig, parse_args
 from raygpt.history import read_history
 from raygpt.schedule import wsd_decay_start
-from raygpt.storage import RunDir, open_run_dir
-from raygpt.trainer import RunFailed, build_trainer, create_control, prepare_run_dir
+from raygpt.ownership import Lease, check_overwrite, read_marker, write_marker
+from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
+from raygpt.trainer import RunFailed, build_trainer, claimed_run_dir, create_control, init_ray
 
 PLAN_FILE = "sweep.json"
 PLAN_FORMAT = "raygpt-sweep"
@@ -89,7 +91,7 @@ VAL_KEYS = ("step", "val_loss", "skips", "rewinds")
 # Tune bundle may not be empty, so it reserves a token 1 MiB of memory.
 TRIAL_DRIVER_RESOURCES = {"memory": 1 << 20}
 # Fields that place a run, not configure it: never written into best_config.json.
-_PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault")
+_PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault", "allow_fault_injection")
 
 
 # ====================================================================== the plan (sweep.json)
@@ -118,17 +120,25 @@ class SweepPlan:
 
 
 def write_plan(sweep: RunDir, plan: SweepPlan) -> None:
-    sweep.write_bytes_atomic(PLAN_FILE, json.dumps(plan.to_dict(), indent=1, sort_keys=True).encode())
+    """sweep.json, with every credential a URI in it carries redacted (`storage.redact`): the
+    plan's paths are only for people to read; `read_plan` takes the sweep directory from its
+    caller, and the trials get the plan from the driver's memory, not from this file."""
+    text = json.dumps(plan.to_dict(), indent=1, sort_keys=True)
+    sweep.write_bytes_atomic(PLAN_FILE, redact(text).encode())
 
 
-def read_plan(sweep: RunDir) -> SweepPlan:
+def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
+    """The plan in sweep.json, with `sweep_dir` (the caller's own spelling of the directory,
+    credentials included) in place of the stored, redacted one."""
     where = sweep.uri(PLAN_FILE)
     if not sweep.exists(PLAN_FILE):
         raise ConfigError(f"{where}: no such file (expected a raygpt sweep directory)")
     try:
-        d = json.loads(sweep.read_bytes(PLAN_FILE))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = read_json_bounded(sweep, PLAN_FILE)
+    except ValueError as e:
         raise ConfigError(f"{where}: expected JSON, found unreadable content ({e})") from e
+    if isinstance(d, dict) and sweep_dir is not None:
+        d["sweep_dir"] = sweep_dir
     if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
         raise ConfigError(f"{where}: format: expected {PLAN_FORMAT!r}, found "
                           f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
@@ -251,27 +261,34 @@ class _StopAtStep(UserCallback):
 
 
 def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None = None,
-            control_name: str | None = None):
+            control_name: str | None = None, lineage: str | None = None):
     """One raygpt run under Ray Train, from inside a Tune trial (or the sweep driver).
 
     The TorchTrainer is `trainer.build_trainer`'s, the one a single run uses, with `callbacks`
     added on the controller. The run's control actor (stop and save requests, polled by rank 0)
     is named `control_name`, so a scheduler can find it.
-    Raises RunFailed once the run's own retry budget (cfg.max_failures) is spent."""
-    prepare_run_dir(cfg)
-    control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-    control = create_control(control_name)
-    extra = list(callbacks)
-    if stop_at_step is not None:
-        extra.append(_StopAtStep(stop_at_step, control))
-    trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
-    try:
-        return trainer.fit()
-    except Exception as e:  # Ray raises once the run's retry budget is spent
-        raise RunFailed(f"raygpt run {cfg.output_dir} failed after --max-failures "
-                        f"{cfg.max_failures} restarts: {type(e).__name__}: {str(e)[:1000]}") from e
-    finally:
-        ray.kill(control)
+    Raises RunFailed once the run's own retry budget (cfg.max_failures) is spent.
+    The run directory's lease is held under `lineage` (the sweep driver's lease token and the
+    trial id): a retry of the same trial takes it over at once, any other job is refused."""
+    controls: list = []
+    with claimed_run_dir(cfg, lineage=lineage, what="raygpt sweep trial",
+                         on_lost=lambda why: [c.request.remote("stop") for c in controls]
+                         ) as (cfg, _):
+        control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+        control = create_control(control_name)
+        controls.append(control)
+        extra = list(callbacks)
+        if stop_at_step is not None:
+            extra.append(_StopAtStep(stop_at_step, control))
+        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
+        try:
+            return trainer.fit()
+        except Exception as e:  # Ray raises once the run's retry budget is spent
+            raise RunFailed(redact(f"raygpt run {cfg.output_dir} failed after --max-failures "
+                                   f"{cfg.max_failures} restarts: {type(e).__name__}: "
+                                   f"{str(e)[:1000]}")) from e
+        finally:
+            ray.kill(control)
 
 
 def trial_control_name(trial_id: str) -> str:
@@ -350,7 +367,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     return True
 
 
-def raygpt_trial(config: dict, plan: dict) -> None:
+def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
     """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/."""
     plan = SweepPlan(**{k: v for k, v in plan.items() if k not in ("format", "version")})
     name = tune.get_context().get_trial_name()
@@ -358,8 +375,9 @@ def raygpt_trial(config: dict, plan: dict) -> None:
     cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir)
     if plan.mode == "wsd_branch":
         seed_branch(plan, open_run_dir(run_dir))
-    fit_run(cfg, callbacks=(_ValReportsToTune(),),
-            control_name=trial_control_name(tune.get_context().get_trial_id()))
+    trial_id = tune.get_context().get_trial_id()
+    fit_run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
+            lineage=f"{lineage}/{trial_id}" if lineage else None)
 
 
 def _join(root: str, rel: str) -> str:
@@ -408,11 +426,12 @@ def run_sweep(base: TrainConfig, space: dict, sweep_dir: str, *, num_samples: in
     max_concurrent: default, the trials whose workers fit the cluster's GPUs (or CPUs) at once."""
     _ensure_ray(ray_address)
     check_space(base, space)
-    plan = _new_plan("grid", base, space, sweep_dir, dict(
-        num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
-        reduction_factor=reduction_factor, max_concurrent=max_concurrent,
-        trial_retries=trial_retries))
-    return _fit(plan, space)
+    with _sweep_lease(sweep_dir) as lease:
+        plan = _new_plan("grid", base, space, sweep_dir, dict(
+            num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
+            reduction_factor=reduction_factor, max_concurrent=max_concurrent,
+            trial_retries=trial_retries), lease=lease)
+        return _fit(plan, space, lineage=lease.token)
 
 
 def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str, *,
@@ -436,11 +455,12 @@ def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str
     base = base.with_overrides({"scheduler": "wsd"})
     space["max_steps"] = tune.grid_search(totals)
     check_space(base, space)
-    plan = _new_plan("wsd_branch", base, space, sweep_dir, dict(
-        num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
-        max_concurrent=max_concurrent, trial_retries=trial_retries),
-        shared_step=shared_stable_step(totals), stable_max_steps=totals[0])
-    return _fit(plan, space)
+    with _sweep_lease(sweep_dir) as lease:
+        plan = _new_plan("wsd_branch", base, space, sweep_dir, dict(
+            num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
+            max_concurrent=max_concurrent, trial_retries=trial_retries),
+            shared_step=shared_stable_step(totals), stable_max_steps=totals[0], lease=lease)
+        return _fit(plan, space, lineage=lease.token)
 
 
 def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
@@ -448,13 +468,27 @@ def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
     """Continue a sweep whose driver died: Tune's experiment is restored (finished trials are not
     run again; unfinished ones continue from their own checkpoints)."""
     _ensure_ray(ray_address)
-    plan = read_plan(open_run_dir(_abs(sweep_dir)))
-    return _fit(plan, None, restore=True, retry_errored=retry_errored)
+    with _sweep_lease(sweep_dir) as lease:
+        plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
+        return _fit(plan, None, restore=True, retry_errored=retry_errored, lineage=lease.token)
 
 
 def _ensure_ray(address: str | None) -> None:
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+    init_ray(address)  # address="local" unless one is given: never a stranger's /tmp/ray cluster
+
+
+@contextlib.contextmanager
+def _sweep_lease(sweep_dir: str):
+    """The sweep directory's lease, held by this sweep driver (a second driver on the same
+    directory is refused) and renewed while the sweep runs; its token is the lineage of the
+    trials' own leases."""
+    lease = Lease(open_run_dir(_abs(sweep_dir)), what="raygpt sweep")
+    lease.acquire()
+    try:
+        lease.start_heartbeat()
+        yield lease
+    finally:
+        lease.release()
 
 
 def _abs(path: str) -> str:
@@ -462,7 +496,7 @@ def _abs(path: str) -> str:
 
 
 def _new_plan(mode: str, base: TrainConfig, space: dict, sweep_dir: str, settings: dict,
-              **wsd) -> SweepPlan:
+              lease: Lease | None = None, **wsd) -> SweepPlan:
     """Check the settings, pin the base, refuse to clobber an existing sweep, write sweep.json."""
     sweep = open_run_dir(_abs(sweep_dir))
     if settings["early_stop"] not in ("asha", "none"):
@@ -478,22 +512,28 @@ def _new_plan(mode: str, base: TrainConfig, space: dict, sweep_dir: str, setting
             raise ConfigError(f"-o/--output-dir {sweep.uri()}: expected an empty or new sweep "
                               f"directory, found an existing sweep; pass -y 1 to resume it or "
                               f"--overwrite to start fresh over it")
+        check_overwrite(sweep, "sweep", sweep_dir)  # a marked sweep directory, not a bucket root
         sweep.delete_dir("")
+        if lease is not None:
+            lease.renew()  # the delete took the lease file with it
     plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
                      settings=settings, **wsd)
     sweep.makedirs("")
+    if read_marker(sweep) is None:
+        write_marker(sweep, "sweep")
     write_plan(sweep, plan)
     return plan
 
 
 def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
-         retry_errored: bool = False) -> SweepReport:
+         retry_errored: bool = False, lineage: str | None = None) -> SweepReport:
     base = TrainConfig.from_dict(plan.base)
     s = plan.settings
     concurrent = s.get("max_concurrent") or max_concurrent_trials(ray.cluster_resources(), base)
     if plan.mode == "wsd_branch":
-        run_stable_phase(plan)
-    trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict()),
+        run_stable_phase(plan, lineage)
+    trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict(),
+                                                         lineage=lineage),
                                     TRIAL_DRIVER_RESOURCES)
     tune_path = _join(plan.sweep_dir, TUNE_DIR)
     if restore:
@@ -525,7 +565,7 @@ def _default_grace(base: TrainConfig, max_t: int) -> int:
     return max(every, math.ceil(max_t / 4 / every) * every)
 
 
-def run_stable_phase(plan: SweepPlan) -> int:
+def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
     """Train the WSD stable phase once (skipped when its checkpoint at S already verifies) and
     return S. The run is the branches' own config with max_steps = the shortest branch total, so
     its LR up to S is every branch's LR up to S; it checkpoints at S and is stopped there."""
@@ -539,7 +579,7 @@ def run_stable_phase(plan: SweepPlan) -> int:
                        stable.uri())
     print(f"raygpt sweep | WSD stable phase: {cfg.max_steps}-step schedule, stopping after the "
           f"checkpoint at step {S} | {stable.uri()}", flush=True)
-    fit_run(cfg, stop_at_step=S)
+    fit_run(cfg, stop_at_step=S, lineage=f"{lineage}/stable" if lineage else None)
     problems = ck.verify_checkpoint(stable, S) if stable.exists(ck.step_dir(S)) else ["missing"]
     if problems:
         raise ck.CheckpointError(f"{stable.uri(ck.step_dir(S))}: the stable phase ended without a "
@@ -552,7 +592,7 @@ def run_stable_phase(plan: SweepPlan) -> int:
 def collect_rows(sweep_dir: str) -> list[TrialRow]:
     """One row per Tune trial, from Tune's experiment state (config, status, retries) and the
     trial's own loss history (val curve, final step, skips, rewinds), sorted by val loss."""
-    plan = read_plan(open_run_dir(sweep_dir))
+    plan = read_plan(open_run_dir(sweep_dir), _abs(sweep_dir))
     analysis = tune.ExperimentAnalysis(_join(plan.sweep_dir, TUNE_DIR))
     rows = []
     for trial in analysis.trials:
@@ -649,12 +689,12 @@ def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title
 def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
     """Write results.txt/.json, best_config.json and val_loss.png; print the table."""
     sweep = open_run_dir(_abs(sweep_dir))
-    plan = read_plan(sweep)
+    plan = read_plan(sweep, _abs(sweep_dir))
     rows = collect_rows(plan.sweep_dir)
     table = format_table(rows)
-    sweep.write_bytes_atomic(RESULTS_TXT, (table + "\n").encode())
-    sweep.write_bytes_atomic(RESULTS_JSON, json.dumps(
-        [dataclasses.asdict(r) for r in rows], indent=1, default=str).encode())
+    sweep.write_bytes_atomic(RESULTS_TXT, redact(table + "\n").encode())
+    sweep.write_bytes_atomic(RESULTS_JSON, redact(json.dumps(
+        [dataclasses.asdict(r) for r in rows], indent=1, default=str)).encode())
     best = next((r for r in rows if r.status == "done"), None) or next(
         (r for r in rows if not math.isnan(r.val_loss)), None)
     best_path = None

@@ -1,6 +1,9 @@
 """The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
 
-- `run(cfg)` starts (or joins) Ray, refuses to overwrite a run directory silently, and runs
+- `run(cfg)` claims the run directory (`claimed_run_dir`: never overwrite a run silently, never
+  delete what is not a marked run, one writer at a time through the lease of
+  raygpt/ownership.py, armed faults announced), starts its own Ray (or joins the one
+  RAY_ADDRESS names; never whatever /tmp/ray names), and runs
   `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
   `FailureConfig(max_failures, max_preemption_failures)`: after a worker or node is lost, Ray
   restarts the worker group and each worker resumes from the newest verified checkpoint.
@@ -26,6 +29,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,10 +51,14 @@ from raygpt import signals
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
+from raygpt.faults import announce as announce_faults
+from raygpt.faults import armed_spec, parse_spec
 from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.ownership import (Lease, check_overwrite, is_own_file, read_marker,
+                              refused_overwrite_target, write_marker)
 from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.session import Session
-from raygpt.storage import RunDir, open_run_dir
+from raygpt.storage import RunDir, open_run_dir, redact
 
 # steps between polls of get_preemption_info, a barrier across workers (step-based, so every
 # rank polls at the same steps)
@@ -298,19 +306,62 @@ class RunAborted(KeyboardInterrupt):
     exit_code = EXIT_ABORTED
 
 
-def prepare_run_dir(cfg: TrainConfig) -> RunDir:
-    """Never overwrite a run silently: an existing run needs -y 1 (resume) or --overwrite."""
+def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
+    """Never overwrite a run silently, never delete what is not a run. A directory that holds a
+    run needs -y 1 (resume) or --overwrite (start fresh: only over a directory raygpt marked as
+    a run, never `/`, the home or current directory, a bucket root or an empty -o); a directory
+    that holds anything else is refused. `lease` (not yet held) is taken after the checks and
+    before anything is deleted, so a live run is never deleted. A new run directory is marked
+    (`ownership.MARKER`); a pre-marker run resumed with -y 1 is marked then."""
+    if not cfg.output_dir.strip():
+        raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
+                          f"{refused_overwrite_target(cfg.output_dir)}")
     run_dir = open_run_dir(cfg.output_dir)
-    holds_run = run_dir.exists() and any(
-        n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in run_dir.listdir())
-    if holds_run and cfg.resume != 1:
+    names = [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
+    holds_run = any(n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in names)
+    marker = read_marker(run_dir)
+    fresh_over_run = holds_run and cfg.resume != 1
+    if fresh_over_run:
         if not cfg.overwrite:
-            raise ConfigError(f"-o/--output-dir {run_dir.uri()}: expected an empty or new run "
-                              f"directory, found an existing run; pass -y 1 to resume it or "
+            raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new "
+                              f"run directory, found an existing run; pass -y 1 to resume it or "
                               f"--overwrite to start fresh over it")
+        check_overwrite(run_dir, "run", cfg.output_dir)
+    elif names and not holds_run and marker is None:
+        raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new run "
+                          f"directory, found {len(names)} entries that are not a raygpt run "
+                          f"(e.g. {', '.join(repr(n) for n in names[:3])}); name a new directory")
+    if lease is not None:
+        lease.acquire()  # RunDirBusy (a ConfigError) when another job holds it
+    if fresh_over_run:
+        print(f"raygpt | --overwrite: deleting the run in {redact(run_dir.uri())}", flush=True)
         run_dir.delete_dir("")
+        marker = None
+        if lease is not None:
+            lease.renew()  # the delete took the lease file with it
     run_dir.makedirs("")
+    if marker is None:
+        write_marker(run_dir, "run", adopted=holds_run and not fresh_over_run)
     return run_dir
+
+
+@contextlib.contextmanager
+def claimed_run_dir(cfg: TrainConfig, *, lineage: str | None = None, what: str = "raygpt train",
+                    on_lost=None):
+    """`prepare_run_dir` under this job's lease, renewed by a heartbeat while inside, released
+    on the way out (so `-y 1` right after works at once). Armed faults (--fault, and
+    RAYGPT_FAULT only with --allow-fault-injection) are folded into the config it yields,
+    printed and recorded in the run directory."""
+    spec, sources = armed_spec(cfg.fault, os.environ, cfg.allow_fault_injection)
+    cfg = cfg.with_overrides({"fault": spec})
+    lease = Lease(open_run_dir(cfg.output_dir), lineage=lineage, what=what)
+    try:
+        run_dir = prepare_run_dir(cfg, lease)
+        announce_faults(run_dir, spec, sources)
+        lease.start_heartbeat(on_lost)
+        yield cfg, run_dir
+    finally:
+        lease.release()
 
 
 def _split_storage(output_dir: str) -> tuple[str, str]:
@@ -378,37 +429,37 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
 
 def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
     """Run one training job under Ray Train and return rank 0's summary."""
-    if "://" not in cfg.output_dir:
+    if "://" not in cfg.output_dir and cfg.output_dir.strip():
         cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
-    prepare_run_dir(cfg)
-    if not ray.is_initialized():
-        # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=True)
-    control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-    control = create_control(control_name)
-    driver_signals = DriverSignals(control)
-    trainer = build_trainer(cfg, control_name=control_name)
-    trainer.on_sigint = driver_signals.on_sigint
-    t0 = time.time()
-    try:
-        trainer.fit()
-    except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
-        stopped = run_stopped(e)
-        if stopped is not None:
-            raise RunFailed(f"raygpt run {cfg.output_dir} stopped (not retried, it would fail "
-                            f"again): {stopped.message}", stopped.exit_code) from e
-        raise RunFailed(_failure_report(cfg, t0, e)) from e
-    except KeyboardInterrupt:
-        # Ray's get() turns an exception raised by a signal handler into a plain
-        # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
-        if driver_signals.aborted:
-            raise RunAborted(f"raygpt run {cfg.output_dir} aborted by a second Ctrl-C; -y 1 "
-                             f"resumes from the last verified checkpoint") from None
-        raise
-    finally:
-        driver_signals.restore()
-        ray.kill(control)
+    stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
+    with claimed_run_dir(cfg, on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
+                         ) as (cfg, _):
+        init_ray(ray_address)
+        control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+        control = create_control(control_name)
+        stop_requests.append(control)
+        driver_signals = DriverSignals(control)
+        trainer = build_trainer(cfg, control_name=control_name)
+        trainer.on_sigint = driver_signals.on_sigint
+        t0 = time.time()
+        try:
+            trainer.fit()
+        except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
+            stopped = run_stopped(e)
+            if stopped is not None:
+                raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
+                                f"would fail again): {stopped.message}", stopped.exit_code) from e
+            raise RunFailed(_failure_report(cfg, t0, e)) from e
+        except KeyboardInterrupt:
+            # Ray's get() turns an exception raised by a signal handler into a plain
+            # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
+            if driver_signals.aborted:
+                raise RunAborted(f"raygpt run {redact(cfg.output_dir)} aborted by a second "
+                                 f"Ctrl-C; -y 1 resumes from the last verified checkpoint") from None
+            raise
+        finally:
+            driver_signals.restore()
+            ray.kill(control)
     records = read_history(open_run_dir(cfg.output_dir))
     report = summarize_run(records, since=t0)
     print(f"raygpt | {report['line']}", flush=True)
@@ -420,6 +471,18 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
     return final
 
 
+def init_ray(address: str | None = None) -> None:
+    """Start or join Ray, unless this process already did. Without an address (the argument,
+    else RAY_ADDRESS) this starts a Ray of its own (address="local"): a bare `ray.init()` would
+    join whatever cluster /tmp/ray names on this machine, perhaps another user's."""
+    if ray.is_initialized():
+        return
+    # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+
+
 def _failure_report(cfg, since: float, error) -> str:
     """What each attempt of this job died of (the finalizer records failures as they happen)."""
     records = read_history(open_run_dir(cfg.output_dir))
@@ -429,12 +492,11 @@ def _failure_report(cfg, since: float, error) -> str:
     for r in failures:
         lines.append(f"  failure {r['failure']}: " + "; ".join(f"rank {k}: {v}" for k, v in r["causes"].items()))
     lines.append(f"  final error: {type(error).__name__}: {str(error)[:500]}")
-    return "\n".join(lines)
+    return redact("\n".join(lines))
 
 
 def _parse_faults(spec: str):
-    from raygpt.faults import parse_spec
-    return parse_spec(";".join(s for s in (spec, os.environ.get("RAYGPT_FAULT", "")) if s))
+    return parse_spec(spec)  # cfg.fault holds every armed fault (claimed_run_dir folded them in)
 
 
 class DriverSignals:

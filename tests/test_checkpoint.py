@@ -6,6 +6,7 @@ import json
 import math
 import os
 import struct
+import tempfile
 import uuid
 
 import numpy as np
@@ -17,7 +18,8 @@ from raygpt.checkpoint import (
     ABANDONED, MANIFEST, MT19937_DTYPE, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    read_manifest, read_state_file, stage_dir, state_file, step_dir, verify_checkpoint,
+    private_stage_root, read_manifest, read_state_file, stage_dir, state_file, step_dir,
+    verify_checkpoint,
     write_done, write_manifest, write_state_file,
 )
 from raygpt.config import TrainConfig
@@ -499,11 +501,41 @@ def test_retention_handles_unsorted_input_and_rejects_negative():
         checkpoints_to_delete(STEPS, keep_last=-1, keep_every=0, protect=set(), newest_verified=None)
 
 
-def test_stage_dir_is_private_fresh_and_not_a_checkpoint(tmp_path):
-    a, b = stage_dir(tmp_path / "stage", 40), stage_dir(tmp_path / "stage", 40)
+def test_stage_dir_is_private_fresh_and_not_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = private_stage_root("r0")
+    assert root.parent == tmp_path and (root.stat().st_mode & 0o777) == 0o700
+    assert private_stage_root("r0") != root  # per run: a fresh name every time
+    a, b = stage_dir(root, 40), stage_dir(root, 40)
     assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("step_00000040")
     assert (a.stat().st_mode & 0o777) == 0o700
-    assert list_checkpoint_steps(open_run_dir(tmp_path / "stage")) == []
+    assert list_checkpoint_steps(open_run_dir(root)) == []
+
+
+def test_staging_refuses_a_planted_symlink_a_shared_or_a_foreign_directory(tmp_path, monkeypatch):
+    """Another user's /tmp/raygpt-stage (or a symlink planted there) must never receive this
+    user's checkpoint files: the staging root is a fresh mkdtemp, and a root that is a symlink,
+    readable by others or not ours is refused before a file is written."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    loot = tmp_path / "attacker"
+    loot.mkdir()
+    (tmp_path / "raygpt-stage").symlink_to(loot)  # the old fixed path, planted
+    root = private_stage_root("r0")
+    assert not root.is_symlink() and root != tmp_path / "raygpt-stage"
+    stage_dir(root, 1)
+    assert list(loot.iterdir()) == []
+    with pytest.raises(CheckpointError, match="found a symlink"):
+        stage_dir(tmp_path / "raygpt-stage", 2)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(CheckpointError, match="mode 0700"):
+        stage_dir(shared, 3)
+    real_uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)  # as seen by another user
+    with pytest.raises(CheckpointError, match="owned by uid"):
+        stage_dir(root, 4)
+    assert list(loot.iterdir()) == [] and list(shared.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------

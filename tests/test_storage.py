@@ -396,3 +396,30 @@ def test_a_whole_last_line_gets_no_extra_newline(run_dir: RunDir):
     fresh.append_text("h.jsonl", "b\n")
     fresh.close()
     assert RunDir(run_dir.fs, run_dir.root).read_bytes("h.jsonl") == b"a\nb\n"
+
+
+def test_iter_lines_streams_across_chunks_and_cuts_overlong_lines(run_dir: RunDir):
+    """The streaming reader behind `raygpt status`: the same lines as a whole-file split, over
+    any chunk size, and a line longer than max_line comes back as its head + b"..." (never a
+    valid JSON record, never held whole)."""
+    lines = [b"a" * n for n in (0, 1, 5, 7, 8, 9, 30, 2)] + [b'{"k": 1}']
+    run_dir.write_bytes_atomic("h.jsonl", b"\n".join(lines) + b"\n")
+    for chunk in (1, 3, 8, 64):
+        got = list(run_dir.iter_lines("h.jsonl", max_line=10, chunk_bytes=chunk))
+        want = [x if len(x) <= 10 else x[:10] + b"..." for x in lines]
+        assert got == want, chunk
+    run_dir.write_bytes_atomic("t.jsonl", b"one\ntorn-no-newline")
+    assert list(run_dir.iter_lines("t.jsonl", chunk_bytes=4)) == [b"one", b"torn-no-newline"]
+
+
+def test_bounded_reads_refuse_more_than_asked(run_dir: RunDir):
+    from raygpt.storage import FileTooLarge, read_json_bounded
+    run_dir.write_bytes_atomic("x.json", b'{"a": "' + b"b" * 100 + b'"}')
+    assert run_dir.read_bytes("x.json", max_bytes=200)[:6] == b'{"a": '
+    with pytest.raises(FileTooLarge, match="x.json: expected at most 50 bytes"):
+        run_dir.read_bytes("x.json", max_bytes=50)
+    with pytest.raises(ValueError, match="at most 10 bytes"):
+        read_json_bounded(run_dir, "x.json", max_bytes=10)
+    with pytest.raises(FileTooLarge):
+        run_dir.sha256_of("x.json", max_bytes=10)
+    assert run_dir.sha256_of("x.json", max_bytes=109) == run_dir.sha256_of("x.json")
