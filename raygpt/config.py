@@ -370,6 +370,11 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
 
 
+def absolute_output_dir(output_dir: str) -> str:
+    """A local run directory as an absolute path (workers may run elsewhere); URIs unchanged."""
+    return output_dir if "://" in output_dir else str(Path(output_dir).resolve())
+
+
 def _visible_gpus() -> int:
     try:
         import torch
@@ -445,6 +450,8 @@ def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
         if c.val_batches is not None:
             return c.val_batches
         ranks = ranks_with_data(tokens, b, c.seq_len, c.num_workers)
+        if ranks < 1:  # an explicit micro-batch no shard can hold: preflight names it
+            return DEFAULT_VAL_BATCHES
         return max(1, min(DEFAULT_VAL_BATCHES, samples // (b * ranks)))
 
     def covered(b: int) -> int:  # distinct samples one evaluation reads
@@ -458,8 +465,8 @@ def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
             c.val_batch_size = max(range(1, cap + 1), key=lambda b: (covered(b), b))
     if c.val_batches is None:
         c.val_batches = batches(c.val_batch_size) if cap >= 1 else DEFAULT_VAL_BATCHES
-    if cap >= 1:
-        ranks = ranks_with_data(tokens, c.val_batch_size, c.seq_len, c.num_workers)
+    ranks = ranks_with_data(tokens, c.val_batch_size, c.seq_len, c.num_workers)
+    if ranks >= 1:
         if (c.val_batch_size, c.val_batches, ranks) != (c.batch_size, DEFAULT_VAL_BATCHES,
                                                          c.num_workers):
             notes.append(f"validation: {c.val_batches} batch(es) of {c.val_batch_size} x "

@@ -1,6 +1,9 @@
 """The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
 
-- `run(cfg)` starts (or joins) Ray, refuses to overwrite a run directory silently, and runs
+- `run(cfg)` checks every input on the driver first (`raygpt.preflight`: shards, model file,
+  resume compatibility, the run directory's filesystem), records the launch in the run
+  directory's `config.json`, then starts (or joins) Ray, refuses to overwrite a run directory
+  silently, and runs
   `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
   `FailureConfig(max_failures, max_preemption_failures)`: after a worker or node is lost, Ray
   restarts the worker group and each worker resumes from the newest verified checkpoint.
@@ -35,10 +38,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import signals
+from raygpt import preflight, signals
 from raygpt.checkpointer import finalize_checkpoint
-from raygpt.config import ConfigError, TrainConfig
+from raygpt.config import ConfigError, TrainConfig, absolute_output_dir
 from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.session import Session
 from raygpt.storage import RunDir, open_run_dir
 
@@ -290,11 +294,22 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     )
 
 
-def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
-    """Run one training job under Ray Train and return rank 0's summary."""
-    if "://" not in cfg.output_dir:
-        cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
-    prepare_run_dir(cfg)
+def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] = (),
+        plan: list[str] | None = None) -> dict:
+    """Run one training job under Ray Train and return rank 0's summary. `cfg` is resolved;
+    `adapted` are resolve()'s notes on defaults it fitted to the data (printed and recorded).
+    Every input is checked before Ray starts (`raygpt.preflight`, ConfigError in one line),
+    unless the caller did so already and passes what it found as `plan`."""
+    cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
+    if plan is None:
+        plan = preflight.check(cfg)
+    run_dir = prepare_run_dir(cfg)
+    launch = write_launch(run_dir, cfg, adapted=adapted, plan=plan)
+    print(f"raygpt | launch {launch['launch']} of {run_dir.uri()} ({CONFIG_FILE}) | "
+          f"{cfg.num_workers} x {cfg.device} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | "
+          f"{cfg.total_batch_size:,} tokens/step | " + " | ".join(plan), flush=True)
+    for note in adapted:
+        print(f"raygpt | adapted to the data: {note}", flush=True)
     if not ray.is_initialized():
         # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
