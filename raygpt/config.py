@@ -224,8 +224,8 @@ class TrainConfig:
         chosen and why is appended to `notes`."""
         c = dataclasses.replace(self, spike=dataclasses.replace(self.spike))
         notes = notes if notes is not None else []
-        if gpus_available is None:
-            gpus_available = _visible_gpus()
+        if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
+            gpus_available = 0 if c.device == "cpu" else _visible_gpus()
         if c.device == "auto":
             c.device = "gpu" if gpus_available > 0 else "cpu"
         if c.device == "gpu" and gpus_available == 0 and c.num_workers is None:

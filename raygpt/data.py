@@ -28,9 +28,12 @@ import glob
 import hashlib
 import os
 import tempfile
+import typing
 
 import numpy as np
-import torch
+
+if typing.TYPE_CHECKING:
+    import torch
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -377,6 +380,10 @@ class DistributedDataLoader:
     def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.B, self.T
         mine = samples[self.rank * B:(self.rank + 1) * B]
+        # torch is imported here, where batches are built, so that the driver's checks of shard
+        # headers (raygpt.preflight, before Ray starts) do not pay for importing it
+        import torch
+
         to_cuda = device is not None and torch.device(device).type == "cuda"
         # the caching host allocator does not hand this block out again before the copy is done
         data = torch.empty((B, T + 1), dtype=torch.int64, pin_memory=to_cuda)
