@@ -143,10 +143,12 @@ def read_plan(sweep: RunDir) -> SweepPlan:
 def pin_for_trials(base: TrainConfig, gpus_available: int) -> TrainConfig:
     """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
     actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
-    their Tune trial directory as working directory). total_batch_size=-1 stays -1, so a trial
-    that changes B or T still gets B*T*world tokens per step."""
+    their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
+    validation batches stay unset unless given, so a trial that changes B or T still gets
+    B*T*world tokens per step and validation batches fitted to its own B and T."""
     resolved = base.resolve(gpus_available=gpus_available)
-    pinned = {"total_batch_size": base.total_batch_size,
+    pinned = {"total_batch_size": base.total_batch_size, "val_batch_size": base.val_batch_size,
+              "val_batches": base.val_batches,
               "input_bin": os.path.abspath(resolved.input_bin)}
     if resolved.input_val_bin:
         pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
