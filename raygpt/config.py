@@ -435,12 +435,13 @@ def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
     with the largest micro-batch (at most B) that does so."""
     from raygpt.data import ranks_with_data
     if not c.input_val_bin or c.val_every <= 0:  # validation off: nothing to fit
-        c.val_batch_size = c.val_batch_size or c.batch_size
+        c.val_batch_size = c.batch_size if c.val_batch_size is None else c.val_batch_size
         c.val_batches = DEFAULT_VAL_BATCHES if c.val_batches is None else c.val_batches
         return
     tokens = _shard_tokens(c.input_val_bin, "-j/--input-val-bin")
-    if tokens is None or c.seq_len < 1 or c.batch_size < 1 or c.num_workers < 1:
-        c.val_batch_size = c.val_batch_size or c.batch_size  # validate()/preflight explain
+    if (tokens is None or c.seq_len < 1 or c.batch_size < 1 or c.num_workers < 1
+            or (c.val_batch_size is not None and c.val_batch_size < 1)):
+        c.val_batch_size = c.batch_size if c.val_batch_size is None else c.val_batch_size  # validate()/preflight explain
         c.val_batches = DEFAULT_VAL_BATCHES if c.val_batches is None else c.val_batches
         return
     samples = sum((n - 1) // c.seq_len for n in tokens)  # the whole validation stream

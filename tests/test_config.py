@@ -50,6 +50,8 @@ def test_resolve_fills_cpu_and_gpu_defaults():
     (["--precision", "bf16", "--cpu"], "--precision"),
     (["--spike-soft-z", "30"], "--spike-soft-z/--spike-hard-z"),
     (["--min-workers", "3"], "--min-workers"),
+    (["-m", "0"], "-m/--val-batches"),
+    (["--val-batch-size", "0"], "--val-batch-size"),
 ])
 def test_bad_values_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as e:
