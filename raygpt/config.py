@@ -1,10 +1,16 @@
 """Every knob of a raygpt run, as typed dataclasses, and the command line that fills them.
 
 The command line takes long options and llm.c's short flags with llm.c's meanings (`-i -j -o -e
--b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z`). Everything is validated here,
-before Ray starts: a bad value is a `ConfigError` naming the flag, what was expected and what was
-found. A Ray Tune search space is an override of `TrainConfig` fields (see `with_overrides`), not
-a second config system.
+-b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z`). It is generated from the
+dataclasses: every field is a flag whose help is the field's docstring (`field_docs`, read with
+`ast`) and whose default is the field's default, so `--help` and the code cannot drift.
+
+`resolve()` fills the fields left unset from the hardware and the data (a micro-batch the
+shards can feed on this many workers, validation batches that fit the validation set) and
+validates every value: a bad one is a `ConfigError` naming the flag, what was expected and what
+was found. What needs files or the run directory is checked next by `raygpt.preflight`, still
+before Ray starts. A Ray Tune search space is an override of `TrainConfig` fields (see
+`with_overrides`), not a second config system.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ such runs at once, the whole retry budget; found here it costs milliseconds. `ch
 a resolved config and raises `ConfigError` with one line naming the flag, the file and what
 was expected, or returns what it found (for the start-up line):
 
+- model: an `-e model_*.bin` file's header and size, and T against its max_seq_len;
 - data: every train and validation shard's header (magic, version, token count against the
   file size) and its size against B, T and the largest world size (llm.c's B*T*world+1 rule,
   `data.tokens_needed`), validation's micro-batch against the smallest validation shard, and
   -x -1 (one epoch) against the global batch;
-- model: an `-e model_*.bin` file's header and size, and T against its max_seq_len;
 - resume (-y 1): the newest complete checkpoint's MANIFEST against this config
   (`checkpoint.check_compatible`: config fields, tokenizer and data hashes; a different world
   size is fine, the loop reshards);
@@ -34,8 +34,8 @@ from raygpt.data import ShardError, ranks_with_data, shard_token_counts, tokens_
 def check(cfg: TrainConfig) -> list[str]:
     """Check a resolved config against its files and run directory; return lines describing
     the data plan and the resume. Raises ConfigError (one line) on the first problem."""
+    check_model(cfg)  # first: resolve() may have taken T from this file's header
     facts = check_data(cfg)
-    check_model(cfg)
     facts += check_resume(cfg)
     check_run_dir(cfg)
     return facts

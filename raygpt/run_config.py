@@ -97,6 +97,14 @@ def format_launches(launches: list[dict]) -> list[str]:
     and config, what resolution adapted, and what each later launch changed."""
     if not launches:
         return []
+    try:
+        return _launch_lines(launches)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited config.json
+        return [f"launch    {len(launches)} launch(es); {CONFIG_FILE} not as raygpt writes it "
+                f"({type(e).__name__}: {e})"]
+
+
+def _launch_lines(launches: list[dict]) -> list[str]:
     new = launches[-1]
     c, hw, v = new["config"], new.get("hardware", {}), new.get("versions", {})
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(new.get("time", 0)))

@@ -67,3 +67,8 @@ def test_a_file_that_is_not_a_launch_record_is_skipped(tmp_path):
     assert (tmp_path / "config.1.json").read_text() == "{not json"
     assert json.loads((tmp_path / "config.2.json").read_text()) == {"format": "something else"}
     assert [r["launch"] for r in read_launches(rd)] == [3]
+
+
+def test_a_hand_edited_record_does_not_break_status():
+    lines = format_launches([{"format": "raygpt-config", "config": {"total_batch_size": None}}])
+    assert len(lines) == 1 and "config.json not as raygpt writes it" in lines[0]
