@@ -125,8 +125,9 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     if cfg.resume != 1:
         return []
     from raygpt import checkpoint as ck
-    from raygpt.checkpointer import run_fingerprints
+    from raygpt.data import data_fingerprint
     from raygpt.report import quick_check
+    from raygpt.tokenizer import tokenizer_fingerprint
     run_dir = _open(cfg)
     try:
         if not run_dir.exists():
@@ -141,11 +142,10 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
         raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
                           f"resume it: {_one_line(e)}") from None
-    fp = run_fingerprints(cfg)
-    try:
+    try:  # what checkpointer.run_fingerprints gives the workers, without importing torch
         ck.check_compatible(manifest, config_identity=cfg.identity(),
-                            tokenizer_hash=fp["tokenizer_hash"], data_hash=fp["data_hash"],
-                            world_size=cfg.num_workers)
+                            tokenizer_hash=tokenizer_fingerprint(),
+                            data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers)
     except ck.WorldSizeMismatch:
         return [f"resume: step {step}, written by {manifest.get('world_size')} rank(s), "
                 f"resharded onto {cfg.num_workers}"]
