@@ -40,9 +40,9 @@ for _depth in range(1, 7):
 
 # Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x).
 RESUME_MUTABLE_FIELDS = frozenset({
-    "max_steps", "val_every", "val_batches", "sample_every", "gen_tokens", "checkpoint_every",
-    "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite", "output_dir",
-    "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
+    "max_steps", "val_every", "val_batches", "val_batch_size", "sample_every", "gen_tokens",
+    "checkpoint_every", "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite",
+    "output_dir", "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
     "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
     "min_workers", "compile", "record_samples",
 })

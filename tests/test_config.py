@@ -83,7 +83,8 @@ def test_overrides_reach_nested_fields_and_reject_unknown_ones(tmp_path):
 
 def test_identity_leaves_out_what_may_change_on_resume():
     a = TrainConfig().resolve(0)
-    b = a.with_overrides({"max_steps": 999, "val_every": 3, "num_workers": 1, "output_dir": "x"})
+    b = a.with_overrides({"max_steps": 999, "val_every": 3, "num_workers": 1, "output_dir": "x",
+                          "val_batches": 1, "val_batch_size": 2})
     c = a.with_overrides({"learning_rate": 1.0})
     assert a.hash() == b.hash() and a.hash() != c.hash()
 
