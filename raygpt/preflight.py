@@ -138,7 +138,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
             return []
         manifest = ck.read_manifest(run_dir, step)
     except ck.CheckpointError as e:
-        raise ConfigError(f"-y 1: {e}") from None
+        raise ConfigError(f"-y 1: {_one_line(e, every_line=True)}") from None
     except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
         raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
                           f"resume it: {_one_line(e)}") from None
@@ -152,7 +152,8 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     except ck.CheckpointError as e:
         # the message starts with step_N/MANIFEST.json and lists one differing field a line
         raise ConfigError(f"-y 1: {run_dir.uri()}/{_one_line(e, every_line=True)} (give the "
-                          f"checkpoint's values, or start afresh with --overwrite instead of -y 1)") from None
+                          f"checkpoint's values, or start afresh with --overwrite instead of "
+                          f"-y 1)") from None
     return [f"resume: step {step}"]
 
 
