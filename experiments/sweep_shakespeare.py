@@ -24,4 +24,4 @@ import sys
 from raygpt.sweep import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], prog="sweep_shakespeare.py"))

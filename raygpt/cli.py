@@ -1,25 +1,42 @@
-"""The `raygpt` command: train, and the operator's tools around a run directory.
+"""The `raygpt` command (also `python -m raygpt`): train, and the tools around a run directory.
 
-    raygpt train [llm.c flags | long options]   run a job under Ray Train (see --help)
+    raygpt train [llm.c flags | long options]   run a job under Ray Train
+    raygpt sweep [sweep options] [train flags]   a Ray Tune sweep whose trials are raygpt runs
     raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
-    raygpt status RUN_DIR [--quick]              last step, loss, tok/s, checkpoints, goodput
+    raygpt status RUN_DIR [--quick]              what ran, last step, loss, checkpoints, goodput
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
+
+Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in raygpt.config.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from raygpt.config import ConfigError, build_parser, parse_args
+from raygpt import __version__
+from raygpt.config import EXIT_CODES, ConfigError, absolute_output_dir, build_parser, parse_args
+
+COMMANDS = {
+    "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
+    "sweep": "a Ray Tune sweep over train flags; every trial a full raygpt run",
+    "prepare": "tokenize a UTF-8 text file into llm.c token shards (GPT-2 BPE, offline)",
+    "status": "a run at a glance from its run directory: what ran, progress, checkpoints",
+    "plot": "a PNG of a run's loss, lr, grad norm and tok/s with its events marked",
+}
 
 
 def _train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         build_parser("raygpt train").print_help()
         return 0
+    adapted: list[str] = []
     try:
         cfg = parse_args(argv)
-        cfg = cfg.resolve(_cluster_gpus())
+        cfg = cfg.resolve(_cluster_gpus(), notes=adapted)
+        cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
+        from raygpt import preflight  # before Ray is even imported: a bad input costs ~1 s
+        plan = preflight.check(cfg)
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
@@ -27,7 +44,7 @@ def _train(argv: list[str]) -> int:
     from raygpt.trainer import RunAborted, RunFailed, run
 
     try:
-        summary = run(cfg)
+        summary = run(cfg, adapted=adapted, plan=plan)
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -51,17 +68,54 @@ def _cluster_gpus() -> int | None:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
+def _sweep(argv: list[str]) -> int:
+    from raygpt.sweep import main as sweep_main
+    return sweep_main(argv, prog="raygpt sweep")
+
+
+def _prepare(argv: list[str]) -> int:
+    from raygpt import tokenizer
+    return tokenizer.main(argv)
+
+
+def _status(argv: list[str]) -> int:
+    from raygpt import report
+    return report.status_main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from raygpt import report
+    return report.plot_main(argv)
+
+
+def build_main_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="raygpt", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fault-tolerant GPT-2 pretraining on Ray, with llm.c's flags and files.",
+        epilog="commands:\n" + "\n".join(f"  {name:<9}{text}" for name, text in COMMANDS.items())
+        + "\n\n`raygpt COMMAND --help` for each command's options.\n\n" + EXIT_CODES)
+    p.add_argument("--version", action="version", version=f"raygpt {__version__}")
+    p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND",
+                   help="one of: " + ", ".join(COMMANDS))
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train}
-    from raygpt import tokenizer
-    commands["prepare"] = tokenizer.main
-    from raygpt import report
-    commands["status"], commands["plot"] = report.status_main, report.plot_main
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr)
+    handlers = {"train": _train, "sweep": _sweep, "prepare": _prepare, "status": _status,
+                "plot": _plot}
+    if argv and argv[0] in handlers:
+        return handlers[argv[0]](argv[1:])
+    parser = build_main_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    try:
+        parser.parse_args(argv)  # --help and --version exit 0 here
+    except SystemExit as e:
+        return int(e.code or 0)
+    parser.print_help(sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """Every knob of a raygpt run, as typed dataclasses, and the command line that fills them.
 
 The command line takes long options and llm.c's short flags with llm.c's meanings (`-i -j -o -e
--b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z`). Everything is validated here,
-before Ray starts: a bad value is a `ConfigError` naming the flag, what was expected and what was
-found. A Ray Tune search space is an override of `TrainConfig` fields (see `with_overrides`), not
-a second config system.
+-b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z`). It is generated from the
+dataclasses: every field is a flag whose help is the field's docstring (`field_docs`, read with
+`ast`) and whose default is the field's default, so `--help` and the code cannot drift.
+
+`resolve()` fills the fields left unset from the hardware and the data (a micro-batch the
+shards can feed on this many workers, validation batches that fit the validation set) and
+validates every value: a bad one is a `ConfigError` naming the flag, what was expected and what
+was found. What needs files or the run directory is checked next by `raygpt.preflight`, still
+before Ray starts. A Ray Tune search space is an override of `TrainConfig` fields (see
+`with_overrides`), not a second config system.
 """
 
 from __future__ import annotations
@@ -37,10 +43,10 @@ for _depth in range(1, 7):
 
 # Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x).
 RESUME_MUTABLE_FIELDS = frozenset({
-    "max_steps", "val_every", "val_batches", "sample_every", "gen_tokens", "checkpoint_every",
-    "checkpoint_minutes",
-    "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite", "output_dir",
-    "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
+    "max_steps", "val_every", "val_batches", "val_batch_size", "sample_every", "gen_tokens",
+    "checkpoint_every", "checkpoint_minutes", "checkpoints_keep", "major_checkpoint_every",
+    "resume", "overwrite", "output_dir", "num_workers", "max_failures", "max_preemption_failures",
+    "fault", "log_every",
     "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
     "min_workers", "compile", "record_samples", "allow_fault_injection",
 })
@@ -100,19 +106,22 @@ class TrainConfig:
     """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
     # model (-e)
     model: str | None = None
-    """d2..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M) or a model_*.bin file."""
+    """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M) or an llm.c model_*.bin
+    file to start from. Default: d12 on GPUs, d4 on CPUs."""
     # batch (-b -t -d)
     batch_size: int | None = None
-    """Micro-batch size per worker, B (-b)."""
+    """Micro-batch size per worker, B. Default: 16 on GPUs, 8 on CPUs, made smaller when the
+    train shards cannot hold B*T*workers+1 tokens (llm.c's loader rule)."""
     seq_len: int | None = None
-    """Sequence length, T (-t)."""
+    """Sequence length, T. Default: 1024 on GPUs, 64 on CPUs (at most a model file's
+    max_seq_len)."""
     total_batch_size: int = -1
     """Tokens per optimizer step across all workers (-d); -1 means B*T*world (no accumulation)."""
     # optimizer and schedule (-l -u -q -c -k -x)
     learning_rate: float | None = None
-    """Peak learning rate (-l)."""
+    """Peak learning rate. Default: 6e-4 on GPUs, 1e-3 on CPUs."""
     warmup_steps: int | None = None
-    """Linear warmup steps, 1-based as llm.c (-u)."""
+    """Linear warmup steps, 1-based as llm.c. Default: 20 on GPUs, 10 on CPUs."""
     final_lr_frac: float = 0.1
     """Final LR as a fraction of the peak (-q)."""
     weight_decay: float = 0.1
@@ -120,19 +129,27 @@ class TrainConfig:
     scheduler: str = "cosine"
     """cosine | linear | constant | wsd (-k)."""
     max_steps: int | None = None
-    """Optimizer steps to train (-x); -1 means one epoch of the train shards."""
+    """Optimizer steps to train; -1 means one epoch of the train shards. Default: 200 on GPUs,
+    100 on CPUs."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this (as a scalar inside AdamW; gradients stay untouched)."""
     beta1: float = 0.9
+    """AdamW's beta1 (decay of the first-moment average)."""
     beta2: float = 0.95
+    """AdamW's beta2 (decay of the second-moment average)."""
     eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment."""
     # evaluation and sampling (-v -m -s -g)
     val_every: int = 20
     """Validation loss every N steps (-v); 0 turns it off."""
-    val_batches: int = 20
-    """Validation micro-batches per evaluation (-m)."""
+    val_batches: int | None = None
+    """Validation micro-batches per rank per evaluation. Default: up to 20, as many as the
+    validation shards hold without reading a sample twice (at least 1)."""
+    val_batch_size: int | None = None
+    """Validation micro-batch per rank. Default: the one up to B that covers the most of the
+    validation shards in -m batches. Ranks beyond the validation data sit validation out."""
     sample_every: int | None = None
-    """Generate a text sample every N steps (-s); 0 turns it off."""
+    """Generate a text sample every N steps; 0 turns it off. Default: 50."""
     gen_tokens: int = 64
     """Tokens per generated sample (-g)."""
     # outlier detector (-sl -sg)
@@ -141,6 +158,7 @@ class TrainConfig:
     skip_update_gradz: float = 0.0
     """Skip the update when the grad-norm z-score exceeds this (-sg); 0 turns it off."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Seed 001's loss-spike monitor: --spike turns it on, --spike-* set its knobs."""
     z_loss: float = 0.0
     """Coefficient of the z-loss on the output logits (about 1e-4 when on); 0 turns it off."""
     watch_every: int = 50
@@ -165,18 +183,19 @@ class TrainConfig:
     """Write checkpoint files on a background thread after a host copy."""
     # hardware and parallelism
     device: str = "auto"
-    """auto | cpu | gpu."""
+    """Where the workers train: auto picks gpu when the machine (or, under ray job submit, the
+    cluster) has a GPU, else cpu. --cpu and --gpu are short for it."""
     num_workers: int | None = None
-    """Ray Train workers; default: every visible GPU, or 2 CPU workers."""
+    """Ray Train workers. Default: every visible GPU, or 2 CPU workers."""
     min_workers: int | None = None
-    """Elastic: continue on as few as this many workers after losing nodes (None: fixed size).
-    The global batch (-d) stays the same; grad accumulation absorbs the change."""
+    """Elastic: continue on as few as this many workers after losing nodes. The global batch
+    (-d) stays the same; grad accumulation absorbs the change. Default: none (a fixed size)."""
     precision: str | None = None
-    """bf16 (working weights bf16, fp32 master) or fp32; default bf16 on GPU, fp32 on CPU."""
+    """bf16 (working weights bf16, fp32 master) or fp32. Default: bf16 on GPUs, fp32 on CPUs."""
     zero_stage: int = 0
     """0: every rank holds the whole optimizer state; 1: ZeRO-1 sharding (-z)."""
     compile: bool | None = None
-    """torch.compile the model; default on GPU."""
+    """torch.compile the model. Default: on for GPUs, off for CPUs."""
     deterministic: bool = False
     """PyTorch's deterministic kernels (torch.use_deterministic_algorithms, strict) and a fixed
     cuBLAS workspace, for bitwise-exact runs and resumes on GPU. An op with no deterministic
@@ -216,11 +235,20 @@ class TrainConfig:
         return self.batch_size * self.seq_len * world
 
     # ------------------------------------------------------------------ resolution and checks
-    def resolve(self, gpus_available: int | None = None) -> "TrainConfig":
-        """Return a copy with hardware-dependent defaults filled in, then validated."""
+    def resolve(self, gpus_available: int | None = None,
+                notes: list[str] | None = None) -> "TrainConfig":
+        """Return a copy with hardware- and data-dependent defaults filled in, then validated.
+
+        Only fields left unset (None, or -1 for total_batch_size) are filled, so resolving an
+        already resolved config changes nothing and a value the user gave is never replaced
+        (an impossible one is an error, here or in `raygpt.preflight`). Where the data forces a
+        default to adapt (a micro-batch the train shards cannot feed on this many workers, a
+        validation set smaller than the default validation batches), a line saying what was
+        chosen and why is appended to `notes`."""
         c = dataclasses.replace(self, spike=dataclasses.replace(self.spike))
-        if gpus_available is None:
-            gpus_available = _visible_gpus()
+        notes = notes if notes is not None else []
+        if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
+            gpus_available = 0 if c.device == "cpu" else _visible_gpus()
         if c.device == "auto":
             c.device = "gpu" if gpus_available > 0 else "cpu"
         if c.device == "gpu" and gpus_available == 0 and c.num_workers is None:
@@ -230,10 +258,10 @@ class TrainConfig:
             c.num_workers = gpus_available if on_gpu else 2
         if c.model is None:
             c.model = "d12" if on_gpu else "d4"
-        if c.batch_size is None:
-            c.batch_size = 16 if on_gpu else 8
         if c.seq_len is None:
-            c.seq_len = 1024 if on_gpu else 64
+            c.seq_len = min(1024 if on_gpu else 64, _model_file_block_size(c.model))
+        if c.batch_size is None:
+            c.batch_size = _fit_batch_size(c, 16 if on_gpu else 8, notes)
         if c.total_batch_size == -1:
             c.total_batch_size = c.batch_size * c.seq_len * c.num_workers
         if c.learning_rate is None:
@@ -251,6 +279,7 @@ class TrainConfig:
             c.precision = "bf16" if on_gpu else "fp32"
         if c.compile is None:
             c.compile = on_gpu
+        _fit_validation(c, notes)
         c.validate()
         return c
 
@@ -263,7 +292,8 @@ class TrainConfig:
         need(bool(self.output_dir.strip()), "-o/--output-dir",
              "a run directory (a path or URI; empty is the current directory: an unset variable?)",
              self.output_dir)
-        need(self.scheduler in SCHEDULERS, "-k/--scheduler", " | ".join(SCHEDULERS), self.scheduler)
+        need(self.scheduler in CHOICES["scheduler"], "-k/--scheduler", " | ".join(SCHEDULERS),
+             self.scheduler)
         need(self.device in ("cpu", "gpu"), "--device", "cpu or gpu", self.device)
         need(self.precision in ("fp32", "bf16"), "--precision", "fp32 or bf16", self.precision)
         need(not (self.device == "cpu" and self.precision == "bf16"), "--precision",
@@ -293,6 +323,10 @@ class TrainConfig:
         need(isinstance(self.checkpoint_minutes, (int, float)) and math.isfinite(self.checkpoint_minutes)
              and self.checkpoint_minutes >= 0, "--checkpoint-minutes",
              "a number of minutes >= 0 (0 is off)", self.checkpoint_minutes)
+        need(self.val_batch_size is not None and self.val_batch_size >= 1, "--val-batch-size",
+             "an integer >= 1", self.val_batch_size)
+        need(self.val_batches >= 1 or not self.input_val_bin or self.val_every == 0,
+             "-m/--val-batches", "an integer >= 1 while validation is on (-v > 0)", self.val_batches)
         need(self.skip_update_lossz >= 0 and self.skip_update_gradz >= 0, "-sl/-sg",
              "z thresholds >= 0 (0 is off)", (self.skip_update_lossz, self.skip_update_gradz))
         need(self.resume in (0, 1), "-y/--resume", "0 or 1", self.resume)
@@ -439,6 +473,11 @@ def read_config_file(path: str) -> dict:
     return d
 
 
+def absolute_output_dir(output_dir: str) -> str:
+    """A local run directory as an absolute path (workers may run elsewhere); URIs unchanged."""
+    return output_dir if "://" in output_dir else str(Path(output_dir).resolve())
+
+
 def _visible_gpus() -> int:
     try:
         import torch
@@ -447,86 +486,234 @@ def _visible_gpus() -> int:
         return 0
 
 
+DEFAULT_VAL_BATCHES = 20  # llm.c's val_max_steps
+
+
+def _model_file_block_size(model: str) -> int:
+    """max_seq_len of an llm.c model file given as -e (1024 for dN names and for a file that
+    cannot be read: `raygpt.preflight` names that file's problem)."""
+    if not model or (model.startswith("d") and model[1:].isdigit()) or not os.path.isfile(model):
+        return 1024
+    import numpy as np
+    try:
+        header = np.fromfile(model, dtype="<i4", count=256)
+    except OSError:
+        return 1024
+    return int(header[2]) if len(header) == 256 and header[2] >= 1 else 1024
+
+
+def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
+    """Token counts of the shards matching `pattern` (headers only), None when nothing matches
+    (validate() says so); a bad header is a ConfigError naming the flag and the file."""
+    from raygpt.data import ShardError, shard_token_counts  # numpy/torch: only when resolving
+    if not pattern or not glob.glob(pattern):
+        return None
+    try:
+        return [n for _, n in shard_token_counts(pattern)]
+    except ShardError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
+def _fit_batch_size(c: "TrainConfig", default: int, notes: list[str]) -> int:
+    """The default micro-batch, made smaller when the smallest train shard cannot hold one
+    global micro-batch on c.num_workers workers (B*T*workers+1 tokens). A shard too small even
+    for B=1 is left to `raygpt.preflight`, which names it."""
+    tokens = _shard_tokens(c.input_bin, "-i/--input-bin")
+    if tokens is None or c.seq_len < 1 or c.num_workers < 1:
+        return default
+    fits = (min(tokens) - 1) // (c.seq_len * c.num_workers)
+    if 1 <= fits < default:
+        notes.append(f"B={fits} (not {default}): the smallest train shard holds {min(tokens):,} "
+                     f"tokens and one micro-batch on {c.num_workers} workers needs "
+                     f"B*T*{c.num_workers}+1 (T={c.seq_len})")
+        return fits
+    return default
+
+
+def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
+    """Fill val_batch_size and val_batches (when unset) to the validation shards: every rank
+    that validates reads val_batches micro-batches of val_batch_size samples of T+1 tokens;
+    ranks beyond the data sit validation out (`data.ranks_with_data`). The defaults cover as much
+    of the validation set as DEFAULT_VAL_BATCHES batches can without reading a sample twice,
+    with the largest micro-batch (at most B) that does so."""
+    from raygpt.data import ranks_with_data
+    if not c.input_val_bin or c.val_every <= 0:  # validation off: nothing to fit
+        c.val_batch_size = c.batch_size if c.val_batch_size is None else c.val_batch_size
+        c.val_batches = DEFAULT_VAL_BATCHES if c.val_batches is None else c.val_batches
+        return
+    tokens = _shard_tokens(c.input_val_bin, "-j/--input-val-bin")
+    if (tokens is None or c.seq_len < 1 or c.batch_size < 1 or c.num_workers < 1
+            or (c.val_batch_size is not None and c.val_batch_size < 1)):
+        c.val_batch_size = c.batch_size if c.val_batch_size is None else c.val_batch_size  # validate()/preflight explain
+        c.val_batches = DEFAULT_VAL_BATCHES if c.val_batches is None else c.val_batches
+        return
+    samples = sum((n - 1) // c.seq_len for n in tokens)  # the whole validation stream
+    cap = min(c.batch_size, (min(tokens) - 1) // c.seq_len)  # one rank must fit in each shard
+
+    def batches(b: int) -> int:
+        if c.val_batches is not None:
+            return c.val_batches
+        ranks = ranks_with_data(tokens, b, c.seq_len, c.num_workers)
+        if ranks < 1:  # an explicit micro-batch no shard can hold: preflight names it
+            return DEFAULT_VAL_BATCHES
+        return max(1, min(DEFAULT_VAL_BATCHES, samples // (b * ranks)))
+
+    def covered(b: int) -> int:  # distinct samples one evaluation reads
+        ranks = ranks_with_data(tokens, b, c.seq_len, c.num_workers)
+        return min(samples, b * ranks * batches(b))
+
+    if c.val_batch_size is None:
+        if cap < 1:  # shards shorter than T+1 tokens: preflight names them
+            c.val_batch_size = c.batch_size
+        else:  # most samples covered; among equals, the largest micro-batch (fewest batches)
+            c.val_batch_size = max(range(1, cap + 1), key=lambda b: (covered(b), b))
+    if c.val_batches is None:
+        c.val_batches = batches(c.val_batch_size) if cap >= 1 else DEFAULT_VAL_BATCHES
+    ranks = ranks_with_data(tokens, c.val_batch_size, c.seq_len, c.num_workers)
+    if ranks >= 1:
+        if (c.val_batch_size, c.val_batches, ranks) != (c.batch_size, DEFAULT_VAL_BATCHES,
+                                                         c.num_workers):
+            notes.append(f"validation: {c.val_batches} batch(es) of {c.val_batch_size} x "
+                         f"{c.seq_len} tokens on {ranks} of {c.num_workers} rank(s), "
+                         f"{covered(c.val_batch_size):,} of the {samples:,} validation samples "
+                         f"(the validation shards hold {sum(tokens):,} tokens)")
+
+
 # ---------------------------------------------------------------------- command line
 
-# (short flag, long flag, field, type). llm.c's one- and two-letter flags keep llm.c's meaning.
-_FLAGS = [
-    ("-i", "--input-bin", "input_bin", str),
-    ("-j", "--input-val-bin", "input_val_bin", str),
-    ("-o", "--output-dir", "output_dir", str),
-    ("-e", "--model", "model", str),
-    ("-b", "--batch-size", "batch_size", int),
-    ("-t", "--seq-len", "seq_len", int),
-    ("-d", "--total-batch-size", "total_batch_size", int),
-    ("-l", "--learning-rate", "learning_rate", float),
-    ("-u", "--warmup-steps", "warmup_steps", int),
-    ("-q", "--final-lr-frac", "final_lr_frac", float),
-    ("-c", "--weight-decay", "weight_decay", float),
-    ("-k", "--scheduler", "scheduler", str),
-    ("-x", "--max-steps", "max_steps", int),
-    ("-v", "--val-every", "val_every", int),
-    ("-m", "--val-batches", "val_batches", int),
-    ("-s", "--sample-every", "sample_every", int),
-    ("-g", "--gen-tokens", "gen_tokens", int),
-    ("-sl", "--skip-update-lossz", "skip_update_lossz", float),
-    ("-sg", "--skip-update-gradz", "skip_update_gradz", float),
-    ("-n", "--checkpoint-every", "checkpoint_every", int),
-    ("-nk", "--checkpoints-keep", "checkpoints_keep", int),
-    ("-nm", "--major-checkpoint-every", "major_checkpoint_every", int),
-    (None, "--checkpoint-minutes", "checkpoint_minutes", float),
-    ("-y", "--resume", "resume", int),
-    ("-z", "--zero-stage", "zero_stage", int),
-    (None, "--num-workers", "num_workers", int),
-    (None, "--min-workers", "min_workers", int),
-    (None, "--precision", "precision", str),
-    (None, "--seed", "seed", int),
-    (None, "--grad-clip", "grad_clip", float),
-    (None, "--z-loss", "z_loss", float),
-    (None, "--watch-every", "watch_every", int),
-    (None, "--max-failures", "max_failures", int),
-    (None, "--max-preemption-failures", "max_preemption_failures", int),
-    (None, "--fault", "fault", str),
-    (None, "--log-every", "log_every", int),
-]
-_SPIKE_FLAGS = [
-    ("--spike-window", "window", int), ("--spike-min-history", "min_history", int),
-    ("--spike-soft-z", "soft_z", float), ("--spike-hard-z", "hard_z", float),
-    ("--spike-gnorm-mult", "gnorm_mult", float), ("--spike-max-consecutive", "max_consecutive", int),
-    ("--spike-safety-steps", "safety_steps", int), ("--spike-max-rewinds", "max_rewinds", int),
-    ("--spike-lr-decay", "lr_scale_decay", float), ("--spike-min-lr-scale", "min_lr_scale", float),
-]
+# The command line is generated from the dataclasses above: every field is a flag, its help is
+# the field's docstring (read from this file's source with `ast`, so the two cannot drift), its
+# default the field's default. llm.c's one- and two-letter flags keep llm.c's meanings.
+SHORT_FLAGS = {
+    "input_bin": "-i", "input_val_bin": "-j", "output_dir": "-o", "model": "-e",
+    "batch_size": "-b", "seq_len": "-t", "total_batch_size": "-d", "learning_rate": "-l",
+    "warmup_steps": "-u", "final_lr_frac": "-q", "weight_decay": "-c", "scheduler": "-k",
+    "max_steps": "-x", "val_every": "-v", "val_batches": "-m", "sample_every": "-s",
+    "gen_tokens": "-g", "skip_update_lossz": "-sl", "skip_update_gradz": "-sg",
+    "checkpoint_every": "-n", "checkpoints_keep": "-nk", "major_checkpoint_every": "-nm",
+    "resume": "-y", "zero_stage": "-z",
+}
+# The values a field accepts, where they are a closed set (validate() checks the same tuples).
+CHOICES = {"scheduler": SCHEDULERS, "device": ("auto", "cpu", "gpu"), "precision": ("bf16", "fp32"),
+           "resume": (0, 1), "zero_stage": (0, 1)}
+# Long flags that are not the field name with dashes; a boolean whose default is on has a
+# flag that turns it off.
+LONG_FLAGS = {"shuffle": "--no-shuffle", "async_checkpoint": "--sync-checkpoint",
+              "spike.enabled": "--spike", "spike.lr_scale_decay": "--spike-lr-decay"}
+_METAVARS = {"input_bin": "GLOB", "input_val_bin": "GLOB", "output_dir": "DIR|URI",
+             "model": "dN|FILE", "fault": "SPEC"}
+
+EXIT_CODES = """exit status:
+  0  finished (every step of -x trained)
+  1  failed (Ray's retry budget spent, or an error raygpt cannot recover from)
+  2  bad input: a flag, a file or the run directory refused before Ray started
+  3  stopped early by SIGTERM, Ctrl-C or a preemption, after a checkpoint: -y 1 resumes it
+  130  aborted by a second Ctrl-C: -y 1 resumes from the last verified checkpoint"""
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: docstring} of a dataclass, read from its source: the string literal right after
+    each annotated field (what Sphinx and torchtitan treat as the field's documentation)."""
+    import ast
+    import inspect
+    import textwrap
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _value_type(f: dataclasses.Field) -> type:
+    """bool, int, float or str from a field's annotation ('int | None' is int)."""
+    parts = {p.strip() for p in str(f.type).split("|")}
+    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
+
+
+def _show(value) -> str:
+    if isinstance(value, str) and value.startswith(str(DATA_DIR)):
+        return f"the bundled {Path(value).name}"
+    return "'' (off)" if value == "" else str(value)
+
+
+def _flag_specs():
+    """(dest, names, argparse kwargs) of every config field: TrainConfig's, then SpikeConfig's
+    as spike_<name> (the --spike-* flags)."""
+    import re
+    for cls, prefix in ((TrainConfig, ""), (SpikeConfig, "spike.")):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "spike":
+                continue
+            key = prefix + f.name
+            dest = key.replace(".", "_")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            # the flag is shown beside the help, so the docstring's own "(-x)" goes
+            doc = re.sub(r"\s*\((-\w+ ?)+\)", "", docs.get(f.name, "")).replace("%", "%%")
+            long = LONG_FLAGS.get(key, "--" + key.replace(".", "-").replace("_", "-"))
+            names = [n for n in (SHORT_FLAGS.get(key), long) if n]
+            typ = _value_type(f)
+            if typ is bool:
+                if default is True:  # the flag turns a default-on feature off
+                    yield dest, names, dict(action="store_false", default=None,
+                                            help=f"{doc} (default: on; this flag turns it off)")
+                else:
+                    shown = "" if default is None else " (default: off)"
+                    yield dest, names, dict(action="store_true", default=None, help=doc + shown)
+                    if default is None:
+                        yield dest, ["--no-" + long[2:]], dict(action="store_false",
+                                                               help=f"turn {long} off")
+                continue
+            kw = dict(dest=dest, type=typ, default=None, metavar=_METAVARS.get(key, typ.__name__.upper()
+                                                                              .replace("STR", "TEXT")))
+            if key in CHOICES:
+                kw.update(choices=CHOICES[key], metavar="{" + ",".join(map(str, CHOICES[key])) + "}")
+            shown = "" if default is None else f" (default: {_show(default)})"
+            kw["help"] = doc + shown
+            yield dest, names, kw
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # a usage mistake is a ConfigError like any other bad value
-        raise ConfigError(message)
+        raise ConfigError(_usage_error(message))
 
 
-def build_parser(prog: str = "raygpt") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Pretrain GPT-2 on Ray (llm.c's flags work too).",
-                allow_abbrev=False)
-    for short, long, dest, typ in _FLAGS:
-        names = [n for n in (short, long) if n]
-        p.add_argument(*names, dest=dest, type=typ, default=None, metavar=dest.upper())
-    dev = p.add_mutually_exclusive_group()
-    dev.add_argument("--cpu", dest="device", action="store_const", const="cpu")
-    dev.add_argument("--gpu", dest="device", action="store_const", const="gpu")
-    p.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=None)
-    p.add_argument("--overwrite", action="store_true", default=None,
-                   help="start fresh over a run directory that already holds a run")
-    p.add_argument("--allow-fault-injection", dest="allow_fault_injection", action="store_true",
-                   default=None, help="let RAYGPT_FAULT from the environment arm faults")
-    p.add_argument("--compile", dest="compile", action="store_true", default=None)
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false", default=None)
-    p.add_argument("--deterministic", action="store_true", default=None)
-    p.add_argument("--record-samples", action="store_true", default=None,
-                   help="record every step's sample ranges in loss_history.jsonl")
-    p.add_argument("--spike", dest="spike_enabled", action="store_true", default=None,
-                   help="turn the loss-spike monitor on")
-    for long, dest, typ in _SPIKE_FLAGS:
-        p.add_argument(long, dest="spike_" + dest, type=typ, default=None)
-    p.add_argument("--config", default=None, help="a JSON file of TrainConfig fields (e.g. a sweep's best)")
+def _usage_error(message: str) -> str:
+    """argparse's message in raygpt's form: the flag first, then what was expected and found."""
+    import re
+    m = re.match(r"argument (\S+): (.*)$", message)
+    if not m:
+        return message
+    flag, what = m.groups()
+    kinds = {"int": "an integer", "float": "a number"}
+    if (c := re.match(r"invalid choice: (.*) \(choose from (.*)\)$", what)):
+        return f"{flag}: expected one of {c.group(2)}, found {c.group(1)}"
+    if (c := re.match(r"invalid (\w+) value: (.*)$", what)):
+        return f"{flag}: expected {kinds.get(c.group(1), c.group(1))}, found {c.group(2)}"
+    if what.startswith("expected one argument"):
+        return f"{flag}: expected a value after the flag, found none"
+    return f"{flag}: {what}"
+
+
+def build_parser(prog: str = "raygpt train") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Pretrain GPT-2 on Ray Train. llm.c's flags keep llm.c's meanings;\n"
+                            "every field of raygpt.config.TrainConfig is a flag (its docstring is "
+                            "the help).",
+                epilog=EXIT_CODES)
+    for dest, names, kw in _flag_specs():
+        if "dest" not in kw:
+            kw["dest"] = dest
+        p.add_argument(*names, **kw)
+    p.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="--device cpu")
+    p.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="--device gpu")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON file of TrainConfig fields (e.g. a sweep's best_config.json); "
+                        "flags given beside it win")
     return p
 
 

@@ -29,9 +29,12 @@ import glob
 import hashlib
 import os
 import tempfile
+import typing
 
 import numpy as np
-import torch
+
+if typing.TYPE_CHECKING:
+    import torch
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -130,6 +133,25 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if ntok == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=TOKEN_DTYPE)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def tokens_needed(B: int, T: int, world: int) -> int:
+    """Tokens every shard must hold for a loader of `world` ranks at micro-batch B x T: one
+    global micro-batch plus the target of its last token (llm.c's B*T*world+1)."""
+    return B * T * world + 1
+
+
+def shard_token_counts(pattern: str) -> list[tuple[str, int]]:
+    """(path, token count) of every shard matching `pattern`, each header checked (no tokens are
+    read): what the driver needs to fit B, T and the world size to the data before Ray starts."""
+    return [(path, read_shard_header(path)) for path in glob_shards(pattern)]
+
+
+def ranks_with_data(shard_tokens: list[int], B: int, T: int, world: int) -> int:
+    """How many of `world` ranks a loader at B x T can serve (each shard must hold
+    tokens_needed(B, T, ranks)); 0 when not even one. Validation uses this: on a validation set
+    smaller than world * B samples, the ranks beyond it sit validation out."""
+    return max(0, min(world, (min(shard_tokens) - 1) // (B * T)))
 
 
 def glob_shards(pattern: str) -> list[str]:
@@ -240,7 +262,7 @@ class DistributedDataLoader:
         # Validate every shard before any batch is served: a bad shard deep in the glob must not
         # surface hours into a run.
         self.paths = glob_shards(pattern)
-        min_tokens = self.B * self.T * self.world + 1
+        min_tokens = tokens_needed(self.B, self.T, self.world)
         num_tokens = []
         for path in self.paths:
             ntok = read_shard_header(path)
@@ -368,6 +390,10 @@ class DistributedDataLoader:
     def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.B, self.T
         mine = samples[self.rank * B:(self.rank + 1) * B]
+        # torch is imported here, where batches are built, so that the driver's checks of shard
+        # headers (raygpt.preflight, before Ray starts) do not pay for importing it
+        import torch
+
         to_cuda = device is not None and torch.device(device).type == "cuda"
         # the caching host allocator does not hand this block out again before the copy is done
         data = torch.empty((B, T + 1), dtype=torch.int64, pin_memory=to_cuda)

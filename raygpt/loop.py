@@ -27,7 +27,7 @@ import torch.distributed as dist
 from raygpt import signals, tokenizer
 from raygpt.checkpointer import Checkpointer
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data import DistributedDataLoader, samples_to_ranges
+from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
 from raygpt.history import RunHistory
@@ -99,17 +99,32 @@ def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
+def build_val_loader(cfg: TrainConfig, rank: int, world: int) -> DistributedDataLoader | None:
+    """This rank's validation loader, or None on a rank that sits validation out: a validation
+    set smaller than world * val_batch_size samples feeds only the first ranks
+    (`data.ranks_with_data`; the config's resolution chose the sizes)."""
+    tokens = [n for _, n in shard_token_counts(cfg.input_val_bin)]
+    val_world = ranks_with_data(tokens, cfg.val_batch_size, cfg.seq_len, world)
+    if rank >= val_world:
+        return None
+    return DistributedDataLoader(cfg.input_val_bin, cfg.val_batch_size, cfg.seq_len, rank,
+                                 val_world, shuffle=False, seed=cfg.seed)
+
+
 @torch.no_grad()
 def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
-    """Mean validation loss over cfg.val_batches micro-batches, the same batches every time."""
+    """Mean validation loss over cfg.val_batches micro-batches per rank, the same batches every
+    time; a rank without a loader (no validation data for it) adds nothing but takes part in
+    the all-reduce."""
     model.eval()
-    val_loader.reset()
     acc = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
-    for _ in range(cfg.val_batches):
-        x, y = val_loader.next_batch(device)
-        loss_sum, _ = model(x, y)
-        acc[0] += loss_sum.double()
-        acc[1] += y.numel()
+    if val_loader is not None:
+        val_loader.reset()
+        for _ in range(cfg.val_batches):
+            x, y = val_loader.next_batch(device)
+            loss_sum, _ = model(x, y)
+            acc[0] += loss_sum.double()
+            acc[1] += y.numel()
     all_reduce_sum(acc, world)
     model.train()
     return (acc[0] / acc[1]).item()
@@ -187,9 +202,8 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
                 rank=rank, world=world, zero_stage=cfg.zero_stage)
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
                                          shuffle=cfg.shuffle, seed=cfg.seed)
-    val_loader = (DistributedDataLoader(cfg.input_val_bin, cfg.batch_size, cfg.seq_len, rank,
-                                        world, shuffle=False, seed=cfg.seed)
-                  if cfg.input_val_bin and cfg.val_every > 0 else None)
+    validating = bool(cfg.input_val_bin) and cfg.val_every > 0
+    val_loader = build_val_loader(cfg, rank, world) if validating else None
     grad_accum = cfg.grad_accum_steps(world)
     tokens_per_step = cfg.total_batch_size
     max_steps = (cfg.max_steps if cfg.max_steps > 0
@@ -228,7 +242,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         last_step = step == max_steps
 
         # ---------------------------------------------------------- validation and sample
-        if val_loader is not None and (step % cfg.val_every == 0 or last_step):
+        if validating and (step % cfg.val_every == 0 or last_step):
             val_loss = evaluate(forward, val_loader, cfg, device, world)
             logger.log_val(step, val_loss)
             history.val(step, val_loss)

@@ -330,10 +330,14 @@ STATUS_RECENT = 20  # train steps (and events of each kind) `raygpt status` keep
 
 
 def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
-    """`raygpt status`: the last step, loss, tok/s, checkpoints, restarts and goodput of a run.
-    The history is streamed: memory does not grow with its records (only a number per step)."""
-    return format_status(load_run(run_dir_uri, verify=verify, progress=progress,
+    """`raygpt status`: what ran (config.json of every launch), the last step, loss, tok/s,
+    checkpoints, restarts and goodput of a run. The history is streamed: memory does not grow
+    with its records (only a number per step)."""
+    from raygpt.run_config import format_launches, read_launches
+    text = format_status(load_run(run_dir_uri, verify=verify, progress=progress,
                                   recent=STATUS_RECENT))
+    launches = format_launches(read_launches(open_run_dir(run_dir_uri)))
+    return "\n".join([text, *launches]) if launches else text
 
 
 def _first_cause(failure: dict) -> str:

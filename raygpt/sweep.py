@@ -153,10 +153,12 @@ def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
 def pin_for_trials(base: TrainConfig, gpus_available: int) -> TrainConfig:
     """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
     actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
-    their Tune trial directory as working directory). total_batch_size=-1 stays -1, so a trial
-    that changes B or T still gets B*T*world tokens per step."""
+    their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
+    validation batches stay unset unless given, so a trial that changes B or T still gets
+    B*T*world tokens per step and validation batches fitted to its own B and T."""
     resolved = base.resolve(gpus_available=gpus_available)
-    pinned = {"total_batch_size": base.total_batch_size,
+    pinned = {"total_batch_size": base.total_batch_size, "val_batch_size": base.val_batch_size,
+              "val_batches": base.val_batches,
               "input_bin": os.path.abspath(resolved.input_bin)}
     if resolved.input_val_bin:
         pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
@@ -724,22 +726,31 @@ class _SweepParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_sweep_parser() -> argparse.ArgumentParser:
+def build_sweep_parser(prog: str = "raygpt sweep") -> argparse.ArgumentParser:
     p = _SweepParser(
-        prog="sweep_shakespeare.py", allow_abbrev=False, add_help=False,
+        prog=prog, allow_abbrev=False, add_help=False,
         description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
                     "(the base config) and -o is the sweep directory, -y 1 resumes it.")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="grid search over a TrainConfig field ('spike.soft_z' style for the spike monitor)")
-    p.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2")
-    p.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI")
-    p.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--early-stop", choices=("asha", "none"), default="asha")
-    p.add_argument("--grace-period", type=int, default=None)
-    p.add_argument("--reduction-factor", type=float, default=2.0)
-    p.add_argument("--max-concurrent", type=int, default=None)
-    p.add_argument("--trial-retries", type=int, default=2)
+    p.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2",
+                   help="random choice among the values, --num-samples draws")
+    p.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI",
+                   help="uniform in [LO, HI]")
+    p.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI",
+                   help="log-uniform in [LO, HI] (learning rates)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="samples of the space (each grid point N times) (default: 1)")
+    p.add_argument("--early-stop", choices=("asha", "none"), default="asha",
+                   help="ASHA on validation loss, or none (default: asha)")
+    p.add_argument("--grace-period", type=int, default=None, metavar="STEPS",
+                   help="steps before ASHA may stop a trial (default: a quarter of -x, rounded up to a validation step)")
+    p.add_argument("--reduction-factor", type=float, default=2.0, metavar="X",
+                   help="ASHA's reduction factor (default: 2.0)")
+    p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                   help="trials at once (default: as many as the cluster's GPUs or CPUs fit)")
+    p.add_argument("--trial-retries", type=int, default=2, metavar="N",
+                   help="times Tune re-runs a failed trial from its checkpoint (default: 2)")
     p.add_argument("--wsd-branches", default=None, metavar="N1,N2,...",
                    help="WSD branch mode: branch totals (max_steps) sharing one stable phase")
     p.add_argument("--address", default=None,
@@ -789,13 +800,17 @@ def space_from_args(ns) -> dict:
     return space
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
+    """The sweep's command line (`raygpt sweep`, `python -m raygpt.sweep`,
+    experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
+    bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        build_sweep_parser().print_help()
-        print("\nbase config flags (raygpt train):")
+        build_sweep_parser(prog).print_help()
+        print("\nbase config flags (every raygpt train flag; -o is the sweep directory, -y 1 "
+              "resumes the sweep):")
         from raygpt.config import build_parser
-        build_parser("raygpt train").print_help()
+        build_parser(prog).print_help()
         return 0
     try:
         ns, rest = build_sweep_parser().parse_known_args(argv)
@@ -821,3 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raygpt sweep: error: {e}", file=sys.stderr)
         return 2
     return 0 if report.best is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

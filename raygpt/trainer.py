@@ -1,9 +1,11 @@
 """The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
 
-- `run(cfg)` claims the run directory (`claimed_run_dir`: never overwrite a run silently, never
-  delete what is not a marked run, one writer at a time through the lease of
-  raygpt/ownership.py, armed faults announced), starts its own Ray (or joins the one
-  RAY_ADDRESS names; never whatever /tmp/ray names), and runs
+- `run(cfg)` checks every input on the driver first (`raygpt.preflight`: shards, model file,
+  resume compatibility, the run directory's filesystem), claims the run directory
+  (`claimed_run_dir`: never overwrite a run silently, never delete what is not a marked run, one
+  writer at a time through the lease of raygpt/ownership.py, armed faults announced), records
+  the launch in its `config.json`, starts its own Ray (or joins the one RAY_ADDRESS names; never
+  whatever /tmp/ray names), and runs
   `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
   `FailureConfig(max_failures, max_preemption_failures)`: after a worker or node is lost, Ray
   restarts the worker group and each worker resumes from the newest verified checkpoint.
@@ -47,9 +49,9 @@ from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import signals
+from raygpt import preflight, signals
 from raygpt.checkpointer import finalize_checkpoint
-from raygpt.config import ConfigError, TrainConfig
+from raygpt.config import ConfigError, TrainConfig, absolute_output_dir
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
 from raygpt.faults import announce as announce_faults
 from raygpt.faults import armed_spec, parse_spec
@@ -57,6 +59,7 @@ from raygpt.history import LOSS_HISTORY, read_history, summarize_run
 from raygpt.ownership import (Lease, check_overwrite, is_own_file, read_marker,
                               refused_overwrite_target, write_marker)
 from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
+from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.session import Session
 from raygpt.storage import RunDir, open_run_dir, redact
 
@@ -427,13 +430,26 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     )
 
 
-def run(cfg: TrainConfig, *, ray_address: str | None = None) -> dict:
-    """Run one training job under Ray Train and return rank 0's summary."""
-    if "://" not in cfg.output_dir and cfg.output_dir.strip():
-        cfg = cfg.with_overrides({"output_dir": str(Path(cfg.output_dir).resolve())})
+def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] = (),
+        plan: list[str] | None = None) -> dict:
+    """Run one training job under Ray Train and return rank 0's summary. `cfg` is resolved;
+    `adapted` are resolve()'s notes on defaults it fitted to the data (printed and recorded).
+    Every input is checked before Ray starts (`raygpt.preflight`, ConfigError in one line),
+    unless the caller did so already and passes what it found as `plan`."""
+    if cfg.output_dir.strip():  # an empty -o is refused by validate(), never made the cwd
+        cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
+    if plan is None:
+        plan = preflight.check(cfg)
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
     with claimed_run_dir(cfg, on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
-                         ) as (cfg, _):
+                         ) as (cfg, run_dir):
+        launch = write_launch(run_dir, cfg, adapted=adapted, plan=plan)
+        print(f"raygpt | launch {launch['launch']} of {redact(run_dir.uri())} ({CONFIG_FILE}) | "
+              f"{cfg.num_workers} x {cfg.device} | {cfg.model} | B={cfg.batch_size} "
+              f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan),
+              flush=True)
+        for note in adapted:
+            print(f"raygpt | adapted to the data: {note}", flush=True)
         init_ray(ray_address)
         control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)

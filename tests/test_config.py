@@ -50,6 +50,8 @@ def test_resolve_fills_cpu_and_gpu_defaults():
     (["--precision", "bf16", "--cpu"], "--precision"),
     (["--spike-soft-z", "30"], "--spike-soft-z/--spike-hard-z"),
     (["--min-workers", "3"], "--min-workers"),
+    (["-m", "0"], "-m/--val-batches"),
+    (["--val-batch-size", "0"], "--val-batch-size"),
 ])
 def test_bad_values_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as e:
@@ -81,6 +83,123 @@ def test_overrides_reach_nested_fields_and_reject_unknown_ones(tmp_path):
 
 def test_identity_leaves_out_what_may_change_on_resume():
     a = TrainConfig().resolve(0)
-    b = a.with_overrides({"max_steps": 999, "val_every": 3, "num_workers": 1, "output_dir": "x"})
+    b = a.with_overrides({"max_steps": 999, "val_every": 3, "num_workers": 1, "output_dir": "x",
+                          "val_batches": 1, "val_batch_size": 2})
     c = a.with_overrides({"learning_rate": 1.0})
     assert a.hash() == b.hash() and a.hash() != c.hash()
+
+
+# ---------------------------------------------------------------------- --help from the docstrings
+
+def test_every_field_has_a_flag_whose_help_shows_its_default():
+    import dataclasses
+
+    from raygpt.config import SpikeConfig, build_parser, field_docs
+
+    parser = build_parser()
+    by_dest = {}
+    for action in parser._actions:
+        by_dest.setdefault(action.dest, []).append(action)
+    fields = [(f, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "spike"]
+    fields += [(f, "spike_" + f.name) for f in dataclasses.fields(SpikeConfig)]
+    for f, dest in fields:
+        actions = by_dest.get(dest)
+        assert actions, f"field {f.name}: no flag"
+        help_text = " ".join(a.help or "" for a in actions)
+        assert help_text.strip(), f"field {f.name}: empty help"
+        assert "default" in help_text.lower(), f"field {f.name}: help shows no default: {help_text!r}"
+    docs = field_docs(TrainConfig)
+    assert set(docs) == {f.name for f in dataclasses.fields(TrainConfig)}, "a field has no docstring"
+    text = parser.format_help()
+    # llm.c's short flag beside the long one, choices listed, exit codes documented
+    for pair in ("-i GLOB, --input-bin GLOB", "-x INT, --max-steps INT", "-sl FLOAT, --skip-update-lossz",
+                 "-nk INT, --checkpoints-keep", "-k {cosine,linear,constant,wsd}, --scheduler"):
+        assert pair in text, pair
+    assert "(default: 20)" in text and "(default: 1337)" in text  # -v and --seed
+    for code in ("0  finished", "1  failed", "2  bad input", "3  stopped early"):
+        assert code in text
+
+
+def test_help_follows_the_docstring(monkeypatch):
+    """The help is the docstring: change a docstring, the help changes with it."""
+    import raygpt.config as config
+
+    real = config.field_docs
+
+    def edited(cls):
+        docs = real(cls)
+        if cls is TrainConfig:
+            docs["seed"] = "A seed for everything random."
+        return docs
+
+    monkeypatch.setattr(config, "field_docs", edited)
+    assert "A seed for everything random. (default: 1337)" in " ".join(
+        config.build_parser().format_help().split())
+
+
+def test_usage_errors_name_the_flag_and_what_was_expected():
+    for argv, start in ((["-k", "cos"], "-k/--scheduler: expected one of"),
+                        (["-b", "two"], "-b/--batch-size: expected an integer, found 'two'"),
+                        (["-y", "3"], "-y/--resume: expected one of 0, 1, found 3")):
+        with pytest.raises(ConfigError) as e:
+            parse_args(argv)
+        assert str(e.value).startswith(start), str(e.value)
+
+
+# ---------------------------------------------------------------------- defaults fit the data
+
+def _loaders_build(cfg, world):
+    """Every rank's train and validation loader for `world` workers, as the loop builds them;
+    returns (distinct validation samples one evaluation reads, samples it reads)."""
+    from raygpt.data import DistributedDataLoader
+    from raygpt.loop import build_val_loader
+
+    seen, val_ranks, reads = set(), 0, 0
+    for rank in range(world):
+        DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
+                              shuffle=cfg.shuffle, seed=cfg.seed)
+        val = build_val_loader(cfg, rank, world)
+        if val is None:
+            continue
+        val_ranks += 1
+        for _ in range(cfg.val_batches):
+            val.next_batch()
+            rows = val.last_global_samples[rank * val.B:(rank + 1) * val.B]
+            seen.update(map(tuple, rows.tolist()))
+            reads += len(rows)
+    assert val_ranks >= 1
+    return seen, reads
+
+
+def test_default_job_resolves_and_its_loaders_build_on_1_to_64_gpus_and_on_cpus():
+    """The bundled Shakespeare job on every GPU count from 1 to 64 and on CPUs: B, the global
+    batch and the validation batches adapt, and every rank's loaders can be built (headers only;
+    nothing trains). Each evaluation reads distinct samples, as many as its batches hold."""
+    from raygpt.data import shard_token_counts
+
+    val_samples = sum((n - 1) // 1024 for _, n in shard_token_counts(TrainConfig().input_val_bin))
+    for gpus in [0, *range(1, 65)]:
+        notes = []
+        cfg = TrainConfig().resolve(gpus_available=gpus, notes=notes)
+        world = cfg.num_workers
+        assert world == (gpus or 2)
+        assert cfg.total_batch_size == cfg.batch_size * cfg.seq_len * world
+        assert cfg.resolve(gpus_available=gpus) == cfg  # resolving again changes nothing
+        seen, reads = _loaders_build(cfg, world)
+        assert len(seen) == reads  # no sample twice
+        if gpus:
+            assert cfg.batch_size == min(16, (305260 - 1) // (1024 * world))
+            assert (cfg.batch_size < 16) == any(n.startswith("B=") for n in notes)
+            assert reads >= val_samples - 1, (gpus, reads)  # 30 or 31 of the 31 samples
+        else:
+            assert (cfg.batch_size, cfg.val_batch_size, cfg.val_batches, notes) == (8, 8, 20, [])
+
+
+def test_explicit_values_are_kept_and_only_the_validation_batch_adapts():
+    """-b 64 -t 1024 on one GPU: B stays 64 (the train shard holds it), validation reads the
+    31 samples the validation shard has in one batch of 31 instead of failing."""
+    cfg = parse_args(["-b", "64", "-t", "1024"]).resolve(gpus_available=1)
+    assert (cfg.batch_size, cfg.seq_len, cfg.val_batch_size, cfg.val_batches) == (64, 1024, 31, 1)
+    assert _loaders_build(cfg, 1) == ({(0, i) for i in range(31)}, 31)
+    cfg = parse_args(["-m", "5", "--val-batch-size", "4"]).resolve(gpus_available=2)
+    assert (cfg.val_batches, cfg.val_batch_size) == (5, 4)

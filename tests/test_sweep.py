@@ -87,6 +87,12 @@ def test_trial_config_applies_overrides_in_its_own_resumable_run_dir(tmp_path):
     assert (cfg.batch_size, cfg.scheduler, cfg.spike.soft_z, cfg.warmup_steps) == (8, "wsd", 4.0, 3)
     assert type(cfg.warmup_steps) is int  # a numpy int would break the manifest's JSON
     assert cfg.total_batch_size == 8 * 32 * 1  # B*T*world of the trial, not of the base
+    # validation fitted to the trial's own T: a 512-token sequence fits 63 times in the
+    # 32,768-token validation shard, so B=4 reads 15 batches of 4, not the base's 2 of T=32
+    base2 = sweep.pin_for_trials(tiny(val_every=4, val_batches=None), gpus_available=0)
+    assert (base2.val_batch_size, base2.val_batches) == (None, None)
+    long = sweep.trial_config(base2, {"seq_len": 512}, str(tmp_path / "t2"))
+    assert (long.val_batch_size, long.val_batches) == (4, 15)
     assert cfg.output_dir == str(tmp_path / "t") and cfg.resume == 1
 
 

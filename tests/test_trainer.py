@@ -182,3 +182,36 @@ def test_a_worker_killed_right_after_a_rewind_resumes_with_the_rewinds_decision(
     assert names == [ck.step_dir(s) for s in ck.list_checkpoint_steps(rd)]
     summary = go(crash.with_overrides({"resume": 1, "max_steps": 14}))  # a new controller
     assert summary["step"] == 14 and summary["failures"] == 0
+
+
+def test_the_run_directory_records_what_ran(uninterrupted):
+    """run() writes config.json before Ray starts: the resolved config, hardware, versions."""
+    import json
+    run_dir, cfg, _ = uninterrupted
+    rec = json.loads((run_dir / "config.json").read_text())
+    assert rec["launch"] == 1 and rec["config"] == cfg.resolve(0).to_dict()
+    assert rec["hardware"]["workers"] == "2 x cpu" and "ray" in rec["versions"]
+    assert rec["plan"][0].startswith("train: ")
+
+
+def test_validation_on_fewer_ranks_than_workers(tmp_path):
+    """A validation shard of 3 samples on 2 workers: rank 0 validates all 3, rank 1 sits
+    validation out but joins the all-reduce; the loss is rank 0's samples' mean alone."""
+    import numpy as np
+    import torch
+
+    from raygpt.data import read_shard, write_shard
+    from raygpt.loop import build_model, build_val_loader, evaluate
+
+    write_shard(tmp_path / "val.bin", np.asarray(read_shard(tiny_config(tmp_path).input_val_bin)[:100]))
+    cfg = tiny_config(tmp_path / "run", num_workers=2, max_steps=2, checkpoint_every=0,
+                      val_every=1, val_batches=None, input_val_bin=str(tmp_path / "val.bin"))
+    cfg = cfg.resolve(0)
+    assert (cfg.val_batch_size, cfg.val_batches) == (3, 1)
+    assert build_val_loader(cfg, 1, 2) is None
+    run(cfg)
+    vals = {r["step"]: r["val_loss"] for r in records(tmp_path / "run") if r["kind"] == "val"}
+    assert sorted(vals) == [0, 1, 2]
+    model = build_model(cfg, torch.device("cpu"))  # the weights every rank starts from
+    expected = evaluate(model, build_val_loader(cfg, 0, 1), cfg, torch.device("cpu"), world=1)
+    assert vals[0] == pytest.approx(expected, rel=1e-6)

@@ -1,0 +1,190 @@
+"""Everything about a run that can be checked on the driver, checked before Ray starts.
+
+A bad input found inside a worker costs a Ray start-up, a worker group and, before raygpt ended
+such runs at once, the whole retry budget; found here it costs milliseconds. `check(cfg)` takes
+a resolved config and raises `ConfigError` with one line naming the flag, the file and what
+was expected, or returns what it found (for the start-up line):
+
+- model: an `-e model_*.bin` file's header and size, and T against its max_seq_len;
+- data: every train and validation shard's header (magic, version, token count against the
+  file size) and its size against B, T and the largest world size (llm.c's B*T*world+1 rule,
+  `data.tokens_needed`), validation's micro-batch against the smallest validation shard, and
+  -x -1 (one epoch) against the global batch;
+- resume (-y 1): the newest complete checkpoint's MANIFEST against this config
+  (`checkpoint.check_compatible`: config fields, tokenizer and data hashes; a different world
+  size is fine, the loop reshards);
+- the run directory: its filesystem reachable and writable (a probe file written and deleted),
+  so a missing bucket or a read-only path is one line, not a pyarrow traceback from a worker.
+
+Nothing here needs Ray; the data and model checks read headers only, the resume check reads one
+MANIFEST and checks sizes (the workers verify every hash when they load the checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+
+from raygpt.config import ConfigError, TrainConfig
+from raygpt.data import ShardError, ranks_with_data, shard_token_counts, tokens_needed
+
+
+def check(cfg: TrainConfig) -> list[str]:
+    """Check a resolved config against its files and run directory; return lines describing
+    the data plan and the resume. Raises ConfigError (one line) on the first problem."""
+    check_model(cfg)  # first: resolve() may have taken T from this file's header
+    facts = check_data(cfg)
+    facts += check_resume(cfg)
+    check_run_dir(cfg)
+    return facts
+
+
+# ---------------------------------------------------------------------- data
+
+def _counts(pattern: str, flag: str) -> list[tuple[str, int]]:
+    try:
+        return shard_token_counts(pattern)
+    except ShardError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
+def check_data(cfg: TrainConfig) -> list[str]:
+    """Shard headers, and their sizes against B, T and the world size (elastic runs at the
+    largest, which needs the most)."""
+    B, T, world = cfg.batch_size, cfg.seq_len, cfg.num_workers
+    train = _counts(cfg.input_bin, "-i/--input-bin")
+    need = tokens_needed(B, T, world)
+    for path, ntok in train:
+        if ntok < need:
+            raise ConfigError(
+                f"-i/--input-bin: {path}: token count {ntok:,}: expected at least B*T*world+1 = "
+                f"{B}*{T}*{world}+1 = {need:,} (use a smaller -b/--batch-size or -t/--seq-len, "
+                f"fewer workers, or larger shards)")
+    train_tokens = sum(n for _, n in train)
+    facts = [f"train: {train_tokens:,} tokens in {len(train)} shard(s)"]
+    if cfg.max_steps == -1:
+        epoch_tokens = sum((n - 1) // T for _, n in train) * T
+        if epoch_tokens < cfg.total_batch_size:
+            raise ConfigError(f"-x/--max-steps -1: one epoch of {cfg.input_bin} is "
+                              f"{epoch_tokens:,} tokens at T={T}; expected at least one step of "
+                              f"-d/--total-batch-size {cfg.total_batch_size:,} tokens")
+    if cfg.input_val_bin and cfg.val_every > 0:
+        val = _counts(cfg.input_val_bin, "-j/--input-val-bin")
+        tokens = [n for _, n in val]
+        vb = cfg.val_batch_size
+        ranks = ranks_with_data(tokens, vb, T, world)
+        if ranks < 1:
+            path, ntok = min(val, key=lambda pn: pn[1])
+            raise ConfigError(
+                f"-j/--input-val-bin: {path}: token count {ntok:,}: expected at least "
+                f"val_batch_size*T+1 = {vb}*{T}+1 = {tokens_needed(vb, T, 1):,} for one rank "
+                f"to validate (set a smaller --val-batch-size or -t/--seq-len, or -v 0 to turn "
+                f"validation off)")
+        # an elastic run that shrinks keeps at least its smallest world's share
+        smallest = ranks_with_data(tokens, vb, T, cfg.min_workers or world)
+        facts.append(f"validation: {cfg.val_batches} x {vb} x {T} tokens on {ranks} of "
+                     f"{world} rank(s)" + (f" ({smallest} at {cfg.min_workers} workers)"
+                                           if cfg.min_workers and smallest != ranks else "")
+                     + f", from {sum(tokens):,} tokens in {len(val)} shard(s)")
+    return facts
+
+
+# ---------------------------------------------------------------------- model file
+
+def check_model(cfg: TrainConfig) -> None:
+    """An -e model_*.bin file: llm.c's header (magic, version, shape), its size, and T against
+    its max_seq_len. dN names need nothing (validate() checked them)."""
+    if cfg.depth is not None:
+        return
+    from raygpt.model import ModelFileError, model_file_size, parse_model_header, _DTYPE_OF_VERSION
+    path = cfg.model
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=256)
+        if len(header) < 256:
+            raise ModelFileError(path, "header", "1024 bytes (256 int32)", f"a {size}-byte file")
+        gpt, version = parse_model_header(header, path)
+        expected = model_file_size(gpt, _DTYPE_OF_VERSION[version])
+        if size != expected:
+            raise ModelFileError(path, "file size", f"{expected:,} bytes for its header's shape",
+                                 f"{size:,} bytes")
+    except (ModelFileError, OSError) as e:
+        raise ConfigError(f"-e/--model: {e}") from None
+    if cfg.seq_len > gpt.block_size:
+        raise ConfigError(f"-t/--seq-len: expected at most {gpt.block_size} (max_seq_len of "
+                          f"{path}), found {cfg.seq_len}")
+
+
+# ---------------------------------------------------------------------- resume
+
+def check_resume(cfg: TrainConfig) -> list[str]:
+    """With -y 1: the newest complete checkpoint (DONE, MANIFEST, listed sizes) must be one this
+    config can resume. No checkpoint at all is fine: the run starts fresh and says so."""
+    if cfg.resume != 1:
+        return []
+    from raygpt import checkpoint as ck
+    from raygpt.data import data_fingerprint
+    from raygpt.report import quick_check
+    from raygpt.tokenizer import tokenizer_fingerprint
+    run_dir = _open(cfg)
+    try:
+        if not run_dir.exists():
+            return []
+        steps = ck.list_checkpoint_steps(run_dir)
+        step = next((s for s in reversed(steps) if not quick_check(run_dir, s)), None)
+        if step is None:
+            return []
+        manifest = ck.read_manifest(run_dir, step)
+    except ck.CheckpointError as e:
+        raise ConfigError(f"-y 1: {_one_line(e, every_line=True)}") from None
+    except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
+        raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
+                          f"resume it: {_one_line(e)}") from None
+    try:  # what checkpointer.run_fingerprints gives the workers, without importing torch
+        ck.check_compatible(manifest, config_identity=cfg.identity(),
+                            tokenizer_hash=tokenizer_fingerprint(),
+                            data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers)
+    except ck.WorldSizeMismatch:
+        return [f"resume: step {step}, written by {manifest.get('world_size')} rank(s), "
+                f"resharded onto {cfg.num_workers}"]
+    except ck.CheckpointError as e:
+        # the message starts with step_N/MANIFEST.json and lists one differing field a line
+        raise ConfigError(f"-y 1: {run_dir.uri()}/{_one_line(e, every_line=True)} (give the "
+                          f"checkpoint's values, or start afresh with --overwrite instead of "
+                          f"-y 1)") from None
+    return [f"resume: step {step}"]
+
+
+# ---------------------------------------------------------------------- run directory
+
+def _open(cfg: TrainConfig):
+    from raygpt.storage import open_run_dir
+    try:
+        return open_run_dir(cfg.output_dir)
+    except Exception as e:  # noqa: BLE001 - pyarrow's URI and filesystem errors vary by backend
+        raise ConfigError(f"-o/--output-dir {cfg.output_dir}: expected a local path or a "
+                          f"filesystem URI raygpt can open, found: {_one_line(e)}") from None
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """The run directory's filesystem is reachable and writable: create the directory (as the
+    run would) and write and delete a probe file in it. A missing bucket, missing credentials,
+    a read-only mount or a path under a regular file fail here, in one line."""
+    run_dir = _open(cfg)
+    probe = f".raygpt-preflight-{uuid.uuid4().hex}"
+    try:
+        run_dir.makedirs("")
+        run_dir.write_bytes_atomic(probe, b"raygpt preflight: may be deleted\n")
+        run_dir.delete_file(probe)
+    except Exception as e:  # noqa: BLE001 - OSError locally, pyarrow's errors on object stores
+        raise ConfigError(f"-o/--output-dir {cfg.output_dir}: expected a run directory this "
+                          f"process can create and write, found: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException, every_line: bool = False) -> str:
+    """An exception as one line: its first (pyarrow's S3 errors add lines of details), or all
+    of them joined with '; '."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    return lines[0] + (" " + "; ".join(lines[1:]) if every_line and len(lines) > 1 else "")

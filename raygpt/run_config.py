@@ -1,0 +1,160 @@
+"""`config.json` in the run directory: what ran, written by the driver at every launch.
+
+Format (JSON object, "format": "raygpt-config", "version": 1):
+
+    launch      1 for the run's first start, then one more for each later start (-y 1 resumes)
+    time        when the driver wrote it (Unix seconds)
+    command     the command line (argv, and as one shell-quoted string) and working directory
+    config      every TrainConfig field, resolved (what the workers received)
+    adapted     what resolving the defaults changed to fit the data, and why
+    plan        what the driver's checks found (data sizes, validation layout, resume step)
+    hardware    the driver's host, CPUs and GPUs, and the workers asked for
+    versions    python, raygpt, ray, torch, numpy, pyarrow, triton; the git commit if any
+
+A launch never loses an earlier one: before writing the new `config.json`, the previous one is
+kept as `config.<its launch>.json` (config.1.json is the first start). `read_launches` returns
+them all, oldest first; `config_changes` names the fields that differ between two launches, which
+`raygpt status` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+from raygpt import __version__
+from raygpt.config import PACKAGE_DIR, TrainConfig
+from raygpt.storage import RunDir
+
+CONFIG_FILE = "config.json"
+FORMAT, VERSION = "raygpt-config", 1
+_KEPT_RE = re.compile(r"^config\.(\d+)\.json$")
+
+
+def launch_record(cfg: TrainConfig, *, launch: int, argv: list[str] | None = None,
+                  adapted: list[str] = (), plan: list[str] = ()) -> dict:
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    return {
+        "format": FORMAT, "version": VERSION, "launch": launch, "time": time.time(),
+        "command": {"argv": argv, "line": shlex.join(argv), "cwd": os.getcwd()},
+        "config": cfg.to_dict(), "adapted": list(adapted), "plan": list(plan),
+        "hardware": _hardware(cfg), "versions": _versions(),
+    }
+
+
+def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = None,
+                 adapted: list[str] = (), plan: list[str] = ()) -> dict:
+    """Keep the previous config.json as config.<launch>.json, then write this launch's."""
+    kept = [int(m.group(1)) for n in run_dir.listdir(files_only=True) if (m := _KEPT_RE.match(n))]
+    launch = max(kept, default=0) + 1
+    if run_dir.exists(CONFIG_FILE):
+        run_dir.write_bytes_atomic(f"config.{launch}.json", run_dir.read_bytes(CONFIG_FILE))
+        launch += 1
+    record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan)
+    run_dir.write_bytes_atomic(CONFIG_FILE, (json.dumps(record, indent=1, default=str) + "\n").encode())
+    return record
+
+
+def read_launches(run_dir: RunDir) -> list[dict]:
+    """Every launch's record, oldest first (config.1.json ... config.json); a file that is not
+    a raygpt config record is skipped."""
+    names = sorted((int(m.group(1)), n) for n in run_dir.listdir(files_only=True)
+                   if (m := _KEPT_RE.match(n)))
+    names = [n for _, n in names] + ([CONFIG_FILE] if run_dir.exists(CONFIG_FILE) else [])
+    out = []
+    for name in names:
+        try:
+            rec = json.loads(run_dir.read_bytes(name).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("format") == FORMAT and isinstance(rec.get("config"), dict):
+            out.append(rec)
+    return out
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """'field: old -> new' for every config field that differs between two launches."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
+
+
+def format_launches(launches: list[dict]) -> list[str]:
+    """`raygpt status`'s lines about what ran: the newest launch's command, hardware, versions
+    and config, what resolution adapted, and what each later launch changed."""
+    if not launches:
+        return []
+    try:
+        return _launch_lines(launches)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited config.json
+        return [f"launch    {len(launches)} launch(es); {CONFIG_FILE} not as raygpt writes it "
+                f"({type(e).__name__}: {e})"]
+
+
+def _launch_lines(launches: list[dict]) -> list[str]:
+    new = launches[-1]
+    c, hw, v = new["config"], new.get("hardware", {}), new.get("versions", {})
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(new.get("time", 0)))
+    lines = [f"launch    {len(launches)} launch(es), newest {when}: "
+             f"{new.get('command', {}).get('line', '?')}",
+             f"config    {hw.get('workers', '?')} on {hw.get('host', '?')} | {c.get('model')} | "
+             f"{c.get('precision')} | B={c.get('batch_size')} T={c.get('seq_len')} | "
+             f"{c.get('total_batch_size'):,} tokens/step | -x {c.get('max_steps')} | "
+             f"lr {c.get('learning_rate')} {c.get('scheduler')} | " + ", ".join(
+                 f"{k} {v[k]}" for k in ("raygpt", "ray", "torch") if k in v)
+             + (f" | git {v['git_commit'][:10]}" if "git_commit" in v else "")]
+    lines += [f"          adapted: {note}" for note in new.get("adapted", [])]
+    for before, after in zip(launches, launches[1:]):
+        changes = config_changes(before["config"], after["config"])
+        lines.append(f"          launch {after.get('launch')} changed: "
+                     + ("; ".join(changes) if changes else "nothing in the config"))
+    return lines
+
+
+def _hardware(cfg: TrainConfig) -> dict:
+    hw = {"host": socket.gethostname(), "platform": platform.platform(),
+          "cpus": os.cpu_count(), "workers": f"{cfg.num_workers} x {cfg.device}"}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a broken CUDA install is not this record's business
+        pass
+    try:
+        import ray
+        if ray.is_initialized():  # under `ray job submit` the driver joined the cluster already
+            hw["cluster"] = {k: v for k, v in ray.cluster_resources().items()
+                             if k in ("CPU", "GPU", "memory")}
+    except Exception:  # noqa: BLE001
+        pass
+    return hw
+
+
+def _versions() -> dict:
+    v = {"python": platform.python_version(), "raygpt": __version__}
+    for dist in ("ray", "torch", "numpy", "pyarrow", "triton"):
+        try:
+            v[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:  # a checkout's commit; an installed wheel has none
+        out = subprocess.run(["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            v["git_commit"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return v

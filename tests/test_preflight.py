@@ -1,0 +1,216 @@
+"""Bad input is refused on the driver before Ray starts: one line on stderr naming the flag and
+the file, exit status 2, fast. Each case is a real bad file (truncated, wrong magic, too small,
+not a model file), a real unwritable place, a real missing bucket (moto's S3 server), and a
+real checkpoint the config cannot resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ray
+from raygpt import checkpoint as ck
+from raygpt import cli, preflight
+from raygpt.checkpointer import run_fingerprints
+from raygpt.config import ConfigError, TrainConfig, parse_args
+from raygpt.data import write_shard
+from raygpt.storage import open_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--cpu", "--num-workers", "1", "-e", "d1", "-b", "2", "-t", "16", "-x", "2"]
+
+
+@pytest.fixture()
+def data(tmp_path):
+    """Good shards, and a bad one of each kind, in tmp_path."""
+    write_shard(tmp_path / "train.bin", np.arange(5000) % 500)
+    write_shard(tmp_path / "val.bin", np.arange(2000) % 500)
+    good = (tmp_path / "train.bin").read_bytes()
+    (tmp_path / "truncated.bin").write_bytes(good[:-100])
+    magic = bytearray(good)
+    magic[0:4] = (1234).to_bytes(4, "little")
+    (tmp_path / "magic.bin").write_bytes(bytes(magic))
+    (tmp_path / "notmodel.bin").write_bytes(b"\0" * 4096)
+    (tmp_path / "afile").write_text("a regular file, not a directory\n")
+    return tmp_path
+
+
+def args(data, *extra, out="run"):
+    return [*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"),
+            "-o", str(data / out), *extra]
+
+
+@pytest.fixture()
+def no_ray(monkeypatch):
+    """Fail the test if anything starts Ray."""
+    def refuse(*a, **k):
+        raise AssertionError("ray.init called: the check must run before Ray starts")
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield
+    assert not ray.is_initialized()
+
+
+def refused(argv, capsys) -> str:
+    """Run `raygpt train argv` in this process; it must exit 2 with one line on stderr."""
+    t0 = time.monotonic()
+    rc = cli.main(["train", *argv])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("raygpt: error: ")
+    assert elapsed < 15, elapsed
+    return err
+
+
+@pytest.mark.parametrize("bad, flag, says", [
+    ("truncated.bin", "-i/--input-bin", "expected a file of 1024 + 2*5000 = 11024 bytes, found 10924"),
+    ("magic.bin", "-i/--input-bin", "magic (header[0]): expected 20240520, found 1234"),
+])
+def test_bad_train_shards_are_refused(data, no_ray, capsys, bad, flag, says):
+    err = refused(args(data, "-i", str(data / bad)), capsys)
+    assert f"{flag}: {data / bad}: " in err and says in err
+    assert not (data / "run").exists()  # nothing touched
+
+
+def test_bad_validation_shard_is_refused(data, no_ray, capsys):
+    err = refused(args(data, "-j", str(data / "magic.bin")), capsys)
+    assert f"-j/--input-val-bin: {data / 'magic.bin'}: magic" in err
+
+
+def test_shard_too_small_for_the_batch_and_world(data, no_ray, capsys):
+    err = refused(args(data, "-b", "16", "-t", "128", "--num-workers", "3"), capsys)
+    assert f"-i/--input-bin: {data / 'train.bin'}: token count 5,000: expected at least " \
+           f"B*T*world+1 = 16*128*3+1 = 6,145" in err
+
+
+def test_validation_micro_batch_too_large_for_the_validation_shard(data, no_ray, capsys):
+    err = refused(args(data, "--val-batch-size", "200"), capsys)
+    assert f"-j/--input-val-bin: {data / 'val.bin'}: token count 2,000: expected at least " \
+           "val_batch_size*T+1 = 200*16+1 = 3,201" in err
+
+
+def test_one_epoch_shorter_than_a_step(data, no_ray, capsys):
+    err = refused(args(data, "-x", "-1", "-d", str(2 * 16 * 200)), capsys)
+    assert err.startswith("raygpt: error: -x/--max-steps -1: one epoch of")
+
+
+def test_bad_model_files_are_refused(data, no_ray, capsys):
+    err = refused(args(data, "-e", str(data / "notmodel.bin")), capsys)
+    assert f"-e/--model: {data / 'notmodel.bin'}: model file field 'magic': expected 20240326" in err
+    # a real model file cut short, and one whose max_seq_len is below -t
+    import torch
+
+    from raygpt.model import GPT, GPTConfig, write_model_file
+    model = GPT(GPTConfig(block_size=8, vocab_size=50257, padded_vocab_size=50304, n_layer=1,
+                          n_head=1, n_embd=64), init_seed=0)
+    write_model_file(data / "model.bin", model, torch.float32)
+    whole = (data / "model.bin").read_bytes()
+    (data / "cut.bin").write_bytes(whole[:-4])
+    err = refused(args(data, "-e", str(data / "cut.bin")), capsys)
+    assert f"-e/--model: {data / 'cut.bin'}: model file field 'file size': expected " in err
+    err = refused(args(data, "-e", str(data / "model.bin")), capsys)
+    assert err == f"raygpt: error: -t/--seq-len: expected at most 8 (max_seq_len of " \
+                  f"{data / 'model.bin'}), found 16"
+
+
+def test_run_directory_that_cannot_be_created(data, no_ray, capsys):
+    # under a regular file: no process can create it (root included, whom chmod does not stop)
+    err = refused(args(data, out="afile/run"), capsys)
+    assert err.startswith(f"raygpt: error: -o/--output-dir {data / 'afile' / 'run'}: expected a "
+                          "run directory this process can create and write")
+
+
+def test_missing_bucket_is_one_line(data, no_ray, capsys, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        uri = f"s3://no-such-bucket/runs/x?endpoint_override={host}:{port}&scheme=http&region=us-east-1"
+        err = refused([*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"),
+                       "-o", uri], capsys)
+    finally:
+        server.stop()
+    assert err.startswith(f"raygpt: error: -o/--output-dir {uri}: expected a run directory")
+    assert "Bucket 'no-such-bucket' not found" in err
+
+
+# ---------------------------------------------------------------------- resume compatibility
+
+def fake_checkpoint(run_dir_path, cfg: TrainConfig, *, step=4, world=1):
+    """A complete checkpoint (DONE, MANIFEST over real files) whose manifest carries cfg's
+    identity: what a run of cfg would have left, without training one."""
+    rd = open_run_dir(str(run_dir_path))
+    d = ck.step_dir(step)
+    rd.makedirs(d)
+    rd.write_bytes_atomic(f"{d}/{ck.model_file(step)}", b"m" * 64)
+    for r in range(world):
+        rd.write_bytes_atomic(f"{d}/{ck.state_file(step, r)}", b"s" * 64)
+    ck.write_done(rd, step)
+    fp = run_fingerprints(cfg)
+    ck.write_manifest(rd, step, world_size=world, num_parameters=1, config_identity=cfg.identity(),
+                      **fp)
+    rd.append_text("loss_history.jsonl", json.dumps({"kind": "train", "step": 0}) + "\n")
+
+
+def test_incompatible_resume_names_the_fields(data, no_ray, capsys):
+    before = parse_args(args(data)).resolve(0)
+    fake_checkpoint(data / "run", before)
+    err = refused(args(data, "-y", "1", "-l", "0.01", "--seed", "7"), capsys)
+    assert f"-y 1: {data / 'run'}/step_00000004/MANIFEST.json: this run cannot resume" in err
+    assert "learning_rate: checkpoint 0.001, this run 0.01" in err and "seed: checkpoint 1337" in err
+
+
+def test_compatible_resume_passes_even_on_another_world_size(data, no_ray):
+    before = parse_args(args(data, "-d", "64", "--num-workers", "2")).resolve(0)
+    fake_checkpoint(data / "run", before, world=2)
+    after = parse_args(args(data, "-d", "64", "-y", "1", "-x", "9")).resolve(0)
+    facts = preflight.check(after)
+    assert "resume: step 4, written by 2 rank(s), resharded onto 1" in facts
+    # an incomplete newer checkpoint (no DONE) is not the one compared
+    open_run_dir(str(data / "run")).makedirs(ck.step_dir(8))
+    assert "resume: step 4, written by 2 rank(s), resharded onto 1" in preflight.check(after)
+
+
+def test_defaults_pass_and_say_what_they_found(no_ray, tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path / "run")).resolve(gpus_available=2)
+    facts = preflight.check(cfg)
+    assert facts[0] == "train: 305,260 tokens in 1 shard(s)"
+    assert facts[1].startswith("validation: 1 x 15 x 1024 tokens on 2 of 2 rank(s)")
+
+
+# ---------------------------------------------------------------------- the real command line
+
+@pytest.mark.parametrize("case", ["magic", "too_small", "unwritable", "resume"])
+def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
+    """`python -m raygpt train ...` and experiments/shakespeare.py, as a user runs them."""
+    extra = {"magic": ["-i", str(data / "magic.bin")],
+             "too_small": ["-b", "64", "-t", "128"],
+             "unwritable": ["-o", str(data / "afile" / "run")],
+             "resume": ["-y", "1", "-l", "0.5"]}[case]
+    if case == "resume":
+        fake_checkpoint(data / "run", parse_args(args(data)).resolve(0))
+    entry = ([sys.executable, str(REPO / "experiments" / "shakespeare.py")] if case == "too_small"
+             else [sys.executable, "-m", "raygpt", "train"])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([*entry, *args(data, *extra)], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=data)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raygpt: error: "), proc.stderr
+    assert proc.stdout == ""  # nothing started, nothing printed
+    assert elapsed < 15, elapsed
