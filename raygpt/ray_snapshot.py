@@ -61,7 +61,8 @@ def reconcile_snapshot(run_dir: RunDir) -> list[str]:
     return dropped
 
 
-def reconciled(state: _CheckpointManagerState, present: set[str]) -> tuple[_CheckpointManagerState, list[str]]:
+def reconciled(state: _CheckpointManagerState,
+               present: set[str]) -> tuple[_CheckpointManagerState, list[str]]:
     """The pure part: `state` with every checkpoint not in `present` (directory names) dropped,
     duplicates of a name reduced to the latest report, and everything that refers to a
     checkpoint by name (latest, pending validations, validation outcomes) made to match."""

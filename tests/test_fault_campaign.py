@@ -4,6 +4,7 @@ random order at random steps (a killed worker, SIGTERM then -y 1, SIGUSR1, a NaN
 a crash before DONE, a worker killed right after a rewind); the final loss of every step equals,
 as floats, an uninterrupted run that meets the same spike. RAYGPT_CAMPAIGN_SEED replays a seed."""
 
+import json
 import os
 
 import pytest
@@ -47,7 +48,6 @@ def test_every_fault_survived_with_every_step_equal(tmp_path, capsys):
             f"step {s}: {result['losses'][s]!r} vs {result['reference'][s]!r}"
             for s in result["differing"][:5]))
     # Ray's checkpoint list and the run directory agree at the end
-    import json
     rd = open_run_dir(str(tmp_path / "campaign"))
     snap = json.loads((tmp_path / "campaign" / SNAPSHOT).read_text())
     names = [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
