@@ -27,17 +27,15 @@ __all__ = ["Segments", "global_norm_squared", "adamw_update", "copy_master_to_pa
            "stochastic_round_bf16", "cross_entropy_grad"]
 
 
-_triton_kernels = None
-
-
 def _triton():
     """The Triton module, imported on first use (it needs Triton; CPU-only machines never get
-    here). Kept in a global so torch.compile traces a plain attribute read after the first call."""
-    global _triton_kernels
-    if _triton_kernels is None:
-        from . import triton_kernels
-        _triton_kernels = triton_kernels
-    return _triton_kernels
+    here). An import statement, deliberately not a module global filled in on first use: the
+    compiled forward calls this (cross_entropy_grad) and torch.compile guards on every global
+    it reads, so a global still None when step 1 was traced, then set by the eager optimizer's
+    first call, failed that guard on step 2 and compiled the training step a second time (8-11 s
+    on an H200, every start). After the first import this is a sys.modules lookup."""
+    from . import triton_kernels
+    return triton_kernels
 
 
 def global_norm_squared(grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""torch.compile compiles the training step once per process: nothing the compiled forward reads
+may change between step 1 and step 2 (issue 24: every start paid a second 8-11 s compilation
+on step 2 on an H200, because a module global read under compile was set after step 1).
+
+Each check runs in a fresh Python process, as a Ray worker does after a restart: what an earlier
+test left behind in this process (imported kernel modules, Dynamo's caches) could otherwise
+hide a cause that a new worker meets. The loop runs through `raygpt.loop.train` with a session
+that notes torch.compile's counters at every training step; from step 2 on, a recompilation
+raises with Dynamo's guard-failure reason (error_on_recompile), and any new compilation at all
+(a new frame, a new graph for AOTAutograd or Inductor) fails the check.
+
+What may compile before step 1 ends: the training forward and backward, and validation at
+step 0, which is legitimately a graph of its own (grad mode off, the model in eval mode: a second
+entry in the forward's cache). Every later validation reuses it (checked by hand with
+`val_every=3`: no compilation after step 1; not here, where it would cost a third Inductor
+graph and hide causes, see the CPU test). Sampling runs the model eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ops.interpreter import needs_triton
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def compile_counts() -> dict[str, int]:
+    """How many times torch.compile has compiled something in this process, by stage: Dynamo
+    frames (recompiles included), AOTAutograd graphs, Inductor graphs (forward and backward
+    each, whether its cache had them or not)."""
+    c = torch._dynamo.utils.counters
+    return {"dynamo_frames": c["frames"]["total"], "aot_graphs": c["aot_autograd"]["total"],
+            "inductor_graphs": sum(c["inductor"][k] for k in ("fxgraph_cache_miss",
+                                                              "fxgraph_cache_hit",
+                                                              "fxgraph_cache_bypass"))}
+
+
+def _run_check(*args: str, timeout: float = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    env.pop("TORCH_COMPILE_DISABLE", None)
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def test_training_step_compiles_once_on_cpu():
+    """Inductor on the CPU (C++), with checkpoints every 2 steps. One micro-step per step and
+    no validation, so the first compiled call is step 1's one forward: a second micro-step or
+    validation at step 0 would call the forward before step 2 and hide a cause such as an
+    attribute the forward reads and sets (set by its first call, read changed by its second)."""
+    out = _run_check("loop", "cpu")
+    assert "compile check passed" in out, out
+
+
+@pytest.mark.gpu
+def test_training_step_compiles_once_on_gpu():
+    """The GPU default path: bf16 working weights with fp32 masters, the fused loss's Triton
+    kernel (a custom op inside the compiled forward), the Triton optimizer between steps."""
+    out = _run_check("loop", "cuda")
+    assert "compile check passed" in out, out
+
+
+@needs_triton
+def test_compiled_code_keeps_its_kernel_lookup_after_the_first_eager_call():
+    """The mechanism of issue 24 without a GPU: compiled code that reaches raygpt.ops's Triton
+    module is traced before anything eager has loaded it (the step-1 forward), then the eager
+    optimizer loads it; the compiled code must not recompile after that."""
+    out = _run_check("kernel-lookup", timeout=120)
+    assert "compile check passed" in out, out
+
+
+# ---------------------------------------------------------------------- the checks (subprocess)
+
+def _check_loop(device: str) -> None:
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    class CountingSession(LocalSession):
+        """Notes the compile counters at every training step (the loop polls once per step,
+        after the backward, before the update); arms error_on_recompile after step 1."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.per_step: list[dict[str, int]] = []
+
+        def poll_requests(self):
+            self.per_step.append(compile_counts())
+            torch._dynamo.config.error_on_recompile = True
+            return super().poll_requests()
+
+    torch.set_num_threads(1)
+    run_dir = tempfile.mkdtemp(prefix="raygpt_compile_check_")
+    cfg = tiny_config(run_dir, compile=True, device="gpu" if device == "cuda" else "cpu",
+                      max_steps=4, val_every=0,
+                      checkpoint_every=2).resolve(1 if device == "cuda" else 0)
+    session = CountingSession(open_run_dir(run_dir), torch.device(device))
+    assert compile_counts()["dynamo_frames"] == 0
+    train(cfg, session)
+    counts = session.per_step + [compile_counts()]  # the last: after the final checkpoint
+    print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts}))
+    if os.environ.get("RAYGPT_COMPILE_TIMES"):
+        print(torch._dynamo.utils.compile_times(repr="str"))
+    assert len(session.per_step) == cfg.max_steps, session.per_step
+    assert counts[0]["dynamo_frames"] >= 1 and counts[0]["inductor_graphs"] >= 2, counts[0]  # compiled
+    later = [i + 1 for i, c in enumerate(counts[1:], start=1) if c != counts[0]]
+    assert not later, f"compiled again after step 1 (by step {later[0]}): {counts}"
+    print("compile check passed")
+
+
+def _check_kernel_lookup() -> None:
+    from raygpt import ops
+
+    def forward(x):
+        return x * ops._triton().NORM_WARPS  # what cross_entropy_grad does for a CUDA tensor
+
+    compiled = torch.compile(forward, backend="eager")
+    x = torch.ones(3)
+    compiled(x)
+    frames = compile_counts()["dynamo_frames"]
+    ops._triton()  # the eager optimizer's first call (global_norm_squared on CUDA)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x)
+    assert compile_counts()["dynamo_frames"] == frames
+    print("compile check passed")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "loop":
+        _check_loop(sys.argv[2])
+    else:
+        _check_kernel_lookup()
