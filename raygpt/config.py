@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raygpt import tracking
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 DATA_DIR = PACKAGE_DIR / "data_files"
 DEFAULT_TRAIN = str(DATA_DIR / "tiny_shakespeare_train.bin")
@@ -38,7 +40,7 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "checkpoints_keep", "major_checkpoint_every", "resume", "overwrite", "output_dir",
     "num_workers", "max_failures", "max_preemption_failures", "fault", "log_every",
     "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
-    "min_workers", "compile", "record_samples",
+    "min_workers", "compile", "record_samples", "wandb", "mlflow",
 })
 
 
@@ -181,6 +183,13 @@ class TrainConfig:
     """Console line every N steps."""
     record_samples: bool = False
     """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
+    # experiment tracking (rank 0, at the log interval and every validation; see raygpt.tracking)
+    wandb: str = ""
+    """W&B project for train/val metrics and the config (needs 'raygpt[wandb]');
+    WANDB_MODE=offline keeps the files in <run dir>/wandb; empty: off."""
+    mlflow: str = ""
+    """MLflow tracking URI for the same metrics: a server URL, sqlite:///FILE.db or a local
+    directory (needs 'raygpt[mlflow]'); empty: off."""
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -231,6 +240,7 @@ class TrainConfig:
             c.precision = "bf16" if on_gpu else "fp32"
         if c.compile is None:
             c.compile = on_gpu
+        c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.validate()
         return c
 
@@ -302,6 +312,9 @@ class TrainConfig:
             need(bool(glob.glob(self.input_val_bin)), "-j/--input-val-bin",
                  "a glob matching at least one llm.c token shard (or '' to turn validation off)",
                  self.input_val_bin)
+        missing = tracking.check_installed(self)  # here, not in a worker after Ray has started
+        if missing:
+            raise ConfigError(missing)
 
     # ------------------------------------------------------------------ identity and overrides
     def to_dict(self) -> dict:
@@ -389,6 +402,8 @@ _FLAGS = [
     (None, "--max-preemption-failures", "max_preemption_failures", int),
     (None, "--fault", "fault", str),
     (None, "--log-every", "log_every", int),
+    (None, "--wandb", "wandb", str),
+    (None, "--mlflow", "mlflow", str),
 ]
 _SPIKE_FLAGS = [
     ("--spike-window", "window", int), ("--spike-min-history", "min_history", int),
