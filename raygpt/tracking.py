@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,7 +144,7 @@ class WandbTracker:
         import wandb
 
         kept = kept if kept and kept.get("project") == cfg.wandb else None
-        run_id = kept["id"] if kept else wandb.util.generate_id()
+        run_id = kept["id"] if kept else secrets.token_hex(6)  # W&B ids: [a-z0-9]
         self.ids = {"id": run_id, "project": cfg.wandb}
         local = str(run_dir.local_path("")) if run_dir.is_local else None
         try:
