@@ -31,8 +31,8 @@ from raygpt.data import DistributedDataLoader, samples_to_ranges
 from raygpt.faults import plan_for
 from raygpt.model import GPT, GPTConfig, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.schedule import learning_rate
 from raygpt.runlog import RunLog
+from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 
-from raygpt.history import RunHistory
+from raygpt.history import RunHistory, read_history
 from raygpt.metrics import Logger, estimate_mfu, format_duration, format_step_line
 from raygpt.tensorboard import TensorBoardWriter
 from raygpt.tracking import Trackers
@@ -56,6 +56,12 @@ class RunLog:
         self.tb = TensorBoardWriter(session.run_dir, enabled=self.is_main, purge_step=resumed_from)
         self.trackers = Trackers(cfg, session.run_dir, enabled=self.is_main, attempt=self.attempt,
                                  on_error=self._tracker_failed)
+        if self.trackers.active and resumed_from is not None:
+            sent = self.trackers.top_up(read_history(session.run_dir), resumed_from,
+                                        cfg.log_every, cfg.total_batch_size)
+            if sent:
+                self.say(f"raygpt | trackers: {sent} earlier log steps they had lost re-sent "
+                         f"from loss_history.jsonl")
         self._last_ray_report = -math.inf
         self._compile_started: float | None = None
         self._eta_from: tuple[int, float] | None = None  # (steps done, time) after the first step

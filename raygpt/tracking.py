@@ -163,6 +163,9 @@ class WandbTracker:
     def log(self, step: int, metrics: dict) -> None:
         self.run.log({"step": step, **metrics})
 
+    def stored_steps(self, key: str) -> set[int] | None:
+        return None  # offline or not, W&B's history cannot be read back from here
+
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
@@ -209,6 +212,9 @@ class MlflowTracker:
                                                      for k, v in metrics.items()],
                               synchronous=False)
 
+    def stored_steps(self, key: str) -> set[int] | None:
+        return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+
     def close(self, status: str) -> None:
         import mlflow
 
@@ -238,6 +244,38 @@ class Trackers:
                 ids[field_name] = tracker.ids
                 self.active.append(tracker)
                 write_ids(run_dir, ids)  # before the first metric: a restart continues this run
+
+    def top_up(self, records: list[dict], before_step: int, log_every: int,
+               tokens_per_step: int) -> int:
+        """A resumed attempt's first act: give each tracker that can say what it stored the
+        log steps and validations before `before_step` that it lacks (the latest record of each
+        step, from loss_history.jsonl). A killed process takes its tracker's unsent queue with it,
+        and those steps are never trained again. W&B cannot be asked (its lost tail stays lost).
+        Returns the number of metric rows sent."""
+        train, val = {}, {}
+        for r in records:
+            if r.get("kind") == "train" and r["step"] < before_step and r["step"] % log_every == 0:
+                train[r["step"]] = r
+            elif r.get("kind") == "val" and r["step"] < before_step:
+                val[r["step"]] = r["val_loss"]
+        sent = 0
+        for tracker in list(self.active):
+            try:
+                have_train, have_val = tracker.stored_steps("train/loss"), tracker.stored_steps("val/loss")
+                if have_train is None:
+                    continue
+                for step in sorted(set(train) - have_train):
+                    r = train[step]
+                    tracker.log(step, {"train/loss": r["loss"], "train/lr": r["lr"],
+                                       "train/grad_norm": r["norm"],
+                                       "train/tok_per_s": tokens_per_step / r["dt"]})
+                    sent += 1
+                for step in sorted(set(val) - have_val):
+                    tracker.log(step, {"val/loss": val[step]})
+                    sent += 1
+            except Exception as e:  # noqa: BLE001 - a tracker must not stop a training run
+                self._drop(tracker, before_step, e)
+        return sent
 
     def log(self, step: int, metrics: dict) -> None:
         for tracker in list(self.active):

@@ -83,7 +83,7 @@ def test_console_reads_like_a_person_would_want(tmp_path, capsys):
 def test_train_metrics_reach_the_session_at_log_steps(tmp_path):
     cfg = tiny_config(tmp_path, max_steps=7, checkpoint_every=0, log_every=3, val_every=4)
     session, _ = run_recorded(cfg, interval_s=0.0)
-    trains = [r for r in session.reports if "train_loss" in r]
+    trains = [r for r in session.reports if "grad_norm" in r]
     assert [r["step"] for r in trains] == [0, 3, 6]  # log_every and the last step
     history = {r["step"]: r for r in records(tmp_path) if r["kind"] == "train"}
     for r in trains:
@@ -98,7 +98,7 @@ def test_train_metrics_reach_the_session_at_log_steps(tmp_path):
 def test_train_reports_are_spaced_by_the_session_interval(tmp_path):
     cfg = tiny_config(tmp_path, max_steps=6, checkpoint_every=0)
     session, _ = run_recorded(cfg, interval_s=3600.0)
-    assert [r["step"] for r in session.reports if "train_loss" in r] == [0]
+    assert [r["step"] for r in session.reports if "grad_norm" in r] == [0]
 
 
 def test_compile_notice_before_the_first_step_and_its_time_after(tmp_path, capsys, monkeypatch):

@@ -134,6 +134,24 @@ def test_trackers_store_what_loss_history_has_and_a_resume_continues_them(tmp_pa
     assert [r.info.run_id for r in runs] == [run_id]
 
 
+def test_a_resume_tops_up_what_mlflow_lost_with_the_killed_process(tmp_path, offline, capsys):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, store = tmp_path / "run", tmp_path / "mlruns"
+    common = dict(checkpoint_every=4, mlflow=str(store))
+    run_local(tiny_config(run_dir, max_steps=6, **common))
+    kept = json.loads((run_dir / "tracking.json").read_text())["mlflow"]
+    # as if the process had died with its async queue: the file store lost steps 2..5
+    (metric_file,) = store.glob(f"*/{kept['run_id']}/metrics/train/loss")
+    lines = metric_file.read_text().splitlines()
+    metric_file.write_text("\n".join(lines[:2]) + "\n")
+    run_local(tiny_config(run_dir, max_steps=8, resume=1, **common))  # from the end, step 6
+    assert "trackers: 4 earlier log steps they had lost re-sent" in capsys.readouterr().out
+    want = {r["step"]: r["loss"] for r in records(run_dir) if r["kind"] == "train"}
+    history = MlflowClient(tracking_uri=kept["uri"]).get_metric_history(kept["run_id"], "train/loss")
+    assert latest((m.step, m.value) for m in sorted(history, key=lambda m: m.timestamp)) == want
+
+
 def test_mlflow_sqlite_store_and_a_failed_attempt_is_marked(tmp_path, offline, monkeypatch):
     from mlflow.tracking import MlflowClient
 

@@ -130,7 +130,8 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
 def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path, monkeypatch):
     """2 workers with --wandb (offline) and --mlflow (a local directory), rank 1 killed at step
     6: Ray's reports carry train metrics at the agreed steps from both ranks, only rank 0 logs
-    to the trackers, and the restarted attempt continues the same W&B and MLflow runs."""
+    to the trackers, and the restarted attempt continues the same W&B and MLflow runs (MLflow
+    topped up with whatever the killed attempt had not stored yet)."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     import json
@@ -170,7 +171,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     assert [r["attempt"] for r in recs if r["kind"] in ("start", "resume")] == [1, 2]
     train = {r["step"]: r for r in recs if r["kind"] == "train"}  # the latest attempt wins
     got = [json.loads(line) for line in reports.read_text().splitlines()]
-    trains = [r for r in got if "train_loss" in r]
+    trains = [r for r in got if "grad_norm" in r]  # (checkpoint reports carry train_loss too)
     assert len(trains) >= 3 and all(r["ranks"] == 2 for r in trains)
     for r in trains:  # a report's step may have been re-done later; compare with its attempt
         assert any(h["step"] == r["step"] and h["loss"] == r["train_loss"] and h["lr"] == r["lr"]
@@ -181,7 +182,12 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     ids, rows = wandb_history(run_dir)
     assert ids == [kept["wandb"]["id"]] * 2  # one offline dir per attempt, one run id
     want = {s: r["loss"] for s, r in train.items()}
-    assert latest((r["step"], r["train/loss"]) for r in rows if "train/loss" in r) == want
+    resumed = [r["resumed_from"] for r in recs if r["kind"] == "resume"][0]
+    got_wandb = latest((r["step"], r["train/loss"]) for r in rows if "train/loss" in r)
+    # the killed attempt's unwritten tail is W&B's to lose (its buffer dies with the process);
+    # what W&B has is right, and the last attempt is all there
+    assert all(got_wandb[s] == want[s] for s in got_wandb)
+    assert {s for s in got_wandb if s >= resumed} == {s for s in want if s >= resumed}
     client = MlflowClient(tracking_uri=kept["mlflow"]["uri"])
     history = sorted(client.get_metric_history(kept["mlflow"]["run_id"], "train/loss"),
                      key=lambda m: m.timestamp)
