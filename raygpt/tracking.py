@@ -189,7 +189,8 @@ class MlflowTracker:
             else:
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "raygpt")
                 exp = self.client.get_experiment_by_name(name)
-                exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+                exp_id = (exp.experiment_id if exp is not None
+                          else self.client.create_experiment(name))
                 run_id = self.client.create_run(
                     exp_id, run_name=Path(cfg.output_dir.rstrip("/")).name,
                     tags={"raygpt.output_dir": cfg.output_dir}).info.run_id
@@ -261,9 +262,10 @@ class Trackers:
         sent = 0
         for tracker in list(self.active):
             try:
-                have_train, have_val = tracker.stored_steps("train/loss"), tracker.stored_steps("val/loss")
+                have_train = tracker.stored_steps("train/loss")
                 if have_train is None:
                     continue
+                have_val = tracker.stored_steps("val/loss")
                 for step in sorted(set(train) - have_train):
                     r = train[step]
                     tracker.log(step, {"train/loss": r["loss"], "train/lr": r["lr"],

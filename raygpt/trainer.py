@@ -89,7 +89,8 @@ class RaySession(Session):
         self._preempt_noticed = False
         # Ray Train's controller takes one report per health-check poll (2 s unless set), from a
         # queue of one on each worker: train metrics two polls apart never wait for a poll
-        self.metrics_interval_s = 2 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+        poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+        self.metrics_interval_s = 2 * poll_s
 
     def checkpoint_hint(self) -> int | None:
         if self._checkpoint is None:

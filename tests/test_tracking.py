@@ -90,6 +90,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the test reads the file store too
 
 
 def test_trackers_store_what_loss_history_has_and_a_resume_continues_them(tmp_path, offline):
@@ -148,7 +149,8 @@ def test_a_resume_tops_up_what_mlflow_lost_with_the_killed_process(tmp_path, off
     run_local(tiny_config(run_dir, max_steps=8, resume=1, **common))  # from the end, step 6
     assert "trackers: 4 earlier log steps they had lost re-sent" in capsys.readouterr().out
     want = {r["step"]: r["loss"] for r in records(run_dir) if r["kind"] == "train"}
-    history = MlflowClient(tracking_uri=kept["uri"]).get_metric_history(kept["run_id"], "train/loss")
+    client = MlflowClient(tracking_uri=kept["uri"])
+    history = client.get_metric_history(kept["run_id"], "train/loss")
     assert latest((m.step, m.value) for m in sorted(history, key=lambda m: m.timestamp)) == want
 
 
@@ -164,7 +166,8 @@ def test_mlflow_sqlite_store_and_a_failed_attempt_is_marked(tmp_path, offline, m
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(kept["run_id"]).info.status == "FAILED"
     losses = {m.step: m.value for m in client.get_metric_history(kept["run_id"], "train/loss")}
-    assert losses == {r["step"]: r["loss"] for r in records(tmp_path / "run") if r["kind"] == "train"}
+    recs = records(tmp_path / "run")
+    assert losses == {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_recorded(tmp_path, offline, monkeypatch):

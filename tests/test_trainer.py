@@ -155,6 +155,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the file store
     run_dir, reports = tmp_path / "run", tmp_path / "reports.jsonl"
     cfg = tiny_config(run_dir, num_workers=2, max_steps=8, checkpoint_every=4, val_every=4,
                       total_batch_size=4 * 32 * 2, fault="kill:rank=1,step=6",
