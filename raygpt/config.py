@@ -28,6 +28,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raygpt import tracking
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 DATA_DIR = PACKAGE_DIR / "data_files"
 DEFAULT_TRAIN = str(DATA_DIR / "tiny_shakespeare_train.bin")
@@ -48,7 +50,7 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "resume", "overwrite", "output_dir", "num_workers", "max_failures", "max_preemption_failures",
     "fault", "log_every",
     "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
-    "min_workers", "compile", "record_samples", "allow_fault_injection",
+    "min_workers", "compile", "record_samples", "allow_fault_injection", "wandb", "mlflow",
 })
 
 # Fields a --config file may not set: where the run writes and whether it may delete or resume
@@ -217,6 +219,13 @@ class TrainConfig:
     """Console line every N steps."""
     record_samples: bool = False
     """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
+    # experiment tracking (rank 0, at the log interval and every validation; see raygpt.tracking)
+    wandb: str = ""
+    """W&B project for train/val metrics and the config (needs 'raygpt[wandb]');
+    WANDB_MODE=offline keeps the files in <run dir>/wandb; empty: off."""
+    mlflow: str = ""
+    """MLflow tracking URI for the same metrics: a server URL, sqlite:///FILE.db or a local
+    directory (needs 'raygpt[mlflow]'); empty: off."""
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -280,6 +289,7 @@ class TrainConfig:
         if c.compile is None:
             c.compile = on_gpu
         _fit_validation(c, notes)
+        c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.validate()
         return c
 
@@ -362,6 +372,9 @@ class TrainConfig:
             need(bool(glob.glob(self.input_val_bin)), "-j/--input-val-bin",
                  "a glob matching at least one llm.c token shard (or '' to turn validation off)",
                  self.input_val_bin)
+        missing = tracking.check_installed(self)  # here, not in a worker after Ray has started
+        if missing:
+            raise ConfigError(missing)
 
     # ------------------------------------------------------------------ identity and overrides
     def to_dict(self) -> dict:

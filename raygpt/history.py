@@ -136,8 +136,6 @@ class RunHistory:
     def sample(self, step: int, text: str) -> None:
         self._append(SAMPLES, {"step": step, "text": text, "time": time.time(),
                                "attempt": self.attempt})
-        if self.enabled:
-            print(f"step {step:5d} | sample: {text!r}", flush=True)
 
     def end(self, summary: dict) -> None:
         self.event(summary["step"], "end", **{k: v for k, v in summary.items() if k != "step"})

@@ -30,14 +30,12 @@ from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
-from raygpt.history import RunHistory
-from raygpt.metrics import Logger, estimate_mfu, format_step_line
 from raygpt.model import GPT, GPTConfig, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.runlog import RunLog
 from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
-from raygpt.tensorboard import TensorBoardWriter
 
 # After the first step (compiled, warmed up) the live objects are moved out of the collector's
 # reach (gc.freeze): a full collection otherwise walks Dynamo's and Inductor's caches and
@@ -54,7 +52,7 @@ PREFETCH_BATCHES = True
 COMPILE_MODE = None
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
-LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, NUM_SLOTS = range(6)
+LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
 
 
 # How PyTorch words the error an op without a deterministic implementation raises in strict mode
@@ -145,9 +143,11 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     """Train this worker's share of the run and return a summary (rank 0's is the run's)."""
     # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
     # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
-    with session.run_dir.background_appends(enabled=session.rank == 0), _torch_settings_restored():
+    with session.run_dir.background_appends(enabled=session.rank == 0), \
+            _torch_settings_restored(), \
+            contextlib.ExitStack() as on_exit:  # closes the run log's sinks, on errors too
         try:
-            return _train(cfg, session)
+            return _train(cfg, session, on_exit)
         except RuntimeError as e:
             if cfg.deterministic and NOT_DETERMINISTIC in str(e):
                 raise NonDeterministicOp(_op_named_in(str(e))) from e
@@ -174,7 +174,7 @@ def _torch_settings_restored():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3:]
 
 
-def _train(cfg: TrainConfig, session: Session) -> dict:
+def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> dict:
     rank, world, device = session.rank, session.world, session.device
     is_main = rank == 0
     if cfg.deterministic:
@@ -213,22 +213,24 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
     resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
-    history = RunHistory(session.run_dir, cfg, enabled=is_main)
-    attempt = history.begin_attempt(resumed_from, session.failure_note(), max_steps=max_steps)
-    logger = Logger(session.run_dir if is_main else None, rank,
-                    resume=resumed_from is not None or attempt > 1)
-    tb = TensorBoardWriter(session.run_dir, enabled=is_main, purge_step=resumed_from)
+    n_params = num_parameters(model)
+    # every event goes to runlog once: console, main.log, loss history, TensorBoard, Ray, trackers
+    runlog = on_exit.enter_context(RunLog(cfg, session, max_steps=max_steps,
+                                          resumed_from=resumed_from, model_config=model.config,
+                                          n_params=n_params))
+    attempt, history, logger = runlog.attempt, runlog.history, runlog.logger  # (rewind's sinks)
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
     save_clock = signals.SaveClock(cfg.checkpoint_minutes if is_main else 0.0)  # rank 0 decides
 
-    n_params = num_parameters(model)
     if is_main:
         print(f"raygpt | {cfg.model}: {n_params:,} parameters | {world} x {session.device_name}"
               f" | {cfg.precision} | B={cfg.batch_size} T={cfg.seq_len} grad_accum={grad_accum}"
               f" | {tokens_per_step:,} tokens/step | {max_steps} steps | attempt {attempt}"
               + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""),
               flush=True)
+    if cfg.compile:
+        runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
 
     agree = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
     clipped_at_last_watch = state.clipped
@@ -244,15 +246,9 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         # ---------------------------------------------------------- validation and sample
         if validating and (step % cfg.val_every == 0 or last_step):
             val_loss = evaluate(forward, val_loader, cfg, device, world)
-            logger.log_val(step, val_loss)
-            history.val(step, val_loss)
-            tb.val(step, val_loss)
-            if is_main:
-                print(f"step {step:5d} | val loss {val_loss:.6f}", flush=True)
-            session.report_metrics({"step": step, "val_loss": val_loss, "skips": state.skips,
-                                    "rewinds": state.ledger.rewinds})
+            runlog.val(step, val_loss, skips=state.skips, rewinds=state.ledger.rewinds)
         if is_main and cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step):
-            history.sample(step, sample_text(model, cfg, device, step))
+            runlog.sample(step, sample_text(model, cfg, device, step))
 
         # ---------------------------------------------------------- checkpoint
         if ckpt.due(step, last_step, resumed_from) or state.save_requested:
@@ -290,8 +286,9 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         agree[SAVE] = max(flags.take_save_request(), float(outside_save),
                           float(faults.preempt_now(step)), float(save_clock.due()))
         agree[CKPT_READY] = ckpt.ready()
+        agree[RAY_REPORT] = runlog.wants_ray_report(step)  # rank 0's clock decides for all ranks
         all_reduce_sum(agree, world)
-        loss_v, norm_sq_v, stop_v, save_v, ready_v = agree.tolist()  # the step's one host sync
+        loss_v, norm_sq_v, stop_v, save_v, ready_v, report_v = agree.tolist()  # the one host sync
         loss = loss_v / tokens_per_step
         norm = math.sqrt(norm_sq_v) if norm_sq_v >= 0 else float("nan")
 
@@ -303,7 +300,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
 
         if verdict.kind in ("rewind", "escalate"):
             rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
-            tb.restart_at(state.step)
+            runlog.restart_at(state.step)
             resumed_from = state.step  # its checkpoint exists: do not write it again
             continue
         watching = is_main and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
@@ -316,9 +313,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
         else:  # skip: drop this update only; the step (and with it lr and data order) advances
             state.skips += 1
             state.spike_samples += step_samples
-            logger.log_event(step, "skip", reason=verdict.reason)
-            history.event(step, "skip", reason=verdict.reason, loss=loss, norm=norm,
-                          loss_z=verdict.loss_z)
+            runlog.skip(step, verdict, loss=loss, norm=norm)
         # no sync here: the optimizer kernels overlap the host's logging and the next step's
         # launch (its batch was prefetched during this backward); in steady state dt (start to
         # start, the host waits in the one sync above) is the step time
@@ -332,29 +327,16 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
             gc.freeze()
 
         # ---------------------------------------------------------- logging
-        logger.log_train(step, loss, lr, norm)
-        history.train(step, loss=loss, norm=norm, lr=lr, tokens=state.tokens_seen, dt=dt,
-                      verdict=verdict.kind, world=world,
-                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
-                         if cfg.record_samples else {}))
-        tb.train(step, loss=loss, lr=lr, norm=norm, tok_per_s=tokens_per_step / dt)
-        if is_main and (step % cfg.log_every == 0 or step == max_steps - 1):
-            mfu = estimate_mfu(n_params, model.config.n_layer, model.config.n_embd, cfg.seq_len,
-                               tokens_per_step / world, dt, session.device_name,
-                               "bf16" if cfg.precision == "bf16" else "tf32")
-            line = format_step_line(step + 1, max_steps, loss, norm, lr, dt * 1000,
-                                    tokens_per_step / dt, mfu, precision=cfg.precision)
-            print(line if verdict.kind == "ok" else f"{line} | SKIP: {verdict.reason}", flush=True)
-
+        runlog.train(step, loss=loss, norm=norm, lr=lr, dt=dt, verdict=verdict,
+                     tokens=state.tokens_seen, tokens_per_step=tokens_per_step,
+                     report_to_ray=report_v > 0,
+                     **({"samples": samples_to_ranges(np.concatenate(step_samples))}
+                        if cfg.record_samples else {}))
         if watching:
             watch = watch_metrics(flat, before, getattr(model, "last_max_logit", None),
                                   (state.clipped - clipped_at_last_watch) / cfg.watch_every)
             clipped_at_last_watch = state.clipped
-            history.event(step, "watch", **watch)
-            logger.log_event(step, "watch", clipped=watch["clipped_frac"], maxlogit=watch["max_logit"])
-            print(f"step {step + 1:5d} | watch: {watch['clipped_frac']:.0%} of steps clipped | max "
-                  f"logit {watch['max_logit']:.2f} | update/param " + " ".join(
-                      f"{k} {v:.1e}" for k, v in watch["update_ratio"].items()), flush=True)
+            runlog.watch(step, watch)
 
         # ---------------------------------------------------------- what the ranks agreed on
         if ready_v >= world:
@@ -365,7 +347,6 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
             state.save_requested = stop_requested = True  # SIGTERM: checkpoint, then exit
 
     ckpt.finish()
-    tb.close()
     elapsed = time.perf_counter() - t_start
     summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
                "stopped_early": state.step < max_steps, "skips": state.skips,
@@ -377,11 +358,7 @@ def _train(cfg: TrainConfig, session: Session) -> dict:
                # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
                "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                    if device.type == "cuda" else None)}
-    history.end(summary)
-    if is_main:
-        how = "stopped by signal; resume with -y 1" if summary["stopped_early"] else "done"
-        print(f"raygpt | {how} at step {state.step}/{max_steps} | val loss {val_loss:.4f} | "
-              f"{state.skips} skipped, {state.ledger.rewinds} rewinds | {elapsed:.1f} s", flush=True)
+    runlog.end(summary)
     signals.unwatch()
     return summary
 

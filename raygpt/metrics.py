@@ -1,5 +1,5 @@
-"""What a run reports: llm.c's main.log, MFU, the console line per step, and `steps_logged`
-over loss_history.jsonl's records.
+"""What a run reports: llm.c's main.log, MFU, the console line per step (with its ETA), and
+`steps_logged` over loss_history.jsonl's records. `raygpt.runlog` sends each event here.
 
 main.log (llm.c's llmc/logger.h, one line per call, rank 0 only):
     s:<step> trl:<loss %.4f> lr:<%.6f> norm:<%.2f>     train step
@@ -187,16 +187,31 @@ def estimate_mfu(num_params: int, num_layers: int, channels: int, seq_len: int, 
 def format_step_line(step: int, total_steps: int, loss: float, norm: float, lr: float,
                      dt_ms: float, tok_per_s: float, mfu: float | None, *,
                      precision: str = "bf16", loss_z: float | None = None,
-                     norm_z: float | None = None, note: str = "") -> str:
+                     norm_z: float | None = None, eta_s: float | None = None,
+                     note: str = "") -> str:
     """One console line per step, llm.c's layout (one line, wrapped here):
         step    7/150 | loss 7.123456 (+nanz)| norm 1.2345 (+0.12z)| lr 3.00e-04 | 123.45 ms
-        | 45.6% bf16 MFU | 12345 tok/s
+        | 45.6% bf16 MFU | 12345 tok/s | eta 2m05s
     The z-scores appear only when given (NaN while llm.c's detector warms up, as llm.c prints
-    it); MFU None prints "n/a". `step` is printed as given (llm.c prints step + 1). `note` (e.g.
-    "SKIP") is appended at the end."""
+    it); MFU None prints "n/a"; the ETA (seconds to the last step) only when given. `step` is
+    printed as given (llm.c prints step + 1). `note` (e.g. "SKIP") is appended at the end."""
     z_loss = f" ({loss_z:+.2f}z)" if loss_z is not None else " "
     z_norm = f" ({norm_z:+.2f}z)" if norm_z is not None else " "
     mfu_text = "n/a" if mfu is None or not math.isfinite(mfu) else f"{100 * mfu:.1f}%"
     line = (f"step {step:4d}/{total_steps} | loss {loss:.6f}{z_loss}| norm {norm:6.4f}{z_norm}| "
             f"lr {lr:.2e} | {dt_ms:.2f} ms | {mfu_text} {precision} MFU | {tok_per_s:.0f} tok/s")
+    if eta_s is not None:
+        line += f" | eta {format_duration(eta_s)}"
     return f"{line} | {note}" if note else line
+
+
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m, 3d04h: two units at most, rounded down; "n/a" for NaN or inf."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    s = max(0, int(seconds))
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60),
+                                      ("m", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // sub_size:02d}{sub}"
+    return f"{s}s"

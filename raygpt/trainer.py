@@ -46,10 +46,12 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import preflight, signals
+from raygpt import preflight, signals, tracking
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig, absolute_output_dir
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
@@ -106,6 +108,10 @@ class RaySession(Session):
         self._saves_seen = 0
         self._polls = 0
         self._preempt_noticed = False
+        # Ray Train's controller takes one report per health-check poll (2 s unless set), from a
+        # queue of one on each worker: train metrics two polls apart never wait for a poll
+        poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+        self.metrics_interval_s = 2 * poll_s
 
     def checkpoint_hint(self) -> int | None:
         if self._checkpoint is None:
@@ -196,6 +202,47 @@ class RaygptTorchConfig(TorchConfig):
     @property
     def backend_cls(self):
         return _Backend
+
+
+# Ray Train's switch for its own preemption watcher (propagated from the driver to the controller)
+RAY_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+class PreemptionWatcherCallback(PreemptionCallback):
+    """Ray Train's preemption watcher (the actor behind `ray.train.get_preemption_info()`),
+    started without restarts on the controller's node.
+
+    Ray Train 2.60 starts the watcher with `max_restarts=-1` and the worker actors' handles as
+    constructor arguments, and Ray's core worker logs an ERROR for every such actor on every run
+    ("has constructor arguments in the object store and max_restarts > 0", issue 53727 of Ray):
+    a restarted watcher would get handles that may be gone. A restart is never needed: every
+    worker-group start makes a fresh watcher (and stops the old one), so this one has none, and
+    it lives on the controller's node, which it can only lose with the controller itself."""
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._stop_watcher()
+        node_to_ranks: dict[str, list[int]] = {}
+        actors = {}
+        for worker in worker_group.get_workers():
+            rank = worker.distributed_context.world_rank
+            node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
+            actors[rank] = worker.actor
+        here = ray.get_runtime_context().get_node_id()
+        self._watcher = ray.remote(PreemptionWatcher).options(
+            num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        ).remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                 worker_actors_by_rank=actors)
+
+
+def preemption_callbacks() -> list:
+    """raygpt's watcher in place of Ray Train's own (turned off for this process's runs through
+    its environment switch, which Ray hands to the controller); none when the user turned Ray's
+    off."""
+    if os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").lower() not in ("1", "true"):
+        return []
+    os.environ[RAY_PREEMPTION_WATCHER_ENV] = "0"
+    return [PreemptionWatcherCallback()]
 
 
 # ---------------------------------------------------------------------- driver side
@@ -423,10 +470,12 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             # Ray Train's INFO lines repeat every report's metrics; raygpt prints its own
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            # Ray Train's print patch tees every print to its logger as well: each line twice
-            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            # Ray Train's print patch tees every print to its logger as well: each line twice;
+            # the driver's W&B / MLflow settings (WANDB_MODE=offline, ...) reach rank 0
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                             **tracking.worker_env()}},
             callbacks=[CheckpointFinalizer(cfg.output_dir, [f.step for f in faults]),
-                       *callbacks]),
+                       *preemption_callbacks(), *callbacks]),
     )
 
 

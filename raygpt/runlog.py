@@ -1,0 +1,189 @@
+"""One call per event of a run, fanned out to every place a person looks.
+
+The loop tells `RunLog` what happened (a validation, a sample, a trained step, a skipped update,
+watch metrics, the end); `RunLog` alone knows which rank writes and where each event goes:
+
+    event         console (rank 0)    main.log  loss_history  TensorBoard  Ray       W&B/MLflow
+    validation    "val loss"          tel       val           val/loss     every     val/loss
+    train step    line per log_every  trl       train         train/*      gated     train/*
+    sample        the text            -         samples.jsonl -            -         -
+    skip          "SKIP" on the line  skip:1    skip event    -            -         -
+    watch         one line            watch:1   watch event   -            -         -
+    end           summary line        -         end           closed       -         closed
+
+Ray gets the train metrics (step, train_loss, lr, grad_norm, tok_per_s) at log steps, at most
+one report per `session.metrics_interval_s`: `ray.train.report` is a barrier of every rank and
+Ray Train's controller takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so a
+report per step would hold every step for the poll. Rank 0 decides from its clock
+(`wants_ray_report`), and the loop agrees on the decision in the step's one collective, so every
+rank reports at the same steps. The rewind path writes its own event through `history` and
+`logger` (loop.rewind).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from raygpt.history import RunHistory, read_history
+from raygpt.metrics import Logger, estimate_mfu, format_duration, format_step_line
+from raygpt.tensorboard import TensorBoardWriter
+from raygpt.tracking import Trackers
+
+
+def printable(text: str) -> str:
+    """Model output for a terminal: newlines and tabs kept, every other control character
+    (an escape sequence, a carriage return) shown as its escape instead of acting."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else ascii(ch)[1:-1] for ch in text)
+
+
+def val_text(val_loss: float | None) -> str:
+    return "n/a" if val_loss is None or not math.isfinite(val_loss) else f"{val_loss:.4f}"
+
+
+class RunLog:
+    def __init__(self, cfg, session, *, max_steps: int, resumed_from: int | None, model_config,
+                 n_params: int):
+        self.cfg, self.session, self.max_steps = cfg, session, max_steps
+        self.rank, self.world = session.rank, session.world
+        self.is_main = self.rank == 0
+        self.model_config, self.n_params = model_config, n_params
+        self.history = RunHistory(session.run_dir, cfg, enabled=self.is_main)
+        self.attempt = self.history.begin_attempt(resumed_from, session.failure_note(),
+                                                  max_steps=max_steps)
+        self.logger = Logger(session.run_dir if self.is_main else None, self.rank,
+                             resume=resumed_from is not None or self.attempt > 1)
+        self.tb = TensorBoardWriter(session.run_dir, enabled=self.is_main, purge_step=resumed_from)
+        self.trackers = Trackers(cfg, session.run_dir, enabled=self.is_main, attempt=self.attempt,
+                                 on_error=self._tracker_failed)
+        if self.trackers.active and resumed_from is not None:
+            sent = self.trackers.top_up(read_history(session.run_dir), resumed_from,
+                                        cfg.log_every, cfg.total_batch_size)
+            if sent:
+                self.say(f"raygpt | trackers: {sent} earlier log steps they had lost re-sent "
+                         f"from loss_history.jsonl")
+        self._last_ray_report = -math.inf
+        self._compile_started: float | None = None
+        self._eta_from: tuple[int, float] | None = None  # (steps done, time) after the first step
+        self._closed = False
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close("FINISHED")
+            return
+        try:  # the run's own error is the one to see: closing the sinks must not replace it
+            self.close("FAILED")
+        except Exception as e:  # noqa: BLE001
+            print(f"raygpt | WARNING: closing the run's logs after an error failed: "
+                  f"{type(e).__name__}: {e}", flush=True)
+
+    def say(self, line: str) -> None:
+        if self.is_main:
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------ events
+
+    def compiling(self) -> None:
+        """Before the first forward pass of a compiled model: it takes a while and looks like a
+        hang (10 to 25 s for GPT-2 124M on a GPU), so say so now and how long it took after."""
+        self._compile_started = time.perf_counter()
+        self.say("raygpt | torch.compile: compiling the model's graphs during the first "
+                 "validation and step (10-25 s on a GPU, once per process)...")
+
+    def val(self, step: int, val_loss: float, *, skips: int, rewinds: int) -> None:
+        self.logger.log_val(step, val_loss)
+        self.history.val(step, val_loss)
+        self.tb.val(step, val_loss)
+        self.say(f"step {step:5d} | val loss {val_loss:.6f}")
+        self.session.report_metrics({"step": step, "val_loss": val_loss, "skips": skips,
+                                     "rewinds": rewinds})
+        self.trackers.log(step, {"val/loss": val_loss})
+
+    def sample(self, step: int, text: str) -> None:
+        self.history.sample(step, text)
+        self.say(f"step {step:5d} | sample:\n" + "\n".join(
+            f"  | {line}" for line in printable(text).split("\n")))
+
+    def wants_ray_report(self, step: int) -> bool:
+        """Rank 0's vote, for the step's collective: report this step's metrics to Ray?"""
+        return (self.is_main and self._log_step(step)
+                and time.monotonic() - self._last_ray_report >= self.session.metrics_interval_s)
+
+    def _log_step(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.max_steps - 1
+
+    def train(self, step: int, *, loss: float, norm: float, lr: float, dt: float, verdict,
+              tokens: int, tokens_per_step: int, report_to_ray: bool, **record) -> None:
+        """A trained (or skipped) step. `record` goes to the loss history only."""
+        tok_per_s = tokens_per_step / dt
+        self.logger.log_train(step, loss, lr, norm)
+        self.history.train(step, loss=loss, norm=norm, lr=lr, tokens=tokens, dt=dt,
+                           verdict=verdict.kind, world=self.world, **record)
+        self.tb.train(step, loss=loss, lr=lr, norm=norm, tok_per_s=tok_per_s)
+        now = time.perf_counter()
+        if self._compile_started is not None:
+            self.say(f"raygpt | torch.compile: done, first step after "
+                     f"{now - self._compile_started:.1f} s")
+            self._compile_started = None
+        eta = None
+        if self._eta_from is None:
+            self._eta_from = (step + 1, now)  # the first step (compile, warm-up) is not a guide
+        elif step + 1 > self._eta_from[0]:
+            done, since = self._eta_from
+            eta = (now - since) / (step + 1 - done) * (self.max_steps - step - 1)
+        if report_to_ray:  # every rank, at the steps the ranks agreed on
+            self._last_ray_report = time.monotonic()
+            self.session.report_metrics({"step": step, "train_loss": loss, "lr": lr,
+                                         "grad_norm": norm, "tok_per_s": tok_per_s})
+        if not (self.is_main and self._log_step(step)):
+            return
+        self.trackers.log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                 "train/tok_per_s": tok_per_s})
+        cfg, mc = self.cfg, self.model_config
+        mfu = estimate_mfu(self.n_params, mc.n_layer, mc.n_embd, cfg.seq_len,
+                           tokens_per_step / self.world, dt, self.session.device_name,
+                           "bf16" if cfg.precision == "bf16" else "tf32")
+        self.say(format_step_line(step + 1, self.max_steps, loss, norm, lr, dt * 1000, tok_per_s,
+                                  mfu, precision=cfg.precision, eta_s=eta,
+                                  note="" if verdict.kind == "ok" else f"SKIP: {verdict.reason}"))
+
+    def skip(self, step: int, verdict, *, loss: float, norm: float) -> None:
+        self.logger.log_event(step, "skip", reason=verdict.reason)
+        self.history.event(step, "skip", reason=verdict.reason, loss=loss, norm=norm,
+                           loss_z=verdict.loss_z)
+
+    def watch(self, step: int, watch: dict) -> None:
+        self.history.event(step, "watch", **watch)
+        self.logger.log_event(step, "watch", clipped=watch["clipped_frac"],
+                              maxlogit=watch["max_logit"])
+        self.say(f"step {step + 1:5d} | watch: {watch['clipped_frac']:.0%} of steps clipped | max "
+                 f"logit {watch['max_logit']:.2f} | update/param " + " ".join(
+                     f"{k} {v:.1e}" for k, v in watch["update_ratio"].items()))
+
+    def restart_at(self, step: int) -> None:
+        """After a rewind to `step` (TensorBoard shows the re-done steps once)."""
+        self.tb.restart_at(step)
+        self._eta_from = None  # the rate is measured afresh from the next step
+
+    def end(self, summary: dict) -> None:
+        self.history.end(summary)
+        how = "stopped by signal; resume with -y 1" if summary["stopped_early"] else "done"
+        self.say(f"raygpt | {how} at step {summary['step']}/{summary['max_steps']} | val loss "
+                 f"{val_text(summary['val_loss'])} | {summary['skips']} skipped, "
+                 f"{summary['rewinds']} rewinds | {summary['elapsed_s']:.1f} s")
+        self.close("KILLED" if summary["stopped_early"] else "FINISHED")
+
+    def close(self, status: str = "FINISHED") -> None:
+        """TensorBoard's last upload and the tracker runs' end (FINISHED, KILLED or FAILED)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.tb.close()
+        self.trackers.close(status)
+
+    def _tracker_failed(self, step: int, name: str, message: str) -> None:
+        self.history.event(step, "tracker_error", tracker=name, message=message)
+        self.logger.log_event(step, "tracker_error", tracker=name)

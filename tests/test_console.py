@@ -1,0 +1,37 @@
+"""What a person sees: the default job's command, run as a user runs it (its own local Ray, the
+driver's output captured whole), tiny. No Ray of the test process: two local Ray instances on
+one machine make Ray's own state-API clients ask which one to use."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# a C++ log line of any Ray process at ERROR or FATAL level ("[time E pid tid] file.cc:N: ...")
+RAY_CORE_ERROR = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ [EF] \d+ \d+\]")
+
+
+def test_the_default_command_prints_readable_lines_and_no_error_noise(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "experiments/shakespeare.py", "-e", "d2", "-b", "4", "-t", "32",
+         "--num-workers", "1", "-x", "4", "-s", "2", "-g", "12", "-j", "", "-n", "0",
+         "-o", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+             "PYTHONPATH": str(REPO)})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = [re.sub(r"^\S*\((\w+) pid=\d+\)\S* ", "", line) for line in out.splitlines()]
+    # no error-level line from Ray's processes or raygpt's actors (PreemptionWatcher's was one),
+    # and no traceback through raygpt's code. (Ray's own WARNINGs may carry a traceback on an
+    # overloaded machine: "safe to ignore", they say, and they are not errors.)
+    bad = [i for i, line in enumerate(lines) if RAY_CORE_ERROR.search(line) or " ERROR " in line
+           or "max_restarts" in line or re.search(r'File ".*/raygpt/', line)]
+    assert not bad, "\n".join(lines[bad[0]:bad[0] + 40])
+    steps = [line for line in lines if re.match(r"step +\d+/4 \|", line)]
+    assert len(steps) == 4 and all(" | eta " in line for line in steps[1:]), steps
+    at = lines.index("step     2 | sample:")
+    assert lines[at + 1].startswith("  | ") and "sample: '" not in out
+    assert any(line.startswith("raygpt | done at step 4/4 | val loss n/a |") for line in lines)

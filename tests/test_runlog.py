@@ -1,0 +1,117 @@
+"""The run log without Ray: what a person reads on the console, and what reaches Ray's report,
+from the real loop under a LocalSession that records its reports."""
+
+import json
+
+import pytest
+import torch
+
+from raygpt.loop import train
+from raygpt.metrics import format_duration, format_step_line
+from raygpt.runlog import printable, val_text
+from raygpt.session import LocalSession
+from raygpt.storage import open_run_dir
+from tests.helpers import records, tiny_config
+
+
+class RecordingSession(LocalSession):
+    """A LocalSession that keeps what the loop reports (Ray's side of the seam)."""
+
+    def __init__(self, run_dir, interval_s):
+        super().__init__(open_run_dir(str(run_dir)), torch.device("cpu"))
+        self.metrics_interval_s = interval_s
+        self.reports = []
+
+    def report_metrics(self, metrics):
+        self.reports.append(dict(metrics))
+
+
+def run_recorded(cfg, interval_s=0.0):
+    session = RecordingSession(cfg.output_dir, interval_s)
+    summary = train(cfg.resolve(0), session)
+    return session, summary
+
+
+def test_step_line_carries_an_eta():
+    line = format_step_line(8, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, None, precision="fp32",
+                            eta_s=125.7, note="SKIP: loss z 9.1")
+    assert line.endswith("| 100 tok/s | eta 2m05s | SKIP: loss z 9.1")
+    assert "eta" not in format_step_line(1, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, None)
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.9, "59s"), (60, "1m00s"),
+                                           (3599, "59m59s"), (7620, "2h07m"),
+                                           (3 * 86400 + 4 * 3600 + 5, "3d04h"),
+                                           (float("nan"), "n/a"), (-3, "0s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_samples_print_as_text_with_control_characters_escaped():
+    assert printable("To be,\n\tor not") == "To be,\n\tor not"
+    assert printable("a\x1b[2Jb\rc\x00") == "a\\x1b[2Jb\\rc\\x00"
+    assert val_text(float("nan")) == "n/a" and val_text(None) == "n/a"
+    assert val_text(3.14159) == "3.1416"
+
+
+def test_console_reads_like_a_person_would_want(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, max_steps=5, checkpoint_every=0, sample_every=4, gen_tokens=12,
+                      input_val_bin="")
+    run_recorded(cfg)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    steps = [x for x in lines if x.startswith("step ") and "/5 |" in x]
+    assert len(steps) == 5
+    assert "eta" not in steps[0]  # the first step (compile, warm-up) predicts nothing
+    assert all(" | eta " in x for x in steps[1:]) and steps[-1].endswith("| eta 0s")
+    # the sample: a header, then the text itself (not a repr) on "  | " lines
+    at = lines.index("step     4 | sample:")
+    sample_lines = []
+    for line in lines[at + 1:]:
+        if not line.startswith("  | "):
+            break
+        sample_lines.append(line[4:])
+    stored = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in stored] == [4, 5]
+    assert "\n".join(sample_lines) == printable(stored[0]["text"])
+    assert "sample: '" not in out and 'sample: "' not in out
+    # validation off: the end line says n/a, never "nan"
+    end = [x for x in lines if x.startswith("raygpt | done")]
+    assert len(end) == 1 and "| val loss n/a |" in end[0] and "nan" not in end[0]
+
+
+def test_train_metrics_reach_the_session_at_log_steps(tmp_path):
+    cfg = tiny_config(tmp_path, max_steps=7, checkpoint_every=0, log_every=3, val_every=4)
+    session, _ = run_recorded(cfg, interval_s=0.0)
+    trains = [r for r in session.reports if "grad_norm" in r]
+    assert [r["step"] for r in trains] == [0, 3, 6]  # log_every and the last step
+    history = {r["step"]: r for r in records(tmp_path) if r["kind"] == "train"}
+    for r in trains:
+        h = history[r["step"]]
+        assert (r["train_loss"], r["lr"], r["grad_norm"]) == (h["loss"], h["lr"], h["norm"])
+        assert r["tok_per_s"] == pytest.approx(cfg.resolve(0).total_batch_size / h["dt"])
+        assert "val_loss" not in r  # a sweep forwards only validation reports to Tune
+    vals = [r for r in session.reports if "val_loss" in r]
+    assert [r["step"] for r in vals] == [0, 4, 7]
+
+
+def test_train_reports_are_spaced_by_the_session_interval(tmp_path):
+    cfg = tiny_config(tmp_path, max_steps=6, checkpoint_every=0)
+    session, _ = run_recorded(cfg, interval_s=3600.0)
+    assert [r["step"] for r in session.reports if "grad_norm" in r] == [0]
+
+
+def test_compile_notice_before_the_first_step_and_its_time_after(tmp_path, capsys, monkeypatch):
+    # torch.compile itself is replaced (a CPU compile needs a C++ toolchain and minutes): the
+    # notice's place in the output is what is tested
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    run_recorded(tiny_config(tmp_path, max_steps=3, checkpoint_every=0, compile=True,
+                             val_every=2))
+    lines = capsys.readouterr().out.splitlines()
+    notice = next(i for i, l in enumerate(lines) if "torch.compile: compiling" in l)
+    done = next(i for i, l in enumerate(lines) if "torch.compile: done, first step after" in l)
+    first_val = next(i for i, l in enumerate(lines) if l.startswith("step     0 | val loss"))
+    first_step = next(i for i, l in enumerate(lines) if l.startswith("step    1/3"))
+    assert notice < first_val < done < first_step
+    assert float(lines[done].rsplit("after ", 1)[1].split(" s")[0]) > 0
+    assert sum("torch.compile" in l for l in lines) == 2
