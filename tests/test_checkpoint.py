@@ -650,7 +650,8 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
     train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
     monkeypatch.undo()
 
-    stage_root = os.path.realpath(os.path.join(__import__("tempfile").gettempdir(), "raygpt-stage"))
+    # private per-run staging roots: <tmp>/raygpt-stage-<label>-<random> (checkpoint.private_stage_root)
+    stage_root = os.path.realpath(os.path.join(__import__("tempfile").gettempdir(), "raygpt-stage-"))
     steps = list_checkpoint_steps(open_run_dir(str(run_dir)))
     assert steps == [2, 4]
     for step in steps:
@@ -666,8 +667,10 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
             staged = [i for i, (kind, p) in enumerate(before) if kind == "fsync"
                       and p.startswith(stage_root) and os.path.basename(p).split(".tmp")[0] == name]
             assert staged and staged[0] < stored, f"{name}: not fsynced where its rank wrote it"
-        assert any(kind == "fsync" and p.startswith(stage_root) and os.path.basename(p) ==
-                   step_dir(step) for kind, p in before), "the staged names"
+        # the rank's private staging directory for this step: step_XXXXXXXX.tmp-<random>
+        assert any(kind == "fsync" and p.startswith(stage_root) and
+                   os.path.basename(p).split(".tmp")[0] == step_dir(step)
+                   for kind, p in before), "the staged names"
         first_stored = min(before.index(("fsync", str(sdir / n))) for n in names)
         assert ("fsync", str(sdir)) in before[first_stored:], "the step directory's names"
         assert ("fsync", str(run_dir)) in before[first_stored:], "the step directory's own name"
