@@ -32,7 +32,7 @@ from importlib import metadata
 
 from raygpt import __version__
 from raygpt.config import PACKAGE_DIR, TrainConfig
-from raygpt.storage import RunDir
+from raygpt.storage import RunDir, redact
 
 CONFIG_FILE = "config.json"
 FORMAT, VERSION = "raygpt-config", 1
@@ -59,8 +59,10 @@ def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = 
         run_dir.write_bytes_atomic(f"config.{launch}.json", run_dir.read_bytes(CONFIG_FILE))
         launch += 1
     record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan)
-    run_dir.write_bytes_atomic(CONFIG_FILE, (json.dumps(record, indent=1, default=str) + "\n").encode())
-    return record
+    # a URI's credentials (s3://KEY:SECRET@...) in -o or the command line are never stored
+    text = redact(json.dumps(record, indent=1, default=str))
+    run_dir.write_bytes_atomic(CONFIG_FILE, (text + "\n").encode())
+    return json.loads(text)
 
 
 def read_launches(run_dir: RunDir) -> list[dict]:

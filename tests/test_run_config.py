@@ -72,3 +72,16 @@ def test_a_file_that_is_not_a_launch_record_is_skipped(tmp_path):
 def test_a_hand_edited_record_does_not_break_status():
     lines = format_launches([{"format": "raygpt-config", "config": {"total_batch_size": None}}])
     assert len(lines) == 1 and "config.json not as raygpt writes it" in lines[0]
+
+
+def test_credentials_in_a_uri_are_not_stored(tmp_path):
+    """-o s3://KEY:SECRET@bucket/...: config.json keeps the run's identity, never the secret."""
+    rd = open_run_dir(str(tmp_path))
+    uri = "s3://AKIAEXAMPLE:s3cr3tValue@bucket/runs/x"
+    cfg = TrainConfig(output_dir=uri).resolve(gpus_available=0)
+    write_launch(rd, cfg, argv=["raygpt", "train", "-o", uri])
+    text = (tmp_path / CONFIG_FILE).read_text()
+    assert "s3cr3tValue" not in text and "AKIAEXAMPLE" not in text
+    rec = json.loads(text)
+    assert rec["config"]["output_dir"] == "s3://***@bucket/runs/x"
+    assert rec["command"]["line"].endswith("-o s3://***@bucket/runs/x")
