@@ -90,7 +90,8 @@ def test_a_bad_input_met_in_one_worker_ends_the_run_at_once(local_ray, tmp_path)
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as e:
         go(cfg)
-    assert time.monotonic() - t0 < 90
+    # generous (a loaded 2-core box ran 15 s steps): the one attempt counted below is the proof
+    assert time.monotonic() - t0 < 300
     assert e.value.exit_code == EXIT_BAD_INPUT
     assert "not retried" in str(e.value) and "injected bad input at step 5" in str(e.value)
     assert "InjectedBadInput" in str(e.value)
@@ -234,7 +235,7 @@ def test_ctrl_c_checkpoints_stops_with_exit_3_and_resumes_bit_exactly(uninterrup
     cfg = full_cfg.with_overrides({"output_dir": str(tmp_path / "ctrlc")})
     proc = start_driver(cfg, tmp_path, "ctrlc")
     try:
-        wait_for_step(tmp_path / "ctrlc", 2, proc, timeout_s=120)
+        wait_for_step(tmp_path / "ctrlc", 2, proc, timeout_s=300)
         ctrl_c(proc)
         rc = proc.wait(timeout=120)
     finally:
@@ -260,7 +261,7 @@ def test_a_second_ctrl_c_aborts_at_once_with_exit_130(tmp_path):
     cfg = tiny_config(tmp_path / "abort", **{**CTRL_C, "max_steps": 400})
     proc = start_driver(cfg, tmp_path, "abort")
     try:
-        wait_for_step(tmp_path / "abort", 3, proc, timeout_s=120)
+        wait_for_step(tmp_path / "abort", 3, proc, timeout_s=300)
         ctrl_c(proc)
         wait_for_text(tmp_path / "abort.log", "driver got Ctrl-C", timeout_s=10)
         t0 = time.monotonic()
