@@ -2,8 +2,6 @@
 faults (a killed worker, SIGTERM, SIGUSR1, a crash before DONE, a fault on every attempt).
 One local Ray (2 CPUs) is shared by the whole module."""
 
-import os
-
 import pytest
 import ray
 
@@ -197,17 +195,3 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     assert latest((m.step, m.value) for m in history) == want
     assert client.get_run(kept["mlflow"]["run_id"]).info.status == "FINISHED"
 
-
-def test_every_run_gets_raygpts_preemption_watcher_in_place_of_rays(monkeypatch):
-    """Ray Train's own watcher is switched off through the environment Ray hands its controller,
-    and raygpt's (no restarts, so no core-worker ERROR line) is in every run's callbacks, the
-    second run of a process too; a user who switched Ray's off gets none."""
-    from raygpt import trainer
-
-    monkeypatch.delenv(trainer.RAY_PREEMPTION_WATCHER_ENV, raising=False)
-    for _ in range(2):
-        assert [type(c) for c in trainer.preemption_callbacks()] == [
-            trainer.PreemptionWatcherCallback]
-        assert os.environ[trainer.RAY_PREEMPTION_WATCHER_ENV] == "0"
-    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", "0")
-    assert trainer.preemption_callbacks() == []
