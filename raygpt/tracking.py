@@ -203,23 +203,30 @@ class MlflowTracker:
                                 f"{type(e).__name__}: {e}") from e
         self.run_id = run_id
         self.ids = {"uri": cfg.mlflow, "run_id": run_id}
+        self._pending: list = []  # MLflow's RunOperations of queued batches, waited on at close
 
     def log(self, step: int, metrics: dict) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         # queued to MLflow's logging thread: a remote server's round trip never holds a step
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                     for k, v in metrics.items()],
-                              synchronous=False)
+        self._pending.append(self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
+            synchronous=False))
+        if len(self._pending) > 256:  # long done by now: keep the list short
+            for ops in self._pending[:128]:
+                ops.wait()
+            del self._pending[:128]
 
     def stored_steps(self, key: str) -> set[int] | None:
         return {m.step for m in self.client.get_metric_history(self.run_id, key)}
 
     def close(self, status: str) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()
+        # this client's queued batches (mlflow.flush_async_logging would flush the default
+        # tracking store instead, and may create ./mlflow.db to do it)
+        for ops in self._pending:
+            ops.wait()
+        self._pending = []
         self.client.set_terminated(self.run_id, status)
 
 

@@ -204,8 +204,10 @@ class RaygptTorchConfig(TorchConfig):
         return _Backend
 
 
-# Ray Train's switch for its own preemption watcher (propagated from the driver to the controller)
+# Ray Train's switch for its own preemption watcher (propagated from the driver to the controller),
+# and the user's own setting of it, read before raygpt sets it
 RAY_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+_USER_PREEMPTION_WATCHER = os.environ.get(RAY_PREEMPTION_WATCHER_ENV)
 
 
 class PreemptionWatcherCallback(PreemptionCallback):
@@ -238,8 +240,8 @@ class PreemptionWatcherCallback(PreemptionCallback):
 def preemption_callbacks() -> list:
     """raygpt's watcher in place of Ray Train's own (turned off for this process's runs through
     its environment switch, which Ray hands to the controller); none when the user turned Ray's
-    off."""
-    if os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").lower() not in ("1", "true"):
+    off before raygpt did."""
+    if (_USER_PREEMPTION_WATCHER or "1").lower() not in ("1", "true"):
         return []
     os.environ[RAY_PREEMPTION_WATCHER_ENV] = "0"
     return [PreemptionWatcherCallback()]

@@ -35,3 +35,18 @@ def test_the_default_command_prints_readable_lines_and_no_error_noise(tmp_path):
     at = lines.index("step     2 | sample:")
     assert lines[at + 1].startswith("  | ") and "sample: '" not in out
     assert any(line.startswith("raygpt | done at step 4/4 | val loss n/a |") for line in lines)
+
+
+def test_every_run_gets_raygpts_preemption_watcher_in_place_of_rays(monkeypatch):
+    """Ray Train's own watcher is switched off through the environment Ray hands its controller,
+    and raygpt's (no restarts, so no core-worker ERROR line) is in every run's callbacks, the
+    second run of a process too; a user who switched Ray's off gets none."""
+    from raygpt import trainer
+
+    monkeypatch.delenv(trainer.RAY_PREEMPTION_WATCHER_ENV, raising=False)
+    for _ in range(2):
+        assert [type(c) for c in trainer.preemption_callbacks()] == [
+            trainer.PreemptionWatcherCallback]
+        assert os.environ[trainer.RAY_PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", "0")
+    assert trainer.preemption_callbacks() == []

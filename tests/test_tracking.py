@@ -178,9 +178,13 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_recorded(tmp_path, offline,
         raise ConnectionError("server went away")
 
     monkeypatch.setattr(tracking.MlflowTracker, "log", broken)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     summary = run_local(tiny_config(tmp_path, max_steps=4, checkpoint_every=0,
                                     mlflow=str(tmp_path / "mlruns")))
     assert summary["step"] == 4 and calls == [0]  # training went on; the tracker was dropped
+    assert not list(cwd.iterdir())  # no MLflow default store (./mlflow.db) on the side
     errors = [r for r in records(tmp_path) if r["kind"] == "tracker_error"]
     assert len(errors) == 1 and errors[0]["tracker"] == "mlflow"
     assert "server went away" in errors[0]["message"]

@@ -284,3 +284,4 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
                      key=lambda m: m.timestamp)
     assert latest((m.step, m.value) for m in history) == want
     assert client.get_run(kept["mlflow"]["run_id"]).info.status == "FINISHED"
+
