@@ -15,7 +15,7 @@ from raygpt import __version__
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sh(*argv, timeout=120):
+def sh(*argv, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
