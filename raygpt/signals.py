@@ -22,7 +22,6 @@ import time
 
 _flags = {"stop": False, "save": False}
 _lock = threading.Lock()
-_installed = False
 
 
 def _on_sigterm(signum, frame):
@@ -35,12 +34,10 @@ def _on_sigusr1(signum, frame):
 
 def install() -> bool:
     """Install the SIGTERM and SIGUSR1 handlers (main thread only). Returns True if installed."""
-    global _installed
     if threading.current_thread() is not threading.main_thread():
         return False
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
-    _installed = True
     return True
 
 
@@ -65,10 +62,14 @@ class Flags:
 
 
 def watch() -> Flags:
-    """Reset the flags for a new training attempt and make sure handlers are in place."""
+    """Reset the flags for a new training attempt and make sure handlers are in place. Checked
+    against the handlers themselves, not a "done once" mark: whatever ran in this process since
+    (ray.init's own SIGTERM handler, a driver handing its handlers back) may have replaced them,
+    and a SIGTERM meant as "checkpoint and stop" would then kill the process."""
     _flags["stop"] = _flags["save"] = False
-    if not _installed:
-        install()
+    if (signal.getsignal(signal.SIGTERM) is not _on_sigterm
+            or signal.getsignal(signal.SIGUSR1) is not _on_sigusr1):
+        install()  # a no-op off the main thread (Ray's backend hook installs them there)
     return Flags()
 
 

@@ -168,3 +168,18 @@ def test_deterministic_mode_refuses_an_op_without_a_deterministic_kernel(tmp_pat
     # the switch is process-wide: the loop hands the caller's setting back, even when it raises
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.utils.deterministic.fill_uninitialized_memory
+
+
+def test_sigterm_still_checkpoints_after_something_replaced_the_handler(tmp_path):
+    """A process that trained once, then had its SIGTERM handler replaced (ray.init installs its
+    own in a driver; a driver hands its handlers back after a run), trains again: the loop puts
+    its handlers back, so the sigterm fault checkpoints and stops instead of killing the process
+    (it used to kill the pytest process that ran the whole suite)."""
+    import signal
+    run_local(tiny_config(tmp_path / "first", max_steps=2))
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        summary = run_local(tiny_config(tmp_path / "second", fault="sigterm:rank=0,step=3"))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert summary["stopped_early"] and summary["step"] == 4
