@@ -186,11 +186,22 @@ def start_driver(cfg: TrainConfig, tmp_path, name: str) -> subprocess.Popen:
     """`python -m raygpt.cli train --config cfg.json`, its own local Ray (RAY_ADDRESS=local, so
     it never joins another cluster on this machine), output in tmp_path/name.log."""
     cfg_file = tmp_path / f"{name}.json"
-    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    fields = cfg.to_dict()
+    # where the run writes, resuming, overwriting and faults are the command line's to say (a
+    # --config file may not set them)
+    flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
+    if fields.pop("fault"):
+        flags += ["--fault", cfg.fault]
+    if fields.pop("overwrite"):
+        flags.append("--overwrite")
+    if fields.pop("allow_fault_injection"):
+        flags.append("--allow-fault-injection")
+    cfg_file.write_text(json.dumps(fields))
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO),
            "RAY_DEDUP_LOGS": "0"}
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "raygpt.cli", "train", "--config", str(cfg_file)],
+    return subprocess.Popen([sys.executable, "-m", "raygpt.cli", "train", "--config", str(cfg_file),
+                             *flags],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)
 
