@@ -214,7 +214,7 @@ def test_a_trial_runs_the_single_run_trainer_with_its_callbacks(cluster, tmp_pat
 
     from ray.train import UserCallback
     marker = UserCallback()
-    monkeypatch.setattr(trainer, "TorchTrainer", Recorder)
+    monkeypatch.setattr(trainer, "RaygptTrainer", Recorder)  # TorchTrainer with raygpt's failure policy
     cfg = tiny(output_dir=str(tmp_path / "run")).resolve(0)
     sweep.fit_run(cfg, callbacks=(marker,))
     (fn, kwargs), = built
