@@ -164,7 +164,9 @@ def test_resume_passes_over_a_checkpoint_a_rewind_abandoned_but_did_not_delete(t
     """A crash between the rewind's record and its deletions leaves an abandoned checkpoint
     complete on disk: resume goes back to the rewind's target instead."""
     spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
-    kw = dict(max_steps=12, checkpoint_every=2, spike=spike)
+    # checkpoints written inline: the crash at step 9 must find checkpoint 8 complete, which an
+    # async write still in flight on a loaded machine need not be
+    kw = dict(max_steps=12, checkpoint_every=2, spike=spike, async_checkpoint=False)
     run_local(tiny_config(tmp_path / "ref", **kw, fault="nan:rank=0,step=9"))
     crash = tiny_config(tmp_path / "crash", **kw, fault="raise:rank=0,step=9")
     with pytest.raises(InjectedFault):
