@@ -133,6 +133,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     in q's dtype, lse (B, H, T) fp32 the row log-sum-exp of the scaled scores (what the
     backward needs). On CUDA a FlashAttention-2-style Triton kernel (head dims 16-128), fixed
     summation order; elsewhere reference.attention_forward."""
+    reference.check_attention_args(q, k, v)
     if q.is_cuda:
         return _triton_attention().attention_forward(q, k, v)
     return reference.attention_forward(q, k, v)

@@ -362,6 +362,23 @@ def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
 #   delta = rowsum(do * o)      dP = do v^T      dS = P (dP - delta)
 #   dq = dS k / sqrt(D)     dk = dS^T q / sqrt(D)     dv = P^T do
 
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the kernel's tl.arange needs a power of two, tl.dot 16+
+
+
+def check_attention_args(q, k, v) -> None:
+    """A clear error for what the kernels cannot take (checked on every path)."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"causal attention: expected q, k, v of one shape (B, H, T, D), found "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"causal attention: head dim must be one of {ATTENTION_HEAD_DIMS}, "
+                         f"found {q.shape[-1]}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16,
+                                                            torch.float32):
+        raise ValueError(f"causal attention: expected q, k, v of one float dtype, found "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
 def _causal_probabilities(q, k, lse=None):
     T, D = q.shape[-2], q.shape[-1]
     s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)          # (B, H, T, T)

@@ -41,13 +41,13 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from .reference import check_attention_args
 from .triton_kernels import _identity, _interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LOG2E_K = tl.constexpr(LOG2E)  # the same constants inside kernels
 LN2_K = tl.constexpr(LN2)
-HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot at least 16
 
 
 @dataclass(frozen=True)
@@ -357,19 +357,6 @@ def embedding_backward_rows(grad_ptr, order_ptr, offsets_ptr, out_ptr, C, stride
 
 # ---------------------------------------------------------------------------------------------
 # Launchers (wrap = wrap_triton under the custom ops, identity in the interpreter)
-
-def check_attention_args(q, k, v) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"causal attention: expected q, k, v of one shape (B, H, T, D), found "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"causal attention: head dim must be one of {HEAD_DIMS}, found "
-                         f"{q.shape[-1]}")
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16,
-                                                            torch.float32):
-        raise ValueError(f"causal attention: expected q, k, v of one float dtype, found "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
