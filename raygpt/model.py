@@ -111,11 +111,16 @@ EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
 
+# False: --deterministic keeps PyTorch's deterministic kernels (bench/throughput.py's "torchdet",
+# the before of the comparison)
+RAYGPT_KERNELS_WHEN_DETERMINISTIC = True
+
+
 def kernels_for(deterministic: bool, device_type: str) -> dict:
     """The GPT kernel choices for a run: with --deterministic on CUDA, raygpt's deterministic
     attention and embedding backward (PyTorch's deterministic alternatives cost ~9% of a step
     at d12 B=64 on an H200); otherwise the module defaults."""
-    if deterministic and device_type == "cuda":
+    if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
         return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
     return {}
 # The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton

@@ -329,8 +329,8 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # ---------------------------------------------------------------------------------------------
 # Embedding backward
 
-EMB_ROWS = 16      # gradient rows summed per loop iteration (a frequent token has thousands)
-EMB_BLOCK_C = 256  # columns per program
+EMB_ROWS = 32      # gradient rows summed per loop iteration (a frequent token has thousands)
+EMB_BLOCK_C = 128  # columns per program (GPT-2's 768: six programs share a frequent token)
 EMB_WARPS = 4
 
 
