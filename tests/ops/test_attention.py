@@ -162,11 +162,18 @@ def test_gpu_gpt_with_raygpt_kernels_matches_pytorch_kernels_and_repeats():
     assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
-def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function():
-    """On CPU the "raygpt" choices run the references: the same loss and gradients as PyTorch's
-    path up to fp32 rounding (and a head dim the kernel cannot take is refused up front)."""
+def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function(monkeypatch):
+    """On CPU the "raygpt" choices run the references (each layer's attention forward and
+    backward, the embedding backward once): the same loss and gradients as PyTorch's path up
+    to fp32 rounding (and a head dim the kernel cannot take is refused up front)."""
     from raygpt.model import GPT, GPTConfig
 
+    calls = []
+    for name in ("attention_forward", "attention_backward", "embedding_backward"):
+        def counted(*a, _f=getattr(reference, name), _n=name):
+            calls.append(_n)
+            return _f(*a)
+        monkeypatch.setattr(reference, name, counted)
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
     idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     runs = []
@@ -175,6 +182,8 @@ def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function():
         loss, _ = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         runs.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert sorted(calls) == ["attention_backward"] * 2 + ["attention_forward"] * 2 + [
+        "embedding_backward"], calls
     assert abs(runs[0][0] - runs[1][0]) < 1e-5 * runs[0][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
