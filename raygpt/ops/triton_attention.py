@@ -75,16 +75,22 @@ class AttnConfig:
 ATTN_CONFIGS = {
     16: AttnConfig(128, 64, 4, 3, 32, 128, 128, 32, 4, 3),
     32: AttnConfig(128, 64, 4, 3, 32, 128, 128, 32, 4, 3),
-    64: AttnConfig(128, 64, 4, 3, 32, 128, 128, 32, 4, 3),
+    64: AttnConfig(64, 64, 4, 4, 64, 64, 64, 64, 4, 3),  # bench/ops.py --det-kernels --sweep
     128: AttnConfig(128, 64, 8, 3, 32, 64, 64, 32, 8, 2),
 }
 INTERPRETER_CONFIG = AttnConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
 
 
-def attn_config(head_dim: int, interpreting: bool = False) -> AttnConfig:
+# fp32 inputs (an fp32 run under --deterministic): exact fp32 products take twice the shared
+# memory of bf16 ones per block, so smaller blocks, for every head dim
+FP32_CONFIG = AttnConfig(64, 32, 4, 2, 32, 64, 64, 32, 4, 2)
+
+
+def attn_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                interpreting: bool = False) -> AttnConfig:
     if interpreting:
         return INTERPRETER_CONFIG
-    return ATTN_CONFIGS[head_dim]
+    return FP32_CONFIG if dtype == torch.float32 else ATTN_CONFIGS[head_dim]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +103,8 @@ def _dot(a, b, INTERPRET: tl.constexpr):
     bf16 values are exact in fp32, which is what the tensor cores compute too."""
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if a.dtype.is_fp32():  # an fp32 run stays fp32: TF32 products would change its numerics
+        return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -141,6 +149,11 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
              H, T, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              INTERPRET: tl.constexpr):
+    # Inductor hands Python floats to user kernels as fp64 scalars: without the cast every score,
+    # and so the loop-carried accumulators, would turn fp64 under torch.compile (the
+    # interpreter passes plain Python floats)
+    if not INTERPRET:
+        qk_scale = qk_scale.to(tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -234,6 +247,9 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                   sg_b, sg_h, sg_t, H, T, qk_scale, sm_scale, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    if not INTERPRET:  # fp64 under Inductor, see attn_fwd
+        qk_scale = qk_scale.to(tl.float32)
+        sm_scale = sm_scale.to(tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -301,6 +317,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                 sg_b, sg_h, sg_t, H, T, qk_scale, sm_scale, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    if not INTERPRET:  # fp64 under Inductor, see attn_fwd
+        qk_scale = qk_scale.to(tl.float32)
+        sm_scale = sm_scale.to(tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -329,9 +348,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # ---------------------------------------------------------------------------------------------
 # Embedding backward
 
-EMB_ROWS = 32      # gradient rows summed per loop iteration (a frequent token has thousands)
+EMB_ROWS = 16      # gradient rows summed per loop iteration (a frequent token has thousands)
 EMB_BLOCK_C = 128  # columns per program (GPT-2's 768: six programs share a frequent token)
-EMB_WARPS = 4
+EMB_WARPS = 2  # 16 rows x 128 columns x 2 warps: 0.77 ms vs 0.91 ms for 32 x 128 x 4 (H200)
 
 
 @triton.jit
@@ -433,14 +452,14 @@ def _launch_embedding_backward(wrap, grad, ids, num_rows):
 @triton_op("raygpt::attention_forward", mutates_args=())
 def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_attn_fwd(wrap_triton, q, k, v, attn_config(q.shape[-1]))
+    return _launch_attn_fwd(wrap_triton, q, k, v, attn_config(q.shape[-1], q.dtype))
 
 
 @triton_op("raygpt::attention_backward", mutates_args=())
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            o: torch.Tensor, lse: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch_attn_bwd(wrap_triton, do, q, k, v, o, lse, attn_config(q.shape[-1]))
+    return _launch_attn_bwd(wrap_triton, do, q, k, v, o, lse, attn_config(q.shape[-1], q.dtype))
 
 
 @triton_op("raygpt::embedding_backward", mutates_args=())
@@ -455,7 +474,7 @@ def _embedding_backward_op(grad: torch.Tensor, ids: torch.Tensor, num_rows: int)
 def attention_forward(q, k, v, config: AttnConfig | None = None):
     check_attention_args(q, k, v)
     if _interpreting(q) or config is not None:
-        cfg = config or attn_config(q.shape[-1], interpreting=not q.is_cuda)
+        cfg = config or attn_config(q.shape[-1], q.dtype, interpreting=not q.is_cuda)
         cfg.check()
         return _launch_attn_fwd(_identity, q, k, v, cfg)
     return _attention_forward_op(q, k, v)
@@ -463,7 +482,7 @@ def attention_forward(q, k, v, config: AttnConfig | None = None):
 
 def attention_backward(do, q, k, v, o, lse, config: AttnConfig | None = None):
     if _interpreting(q) or config is not None:
-        cfg = config or attn_config(q.shape[-1], interpreting=not q.is_cuda)
+        cfg = config or attn_config(q.shape[-1], q.dtype, interpreting=not q.is_cuda)
         cfg.check()
         return _launch_attn_bwd(_identity, do, q, k, v, o, lse, cfg)
     return _attention_backward_op(do, q, k, v, o, lse)

@@ -13,7 +13,7 @@ from tests.ops.interpreter import needs_triton, run_in_interpreter
 from raygpt import ops
 from raygpt.ops import reference
 
-EMB_ROWS = 32  # triton_attention.EMB_ROWS (not imported: that module needs Triton)
+EMB_ROWS = 16  # triton_attention.EMB_ROWS (not imported: that module needs Triton)
 # (positions, columns, rows): runs longer than EMB_ROWS, several column blocks with a ragged
 # last one, rows no id names
 SHAPES = [(7, 5, 4), (100, 300, 12), (64, 256, 20)]
