@@ -147,13 +147,12 @@ def _fwd_blocks(acc, l, m, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-             H, T, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             H, T, qk_scale: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr,
              INTERPRET: tl.constexpr):
-    # Inductor hands Python floats to user kernels as fp64 scalars: without the cast every score,
-    # and so the loop-carried accumulators, would turn fp64 under torch.compile (the
-    # interpreter passes plain Python floats)
-    if not INTERPRET:
-        qk_scale = qk_scale.to(tl.float32)
+    # The scales are constexprs (fixed by D anyway): Inductor passes a Python float argument to a
+    # user kernel as an fp64 scalar, which turned the scores and the loop-carried accumulators
+    # fp64 under torch.compile.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -245,11 +244,9 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qt, s
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-                  sg_b, sg_h, sg_t, H, T, qk_scale, sm_scale, D: tl.constexpr,
+                  sg_b, sg_h, sg_t, H, T, qk_scale: tl.constexpr, sm_scale: tl.constexpr,
+                  D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    if not INTERPRET:  # fp64 under Inductor, see attn_fwd
-        qk_scale = qk_scale.to(tl.float32)
-        sm_scale = sm_scale.to(tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -315,11 +312,9 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, off
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-                sg_b, sg_h, sg_t, H, T, qk_scale, sm_scale, D: tl.constexpr,
+                sg_b, sg_h, sg_t, H, T, qk_scale: tl.constexpr, sm_scale: tl.constexpr,
+                D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    if not INTERPRET:  # fp64 under Inductor, see attn_fwd
-        qk_scale = qk_scale.to(tl.float32)
-        sm_scale = sm_scale.to(tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
