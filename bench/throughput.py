@@ -36,16 +36,17 @@ with the first baseline's step by step; the two baseline runs' difference is the
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
 Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's
 GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
-its own kernels, `det` is the loop's --deterministic mode (raygpt's deterministic attention and
-embedding backward on CUDA; `det+torchdet`: PyTorch's deterministic kernels instead, `raygpt`:
-raygpt's kernels without strict mode), `ckpt@N` checkpoints every N steps
+its own kernels, `det` is the loop's --deterministic mode (with PyTorch's deterministic kernels
+while raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC is off, `det+torchdet` forces them),
+`raygpt` picks raygpt's deterministic attention and embedding backward (`det+raygpt`: with
+strict mode), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
 module defaults. The loop builds its own model, so a variant sets raygpt.model's and
 raygpt.loop's module switches (and Inductor's config) for its run and restores them after.
 --no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
-e.g. `--variants default,det+torchdet,det`: non-deterministic, strict with PyTorch's kernels,
-strict with raygpt's). --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
+e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
+kernels, strict with raygpt's). --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
 

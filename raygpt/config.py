@@ -202,8 +202,7 @@ class TrainConfig:
     """PyTorch's deterministic kernels (torch.use_deterministic_algorithms, strict) and a fixed
     cuBLAS workspace, for bitwise-exact runs and resumes on GPU. An op with no deterministic
     implementation stops the run with its name (exit 2); raygpt's own kernels are deterministic
-    in every mode, and on GPUs this mode also swaps in raygpt's attention and embedding backward
-    (raygpt.model.kernels_for)."""
+    in every mode."""
     seed: int = 1337
     """Seeds init, the data shuffle and stochastic rounding."""
     # fault tolerance

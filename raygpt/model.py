@@ -100,7 +100,7 @@ DEFAULT_CE_CHUNK_ROWS = 16384
 # where cuDNN cannot run, e.g. on the CPU, the usual kernels do), "flash" = FlashAttention-2 first
 # (its backward has a deterministic variant PyTorch picks in --deterministic mode), "raygpt" =
 # raygpt.ops.causal_attention (Triton on CUDA: forward and backward deterministic, no atomics;
-# the plain-PyTorch reference elsewhere), which --deterministic picks on GPUs (kernels_for).
+# the plain-PyTorch reference elsewhere), which --deterministic is to pick on GPUs (kernels_for).
 SDPA_BACKENDS = ("default", "cudnn", "flash", "raygpt")
 DEFAULT_SDPA_BACKEND = "default"
 # Token embedding: "torch" = nn.Embedding (its CUDA backward is a scatter-add, deterministic
@@ -111,15 +111,18 @@ EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
 
-# False: --deterministic keeps PyTorch's deterministic kernels (bench/throughput.py's "torchdet",
-# the before of the comparison)
-RAYGPT_KERNELS_WHEN_DETERMINISTIC = True
+# Off until the compiled path is proven on a GPU: the kernels pass their parity and repeatability
+# tests there eagerly (bench/results/h200_det_kernels_2026-11-30.log), but the first compiled runs
+# failed (a Python-float scale reached the Inductor-launched kernel as fp64); the fix (constexpr
+# scales) passes on CPU only so far. True: --deterministic on CUDA runs raygpt's kernels.
+RAYGPT_KERNELS_WHEN_DETERMINISTIC = False
 
 
 def kernels_for(deterministic: bool, device_type: str) -> dict:
-    """The GPT kernel choices for a run: with --deterministic on CUDA, raygpt's deterministic
-    attention and embedding backward (PyTorch's deterministic alternatives cost ~9% of a step
-    at d12 B=64 on an H200); otherwise the module defaults."""
+    """The GPT kernel choices for a run: with --deterministic on CUDA and
+    RAYGPT_KERNELS_WHEN_DETERMINISTIC, raygpt's deterministic attention and embedding backward
+    (PyTorch's deterministic alternatives cost ~9% of a step at d12 B=64 on an H200); otherwise
+    the module defaults."""
     if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
         return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
     return {}
