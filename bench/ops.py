@@ -16,6 +16,7 @@ flat buffer:
 CUDA events around each call, warm-up first, median of --iters. Not a test: prints a table.
     python bench/ops.py [--iters 50] [--sweep]
     python bench/ops.py --layouts   # only the classifier's three matmuls, two layouts
+    python bench/ops.py --det-kernels [--sweep]  # deterministic attention / embedding backward
 
 Measured on one H200 (torch 2.11, triton 3.6), device ms (% of copy bandwidth, vs torch):
 norm bf16 0.064 (96%, 2.2x get_total_norm), norm fp32 0.122 (98%, 1.5x), AdamW bf16+master
@@ -28,6 +29,7 @@ for 2,048 x 4, 1.46x the compiled reference).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -149,6 +151,118 @@ def classifier_layouts(iters: int) -> None:
     torch.backends.cuda.preferred_blas_library("cublas")
 
 
+def det_kernels(iters: int, sweep: bool) -> None:
+    """raygpt's deterministic causal attention (forward, forward+backward) and token-embedding
+    backward at GPT-2 d12's shapes for one layer at B=64 (H=12, T=1024, D=64; 65536 ids over
+    50304 rows of 768), against PyTorch: flash and cuDNN attention (non-deterministic
+    backward), flash under torch.use_deterministic_algorithms (its deterministic backward, what
+    --deterministic ran before raygpt's kernels), and the embedding backward in both modes."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from raygpt.ops import triton_attention as ta
+
+    B, H, T, D = 64, 12, 1024, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = (x[:, :, i].transpose(1, 2).requires_grad_(True) for i in range(3))
+    do = torch.randn(B, H, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def sdpa(backend):
+        def attn(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attn
+
+    impls = [("raygpt (deterministic)", ops.causal_attention, False),
+             ("torch flash", sdpa(SDPBackend.FLASH_ATTENTION), False),
+             ("torch cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION), False),
+             ("torch flash, deterministic", sdpa(SDPBackend.FLASH_ATTENTION), True)]
+    ref = sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    print(f"\nattention, one layer: B={B} H={H} T={T} D={D} bf16, causal; device ms (median of "
+          f"{iters}); 'vs raygpt' = theirs / ours")
+    print(f"{'impl':<30} {'fwd':>7} {'fwd+bwd':>8} {'bwd':>7} {'vs raygpt':>10} {'repeatable':>10}")
+    ours_fb = None
+    for name, attn, det in impls:
+        torch.use_deterministic_algorithms(det)
+        try:
+            out = attn(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            again = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+            err = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+                      for a, b in zip((out,) + grads, (ref,) + ref_grads))
+            fwd = measure(lambda: attn(q, k, v), iters)[0]
+            fb = measure(lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do), iters)[0]
+        except RuntimeError as e:  # e.g. cuDNN attention not available here
+            print(f"{name:<30} failed: {str(e).splitlines()[0][:80]}")
+            continue
+        finally:
+            torch.use_deterministic_algorithms(saved[0])
+        ours_fb = ours_fb or fb
+        same = all(torch.equal(a, b) for a, b in zip(grads, again))
+        print(f"{name:<30} {fwd:7.3f} {fb:8.3f} {fb - fwd:7.3f} {fb / ours_fb:9.2f}x "
+              f"{str(same):>10}   (max error vs flash {err:.1e} of max)")
+    if sweep:
+        for cfg in [ta.AttnConfig(128, 64, 4, 3, 64, 128, 128, 64, 4, 3),
+                    ta.AttnConfig(128, 128, 8, 3, 32, 128, 128, 32, 4, 4),
+                    ta.AttnConfig(64, 64, 4, 4, 64, 64, 64, 64, 4, 3),
+                    ta.AttnConfig(128, 64, 4, 4, 32, 128, 128, 32, 8, 3),
+                    ta.AttnConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 2)]:
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            try:
+                fwd = measure(lambda: ta.attention_forward(qd, kd, vd, cfg), iters)[0]
+                o, lse = ta.attention_forward(qd, kd, vd, cfg)
+                bwd = measure(lambda: ta.attention_backward(do, qd, kd, vd, o, lse, cfg),
+                              iters)[0]
+            except Exception as e:  # noqa: BLE001 (out of shared memory and the like)
+                print(f"  sweep {cfg}: failed: {str(e).splitlines()[0][:80]}")
+                continue
+            print(f"  sweep fwd {cfg.fwd_m}x{cfg.fwd_n} w{cfg.fwd_warps} s{cfg.fwd_stages}: "
+                  f"{fwd:.3f} ms | bwd dkdv {cfg.dkdv_m}x{cfg.dkdv_n} dq {cfg.dq_m}x{cfg.dq_n} "
+                  f"w{cfg.bwd_warps} s{cfg.bwd_stages}: {bwd:.3f} ms")
+    del x, q, k, v, do, ref, ref_grads
+
+    # --- embedding backward ------------------------------------------------------------------
+    N, Vp, C = 65536, 50304, 768
+    # log-uniform ids: a Zipf-like law where id 0 holds ln 2 / ln V ~ 6% of the positions
+    ids = torch.exp(torch.rand(N, device="cuda", generator=g) * math.log(50257)).long() - 1
+    grad = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
+    print(f"\nembedding backward: {N} ids (Zipf-like; the most frequent holds "
+          f"{torch.bincount(ids).max().item()}) over {Vp} rows of {C}, bf16")
+    ours = ops.embedding_backward(grad, ids, Vp)
+    impls = [("raygpt (deterministic)", lambda: ops.embedding_backward(grad, ids, Vp), False),
+             ("torch embedding_dense_backward", lambda: torch.ops.aten.embedding_dense_backward(
+                 grad, ids, Vp, -1, False), False),
+             ("torch, deterministic", lambda: torch.ops.aten.embedding_dense_backward(
+                 grad, ids, Vp, -1, False), True)]
+    ours_ms = None
+    for name, fn, det in impls:
+        torch.use_deterministic_algorithms(det)
+        try:
+            out = fn()
+            same = torch.equal(out, fn())
+            ms = measure(fn, iters)[0]
+        finally:
+            torch.use_deterministic_algorithms(saved[0])
+        ours_ms = ours_ms or ms
+        err = (out.float() - ours.float()).abs().max().item()
+        print(f"{name:<32} {ms:7.3f} ms {ms / ours_ms:6.2f}x  repeatable {same}  "
+              f"(max diff vs raygpt {err:.2g})")
+    if sweep:
+        saved_emb = (ta.EMB_ROWS, ta.EMB_BLOCK_C, ta.EMB_WARPS)
+        for rows, block_c, warps in [(16, 256, 4), (32, 256, 8), (64, 128, 4), (16, 128, 2),
+                                     (32, 768 // 3, 4)]:
+            ta.EMB_ROWS, ta.EMB_BLOCK_C, ta.EMB_WARPS = rows, block_c, warps
+            ms = measure(lambda: ops.embedding_backward(grad, ids, Vp), iters)[0]
+            print(f"  sweep embedding rows={rows} cols={block_c} warps={warps}: {ms:.3f} ms")
+        ta.EMB_ROWS, ta.EMB_BLOCK_C, ta.EMB_WARPS = saved_emb
+    torch.utils.deterministic.fill_uninitialized_memory = saved[1]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
@@ -157,9 +271,15 @@ def main():
                              "raygpt.model writes them and transposed, under cuBLAS and cuBLASLt")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other block sizes / warps of the Triton kernels")
+    parser.add_argument("--det-kernels", action="store_true",
+                        help="only the deterministic attention and embedding backward against "
+                             "PyTorch's (with --sweep: other attention block sizes too)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/ops.py needs a CUDA GPU")
+    if args.det_kernels:
+        det_kernels(args.iters, args.sweep)
+        return
     if args.layouts:
         classifier_layouts(args.iters)
         return

@@ -58,7 +58,9 @@ def gc_pauses() -> list[tuple[int, float, float]]:
 
 # Kernel classes by name (lower case), first match wins: what a step's GPU time is spent on.
 KERNEL_CLASSES = [
+    ("attention (raygpt)", ("attn_fwd", "attn_bwd")),
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("embedding backward", ("embedding_backward_rows", "indexing_backward", "embedding_backward")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_", "ampere_", "cublas")),
     ("cross-entropy (raygpt)", ("cross_entropy_rows",)),
     ("adamw (raygpt)", ("adamw",)),

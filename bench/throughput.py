@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
                                [--variants default,cudnn,det,ckpt@100] [--split-only]
-                               [--no-rebaseline]
+                               [--no-rebaseline] [--no-baseline]
 
 Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one process:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
@@ -36,12 +36,17 @@ with the first baseline's step by step; the two baseline runs' difference is the
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
 Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's
 GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
-its own kernels, `det` is the loop's --deterministic mode, `ckpt@N` checkpoints every N steps
+its own kernels, `det` is the loop's --deterministic mode (with PyTorch's deterministic kernels
+while raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC is off, `det+torchdet` forces them),
+`raygpt` picks raygpt's deterministic attention and embedding backward (`det+raygpt`: with
+strict mode), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
 module defaults. The loop builds its own model, so a variant sets raygpt.model's and
 raygpt.loop's module switches (and Inductor's config) for its run and restores them after.
---split-only skips the loop (one compile per variant instead of two): forward+backward, norm
+--no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
+e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
+kernels, strict with raygpt's). --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
 
@@ -89,7 +94,10 @@ VARIANT_TOKENS = {
     "autotune": "Inductor max_autotune (GEMM templates autotuned against cuBLAS)",
     "coord": "Inductor coordinate_descent_tuning (its reduction / pointwise kernels)",
     "torchce": "the fused loss's softmax gradient as PyTorch ops (Inductor's kernel), not raygpt.ops",
-    "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace)",
+    "det": "the loop's --deterministic (torch.use_deterministic_algorithms, fixed cuBLAS workspace; "
+           "on CUDA with raygpt's deterministic attention and embedding backward)",
+    "torchdet": "with det: PyTorch's deterministic kernels instead of raygpt's (the before)",
+    "raygpt": 'sdpa_backend="raygpt" and embedding_impl="raygpt" (raygpt\'s deterministic kernels)',
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
     "noprefetch": "the loop builds each batch after the step's sync (raygpt.loop.PREFETCH_BATCHES off)",
     "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
@@ -124,6 +132,11 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             model[m, "USE_CE_KERNEL"] = False
         elif name == "det":
             loop["deterministic"] = True
+        elif name == "torchdet":
+            model[m, "RAYGPT_KERNELS_WHEN_DETERMINISTIC"] = False
+        elif name == "raygpt":
+            model[m, "DEFAULT_SDPA_BACKEND"] = "raygpt"
+            model[m, "DEFAULT_EMBEDDING_IMPL"] = "raygpt"
         elif name == "ckpt":
             loop.update(checkpoint_every=int(arg), async_checkpoint=True)
         elif name == "noprefetch":
@@ -217,7 +230,7 @@ class GpuClocks:
 
 def describe(model: GPT) -> str:
     return (f"loss={model.loss_impl}" + (f"@{model.ce_chunk_rows}" if model.loss_impl == "fused" else "")
-            + f" attn={model.transformer.h[0].attn.sdpa_backend}")
+            + f" attn={model.transformer.h[0].attn.sdpa_backend} emb={model.embedding_impl}")
 
 
 def baseline(args, loader):
@@ -322,6 +335,9 @@ def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 
 
 def raygpt_split(args, loader):
     model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337).cuda()  # the variant's defaults
+    # and the kernels the loop's build_model would pick (det turned strict mode on for this)
+    model.use_kernels(**raygpt.model.kernels_for(torch.are_deterministic_algorithms_enabled(),
+                                                 "cuda"))
     flat = FlatParameters(model, torch.device("cuda"), torch.bfloat16)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     fwd = torch.compile(model, mode=raygpt.loop.COMPILE_MODE)
@@ -361,6 +377,8 @@ def main():
     p.add_argument("--no-rebaseline", action="store_true",
                    help="run the baseline only once, before the raygpt rows (by default it runs "
                         "again after them, and each ratio is against the mean of both runs)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the PyTorch baseline (raygpt rows only, compared with the first)")
     p.add_argument("--split-only", action="store_true",
                    help="raygpt variants: only the forward+backward / norm / optimizer split")
     args = p.parse_args()
@@ -450,7 +468,8 @@ def main():
         row(name, b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
         print(f"{'':28s} {clocks.summary(name)}", flush=True)
 
-    run_baseline("pytorch baseline")
+    if not args.no_baseline:
+        run_baseline("pytorch baseline")
     for i, spec in enumerate(variants):
         # a variant named twice (to see the run-to-run spread) gets a second label
         repeat = variants[:i].count(spec)
@@ -468,7 +487,7 @@ def main():
             clocks.mark(label, window)
             row(label, r_times, split, peak, r_losses, first_s, summary)
             print(f"{'':28s} {clocks.summary(label)}", flush=True)
-    if not args.no_rebaseline:
+    if not (args.no_rebaseline or args.no_baseline):
         # the same baseline again: if the GPU drifted (clocks, heat) over the raygpt rows, the
         # two baseline rows differ, and the ratio is against their mean
         run_baseline("pytorch baseline again")
@@ -494,14 +513,17 @@ def main():
         show(r)
         print(f"{'':28s} {clocks.summary(r[0])}")
     bases = [r[1] for r in rows if r[0].startswith("pytorch baseline")]
-    base = statistics.mean(bases)
+    base = statistics.mean(bases) if bases else float("nan")
     if len(bases) > 1:
         print(f"baseline before / after the raygpt rows: {bases[0]:.0f} / {bases[1]:.0f} tok/s "
               f"({bases[1] / bases[0] - 1:+.1%}); ratios against their mean, {base:.0f}")
     for name, tps, _, mean, *_ in rows:
-        if not name.startswith("pytorch baseline"):
+        if not name.startswith("pytorch baseline") and bases:
             print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
                   f"{mean:.1f} ms")
+    ours = [r for r in rows if not r[0].startswith("pytorch baseline")]
+    for name, tps, *_ in ours[1:]:  # e.g. det (after) and det+torchdet (before) vs default
+        print(f"ratio {name} / {ours[0][0]}: {tps / ours[0][1]:.3f} ({tps / ours[0][1] - 1:+.1%})")
     # same data, same init: the losses agree within noise. The noise: the two baseline runs
     # differ too (non-deterministic kernels), so their difference is the yardstick
     ref = rows[0][8]

@@ -30,7 +30,7 @@ from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
-from raygpt.model import GPT, GPTConfig, load_model_file, num_parameters
+from raygpt.model import GPT, GPTConfig, kernels_for, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.runlog import RunLog
 from raygpt.schedule import learning_rate
@@ -79,6 +79,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
     else:
         model = load_model_file(cfg.model)
+    model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type))
     return model.to(device)
 
 

@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt import ops
 from raygpt.config import MODEL_SHAPES
-from raygpt.ops.reference import logit_statistics
+from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
 
 # ---------------------------------------------------------------------- configuration
@@ -98,9 +98,34 @@ DEFAULT_CE_CHUNK_ROWS = 16384
 # Attention kernel preference: "default" = PyTorch's own choice (flash attention on Hopper),
 # "cudnn" = cuDNN's fused attention first, then flash / memory-efficient / math (a preference:
 # where cuDNN cannot run, e.g. on the CPU, the usual kernels do), "flash" = FlashAttention-2 first
-# (its backward has a deterministic variant PyTorch picks in --deterministic mode).
-SDPA_BACKENDS = ("default", "cudnn", "flash")
+# (its backward has a deterministic variant PyTorch picks in --deterministic mode), "raygpt" =
+# raygpt.ops.causal_attention (Triton on CUDA: forward and backward deterministic, no atomics;
+# the plain-PyTorch reference elsewhere), which --deterministic is to pick on GPUs (kernels_for).
+SDPA_BACKENDS = ("default", "cudnn", "flash", "raygpt")
 DEFAULT_SDPA_BACKEND = "default"
+# Token embedding: "torch" = nn.Embedding (its CUDA backward is a scatter-add, deterministic
+# under torch.use_deterministic_algorithms only through a sort-based kernel, 3.6 ms a step at d12
+# B=64 on an H200), "raygpt" = raygpt.ops.embedding (a Triton backward over sorted ids, no
+# atomics) for wte, and wpe read as a slice, whose gradient is a plain sum over the batch.
+EMBEDDING_IMPLS = ("torch", "raygpt")
+DEFAULT_EMBEDDING_IMPL = "torch"
+
+
+# Off until the compiled path is proven on a GPU: the kernels pass their parity and repeatability
+# tests there eagerly (bench/results/h200_det_kernels_2026-11-30.log), but the first compiled runs
+# failed (a Python-float scale reached the Inductor-launched kernel as fp64); the fix (constexpr
+# scales) passes on CPU only so far. True: --deterministic on CUDA runs raygpt's kernels.
+RAYGPT_KERNELS_WHEN_DETERMINISTIC = False
+
+
+def kernels_for(deterministic: bool, device_type: str) -> dict:
+    """The GPT kernel choices for a run: with --deterministic on CUDA and
+    RAYGPT_KERNELS_WHEN_DETERMINISTIC, raygpt's deterministic attention and embedding backward
+    (PyTorch's deterministic alternatives cost ~9% of a step at d12 B=64 on an H200); otherwise
+    the module defaults."""
+    if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
+        return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
+    return {}
 # The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton
 # kernel on CUDA, one read of the logits) when True; the same math as PyTorch ops (which
 # Inductor fuses into a kernel that reads each row three times) when False. z-loss keeps the
@@ -248,7 +273,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)    # (B, nh, T, hs)
         # softmax(q k^T / sqrt(hs) + causal mask) v; flash / memory-efficient kernel when available
-        if self.sdpa_backend in _SDPA_PRIORITY:
+        if self.sdpa_backend == "raygpt":
+            y = ops.causal_attention(q, k, v)                        # (B, nh, T, hs)
+        elif self.sdpa_backend in _SDPA_PRIORITY:
             with sdpa_kernel(_SDPA_PRIORITY[self.sdpa_backend], set_priority=True):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:
@@ -290,11 +317,12 @@ class GPT(nn.Module):
 
     Implementation choices, each None = the module default at construction: loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
-    ("default" | "cudnn"). They change speed and memory, not the function computed."""
+    (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS). They change speed, memory and
+    determinism, not the function computed (`use_kernels` changes the last two later)."""
 
     def __init__(self, config: GPTConfig, *, init_seed: int | None = 42,
                  loss_impl: str | None = None, ce_chunk_rows: int | None = None,
-                 sdpa_backend: str | None = None):
+                 sdpa_backend: str | None = None, embedding_impl: str | None = None):
         super().__init__()
         self.config = config
         self.loss_impl = DEFAULT_LOSS_IMPL if loss_impl is None else loss_impl
@@ -304,8 +332,6 @@ class GPT(nn.Module):
             raise ValueError(f"GPT loss_impl: expected one of {LOSS_IMPLS}, found {self.loss_impl!r}")
         if not isinstance(self.ce_chunk_rows, int) or self.ce_chunk_rows < 1:
             raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
-        if sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"GPT sdpa_backend: expected one of {SDPA_BACKENDS}, found {sdpa_backend!r}")
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
             wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
@@ -315,13 +341,31 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Weight tying: one Parameter, counted once, its gradient the sum of both uses.
         self.lm_head.weight = self.transformer.wte.weight
-        for block in self.transformer.h:
-            block.attn.sdpa_backend = sdpa_backend
+        self.use_kernels(sdpa_backend=sdpa_backend, embedding_impl=embedding_impl)
         # Largest |logit| over the real vocab in the last forward with targets (watch metric).
         # A detached device tensor, so reading it is the caller's choice of when to sync.
         self.last_max_logit: torch.Tensor | None = None
         if init_seed is not None:
             self._init_gpt2(init_seed)
+
+    def use_kernels(self, *, sdpa_backend: str | None = None,
+                    embedding_impl: str | None = None) -> "GPT":
+        """Set the attention and embedding kernels (None = the module default)."""
+        sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
+        embedding_impl = DEFAULT_EMBEDDING_IMPL if embedding_impl is None else embedding_impl
+        if sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"GPT sdpa_backend: expected one of {SDPA_BACKENDS}, found {sdpa_backend!r}")
+        if embedding_impl not in EMBEDDING_IMPLS:
+            raise ValueError(f"GPT embedding_impl: expected one of {EMBEDDING_IMPLS}, found "
+                             f"{embedding_impl!r}")
+        head_dim = self.config.n_embd // self.config.n_head
+        if sdpa_backend == "raygpt" and head_dim not in ATTENTION_HEAD_DIMS:
+            raise ValueError(f"GPT sdpa_backend 'raygpt': head dim (n_embd / n_head) must be one "
+                             f"of {ATTENTION_HEAD_DIMS}, found {head_dim}")
+        for block in self.transformer.h:
+            block.attn.sdpa_backend = sdpa_backend
+        self.embedding_impl = embedding_impl
+        return self
 
     @torch.no_grad()
     def _init_gpt2(self, seed: int) -> None:
@@ -369,8 +413,12 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"GPT.forward: expected a sequence of at most block_size "
                              f"{self.config.block_size} tokens, found {T}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)        # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)          # (B, T, C)
+        if self.embedding_impl == "raygpt":
+            # the same values; wpe's gradient is then a sum over the batch, no scatter
+            x = ops.embedding(idx, self.transformer.wte.weight) + self.transformer.wpe.weight[:T]
+        else:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)    # (T,)
+            x = self.transformer.wte(idx) + self.transformer.wpe(pos)      # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)                                       # (B, T, C)

@@ -1,5 +1,7 @@
 """raygpt's kernels, one interface: the optimizer's two hot loops (global gradient norm, fused
-AdamW) and the classifier's cross-entropy gradient.
+AdamW), the classifier's cross-entropy gradient, and the deterministic causal attention and
+token-embedding backward that --deterministic uses on GPUs (`causal_attention`, `embedding`:
+autograd-aware; triton_attention.py holds their kernels).
 
 CUDA tensors go to the Triton kernels (triton_kernels.py, registered as torch custom ops under
 `torch.ops.raygpt`); anything else goes to the plain-PyTorch reference (reference.py), which is
@@ -24,7 +26,8 @@ from . import reference
 from .reference import Segments
 
 __all__ = ["Segments", "global_norm_squared", "adamw_update", "copy_master_to_params",
-           "stochastic_round_bf16", "cross_entropy_grad"]
+           "stochastic_round_bf16", "cross_entropy_grad", "attention_forward",
+           "attention_backward", "causal_attention", "embedding_backward", "embedding"]
 
 
 def _triton():
@@ -36,6 +39,12 @@ def _triton():
     on an H200, every start). After the first import this is a sys.modules lookup."""
     from . import triton_kernels
     return triton_kernels
+
+
+def _triton_attention():
+    """triton_attention, imported on first use (as _triton)."""
+    from . import triton_attention
+    return triton_attention
 
 
 def global_norm_squared(grad: torch.Tensor) -> torch.Tensor:
@@ -117,3 +126,73 @@ def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     if L.is_cuda:
         return _triton().cross_entropy_grad(L, t, vocab_size)
     return reference.cross_entropy_grad(L, t, vocab_size)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Causal self-attention of q, k, v (B, H, T, D), scale 1/sqrt(D): (o, lse), o (B, H, T, D)
+    in q's dtype, lse (B, H, T) fp32 the row log-sum-exp of the scaled scores (what the
+    backward needs). On CUDA a FlashAttention-2-style Triton kernel (head dims 16-128), fixed
+    summation order; elsewhere reference.attention_forward."""
+    reference.check_attention_args(q, k, v)
+    if q.is_cuda:
+        return _triton_attention().attention_forward(q, k, v)
+    return reference.attention_forward(q, k, v)
+
+
+def attention_backward(do, q, k, v, o, lse):
+    """(dq, dk, dv) of attention_forward for the upstream gradient do. On CUDA two Triton
+    kernels with no atomics (dK/dV per key block, dQ per query block), so repeated calls are
+    bitwise identical; elsewhere reference.attention_backward."""
+    if q.is_cuda:
+        return _triton_attention().attention_backward(do, q, k, v, o, lse)
+    return reference.attention_backward(do, q, k, v, o, lse)
+
+
+def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The weight gradient (num_rows, C) of an embedding lookup of ids (N,) whose output got
+    grad (N, C): row r sums grad over the positions with id r, in fp32, in position order. On
+    CUDA a Triton kernel over a stable sort of the ids (no atomics: bitwise repeatable, unlike
+    PyTorch's default embedding backward); elsewhere reference.embedding_backward."""
+    if grad.dim() != 2 or ids.shape != grad.shape[:1]:
+        raise ValueError(f"embedding_backward: expected grad (N, C) and ids (N,), found "
+                         f"{tuple(grad.shape)}, {tuple(ids.shape)}")
+    if grad.is_cuda:
+        return _triton_attention().embedding_backward(grad, ids, num_rows)
+    return reference.embedding_backward(grad, ids, num_rows)
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, lse = attention_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return attention_backward(do, *ctx.saved_tensors)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """F.scaled_dot_product_attention(q, k, v, is_causal=True) with raygpt's kernels, forward
+    and backward deterministic (autograd-aware; torch.compile sees the custom ops inside)."""
+    return _CausalAttention.apply(q, k, v)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.num_rows = weight.shape[0]
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        dw = embedding_backward(grad.reshape(-1, grad.shape[-1]), ids.reshape(-1), ctx.num_rows)
+        return None, dw
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, weight) whose weight gradient is embedding_backward's."""
+    return _Embedding.apply(ids, weight)

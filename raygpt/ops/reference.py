@@ -6,6 +6,9 @@ This module is the specification of record for the math the Triton kernels imple
 * `adamw_update`: llm.c's AdamW (decoupled weight decay, bias correction), one pass over a flat
   shard, with the fp32 master weights written first and the bf16 working weights derived from
   them by `stochastic_round_bf16`.
+* `attention_forward` / `attention_backward`: causal self-attention split as FlashAttention
+  splits it (the forward keeps the row log-sum-exp, the backward recomputes the probabilities).
+* `embedding_backward`: the token embedding's weight gradient.
 * the counter-based hash behind stochastic rounding, written with int64 torch ops masked to 32
   bits, so a CPU reference and the GPU kernel round the same fp32 value to the same bf16 bits.
 
@@ -15,6 +18,7 @@ llm.c's layout) tensor pieces of a shard, to build per-element counters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -346,3 +350,71 @@ def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
     G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)    # (n, Vp)
     return G, lse, target_logit, row_max, row_min
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal self-attention, FlashAttention's split: the forward returns the output and the row
+# log-sum-exp of the scaled scores, the backward recomputes the probabilities from them. q, k, v
+# (B, H, T, D) in any layout; statistics and sums in fp32, outputs in q's dtype.
+#
+#   S = q k^T / sqrt(D) with S[i, j] = -inf for j > i      lse = logsumexp(S, -1)   (B, H, T)
+#   P = exp(S - lse)      o = P v
+#   delta = rowsum(do * o)      dP = do v^T      dS = P (dP - delta)
+#   dq = dS k / sqrt(D)     dk = dS^T q / sqrt(D)     dv = P^T do
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the kernel's tl.arange needs a power of two, tl.dot 16+
+
+
+def check_attention_args(q, k, v) -> None:
+    """A clear error for what the kernels cannot take (checked on every path)."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"causal attention: expected q, k, v of one shape (B, H, T, D), found "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"causal attention: head dim must be one of {ATTENTION_HEAD_DIMS}, "
+                         f"found {q.shape[-1]}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16,
+                                                            torch.float32):
+        raise ValueError(f"causal attention: expected q, k, v of one float dtype, found "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _causal_probabilities(q, k, lse=None):
+    T, D = q.shape[-2], q.shape[-1]
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)          # (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    s = s.masked_fill(future, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)                                  # (B, H, T)
+    return torch.exp(s - lse[..., None]), lse
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32."""
+    p, lse = _causal_probabilities(q, k)
+    return (p @ v.float()).to(q.dtype), lse
+
+
+def attention_backward(do, q, k, v, o, lse):
+    """(dq, dk, dv) for the upstream gradient do of attention_forward's o, in q's dtype."""
+    D = q.shape[-1]
+    p, _ = _causal_probabilities(q, k, lse)
+    do_f = do.float()
+    delta = (do_f * o.float()).sum(-1)                                    # (B, H, T)
+    dv = p.transpose(-1, -2) @ do_f
+    ds = p * (do_f @ v.float().transpose(-1, -2) - delta[..., None])
+    dq = (ds @ k.float()) / math.sqrt(D)
+    dk = (ds.transpose(-1, -2) @ q.float()) / math.sqrt(D)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token embedding's weight gradient: dW[r] = sum of grad[i] over the positions i whose id
+# is r, in fp32, in the order of the positions (the kernel sums the same rows, sorted by id with
+# a stable sort, so in the same order, but in blocks). Rows no id names get 0.
+
+def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """grad (N, C), ids (N,) int -> dW (num_rows, C) in grad's dtype."""
+    out = torch.zeros(num_rows, grad.shape[1], dtype=torch.float32, device=grad.device)
+    out.index_put_((ids.long(),), grad.float(), accumulate=True)
+    return out.to(grad.dtype)
