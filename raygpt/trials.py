@@ -148,9 +148,17 @@ class _SweepParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+SWEEP_EXIT_CODES = """exit status:
+  0  a best trial exists (results.txt, best_config.json)
+  1  no trial finished
+  2  bad input: a trial config, a flag or the sweep directory refused before Ray started, or
+     every trial stopped by a bad input (such a trial is not re-run: it would fail again)"""
+
+
 def build_sweep_parser(prog: str = "raygpt sweep") -> argparse.ArgumentParser:
     p = _SweepParser(
         prog=prog, allow_abbrev=False, add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EXIT_CODES,
         description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
                     "(the base config) and -o is the sweep directory, -y 1 resumes it.")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -241,7 +249,9 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
         print("\nbase config flags (every raygpt train flag; -o is the sweep directory, -y 1 "
               "resumes the sweep):")
         from raygpt.config import build_parser
-        build_parser(prog).print_help()
+        train = build_parser(prog)
+        train.epilog = None  # a train run's exit statuses: the sweep's are above
+        train.print_help()
         return 0
     try:
         ns, rest = build_sweep_parser().parse_known_args(argv)
