@@ -27,9 +27,10 @@ controller down with it and leaves the workers' placement group to Ray Train's b
 cleaner, which on a machine running more than one Ray instance never frees it; the graceful
 stop frees everything and leaves a resumable run directory.
 
-Before Ray starts, every trial config that can be known up front (the base, and every
-combination of grid values and choice categories, the bounds of numeric ranges) goes through
-the single run's driver-side checks (`raygpt.preflight`: model file, shards against B, T and
+Before Ray starts (raygpt/trials.py holds the configs and the command line, and imports no
+Ray), every trial config that can be known up front (the base, and every combination of grid
+values and choice categories, the bounds of numeric ranges) goes through the single run's
+driver-side checks (`raygpt.preflight`: model file, shards against B, T and
 the world size, trackers) and the sweep directory must be writable: a bad value is one line
 naming the trial's overrides and the flag, exit 2, before anything trains. Each trial writes
 its `config.json` like a single run (`run_config.write_launch`, with the sweep's command line).

@@ -26,7 +26,11 @@
   `RaygptTrainer` puts raygpt's in its place.
 - Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.errors`) end
   the run at once: the worker raises `RunStopped`, and `StopOnRunStopped`, the controller's
-  failure policy, answers RAISE instead of spending the retry budget on them.
+  failure policy, answers RAISE instead of spending the retry budget on them (`RunFailed.final`
+  tells a sweep's Tune not to re-run it either).
+- A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
+  Train's State-API PlacementGroupCleaner is replaced by raygpt.pg_cleanup's, and the driver
+  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
 """
 
 from __future__ import annotations
