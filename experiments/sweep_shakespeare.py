@@ -16,12 +16,13 @@
 Every flag of `raygpt train` sets the base config that the trials override; -o is the sweep
 directory. Sweep options: --grid/--choice KEY=V1,V2  --uniform/--loguniform KEY=LO,HI
 --num-samples N  --early-stop asha|none  --grace-period N  --max-concurrent N
---trial-retries N  --wsd-branches N1,N2  --address ADDR (see raygpt/sweep.py).
+--trial-retries N  --wsd-branches N1,N2  --address ADDR (see raygpt/sweep.py). Every trial
+config that can be known up front is checked before Ray starts (exit 2, one line naming it).
 """
 
 import sys
 
-from raygpt.sweep import main
+from raygpt.trials import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="sweep_shakespeare.py"))

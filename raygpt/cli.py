@@ -69,7 +69,7 @@ def _cluster_gpus() -> int | None:
 
 
 def _sweep(argv: list[str]) -> int:
-    from raygpt.sweep import main as sweep_main
+    from raygpt.trials import main as sweep_main  # checks the trials before importing Ray Tune
     return sweep_main(argv, prog="raygpt sweep")
 
 

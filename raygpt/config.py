@@ -619,7 +619,8 @@ _METAVARS = {"input_bin": "GLOB", "input_val_bin": "GLOB", "output_dir": "DIR|UR
 EXIT_CODES = """exit status:
   0  finished (every step of -x trained)
   1  failed (Ray's retry budget spent, or an error raygpt cannot recover from)
-  2  bad input: a flag, a file or the run directory refused before Ray started
+  2  bad input: a flag, a file or the run directory refused before Ray started, or one a
+     worker met (a corrupt shard, a checkpoint it cannot use), which is not retried
   3  stopped early by SIGTERM, Ctrl-C or a preemption, after a checkpoint: -y 1 resumes it
   130  aborted by a second Ctrl-C: -y 1 resumes from the last verified checkpoint"""
 

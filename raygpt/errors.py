@@ -20,6 +20,7 @@ from __future__ import annotations
 from raygpt.checkpoint import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.data import ShardError
+from raygpt.tracking import TrackingError
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
@@ -49,14 +50,16 @@ def stop_code(exc: BaseException) -> int | None:
     None for a fault a restart may cure (the retry budget is for those).
 
     Bad input: ConfigError, CheckpointError (a verified checkpoint that this run cannot use, a
-    corrupt run-dir file) and ShardError (a token shard that is wrong or changed under the
-    loader), unless the error was caused by an OSError: a read that failed on a flaky mount or
-    object store may succeed on the next attempt."""
+    corrupt run-dir file), ShardError (a token shard that is wrong or changed under the loader)
+    and TrackingError (a --wandb / --mlflow tracker that cannot start: a URI MLflow refuses, a
+    W&B login that is missing, a corrupt tracking.json), unless the error was caused by an
+    OSError: a read that failed on a flaky mount or object store, or a tracking server that
+    did not answer, may succeed on the next attempt."""
     if isinstance(exc, RunStopped):
         return exc.exit_code
     if isinstance(exc, TrainingStopped):
         return EXIT_FAILED
-    if isinstance(exc, (ConfigError, CheckpointError, ShardError)):
+    if isinstance(exc, (ConfigError, CheckpointError, ShardError, TrackingError)):
         return None if _caused_by_os_error(exc) else EXIT_BAD_INPUT
     return None
 

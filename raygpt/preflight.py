@@ -14,7 +14,12 @@ was expected, or returns what it found (for the start-up line):
   (`checkpoint.check_compatible`: config fields, tokenizer and data hashes; a different world
   size is fine, the loop reshards);
 - the run directory: its filesystem reachable and writable (a probe file written and deleted),
-  so a missing bucket or a read-only path is one line, not a pyarrow traceback from a worker.
+  so a missing bucket or a read-only path is one line, not a pyarrow traceback from a worker;
+- trackers: an --mlflow URI MLflow cannot open (`tracking.check_mlflow_uri`; a missing wandb or
+  mlflow package is refused earlier, by `TrainConfig.validate`).
+
+`raygpt.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
+of a Ray Tune sweep that can be known before Tune samples anything, before Ray starts.
 
 Nothing here needs Ray; the data and model checks read headers only, the resume check reads one
 MANIFEST and checks sizes (the workers verify every hash when they load the checkpoint).
@@ -37,8 +42,16 @@ def check(cfg: TrainConfig) -> list[str]:
     check_model(cfg)  # first: resolve() may have taken T from this file's header
     facts = check_data(cfg)
     facts += check_resume(cfg)
+    check_trackers(cfg)
     check_run_dir(cfg)
     return facts
+
+
+def check_trackers(cfg: TrainConfig) -> None:
+    from raygpt.tracking import check_mlflow_uri
+    problem = check_mlflow_uri(cfg.mlflow)
+    if problem:
+        raise ConfigError(problem)
 
 
 # ---------------------------------------------------------------------- data

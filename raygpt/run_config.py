@@ -40,25 +40,26 @@ _KEPT_RE = re.compile(r"^config\.(\d+)\.json$")
 
 
 def launch_record(cfg: TrainConfig, *, launch: int, argv: list[str] | None = None,
-                  adapted: list[str] = (), plan: list[str] = ()) -> dict:
+                  adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None) -> dict:
+    """argv and cwd: this process's unless given (a sweep trial records its sweep's command)."""
     argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
     return {
         "format": FORMAT, "version": VERSION, "launch": launch, "time": time.time(),
-        "command": {"argv": argv, "line": shlex.join(argv), "cwd": os.getcwd()},
+        "command": {"argv": argv, "line": shlex.join(argv), "cwd": cwd or os.getcwd()},
         "config": cfg.to_dict(), "adapted": list(adapted), "plan": list(plan),
         "hardware": _hardware(cfg), "versions": _versions(),
     }
 
 
 def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = None,
-                 adapted: list[str] = (), plan: list[str] = ()) -> dict:
+                 adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None) -> dict:
     """Keep the previous config.json as config.<launch>.json, then write this launch's."""
     kept = [int(m.group(1)) for n in run_dir.listdir(files_only=True) if (m := _KEPT_RE.match(n))]
     launch = max(kept, default=0) + 1
     if run_dir.exists(CONFIG_FILE):
         run_dir.write_bytes_atomic(f"config.{launch}.json", run_dir.read_bytes(CONFIG_FILE))
         launch += 1
-    record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan)
+    record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan, cwd=cwd)
     # a URI's credentials (s3://KEY:SECRET@...) in -o or the command line are never stored
     text = redact(json.dumps(record, indent=1, default=str))
     run_dir.write_bytes_atomic(CONFIG_FILE, (text + "\n").encode())

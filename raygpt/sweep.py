@@ -27,12 +27,25 @@ controller down with it and leaves the workers' placement group to Ray Train's b
 cleaner, which on a machine running more than one Ray instance never frees it; the graceful
 stop frees everything and leaves a resumable run directory.
 
+Before Ray starts (raygpt/trials.py holds the configs and the command line, and imports no
+Ray), every trial config that can be known up front (the base, and every combination of grid
+values and choice categories, the bounds of numeric ranges) goes through the single run's
+driver-side checks (`raygpt.preflight`: model file, shards against B, T and
+the world size, trackers) and the sweep directory must be writable: a bad value is one line
+naming the trial's overrides and the flag, exit 2, before anything trains. Each trial writes
+its `config.json` like a single run (`run_config.write_launch`, with the sweep's command line).
+
 Fault tolerance has two levels. A lost worker is raygpt's own business: Ray Train restarts the
 worker group inside the trial and the loop resumes from the newest verified checkpoint. A trial
 whose driver died (or whose Ray Train retry budget ran out) is re-run by Tune
 (`tune.FailureConfig`); every trial runs with `resume=1`, so a re-run continues its run directory
-instead of refusing it. When the sweep's own driver dies, `resume_sweep` restores Tune's
-experiment: finished trials stay finished, unfinished ones continue from their checkpoints.
+instead of refusing it. A trial that raygpt stopped because a restart would meet the same error
+(bad input, a stop raygpt decided: `raygpt.errors`) is not re-run: Tune has no per-error retry
+policy (its controller re-runs any failed trial while `num_failures <= max_failures`), so the
+trial reports the verdict as its last result and `_NoRetryOfStoppedTrials`, a Tune callback on
+the sweep's driver, sets that trial's budget to zero before its error arrives. When the sweep's
+own driver dies, `resume_sweep` restores Tune's experiment: finished trials stay finished,
+unfinished ones continue from their checkpoints.
 
 WSD branches (`run_wsd_branches`): llm.c's WSD holds the peak LR until step
 `int(0.8f * max_steps)` and then decays, so the steps before the shortest branch's decay start S
@@ -48,7 +61,6 @@ refused before anything runs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -59,7 +71,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import ray
 import ray.train
 from ray import tune
@@ -68,12 +79,20 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
 from raygpt import checkpoint as ck
-from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, SpikeConfig, TrainConfig, parse_args
+from raygpt import preflight
+from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
+from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.history import read_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.ownership import Lease, check_overwrite, read_marker, write_marker
 from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
-from raygpt.trainer import RunFailed, build_trainer, claimed_run_dir, create_control, init_ray
+from raygpt.run_config import write_launch
+# the configs and the command line, which need no Ray (re-exported: raygpt.sweep is the API)
+from raygpt.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,  # noqa: F401
+                           build_sweep_parser, check_space, known_trial_points, known_values,
+                           main, pin_for_trials, preflight_sweep, space_items, trial_config)
+from raygpt.trainer import (RunFailed, build_trainer, claimed_run_dir, create_control, fit_or_raise,
+                            init_ray, start_train_helpers)
 
 PLAN_FILE = "sweep.json"
 PLAN_FORMAT = "raygpt-sweep"
@@ -90,8 +109,9 @@ VAL_KEYS = ("step", "val_loss", "skips", "rewinds")
 # A Tune trial is only the driver of its Ray Train run: it needs no CPU or GPU of its own, but a
 # Tune bundle may not be empty, so it reserves a token 1 MiB of memory.
 TRIAL_DRIVER_RESOURCES = {"memory": 1 << 20}
-# Fields that place a run, not configure it: never written into best_config.json.
-_PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault", "allow_fault_injection")
+# The last result of a trial raygpt stopped: its exit code (2 bad input, 1 raygpt decided) and
+# message, sent to Tune just before the trial raises (see _NoRetryOfStoppedTrials).
+STOPPED_KEY, STOPPED_MESSAGE_KEY = "raygpt_stopped", "raygpt_error"
 
 
 # ====================================================================== the plan (sweep.json)
@@ -114,6 +134,10 @@ class SweepPlan:
     """WSD branch mode: the step S of the stable-phase checkpoint every trial starts from."""
     stable_max_steps: int | None = None
     """WSD branch mode: max_steps of the stable-phase run (its decay starts at S)."""
+    command: list = field(default_factory=list)
+    """The sweep driver's command line (argv), recorded in every trial's config.json."""
+    cwd: str = ""
+    """The sweep driver's working directory, likewise."""
 
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **dataclasses.asdict(self)}
@@ -150,48 +174,16 @@ def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
 
 # ====================================================================== configs (pure)
 
-def pin_for_trials(base: TrainConfig, gpus_available: int) -> TrainConfig:
-    """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
-    actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
-    their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
-    validation batches stay unset unless given, so a trial that changes B or T still gets
-    B*T*world tokens per step and validation batches fitted to its own B and T."""
-    resolved = base.resolve(gpus_available=gpus_available)
-    pinned = {"total_batch_size": base.total_batch_size, "val_batch_size": base.val_batch_size,
-              "val_batches": base.val_batches,
-              "input_bin": os.path.abspath(resolved.input_bin)}
-    if resolved.input_val_bin:
-        pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
-    if resolved.depth is None:
-        pinned["model"] = os.path.abspath(resolved.model)
-    return resolved.with_overrides(pinned)
-
-
-def _plain(value):
-    """Tune samples numpy scalars; configs and manifests hold plain Python values."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def trial_config(base: TrainConfig, overrides: dict, run_dir: str) -> TrainConfig:
-    """A trial's run config: base + the trial's overrides, in its own run directory, resumable."""
-    cfg = base.with_overrides({k: _plain(v) for k, v in overrides.items()})
-    cfg = cfg.with_overrides({"output_dir": run_dir, "resume": 1})
-    # every hardware field is pinned already; gpus_available only satisfies resolve()'s check
-    return cfg.resolve(gpus_available=cfg.num_workers if cfg.device == "gpu" else 0)
-
-
-def check_space(base: TrainConfig, space: dict) -> None:
-    """Every key of a search space must name a TrainConfig field ('spike.x' for SpikeConfig)."""
-    if not isinstance(space, dict) or not space:
-        raise ConfigError(f"search space: expected a non-empty dict of TrainConfig overrides, "
-                          f"found {space!r}")
-    current = base.to_dict()
-    for key in space:
-        if key in _PLACEMENT_FIELDS:
-            raise ConfigError(f"search space key {key!r}: the sweep sets it for every trial "
-                              f"(expected a training field)")
-        value = current["spike"].get(key[6:]) if key.startswith("spike.") else current.get(key)
-        base.with_overrides({key: value})  # raises ConfigError naming an unknown key
+def gpus_before_ray(address: str | None) -> int | None:
+    """The GPUs the trials can have, counted without starting a Ray of our own: the cluster's
+    when this process is already in one or joins one (the argument or RAY_ADDRESS: that Ray is
+    up already), else None (resolve() counts this machine's, as the local Ray will)."""
+    if ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
+    if address or os.environ.get("RAY_ADDRESS"):
+        init_ray(address)
+        return int(ray.cluster_resources().get("GPU", 0))
+    return None
 
 
 def max_concurrent_trials(cluster: dict, per_trial: TrainConfig) -> int:
@@ -263,19 +255,28 @@ class _StopAtStep(UserCallback):
 
 
 def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None = None,
-            control_name: str | None = None, lineage: str | None = None):
+            control_name: str | None = None, lineage: str | None = None,
+            command: tuple = (), cwd: str = "", adapted: list[str] = ()):
     """One raygpt run under Ray Train, from inside a Tune trial (or the sweep driver).
 
+    The run's inputs go through the single run's checks first (`preflight.check`: on a re-run
+    this includes resuming its own checkpoint), and its `config.json` records the launch
+    (`command`/`cwd`: the sweep driver's; `adapted`: what resolving changed).
     The TorchTrainer is `trainer.build_trainer`'s, the one a single run uses, with `callbacks`
     added on the controller. The run's control actor (stop and save requests, polled by rank 0)
     is named `control_name`, so a scheduler can find it.
-    Raises RunFailed once the run's own retry budget (cfg.max_failures) is spent.
+    Raises ConfigError for a bad input, RunFailed once the run's own retry budget
+    (cfg.max_failures) is spent or at once when a worker's error would only recur (`final`).
     The run directory's lease is held under `lineage` (the sweep driver's lease token and the
     trial id): a retry of the same trial takes it over at once, any other job is refused."""
+    facts = preflight.check(cfg)
     controls: list = []
     with claimed_run_dir(cfg, lineage=lineage, what="raygpt sweep trial",
                          on_lost=lambda why: [c.request.remote("stop") for c in controls]
-                         ) as (cfg, _):
+                         ) as (cfg, run_dir):
+        write_launch(run_dir, cfg, argv=list(command) or None, cwd=cwd or None,
+                     adapted=adapted, plan=facts)
+        start_train_helpers()
         control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
         controls.append(control)
@@ -284,11 +285,7 @@ def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None
             extra.append(_StopAtStep(stop_at_step, control))
         trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
         try:
-            return trainer.fit()
-        except Exception as e:  # Ray raises once the run's retry budget is spent
-            raise RunFailed(redact(f"raygpt run {cfg.output_dir} failed after --max-failures "
-                                   f"{cfg.max_failures} restarts: {type(e).__name__}: "
-                                   f"{str(e)[:1000]}")) from e
+            return fit_or_raise(trainer, cfg, time.time())
         finally:
             ray.kill(control)
 
@@ -320,7 +317,9 @@ class GracefulASHA(ASHAScheduler):
         self.stopping: set = set()  # trial ids whose run was asked to stop
 
     def on_trial_result(self, tune_controller, trial, result):
-        if trial.trial_id in self.stopping:  # decided already; results until it stops are late
+        if trial.trial_id in self.stopping or STOPPED_KEY in result:
+            # decided already (results until it stops are late), or raygpt's stop verdict,
+            # which is not a validation result: the trial's error follows it
             return self.CONTINUE
         decision = super().on_trial_result(tune_controller, trial, result)
         if decision != self.STOP:
@@ -370,16 +369,47 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
 
 
 def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
-    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/."""
+    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/.
+
+    A run that failed in a way a re-run would repeat (a bad input, a stop raygpt decided) sends
+    Tune its verdict as a last result before raising, so the sweep's driver does not re-run
+    the trial (`_NoRetryOfStoppedTrials`); any other failure is Tune's to retry."""
     plan = SweepPlan(**{k: v for k, v in plan.items() if k not in ("format", "version")})
     name = tune.get_context().get_trial_name()
     run_dir = _join(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
-    cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir)
-    if plan.mode == "wsd_branch":
-        seed_branch(plan, open_run_dir(run_dir))
-    trial_id = tune.get_context().get_trial_id()
-    fit_run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
-            lineage=f"{lineage}/{trial_id}" if lineage else None)
+    try:
+        adapted: list[str] = []
+        cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir, notes=adapted)
+        if plan.mode == "wsd_branch":
+            seed_branch(plan, open_run_dir(run_dir))
+        trial_id = tune.get_context().get_trial_id()
+        fit_run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
+                lineage=f"{lineage}/{trial_id}" if lineage else None,
+                command=plan.command, cwd=plan.cwd, adapted=adapted)
+    except (ConfigError, RunFailed) as e:
+        code = EXIT_BAD_INPUT if isinstance(e, ConfigError) else e.exit_code if e.final else None
+        if code is not None:
+            tune.report({STOPPED_KEY: code, STOPPED_MESSAGE_KEY: redact(str(e))[:2000],
+                         "val_loss": float("nan")})
+        raise
+
+
+class _NoRetryOfStoppedTrials(tune.Callback):
+    """Tune re-runs a failed trial while its failures are within `max_failures`, whatever the
+    error. A trial raygpt stopped reports STOPPED_KEY as its last result, and Tune's function
+    trainable delivers that result (this callback runs on it) before the trial's error, so the
+    trial's budget is zero when Tune decides: it ends in ERROR, not re-run. A trial that (re)starts
+    gets the sweep's budget back (a restored sweep's --retry-errored re-runs such trials)."""
+
+    def __init__(self, trial_retries: int):
+        self.trial_retries = trial_retries
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        trial.max_failures = self.trial_retries
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get(STOPPED_KEY) is not None:
+            trial.max_failures = 0
 
 
 def _join(root: str, rel: str) -> str:
@@ -404,6 +434,11 @@ class TrialRow:
     run_dir: str
     val_curve: list
     """[(step, val_loss)], the latest record of each step."""
+    stopped: int | None = None
+    """raygpt's exit code when raygpt stopped the trial and Tune did not re-run it (2: a bad
+    input, 1: a stop raygpt decided), else None."""
+    error: str = ""
+    """That stop's message."""
 
 
 @dataclass
@@ -425,14 +460,16 @@ def run_sweep(base: TrainConfig, space: dict, sweep_dir: str, *, num_samples: in
     """Sweep `space` (TrainConfig overrides with Tune domains) over raygpt runs.
 
     early_stop: "asha" (ASHAScheduler on val_loss against step) or "none".
-    max_concurrent: default, the trials whose workers fit the cluster's GPUs (or CPUs) at once."""
-    _ensure_ray(ray_address)
+    max_concurrent: default, the trials whose workers fit the cluster's GPUs (or CPUs) at once.
+    Every input is checked before Ray starts (`preflight_sweep`; ConfigError in one line)."""
     check_space(base, space)
+    settings = dict(num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
+                    reduction_factor=reduction_factor, max_concurrent=max_concurrent,
+                    trial_retries=trial_retries)
+    pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
+    _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
-        plan = _new_plan("grid", base, space, sweep_dir, dict(
-            num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
-            reduction_factor=reduction_factor, max_concurrent=max_concurrent,
-            trial_retries=trial_retries), lease=lease)
+        plan = _new_plan("grid", base, pinned, sweep_dir, settings, lease=lease)
         return _fit(plan, space, lineage=lease.token)
 
 
@@ -444,7 +481,6 @@ def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str
     wsd. The stable phase is trained once up to S = wsd_decay_start(min(branch_totals)). No early
     stopping: at the same step the branches are in different phases (stable or decaying), so
     ASHA would compare them unfairly."""
-    _ensure_ray(ray_address)
     totals = sorted({int(n) for n in branch_totals})
     if not totals or totals[0] < 2:
         raise ConfigError(f"--wsd-branches: expected branch totals (max_steps) >= 2, found "
@@ -457,18 +493,26 @@ def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str
     base = base.with_overrides({"scheduler": "wsd"})
     space["max_steps"] = tune.grid_search(totals)
     check_space(base, space)
+    shared = shared_stable_step(totals)
+    settings = dict(num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
+                    max_concurrent=max_concurrent, trial_retries=trial_retries)
+    # the stable phase is the shortest branch's config: among the trials checked
+    pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
+    _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
-        plan = _new_plan("wsd_branch", base, space, sweep_dir, dict(
-            num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
-            max_concurrent=max_concurrent, trial_retries=trial_retries),
-            shared_step=shared_stable_step(totals), stable_max_steps=totals[0], lease=lease)
+        plan = _new_plan("wsd_branch", base, pinned, sweep_dir, settings,
+                         shared_step=shared, stable_max_steps=totals[0], lease=lease)
         return _fit(plan, space, lineage=lease.token)
 
 
 def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
                  retry_errored: bool = False) -> SweepReport:
     """Continue a sweep whose driver died: Tune's experiment is restored (finished trials are not
-    run again; unfinished ones continue from their own checkpoints)."""
+    run again; unfinished ones continue from their own checkpoints). The plan's base config is
+    checked before Ray starts (its files may have changed since); each trial checks its own
+    checkpoint when it resumes."""
+    plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
+    preflight_sweep(TrainConfig.from_dict(plan.base), {}, sweep_dir)
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
         plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
@@ -477,6 +521,22 @@ def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
 
 def _ensure_ray(address: str | None) -> None:
     init_ray(address)  # address="local" unless one is given: never a stranger's /tmp/ray cluster
+
+
+def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings: dict,
+                        ray_address: str | None) -> TrainConfig:
+    """The base pinned for the trials, with the settings and every known trial config checked
+    (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
+    if settings["early_stop"] not in ("asha", "none"):
+        raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
+    pinned = pin_for_trials(base, gpus_before_ray(ray_address))
+    upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
+    settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
+    if settings["early_stop"] == "asha" and settings["max_t"] is None:
+        raise ConfigError("--early-stop asha: expected -x/--max-steps >= 1 (ASHA needs the "
+                          "trials' length), found -1 (one epoch)")
+    preflight_sweep(pinned, space, sweep_dir)
+    return pinned
 
 
 @contextlib.contextmanager
@@ -497,18 +557,10 @@ def _abs(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def _new_plan(mode: str, base: TrainConfig, space: dict, sweep_dir: str, settings: dict,
-              lease: Lease | None = None, **wsd) -> SweepPlan:
-    """Check the settings, pin the base, refuse to clobber an existing sweep, write sweep.json."""
+def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str,
+              settings: dict, lease: Lease | None = None, **wsd) -> SweepPlan:
+    """Refuse to clobber an existing sweep, write sweep.json (`pinned`: the checked base)."""
     sweep = open_run_dir(_abs(sweep_dir))
-    if settings["early_stop"] not in ("asha", "none"):
-        raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
-    pinned = pin_for_trials(base, int(ray.cluster_resources().get("GPU", 0)))
-    upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
-    settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
-    if settings["early_stop"] == "asha" and settings["max_t"] is None:
-        raise ConfigError("--early-stop asha: expected -x/--max-steps >= 1 (ASHA needs the "
-                          "trials' length), found -1 (one epoch)")
     if sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR):
         if not base.overwrite:
             raise ConfigError(f"-o/--output-dir {sweep.uri()}: expected an empty or new sweep "
@@ -519,7 +571,8 @@ def _new_plan(mode: str, base: TrainConfig, space: dict, sweep_dir: str, setting
         if lease is not None:
             lease.renew()  # the delete took the lease file with it
     plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
-                     settings=settings, **wsd)
+                     settings=settings, command=list(getattr(sys, "orig_argv", sys.argv)),
+                     cwd=os.getcwd(), **wsd)
     sweep.makedirs("")
     if read_marker(sweep) is None:
         write_marker(sweep, "sweep")
@@ -553,8 +606,10 @@ def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
             tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
                                         num_samples=s["num_samples"],
                                         max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=plan.sweep_dir,
-                                      failure_config=tune.FailureConfig(max_failures=s["trial_retries"])))
+            run_config=tune.RunConfig(
+                name=TUNE_DIR, storage_path=plan.sweep_dir,
+                failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
+                callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"])]))
     print(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "
           f"trial(s) | early stop {s['early_stop']}" + (" | restored" if restore else ""), flush=True)
     tuner.fit()
@@ -577,11 +632,13 @@ def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
         return S
     base = TrainConfig.from_dict(plan.base)
     every = base.checkpoint_every if base.checkpoint_every and S % base.checkpoint_every == 0 else S
+    adapted: list[str] = []
     cfg = trial_config(base, {"max_steps": plan.stable_max_steps, "checkpoint_every": every},
-                       stable.uri())
+                       stable.uri(), notes=adapted)
     print(f"raygpt sweep | WSD stable phase: {cfg.max_steps}-step schedule, stopping after the "
           f"checkpoint at step {S} | {stable.uri()}", flush=True)
-    fit_run(cfg, stop_at_step=S, lineage=f"{lineage}/stable" if lineage else None)
+    fit_run(cfg, stop_at_step=S, lineage=f"{lineage}/stable" if lineage else None,
+            command=plan.command, cwd=plan.cwd, adapted=adapted)
     problems = ck.verify_checkpoint(stable, S) if stable.exists(ck.step_dir(S)) else ["missing"]
     if problems:
         raise ck.CheckpointError(f"{stable.uri(ck.step_dir(S))}: the stable phase ended without a "
@@ -607,6 +664,7 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
         done = end is not None and not end.get("stopped_early", True)
         status = ("done" if done else "stopped" if trial.status == "TERMINATED"
                   else trial.status.lower())
+        stopped = last.get(STOPPED_KEY) if trial.status == "ERROR" else None
         src = end if end is not None else last
         rows.append(TrialRow(
             name=name, trial_id=trial.trial_id, status=status,
@@ -614,7 +672,10 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
             val_loss=curve[-1][1] if curve else float("nan"),
             step=src.get("step", curve[-1][0] if curve else None),
             skips=int(src.get("skips", 0)), rewinds=int(src.get("rewinds", 0)),
-            retries=int(trial.num_failures), run_dir=run_dir, val_curve=curve))
+            # re-runs: every failure but an errored trial's last one was followed by one
+            retries=int(trial.num_failures) - (trial.status == "ERROR"), run_dir=run_dir,
+            val_curve=curve, stopped=None if stopped is None else int(stopped),
+            error=str(last.get(STOPPED_MESSAGE_KEY, "")) if stopped is not None else ""))
     rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
     return rows
 
@@ -651,7 +712,7 @@ def best_config(user_base: TrainConfig, overrides: dict) -> dict:
     mine, default = cfg.to_dict(), TrainConfig().to_dict()
     out = {}
     for key, value in mine.items():
-        if key in _PLACEMENT_FIELDS:
+        if key in PLACEMENT_FIELDS:
             continue
         if key == "spike":
             out.update({f"spike.{k}": v for k, v in value.items() if v != default["spike"][k]})
@@ -697,8 +758,9 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
     sweep.write_bytes_atomic(RESULTS_TXT, redact(table + "\n").encode())
     sweep.write_bytes_atomic(RESULTS_JSON, redact(json.dumps(
         [dataclasses.asdict(r) for r in rows], indent=1, default=str)).encode())
+    # a finished trial, else an early-stopped one; never one that failed (its config may not run)
     best = next((r for r in rows if r.status == "done"), None) or next(
-        (r for r in rows if not math.isnan(r.val_loss)), None)
+        (r for r in rows if r.status != "error" and not math.isnan(r.val_loss)), None)
     best_path = None
     if best is not None:
         cfg = best_config(TrainConfig.from_dict(plan.user_base), best.overrides)
@@ -712,6 +774,10 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve,
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")
     print(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}", flush=True)
+    for r in rows:
+        if r.stopped is not None:
+            print(f"raygpt sweep | {r.name}: not re-run ({'bad input' if r.stopped == EXIT_BAD_INPUT else 'raygpt stopped it'}): "
+                  f"{r.error}", flush=True)
     if best is not None:
         print(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); its config: {best_path} "
               f"(python experiments/shakespeare.py --config {best_path})", flush=True)
@@ -721,121 +787,30 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
 
 # ====================================================================== command line
 
-class _SweepParser(argparse.ArgumentParser):
-    def error(self, message):  # a usage mistake is a ConfigError, as in raygpt.config
-        raise ConfigError(message)
+def space_from_args(ns, items: list | None = None) -> dict:
+    """The search space of --grid/--choice/--uniform/--loguniform as Tune domains, values in
+    their fields' types (`trials.space_items`)."""
+    make = {"grid": tune.grid_search, "choice": tune.choice,
+            "uniform": lambda v: tune.uniform(*v), "loguniform": lambda v: tune.loguniform(*v)}
+    return {key: make[flag](vals) for flag, key, vals in
+            (space_items(ns) if items is None else items)}
 
 
-def build_sweep_parser(prog: str = "raygpt sweep") -> argparse.ArgumentParser:
-    p = _SweepParser(
-        prog=prog, allow_abbrev=False, add_help=False,
-        description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
-                    "(the base config) and -o is the sweep directory, -y 1 resumes it.")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="grid search over a TrainConfig field ('spike.soft_z' style for the spike monitor)")
-    p.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2",
-                   help="random choice among the values, --num-samples draws")
-    p.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI",
-                   help="uniform in [LO, HI]")
-    p.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI",
-                   help="log-uniform in [LO, HI] (learning rates)")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="samples of the space (each grid point N times) (default: 1)")
-    p.add_argument("--early-stop", choices=("asha", "none"), default="asha",
-                   help="ASHA on validation loss, or none (default: asha)")
-    p.add_argument("--grace-period", type=int, default=None, metavar="STEPS",
-                   help="steps before ASHA may stop a trial (default: a quarter of -x, rounded up to a validation step)")
-    p.add_argument("--reduction-factor", type=float, default=2.0, metavar="X",
-                   help="ASHA's reduction factor (default: 2.0)")
-    p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
-                   help="trials at once (default: as many as the cluster's GPUs or CPUs fit)")
-    p.add_argument("--trial-retries", type=int, default=2, metavar="N",
-                   help="times Tune re-runs a failed trial from its checkpoint (default: 2)")
-    p.add_argument("--wsd-branches", default=None, metavar="N1,N2,...",
-                   help="WSD branch mode: branch totals (max_steps) sharing one stable phase")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
-    p.add_argument("--retry-errored", action="store_true", help="with -y 1: re-run errored trials too")
-    return p
-
-
-def _field_type(key: str) -> type:
-    """bool, int, float or str: the type a TrainConfig (or 'spike.x' SpikeConfig) field holds,
-    read from its annotation ('int | None' is int), so unresolved fields coerce right too."""
-    cls, name = (SpikeConfig, key[6:]) if key.startswith("spike.") else (TrainConfig, key)
-    ann = next((str(f.type) for f in dataclasses.fields(cls) if f.name == name), None)
-    if ann is None:
-        raise ConfigError(f"unknown config field {key!r} in the search space")
-    parts = {p.strip() for p in ann.split("|")}
-    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
-
-
-def _coerce(key: str, text: str):
-    """A command-line value in the type of the field it overrides."""
-    typ = _field_type(key)
-    if typ is bool:
-        if text.lower() not in ("0", "1", "true", "false"):
-            raise ConfigError(f"{key}: expected true/false, found {text!r}")
-        return text.lower() in ("1", "true")
-    try:
-        return typ(text)
-    except ValueError:
-        raise ConfigError(f"{key}: expected {typ.__name__}, found {text!r}") from None
-
-
-def space_from_args(ns) -> dict:
-    """The search space of --grid/--choice/--uniform/--loguniform, values in their fields' types."""
-    space = {}
-    for flag, make in (("grid", tune.grid_search), ("choice", tune.choice),
-                       ("uniform", lambda v: tune.uniform(*v)),
-                       ("loguniform", lambda v: tune.loguniform(*v))):
-        for item in getattr(ns, flag):
-            key, sep, values = item.partition("=")
-            if not sep or not values:
-                raise ConfigError(f"--{flag} {item!r}: expected KEY=V1,V2,...")
-            vals = [_coerce(key, v) for v in values.split(",")]
-            if flag in ("uniform", "loguniform") and len(vals) != 2:
-                raise ConfigError(f"--{flag} {item!r}: expected KEY=LO,HI")
-            space[key] = make([float(v) for v in vals] if flag in ("uniform", "loguniform") else vals)
-    return space
-
-
-def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
-    """The sweep's command line (`raygpt sweep`, `python -m raygpt.sweep`,
-    experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
-    bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        build_sweep_parser(prog).print_help()
-        print("\nbase config flags (every raygpt train flag; -o is the sweep directory, -y 1 "
-              "resumes the sweep):")
-        from raygpt.config import build_parser
-        build_parser(prog).print_help()
-        return 0
-    try:
-        ns, rest = build_sweep_parser().parse_known_args(argv)
-        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
-        if base.resume == 1:
-            report = resume_sweep(base.output_dir, ray_address=ns.address,
-                                  retry_errored=ns.retry_errored)
-        elif ns.wsd_branches:
-            totals = [int(v) for v in ns.wsd_branches.split(",")]
-            report = run_wsd_branches(base, totals, base.output_dir,
-                                      space=space_from_args(ns),
-                                      max_concurrent=ns.max_concurrent,
-                                      trial_retries=ns.trial_retries, ray_address=ns.address)
-        else:
-            space = space_from_args(ns) or {"scheduler": tune.grid_search(
-                ["cosine", "linear", "constant", "wsd"])}
-            report = run_sweep(base, space, base.output_dir, num_samples=ns.num_samples,
-                               early_stop=ns.early_stop, grace_period=ns.grace_period,
-                               reduction_factor=ns.reduction_factor,
-                               max_concurrent=ns.max_concurrent, trial_retries=ns.trial_retries,
-                               ray_address=ns.address)
-    except ConfigError as e:
-        print(f"raygpt sweep: error: {e}", file=sys.stderr)
-        return 2
-    return 0 if report.best is not None else 1
+def run_from_args(ns, items: list, base: TrainConfig) -> SweepReport:
+    """Run (or, with -y 1, resume) the sweep the command line describes."""
+    if base.resume == 1:
+        return resume_sweep(base.output_dir, ray_address=ns.address,
+                            retry_errored=ns.retry_errored)
+    if ns.wsd_branches:
+        return run_wsd_branches(base, _branch_totals(ns.wsd_branches), base.output_dir,
+                                space=space_from_args(ns, items),
+                                max_concurrent=ns.max_concurrent,
+                                trial_retries=ns.trial_retries, ray_address=ns.address)
+    space = space_from_args(ns, items) or {"scheduler": tune.grid_search(list(DEFAULT_SCHEDULERS))}
+    return run_sweep(base, space, base.output_dir, num_samples=ns.num_samples,
+                     early_stop=ns.early_stop, grace_period=ns.grace_period,
+                     reduction_factor=ns.reduction_factor, max_concurrent=ns.max_concurrent,
+                     trial_retries=ns.trial_retries, ray_address=ns.address)
 
 
 if __name__ == "__main__":

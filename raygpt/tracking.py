@@ -21,8 +21,11 @@ attempt into the one run. `--mlflow` takes a local directory (MLflow's file stor
 MLflow 3 keeps only on request: raygpt makes that request for a directory you name) or
 `sqlite:///path.db`; a plain path is made absolute on the driver, since workers run elsewhere.
 
-The driver checks that the packages are installed before Ray starts (`check_installed`) and
-hands the workers its WANDB_* / MLFLOW_* settings (not its keys or tokens: `worker_env`).
+The driver checks that the packages are installed and that an --mlflow URI is one MLflow can
+open (`check_installed`, `check_mlflow_uri`) before Ray starts, and hands the workers its
+WANDB_* / MLFLOW_* settings (not its keys or tokens: `worker_env`). A tracker that still cannot
+start in the worker raises TrackingError, which ends the run at once as bad input unless a
+network error caused it (raygpt.errors.stop_code).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
 
 if TYPE_CHECKING:  # the config imports this module: keep its import free of pyarrow
     from raygpt.storage import RunDir
@@ -46,6 +50,10 @@ TRACKERS = (("--wandb", "wandb", ("wandb",), "wandb"),
 # an MLflow database store needs these as well (the `mlflow` extra installs them)
 MLFLOW_DB_MODULES = ("sqlalchemy", "alembic")
 MLFLOW_DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+# the tracking-store schemes MLflow itself registers ("" is a plain path; "databricks" may come
+# without a colon); plugins add theirs under the "mlflow.tracking_store" entry point group
+MLFLOW_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc",
+                  *MLFLOW_DB_SCHEMES)
 
 # names of driver variables never copied to the workers' environment (credentials belong to
 # each node's own login, and a runtime_env is shown on Ray's dashboard)
@@ -79,6 +87,45 @@ def check_installed(cfg) -> str | None:
                     f"{'them' if len(missing) > 1 else 'it'} missing; "
                     f"pip install 'raygpt[{extra}]'")
     return None
+
+
+def check_mlflow_uri(uri: str) -> str | None:
+    """What the driver can tell about an --mlflow URI without a network round trip, as a
+    one-line message (None: nothing wrong found): a scheme MLflow has no store for, a file store
+    or SQLite database whose directory cannot be created or written, an http(s) URI without a
+    host. A server that does not answer is not judged here: it may answer on the next attempt."""
+    if not uri or uri == "databricks":
+        return None
+    scheme = _scheme(uri)
+    if scheme not in MLFLOW_SCHEMES and scheme not in _plugin_schemes():
+        return (f"--mlflow {uri}: expected a tracking URI MLflow can open (a directory, file:, "
+                f"sqlite:///, http(s)://, postgresql://, mysql://, mssql://, databricks), "
+                f"found the scheme {scheme!r}")
+    parsed = urlparse(uri)
+    if scheme in ("http", "https") and not parsed.netloc:
+        return f"--mlflow {uri}: expected {scheme}://HOST[:PORT], found no host"
+    if scheme == "file":
+        where, what = Path(unquote(parsed.path)), "file store directory"
+    elif scheme == "sqlite" and uri.startswith("sqlite:///") and ":memory:" not in uri:
+        # sqlite:///rel.db is relative, sqlite:////abs.db absolute; SQLite makes no directories
+        where, what = Path(uri[len("sqlite:///"):]).parent, "SQLite database's directory"
+        if not where.is_dir():
+            return f"--mlflow {uri}: expected the {what} {where} to exist, found none"
+    else:
+        return None
+    existing = next((p for p in [where, *where.parents] if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return (f"--mlflow {uri}: expected a {what} this process can create and write, found "
+                f"{existing} {'not a directory' if existing and not existing.is_dir() else 'not writable'}")
+    return None
+
+
+def _plugin_schemes() -> set[str]:
+    try:
+        from importlib.metadata import entry_points
+        return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata: no plugins then
+        return set()
 
 
 def _scheme(uri: str) -> str:

@@ -26,7 +26,11 @@
   `RaygptTrainer` puts raygpt's in its place.
 - Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.errors`) end
   the run at once: the worker raises `RunStopped`, and `StopOnRunStopped`, the controller's
-  failure policy, answers RAISE instead of spending the retry budget on them.
+  failure policy, answers RAISE instead of spending the retry budget on them (`RunFailed.final`
+  tells a sweep's Tune not to re-run it either).
+- A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
+  Train's State-API PlacementGroupCleaner is replaced by raygpt.pg_cleanup's, and the driver
+  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
@@ -58,6 +63,7 @@ from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
 from raygpt.faults import announce as announce_faults
 from raygpt.faults import armed_spec, parse_spec
 from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ownership import (Lease, check_overwrite, is_own_file, read_marker,
                               refused_overwrite_target, write_marker)
 from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
@@ -326,16 +332,26 @@ def run_stopped(error) -> RunStopped | None:
 
 
 class RaygptTrainer(TorchTrainer):
-    """TorchTrainer with raygpt's failure policy and, when `on_sigint` is set, raygpt's Ctrl-C.
-    Both hooks are Ray Train 2.60's own seams (`_initialize_and_run_controller` receives the
-    failure policy it ships to the controller; `_register_sigint_handler` installs Ctrl-C's
-    handler once the controller exists); test_run_end.py fails if either stops being called."""
+    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup and, when
+    `on_sigint` is set, raygpt's Ctrl-C. The hooks are Ray Train 2.60's own seams
+    (`_initialize_and_run_controller` receives the failure policy it ships to the controller;
+    `_register_sigint_handler` installs Ctrl-C's handler once the controller exists;
+    `_create_default_callbacks` lists the controller's callbacks); test_run_end.py and
+    test_console.py fail if one stops being called."""
 
     on_sigint = None  # callable(controller) installed as the SIGINT handler during fit()
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         controller_init_kwargs["failure_policy"] = StopOnRunStopped(self.run_config.failure_config)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    def _create_default_callbacks(self):
+        # Ray's PlacementGroupCleaner polls the State API, which needs a dashboard and a
+        # single Ray on the machine, and logs a line a second (or a traceback) without them:
+        # raygpt.pg_cleanup does its job through the controller's actor handle instead
+        callbacks = [c for c in super()._create_default_callbacks()
+                     if not isinstance(c, PlacementGroupCleanerCallback)]
+        return [CleanupOnControllerDeath(), *callbacks]
 
     def _register_sigint_handler(self, controller):
         if self.on_sigint is None:
@@ -345,11 +361,27 @@ class RaygptTrainer(TorchTrainer):
 
 class RunFailed(RuntimeError):
     """The run ended without finishing; `exit_code` is what the command line exits with
-    (EXIT_FAILED, or EXIT_BAD_INPUT when a worker met a bad input)."""
+    (EXIT_FAILED, or EXIT_BAD_INPUT when a worker met a bad input). `final`: a worker's error
+    was one a restart would meet again (raygpt.errors), so no one should retry the run as it
+    is (a sweep's Tune does not)."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED, final: bool = False):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.final = exit_code, final
+
+
+def fit_or_raise(trainer, cfg: TrainConfig, since: float):
+    """trainer.fit(), with Ray's error turned into RunFailed: `final` with the worker's message
+    when a worker raised RunStopped, else what each attempt died of."""
+    try:
+        return trainer.fit()
+    except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
+        stopped = run_stopped(e)
+        if stopped is not None:
+            raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
+                            f"would fail again): {stopped.message}", stopped.exit_code,
+                            final=True) from e
+        raise RunFailed(_failure_report(cfg, since, e)) from e
 
 
 class RunAborted(KeyboardInterrupt):
@@ -502,6 +534,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         for note in adapted:
             print(f"raygpt | adapted to the data: {note}", flush=True)
         init_ray(ray_address)
+        start_train_helpers()
         control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
         stop_requests.append(control)
@@ -510,13 +543,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         trainer.on_sigint = driver_signals.on_sigint
         t0 = time.time()
         try:
-            trainer.fit()
-        except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
-            stopped = run_stopped(e)
-            if stopped is not None:
-                raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
-                                f"would fail again): {stopped.message}", stopped.exit_code) from e
-            raise RunFailed(_failure_report(cfg, t0, e)) from e
+            fit_or_raise(trainer, cfg, t0)
         except KeyboardInterrupt:
             # Ray's get() turns an exception raised by a signal handler into a plain
             # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
@@ -548,6 +575,24 @@ def init_ray(address: str | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+
+
+def start_train_helpers(timeout_s: float = 120.0) -> None:
+    """Start Ray Data's AutoscalingCoordinator, the detached actor with which Ray Train's
+    controller registers each run's resources, and wait for it. The controller creates it on
+    first use and gives the call 5 s (AUTOSCALING_REQUESTS_GET_TIMEOUT_S in Ray Train's
+    autoscaling_coordinator_client.py): a cold actor start on a busy machine takes longer, and
+    the run begins with a WARNING and a GetTimeoutError traceback. Started here first (the
+    controller then finds it by name), the call is answered at once."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+    except ImportError:  # another Ray layout: the controller starts its own
+        return
+    try:
+        ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        pass  # the controller's own request will say so, if it still cannot reach it
 
 
 def _failure_report(cfg, since: float, error) -> str:

@@ -50,6 +50,8 @@ def test_sweep_front_doors_have_their_own_help(entry):
     assert out.returncode == 0, out.stderr
     assert "--grid KEY=V1,V2" in out.stdout and "(default: asha)" in out.stdout
     assert "--learning-rate" in out.stdout  # and the train flags of the base config
+    # the sweep's own exit statuses, once (not a train run's)
+    assert out.stdout.count("exit status:") == 1 and "0  a best trial exists" in out.stdout
 
 
 def test_other_subcommands_have_help():

@@ -58,15 +58,15 @@ def no_ray(monkeypatch):
     assert not ray.is_initialized()
 
 
-def refused(argv, capsys) -> str:
-    """Run `raygpt train argv` in this process; it must exit 2 with one line on stderr."""
+def refused(argv, capsys, command="train") -> str:
+    """Run `raygpt COMMAND argv` in this process; it must exit 2 with one line on stderr."""
     t0 = time.monotonic()
-    rc = cli.main(["train", *argv])
+    rc = cli.main([command, *argv])
     elapsed = time.monotonic() - t0
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("raygpt: error: ")
+    assert err.startswith("raygpt: error: " if command == "train" else f"raygpt {command}: error: ")
     assert elapsed < 15, elapsed
     return err
 
@@ -90,6 +90,27 @@ def test_shard_too_small_for_the_batch_and_world(data, no_ray, capsys):
     err = refused(args(data, "-b", "16", "-t", "128", "--num-workers", "3"), capsys)
     assert f"-i/--input-bin: {data / 'train.bin'}: token count 5,000: expected at least " \
            f"B*T*world+1 = 16*128*3+1 = 6,145" in err
+
+
+def test_a_large_batch_on_the_bundled_data_adapts_or_is_refused(no_ray, tmp_path, capsys):
+    # -b 64 -t 1024 on one worker: the bundled 32,768-token validation shard holds 31 sequences
+    # of 1024, so the validation micro-batch adapts (the train shard feeds B*T+1 = 65,537)
+    flags = ["--cpu", "--num-workers", "1", "-b", "64", "-t", "1024", "-o", str(tmp_path / "run")]
+    facts = preflight.check(parse_args(flags).resolve(0))
+    assert facts[1].startswith("validation: ") and " x 1024 tokens on 1 of 1 rank(s)" in facts[1]
+    # a validation micro-batch given explicitly is not adapted: it cannot be fed, exit 2
+    err = refused([*flags, "--val-batch-size", "64"], capsys)
+    assert "-j/--input-val-bin: " in err and "val_batch_size*T+1 = 64*1024+1 = 65,537" in err
+
+
+def test_a_tracking_uri_mlflow_cannot_open_is_refused(data, no_ray, capsys):
+    err = refused(args(data, "--mlflow", "htp://mlflow:5000"), capsys)
+    assert err.startswith("raygpt: error: --mlflow htp://mlflow:5000: expected a tracking URI")
+    err = refused(args(data, "--mlflow", f"sqlite:///{data}/no/such/dir/runs.db"), capsys)
+    assert f"SQLite database's directory {data}/no/such/dir to exist" in err
+    err = refused(args(data, "--mlflow", (data / "afile" / "mlruns").as_uri()), capsys)
+    assert "expected a file store directory this process can create and write" in err
+    assert not (data / "run").exists()
 
 
 def test_validation_micro_batch_too_large_for_the_validation_shard(data, no_ray, capsys):
@@ -190,19 +211,63 @@ def test_defaults_pass_and_say_what_they_found(no_ray, tmp_path):
     assert facts[1].startswith("validation: 1 x 15 x 1024 tokens on 2 of 2 rank(s)")
 
 
+# ---------------------------------------------------------------------- sweeps
+
+def test_a_sweep_refuses_a_bad_trial_config_before_ray_starts(data, no_ray, capsys):
+    """Every trial config known up front (grid values crossed, choice categories) is checked like
+    a single run, and the one that cannot run is named by its overrides; nothing is written."""
+    grid = ["--grid", "batch_size=2,64", "--grid", "seq_len=16,128"]
+    err = refused(args(data, *grid, out="sweep"), capsys, command="sweep")
+    # (2, 16), (2, 128) and (64, 16) fit the 5,000-token shard; (64, 128) does not
+    assert err == (f"raygpt sweep: error: trial batch_size=64 seq_len=128: -i/--input-bin: "
+                   f"{data / 'train.bin'}: token count 5,000: expected at least B*T*world+1 = "
+                   f"64*128*1+1 = 8,193 (use a smaller -b/--batch-size or -t/--seq-len, fewer "
+                   f"workers, or larger shards)")
+    err = refused(args(data, "--choice", f"model=d1,{data / 'notmodel.bin'}", out="sweep"),
+                  capsys, command="sweep")
+    assert err.startswith(f"raygpt sweep: error: trial model={data / 'notmodel.bin'}: -e/--model: ")
+    err = refused(args(data, "--grid", "batch_size=2,3", out="afile/sweep"), capsys, command="sweep")
+    assert err.startswith(f"raygpt sweep: error: -o/--output-dir {data / 'afile' / 'sweep'}: "
+                          "expected a run directory this process can create and write")
+    assert not (data / "sweep").exists()
+
+
+def test_known_trial_points_cross_grids_and_choices_and_take_range_ends():
+    from ray import tune
+
+    from raygpt import sweep
+    space = {"batch_size": tune.grid_search([2, 4]), "scheduler": tune.choice(["wsd", "cosine"]),
+             "learning_rate": tune.loguniform(1e-4, 1e-2), "warmup_steps": tune.randint(1, 5),
+             "seed": tune.sample_from(lambda spec: 1)}
+    points = sweep.known_trial_points(space)
+    assert len(points) == 2 * 2 * 2 * 2 and all("seed" not in p for p in points)
+    assert {(p["batch_size"], p["scheduler"]) for p in points} == {
+        (2, "wsd"), (2, "cosine"), (4, "wsd"), (4, "cosine")}
+    assert {p["learning_rate"] for p in points} == {1e-4, 1e-2}
+    assert {p["warmup_steps"] for p in points} == {1, 4}  # randint's upper end is exclusive
+    big = {f"spike.{k}": tune.grid_search(list(range(1, 11))) for k in ("window", "min_history")}
+    big["batch_size"] = tune.grid_search(list(range(1, 51)))  # 5,000 > MAX_PREFLIGHT_POINTS
+    one_at_a_time = sweep.known_trial_points(big)
+    assert one_at_a_time[0] == {} and len(one_at_a_time) == 1 + 10 + 10 + 50
+    assert sweep.known_trial_points({"seed": tune.sample_from(lambda spec: 1)}) == [{}]
+
+
 # ---------------------------------------------------------------------- the real command line
 
-@pytest.mark.parametrize("case", ["magic", "too_small", "unwritable", "resume"])
+@pytest.mark.parametrize("case", ["magic", "too_small", "unwritable", "resume", "sweep"])
 def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
-    """`python -m raygpt train ...` and experiments/shakespeare.py, as a user runs them."""
+    """`python -m raygpt train ...`, experiments/shakespeare.py and
+    experiments/sweep_shakespeare.py, as a user runs them."""
     extra = {"magic": ["-i", str(data / "magic.bin")],
              "too_small": ["-b", "64", "-t", "128"],
              "unwritable": ["-o", str(data / "afile" / "run")],
-             "resume": ["-y", "1", "-l", "0.5"]}[case]
+             "resume": ["-y", "1", "-l", "0.5"],
+             "sweep": ["--grid", "batch_size=2,64", "-t", "128"]}[case]
     if case == "resume":
         fake_checkpoint(data / "run", parse_args(args(data)).resolve(0))
-    entry = ([sys.executable, str(REPO / "experiments" / "shakespeare.py")] if case == "too_small"
-             else [sys.executable, "-m", "raygpt", "train"])
+    entry = {"too_small": [sys.executable, str(REPO / "experiments" / "shakespeare.py")],
+             "sweep": [sys.executable, str(REPO / "experiments" / "sweep_shakespeare.py")]}.get(
+        case, [sys.executable, "-m", "raygpt", "train"])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     t0 = time.monotonic()
@@ -211,6 +276,7 @@ def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("raygpt: error: "), proc.stderr
+    prefix = "raygpt sweep: error: trial batch_size=64: " if case == "sweep" else "raygpt: error: "
+    assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
     assert proc.stdout == ""  # nothing started, nothing printed
     assert elapsed < 15, elapsed

@@ -25,6 +25,7 @@ from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPP
                            TrainingStopped, stop_code)
 from raygpt.signals import SaveClock
 from raygpt.storage import open_run_dir
+from raygpt.tracking import TrackingError
 from raygpt.trainer import RunFailed, StopOnRunStopped, run
 from tests.helpers import records, tiny_config, train_losses
 
@@ -48,6 +49,16 @@ def test_stop_code_tells_bad_input_and_decisions_from_curable_faults():
         except OSError as e:
             raise ShardError("train.bin: cannot read shard") from e
     except ShardError as e:
+        assert stop_code(e) is None
+    # a tracker asked for that cannot start (a URI MLflow refuses, a W&B login that is missing,
+    # a corrupt tracking.json) is bad input; a tracking server that did not answer may next time
+    assert stop_code(TrackingError("--mlflow htp://x: could not start an MLflow run")) == EXIT_BAD_INPUT
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as e:
+            raise TrackingError("--mlflow http://mlflow:5000: could not start an MLflow run") from e
+    except TrackingError as e:
         assert stop_code(e) is None
 
 
@@ -92,7 +103,7 @@ def test_a_bad_input_met_in_one_worker_ends_the_run_at_once(local_ray, tmp_path)
         go(cfg)
     # generous (a loaded 2-core box ran 15 s steps): the one attempt counted below is the proof
     assert time.monotonic() - t0 < 300
-    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert e.value.exit_code == EXIT_BAD_INPUT and e.value.final  # a sweep's Tune must not retry it
     assert "not retried" in str(e.value) and "injected bad input at step 5" in str(e.value)
     assert "InjectedBadInput" in str(e.value)
     failures = [r for r in records(tmp_path) if r["kind"] == "failure"]
@@ -112,6 +123,45 @@ def test_spike_escalation_stops_the_run_without_a_retry(local_ray, tmp_path):
     assert "exceeds --spike-max-rewinds 0" in str(e.value) and "TrainingStopped" in str(e.value)
     assert len([r for r in records(tmp_path) if r["kind"] in ("start", "resume")]) == 1
     assert len([r for r in records(tmp_path) if r["kind"] == "rewind"]) == 1
+
+
+def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(local_ray):
+    """raygpt.pg_cleanup's reaper on its own, with a stand-in for Ray Train's controller: killed
+    for real, its placement group is removed (no State API involved: this test process's Ray has
+    no dashboard); stopped in order first (the controller removes its own group), the reaper
+    exits and leaves the group alone even when the controller dies later."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from raygpt.pg_cleanup import PlacementGroupReaper
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        pass
+
+    def state(pg):
+        return placement_group_table(pg).get("state")
+
+    reaper_cls = ray.remote(num_cpus=0)(PlacementGroupReaper)
+    for ending in ("killed", "in order"):
+        controller = Controller.remote()
+        pg = placement_group([{"CPU": 1}])
+        ray.get(pg.ready(), timeout=120)
+        reaper = reaper_cls.options(lifetime="detached").remote(controller, poll_s=0.2)
+        ray.get(reaper.register.remote(pg), timeout=120)
+        if ending == "in order":
+            with pytest.raises(ray.exceptions.RayActorError):  # stop() ends the actor
+                ray.get(reaper.stop.remote(), timeout=60)
+        ray.kill(controller)
+        deadline = time.monotonic() + 60
+        if ending == "killed":
+            while state(pg) != "REMOVED":
+                assert time.monotonic() < deadline, "the dead controller's group was not removed"
+                time.sleep(0.2)
+        with pytest.raises(ray.exceptions.RayActorError):  # the reaper is gone either way
+            ray.get(reaper.register.remote(None), timeout=60)
+        if ending == "in order":
+            assert state(pg) == "CREATED"  # and it removed nothing before it went
+            remove_placement_group(pg)
 
 
 # A killed worker is still retried under this failure policy and resumes bit-exactly:

@@ -298,6 +298,12 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
             assert end["stopped_early"] and r.step < 12
         assert ck.find_latest_verified(run) == end["step"]
         spans.append((recs[0]["time"], recs[-1]["time"]))
+        # config.json as a single run writes it: this trial's config, the sweep's command line
+        launch = json.loads((Path(r.run_dir) / "config.json").read_text())
+        assert launch["launch"] == 1 and launch["config"]["scheduler"] == r.overrides["scheduler"]
+        assert launch["config"]["output_dir"] == r.run_dir and launch["config"]["resume"] == 1
+        assert launch["command"]["argv"] == list(getattr(sys, "orig_argv", sys.argv))
+        assert launch["plan"][0].startswith("train: ")
     # never more trials training at once than the 2 cores' worth of workers
     for t, _ in spans:
         assert sum(1 for a, b in spans if a <= t <= b) <= 2
@@ -311,6 +317,40 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
     assert Path(report.plot_path).read_bytes()[:8] == PNG_MAGIC
     # finished and early-stopped trials gave back every CPU (no leaked placement group)
     wait_for(all_cpus_free, 30, "the trials' CPUs to be free again")
+
+
+def test_tune_does_not_rerun_a_trial_raygpt_stopped_but_reruns_a_killed_one(cluster, tmp_path):
+    """One trial, two real faults, --max-failures 0 (so each worker fault ends its Ray Train
+    run) and 2 Tune retries. Its worker is SIGKILLed at step 5: a fault a restart cures, so Tune
+    re-runs the trial, which resumes from its checkpoint. At step 8 the re-run meets a bad input
+    (a ShardError, as a shard that changed under the loader raises): that error would recur, so
+    Tune does not re-run it again, although retries are left (a third attempt would pass: the
+    fault fires once per run directory)."""
+    base = tiny(max_steps=12, checkpoint_every=2, val_every=4, max_failures=0,
+                fault="kill:rank=0,step=5;bad_input:rank=0,step=8")
+    report = sweep.run_sweep(base, {"scheduler": tune.grid_search(["cosine"])},
+                             str(tmp_path / "s"), early_stop="none", trial_retries=2)
+    (row,) = report.rows
+    assert report.best is None
+    assert (row.status, row.stopped, row.retries) == ("error", 2, 1), report.table
+    assert "InjectedBadInput" in row.error and "injected bad input at step 8" in row.error
+    run = Path(row.run_dir)
+    assert (run / "faults" / "kill_r0_s5").exists() and (run / "faults" / "bad_input_r0_s8").exists()
+    recs = records(run)
+    assert sorted({r["attempt"] for r in recs if r["kind"] == "train"}) == [1, 2]  # no third
+    assert train_steps(recs, attempt=1) == list(range(5))
+    resume = [r for r in recs if r["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["resumed_from"] in (2, 4), resume
+    assert train_steps(recs, attempt=2) == list(range(resume[0]["resumed_from"], 8))
+    (trial,) = tune.ExperimentAnalysis(str(tmp_path / "s" / "tune")).trials
+    assert (trial.status, trial.num_failures) == ("ERROR", 2)
+    # each Tune attempt recorded its launch, the sweep's command line in both
+    launches = [json.loads((run / name).read_text()) for name in ("config.1.json", "config.json")]
+    assert [x["launch"] for x in launches] == [1, 2]
+    assert all(x["config"]["scheduler"] == "cosine" and x["config"]["fault"] == base.fault
+               for x in launches)
+    assert "resume: step " in " ".join(launches[1]["plan"])  # the re-run checked its checkpoint
+    wait_for(all_cpus_free, 30, "the trial's CPUs to be free again")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,303 @@
+"""A sweep's trial configs and its command line, without Ray: what `raygpt sweep` checks before
+Ray (or even Ray Tune and torch, seconds of imports) is loaded.
+
+- `pin_for_trials` / `trial_config`: the base every trial overrides (hardware resolved on the
+  driver, paths absolute) and one trial's run config (`base.with_overrides(trial_config)`);
+- `known_trial_points` / `preflight_sweep`: every trial config that can be known before Tune
+  samples (grid values and choice categories crossed, the ends of numeric ranges) through the
+  single run's driver-side checks (raygpt.preflight), and the sweep directory's filesystem;
+- the command line (`main`, `build_sweep_parser`): the sweep's flags, every other flag a
+  `raygpt train` flag of the base config. It checks the known trials first and only then
+  imports raygpt.sweep (Ray Tune) to run them.
+
+A search-space entry is read by its shape (a {"grid_search": [...]} dict, an object with
+`categories`, or with `lower` and `upper`), so this module needs no Tune import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import numpy as np
+
+from raygpt import preflight
+from raygpt.config import ConfigError, SpikeConfig, TrainConfig, parse_args
+
+# Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
+# best_config.json leaves them out.
+PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault", "allow_fault_injection")
+# Known trial configs checked before Ray starts, at most (a larger product is checked one
+# search-space key at a time against the base).
+MAX_PREFLIGHT_POINTS = 4096
+# flag -> how its KEY=V1,V2 values are sampled (ranges take LO,HI)
+SPACE_FLAGS = ("grid", "choice", "uniform", "loguniform")
+
+
+def abs_dir(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
+
+
+# ====================================================================== configs (pure)
+
+def pin_for_trials(base: TrainConfig, gpus_available: int | None) -> TrainConfig:
+    """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
+    actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
+    their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
+    validation batches stay unset unless given, so a trial that changes B or T still gets
+    B*T*world tokens per step and validation batches fitted to its own B and T."""
+    resolved = base.resolve(gpus_available=gpus_available)
+    pinned = {"total_batch_size": base.total_batch_size, "val_batch_size": base.val_batch_size,
+              "val_batches": base.val_batches,
+              "input_bin": os.path.abspath(resolved.input_bin)}
+    if resolved.input_val_bin:
+        pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
+    if resolved.depth is None:
+        pinned["model"] = os.path.abspath(resolved.model)
+    return resolved.with_overrides(pinned)
+
+
+def _plain(value):
+    """Tune samples numpy scalars; configs and manifests hold plain Python values."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def trial_config(base: TrainConfig, overrides: dict, run_dir: str,
+                 notes: list[str] | None = None) -> TrainConfig:
+    """A trial's run config: base + the trial's overrides, in its own run directory, resumable.
+    `notes` gets what resolving adapted to the data (as for a single run)."""
+    cfg = base.with_overrides({k: _plain(v) for k, v in overrides.items()})
+    cfg = cfg.with_overrides({"output_dir": run_dir, "resume": 1})
+    # every hardware field is pinned already; gpus_available only satisfies resolve()'s check
+    return cfg.resolve(gpus_available=cfg.num_workers if cfg.device == "gpu" else 0, notes=notes)
+
+
+def check_space(base: TrainConfig, space: dict) -> None:
+    """Every key of a search space must name a TrainConfig field ('spike.x' for SpikeConfig)."""
+    if not isinstance(space, dict) or not space:
+        raise ConfigError(f"search space: expected a non-empty dict of TrainConfig overrides, "
+                          f"found {space!r}")
+    current = base.to_dict()
+    for key in space:
+        if key in PLACEMENT_FIELDS:
+            raise ConfigError(f"search space key {key!r}: the sweep sets it for every trial "
+                              f"(expected a training field)")
+        value = current["spike"].get(key[6:]) if key.startswith("spike.") else current.get(key)
+        base.with_overrides({key: value})  # raises ConfigError naming an unknown key
+
+
+def known_values(value) -> list | None:
+    """The values a search-space entry can take that are known before Tune samples: a grid's
+    values, a choice's categories, a numeric range's two ends (checks on sizes and positivity
+    are monotone in them), a constant itself; None for what only sampling tells
+    (tune.sample_from, functions)."""
+    if isinstance(value, dict) and "grid_search" in value:
+        return list(value["grid_search"])
+    if hasattr(value, "categories"):
+        return list(value.categories)
+    if hasattr(value, "lower") and hasattr(value, "upper"):
+        # tune.randint's upper bound is exclusive
+        upper = value.upper - 1 if type(value).__name__ == "Integer" else value.upper
+        return [value.lower, upper]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return [value]
+    return None
+
+
+def known_trial_points(space: dict) -> list[dict]:
+    """Every combination of the space's known values (`known_values`), as override dicts; the
+    base alone ({}) when nothing is known. Past MAX_PREFLIGHT_POINTS combinations, one key at a
+    time instead (each value against the base)."""
+    keys = [k for k in space if known_values(space[k]) is not None]
+    values = [known_values(space[k]) for k in keys]
+    if math.prod(len(v) for v in values) > MAX_PREFLIGHT_POINTS:
+        return [{}] + [{k: v} for k, vs in zip(keys, values) for v in vs]
+    points = [{}]
+    for key, vals in zip(keys, values):
+        points = [{**p, key: v} for p in points for v in vals]
+    return points
+
+
+def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str) -> list[TrainConfig]:
+    """The single run's driver-side checks (raygpt.preflight) on every trial config known up
+    front, and the sweep directory's filesystem; ConfigError in one line naming the trial's
+    overrides. Needs no Ray: run it before Ray starts. Returns the configs checked."""
+    checked = []
+    for point in known_trial_points(space):
+        where = " ".join(f"{k}={_plain(v)}" for k, v in point.items()) or "the base config"
+        try:
+            cfg = trial_config(pinned, point, f"{abs_dir(sweep_dir).rstrip('/')}/trials/preflight")
+            preflight.check_model(cfg)
+            preflight.check_data(cfg)
+            preflight.check_trackers(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"trial {where}: {e}") from None
+        checked.append(cfg)
+    preflight.check_run_dir(pinned.with_overrides({"output_dir": abs_dir(sweep_dir)}))
+    return checked
+
+
+
+# ====================================================================== command line
+
+class _SweepParser(argparse.ArgumentParser):
+    def error(self, message):  # a usage mistake is a ConfigError, as in raygpt.config
+        raise ConfigError(message)
+
+
+SWEEP_EXIT_CODES = """exit status:
+  0  a best trial exists (results.txt, best_config.json)
+  1  no trial finished
+  2  bad input: a trial config, a flag or the sweep directory refused before Ray started, or
+     every trial stopped by a bad input (such a trial is not re-run: it would fail again)"""
+
+
+def build_sweep_parser(prog: str = "raygpt sweep") -> argparse.ArgumentParser:
+    p = _SweepParser(
+        prog=prog, allow_abbrev=False, add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EXIT_CODES,
+        description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
+                    "(the base config) and -o is the sweep directory, -y 1 resumes it.")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="grid search over a TrainConfig field ('spike.soft_z' style for the spike monitor)")
+    p.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2",
+                   help="random choice among the values, --num-samples draws")
+    p.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI",
+                   help="uniform in [LO, HI]")
+    p.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI",
+                   help="log-uniform in [LO, HI] (learning rates)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="samples of the space (each grid point N times) (default: 1)")
+    p.add_argument("--early-stop", choices=("asha", "none"), default="asha",
+                   help="ASHA on validation loss, or none (default: asha)")
+    p.add_argument("--grace-period", type=int, default=None, metavar="STEPS",
+                   help="steps before ASHA may stop a trial (default: a quarter of -x, rounded up to a validation step)")
+    p.add_argument("--reduction-factor", type=float, default=2.0, metavar="X",
+                   help="ASHA's reduction factor (default: 2.0)")
+    p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                   help="trials at once (default: as many as the cluster's GPUs or CPUs fit)")
+    p.add_argument("--trial-retries", type=int, default=2, metavar="N",
+                   help="times Tune re-runs a failed trial from its checkpoint; never a trial "
+                        "whose error would recur (bad input, raygpt's own stop) (default: 2)")
+    p.add_argument("--wsd-branches", default=None, metavar="N1,N2,...",
+                   help="WSD branch mode: branch totals (max_steps) sharing one stable phase")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--retry-errored", action="store_true", help="with -y 1: re-run errored trials too")
+    return p
+
+
+def _field_type(key: str) -> type:
+    """bool, int, float or str: the type a TrainConfig (or 'spike.x' SpikeConfig) field holds,
+    read from its annotation ('int | None' is int), so unresolved fields coerce right too."""
+    cls, name = (SpikeConfig, key[6:]) if key.startswith("spike.") else (TrainConfig, key)
+    ann = next((str(f.type) for f in dataclasses.fields(cls) if f.name == name), None)
+    if ann is None:
+        raise ConfigError(f"unknown config field {key!r} in the search space")
+    parts = {p.strip() for p in ann.split("|")}
+    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
+
+
+def _coerce(key: str, text: str):
+    """A command-line value in the type of the field it overrides."""
+    typ = _field_type(key)
+    if typ is bool:
+        if text.lower() not in ("0", "1", "true", "false"):
+            raise ConfigError(f"{key}: expected true/false, found {text!r}")
+        return text.lower() in ("1", "true")
+    try:
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {typ.__name__}, found {text!r}") from None
+
+
+def space_items(ns) -> list[tuple[str, str, list]]:
+    """(flag, key, values) of every --grid/--choice/--uniform/--loguniform, values in their
+    fields' types (ranges as two floats, LO and HI)."""
+    out = []
+    for flag in SPACE_FLAGS:
+        for item in getattr(ns, flag):
+            key, sep, values = item.partition("=")
+            if not sep or not values:
+                raise ConfigError(f"--{flag} {item!r}: expected KEY=V1,V2,...")
+            vals = [_coerce(key, v) for v in values.split(",")]
+            if flag in ("uniform", "loguniform"):
+                if len(vals) != 2:
+                    raise ConfigError(f"--{flag} {item!r}: expected KEY=LO,HI")
+                vals = [float(v) for v in vals]
+            out.append((flag, key, vals))
+    return out
+
+
+def known_space(items: list[tuple[str, str, list]]) -> dict:
+    """The command line's space as known values only (every entry a grid of what it can take:
+    a range's two ends), for `known_trial_points`."""
+    return {key: {"grid_search": vals} for _, key, vals in items}
+
+
+def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
+    """The sweep's command line (`raygpt sweep`, `python -m raygpt.sweep`,
+    experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
+    bad input (found before Ray starts, or met by every trial)."""
+    from raygpt.errors import EXIT_BAD_INPUT, EXIT_FAILED
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        build_sweep_parser(prog).print_help()
+        print("\nbase config flags (every raygpt train flag; -o is the sweep directory, -y 1 "
+              "resumes the sweep):")
+        from raygpt.config import build_parser
+        train = build_parser(prog)
+        train.epilog = None  # a train run's exit statuses: the sweep's are above
+        train.print_help()
+        return 0
+    try:
+        ns, rest = build_sweep_parser().parse_known_args(argv)
+        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
+        items = space_items(ns)
+        if base.resume != 1 and not (ns.address or os.environ.get("RAY_ADDRESS")):
+            # this machine's Ray, not started yet: every known trial checked before importing it
+            space = known_space(items)
+            check = base
+            if ns.wsd_branches:
+                check = base.with_overrides({"scheduler": "wsd"})
+                space["max_steps"] = {"grid_search": _branch_totals(ns.wsd_branches)}
+            elif not space:
+                space = {"scheduler": {"grid_search": list(DEFAULT_SCHEDULERS)}}
+            check_space(check, space)
+            preflight_sweep(pin_for_trials(check, None), space, base.output_dir)
+        from raygpt import sweep  # Ray Tune, Ray Train and torch: seconds of imports
+        from raygpt.trainer import RunFailed
+    except ConfigError as e:
+        print(f"raygpt sweep: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        report = sweep.run_from_args(ns, items, base)
+    except ConfigError as e:
+        print(f"raygpt sweep: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RunFailed as e:  # the WSD stable phase, run by this driver
+        print(f"raygpt sweep: {'error: ' if e.exit_code == EXIT_BAD_INPUT else ''}{e}",
+              file=sys.stderr)
+        return e.exit_code
+    if report.best is not None:
+        return 0
+    bad = report.rows and all(r.stopped == EXIT_BAD_INPUT for r in report.rows)
+    return EXIT_BAD_INPUT if bad else EXIT_FAILED
+
+
+def _branch_totals(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--wsd-branches {text!r}: expected N1,N2,... (integers)") from None
+
+
+# the scheduler kinds a sweep without a space compares
+DEFAULT_SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
