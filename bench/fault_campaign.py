@@ -81,7 +81,8 @@ class Campaign:
 def plan(seed: int, n_faults: int, max_steps: int, kinds=KINDS) -> Campaign:
     """A seeded sequence of faults at distinct steps: the kinds in shuffled rounds (each kind
     once per round); a NaN is always among them (so there is a rewind to survive), and every
-    worker killed right after a rewind is placed between a NaN's rewind target and the NaN.
+    worker killed right after a rewind is placed between a NaN's rewind target and the NaN (one
+    per NaN; any more become plain kills).
     An external fault lands a step or two after its step (it waits for the step's record), so
     it keeps the next two steps to itself and stays clear of the last steps (a Ctrl-C must meet
     a running job). A fault that finds no free step is left out (the summary counts the ones
@@ -121,16 +122,23 @@ def plan(seed: int, n_faults: int, max_steps: int, kinds=KINDS) -> Campaign:
         taken.add(s)
         nans.append(s)
     faults, external = [], []
+    unkilled = list(nans)  # NaNs without a worker killed right after their rewind yet
     for kind in kinds:
         if kind == "nan":
             continue
         rank = rng.randrange(2)
-        if kind == "kill_after_rewind":
-            nan = rng.choice(nans)
+        if kind == "kill_after_rewind" and unkilled:
+            # one per NaN: the resumed attempt skips that NaN's window for good (the rewind's
+            # decision is durable), so no second rewind brings the loop back there
+            nan = unkilled.pop(rng.randrange(len(unkilled)))
             target = (nan - SAFETY_STEPS) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
             s = free(target + 1, nan)
             if s is not None:
                 faults.append(f"kill:rank={rank},step={s},visit=2")
+        elif kind == "kill_after_rewind":  # more of them than NaNs: a plain kill instead
+            s = free(1, max_steps - 1)
+            if s is not None:
+                faults.append(f"kill:rank={rank},step={s}")
         elif kind == "crash_before_done":
             # a checkpoint step that no rewind needs as its target
             targets = {(n - SAFETY_STEPS) // CHECKPOINT_EVERY * CHECKPOINT_EVERY for n in nans}
@@ -338,8 +346,7 @@ def status_problems(text: str, campaign: Campaign, run_dir) -> list[str]:
 
     problems = []
     lines = text.splitlines()
-    section = lambda head: [l for l in _section(lines, head)]  # noqa: E731
-    fired_lines = section("fired")
+    fired_lines = _section(lines, "fired")
     for spec in campaign.spec.split(";"):
         if not any(l.strip().startswith(spec + ":") or l.strip().startswith(spec + " (")
                    for l in fired_lines):
@@ -352,7 +359,7 @@ def status_problems(text: str, campaign: Campaign, run_dir) -> list[str]:
     records = read_history(open_run_dir(str(run_dir)))
     resumes = [r for r in records if r.get("kind") == "resume"]
     audits = {r["attempt"]: r["message"] for r in records if r.get("kind") == "audit"}
-    resume_lines = section("resumes")
+    resume_lines = _section(lines, "resumes")
     for r in resumes:
         line = next((l for l in resume_lines
                      if f"attempt {r['attempt']} from step {r['resumed_from']}:" in l), None)

@@ -384,7 +384,8 @@ STATUS_FAULTS = 50  # fired faults `raygpt status` lists (the newest)
 
 def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
     """`raygpt status`: what ran (config.json of every launch), the last step, loss, tok/s,
-    checkpoints, restarts and goodput of a run. The history is streamed: memory does not grow
+    checkpoints, restarts, the faults injected (RUN_DIR/faults/), each resume with its audit and
+    goodput of a run. The history is streamed: memory does not grow
     with its records (only a number per step)."""
     from raygpt.run_config import format_launches, read_launches
     text = format_status(load_run(run_dir_uri, verify=verify, progress=progress,
@@ -545,7 +546,7 @@ def _stderr_progress(message: str) -> None:
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (verified as a resume would), "
-        "restarts, failures, skips, rewinds and goodput."))
+        "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput."))
     p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
     p.add_argument("--quick", action="store_true",
                    help="check checkpoints for DONE, MANIFEST and file sizes only (no sha256)")

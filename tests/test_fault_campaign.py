@@ -34,6 +34,11 @@ def test_plan_is_seeded_and_places_every_kind():
         if "visit=2" in f:
             step = int(f.split("step=")[1].split(",")[0])
             assert any((n - 3) // 2 * 2 < step < n for n in a.nan_steps)
+    for seed in range(50):  # one kill right after each NaN's rewind at most: a second never fires
+        c = plan(seed, 20, 72)
+        kills = [int(f.split("step=")[1].split(",")[0]) for f in c.faults if "visit=2" in f]
+        owners = [min(n for n in c.nan_steps if n > k) for k in kills]
+        assert len(owners) == len(set(owners)), (seed, c.spec)
     ci = plan(SEED, len(CI_KINDS), STEPS, CI_KINDS)
     assert ci.n_faults == len(CI_KINDS)  # every kind of the CI menu found a step
     for _, step, _ in ci.external:  # a Ctrl-C must meet a running job
