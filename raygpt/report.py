@@ -352,16 +352,17 @@ def resume_lines(view: RunView) -> list[str]:
     for i, r in enumerate(resumes):
         attempt, lost = r.get("attempt"), r.get("steps_lost")
         head = f"attempt {attempt} from step {r.get('resumed_from')}"
+        n = f"{lost} step(s)" if isinstance(lost, int) else "steps"  # older records lack it
         if attempt in audits:
-            verdict = f"{lost} step(s) re-done: {audits[attempt].get('message', '')}"
+            verdict = f"{n} re-done: {audits[attempt].get('message', '')}"
         elif lost == 0:
             verdict = "no step to re-do (it resumed where the run stopped): nothing to audit"
         elif attempt == newest and view.last_record is not None \
                 and view.last_record.get("attempt") == attempt \
                 and view.last_record.get("kind") != "end":
-            verdict = f"{lost} step(s) to re-do: audit pending"
+            verdict = f"{n} to re-do: audit pending"
         else:
-            verdict = f"{lost} step(s) to re-do: no audit (the attempt ended before re-doing them)"
+            verdict = f"{n} to re-do: no audit (the attempt ended before re-doing them)"
         out.append(f"{'resumes' if i == 0 else '':<10}{head}: {verdict}")
     total = view.counts.get("resume", 0)
     if total > len(resumes):
