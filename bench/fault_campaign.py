@@ -230,18 +230,30 @@ def launch(cfg, resume: int, address: str, log_path: Path) -> subprocess.Popen:
                                 env=env, cwd=REPO, start_new_session=True)
 
 
-def last_step(run_dir: Path) -> int:
-    """The step of the newest train record (-1 before the first)."""
-    history = run_dir / "loss_history.jsonl"
+def history(run_dir: Path) -> list[dict]:
+    """The loss history's complete records (a line being appended is left for the next read)."""
+    path = run_dir / "loss_history.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def last_attempt(run_dir: Path) -> int:
+    return max((r.get("attempt") or 0 for r in history(run_dir)), default=0)
+
+
+def last_step(run_dir: Path, after_attempt: int = 0) -> int:
+    """The step of the newest train record of an attempt after `after_attempt` (-1 before the
+    first): a job's external faults wait for that job's own training, never strike while it
+    starts up on the strength of an earlier job's records."""
     step = -1
-    if history.exists():
-        for line in history.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue  # a line being appended
-            if r.get("kind") == "train":
-                step = r["step"]
+    for r in history(run_dir):
+        if r.get("kind") == "train" and (r.get("attempt") or 0) > after_attempt:
+            step = r["step"]
     return step
 
 
@@ -263,6 +275,7 @@ def run_campaign(cfg, campaign: Campaign, cluster: CampaignCluster, workdir: Pat
     while not codes or codes[-1] != EXIT_FINISHED:
         job = len(codes) + 1
         log_path = workdir / f"campaign_job{job}.log"
+        before = last_attempt(run_path)  # this job's attempts are numbered after it
         proc = launch(cfg, 1 if job > 1 else 0, cluster.address, log_path)
         deadline = time.monotonic() + JOB_TIMEOUT_S
         ctrl_c_sent = False
@@ -271,7 +284,7 @@ def run_campaign(cfg, campaign: Campaign, cluster: CampaignCluster, workdir: Pat
                 if time.monotonic() > deadline:
                     raise CampaignError(f"job {job} still running after {JOB_TIMEOUT_S:.0f} s:\n"
                                         + tail(log_path))
-                at = last_step(run_path)
+                at = last_step(run_path, before)
                 if pending and not ctrl_c_sent and at >= pending[0][1]:
                     kind, step, which = pending.pop(0)
                     rd = open_run_dir(str(run_path))

@@ -12,7 +12,8 @@ RAYGPT_CAMPAIGN_SEED replays a seed."""
 import json
 import os
 
-from bench.fault_campaign import EXTERNAL, KINDS, execute, plan, status_problems
+from bench.fault_campaign import (EXTERNAL, KINDS, execute, last_attempt, last_step, plan,
+                                  status_problems)
 from raygpt import checkpoint as ck
 from raygpt.ray_snapshot import SNAPSHOT
 from raygpt.storage import open_run_dir
@@ -43,6 +44,23 @@ def test_plan_is_seeded_and_places_every_kind():
     assert ci.n_faults == len(CI_KINDS)  # every kind of the CI menu found a step
     for _, step, _ in ci.external:  # a Ctrl-C must meet a running job
         assert step < STEPS - 4
+
+
+def test_an_external_fault_waits_for_its_own_jobs_training(tmp_path):
+    """A relaunched job is at the step its predecessor stopped at before it has trained at all:
+    a Ctrl-C due there must wait for the new job's own train records (a SIGINT while Python
+    starts up is no Ctrl-C that raygpt can answer)."""
+    lines = [{"kind": "start", "step": 0, "attempt": 1},
+             *({"kind": "train", "step": s, "loss": 1.0, "attempt": 1} for s in range(24)),
+             {"kind": "end", "step": 24, "stopped_early": True, "attempt": 1}]
+    (tmp_path / "loss_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert last_attempt(tmp_path) == 1 and last_step(tmp_path) == 23
+    assert last_step(tmp_path, after_attempt=1) == -1  # the next job has not trained yet
+    with open(tmp_path / "loss_history.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "resume", "step": 24, "attempt": 2}) + "\n")
+        f.write(json.dumps({"kind": "train", "step": 24, "loss": 1.0, "attempt": 2}) + "\n")
+        f.write('{"kind": "train", "st')  # a line being appended
+    assert last_step(tmp_path, after_attempt=1) == 24
 
 
 def test_every_fault_survived_with_every_step_equal(tmp_path, capsys):
