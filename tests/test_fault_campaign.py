@@ -20,7 +20,7 @@ from raygpt.storage import open_run_dir
 
 SEED = int(os.environ.get("RAYGPT_CAMPAIGN_SEED", "1717"))
 CI_KINDS = ("ctrl_c", "remove_node", "sigusr1", "nan", "crash_before_done", "kill_after_rewind")
-STEPS = 22
+STEPS = 24
 
 
 def test_plan_is_seeded_and_places_every_kind():
