@@ -23,15 +23,23 @@ are separated by ';', each `kind:key=value,...`:
 `rank` defaults to 0. `visit=N` fires it at the Nth arrival at its step within one attempt
 (default 1; a spike rewind brings the loop back to steps it has been through, so
 `kill:rank=1,step=7,visit=2` kills a worker between a rewind and the next checkpoint).
-A fault fires once per run directory (a marker file under
-`<run dir>/faults/` remembers it, so the restarted attempt runs clean) unless it carries
-`every=1`, which fires on every attempt (for retry-budget tests).
+A fault fires once per run directory (its record under `<run dir>/faults/` remembers it, so
+the restarted attempt runs clean) unless it carries `every=1`, which fires on every attempt (for
+retry-budget tests).
+
+Every fault that fires leaves a record, written before it strikes: `<run dir>/faults/<name>`,
+one small JSON file each (`record_fired`; a file per fault, so ranks never write the same file
+and no append races on an object store). Faults from outside the run, which no spec can arm
+(`EXTERNAL_KINDS`: a Ctrl-C to the driver's process group, a Ray node removed under the run,
+as bench/fault_campaign.py injects them), are recorded by whoever injects them
+(`record_external`). `raygpt status` lists them all (`read_fired`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -40,6 +48,21 @@ from raygpt.config import ConfigError
 from raygpt.data import ShardError
 
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
+EXTERNAL_KINDS = ("ctrl_c", "remove_node")
+
+# what each kind does, as `raygpt status` says it
+WHAT = {
+    "kill": "SIGKILL to the worker process",
+    "raise": "InjectedFault raised in the worker",
+    "bad_input": "InjectedBadInput (a shard changed under the loader) raised in the worker",
+    "sigterm": "SIGTERM to the worker process",
+    "sigusr1": "SIGUSR1 to the worker process",
+    "preempt": "a preemption notice",
+    "nan": "a NaN loss",
+    "crash_before_done": "checkpoint left without DONE/MANIFEST, the worker SIGKILLed 2 steps later",
+    "ctrl_c": "SIGINT to the driver's process group (a terminal's Ctrl-C)",
+    "remove_node": "a Ray node removed under the run (its processes killed)",
+}
 
 
 class InjectedFault(RuntimeError):
@@ -60,7 +83,12 @@ class Fault:
 
     @property
     def marker(self) -> str:
-        return f"faults/{self.kind}_r{self.rank}_s{self.step}"
+        return f"{FIRED}/{self.kind}_r{self.rank}_s{self.step}"
+
+    @property
+    def spec(self) -> str:
+        return (f"{self.kind}:rank={self.rank},step={self.step}" + (",every=1" if self.every else "")
+                + (f",visit={self.visit}" if self.visit != 1 else ""))
 
 
 def parse_spec(spec: str) -> list[Fault]:
@@ -96,11 +124,17 @@ class FaultPlan:
     def _arm(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
             if f.kind == kind and f.step == step and self.visits.get(step, 1) >= f.visit:
-                if f.every or self.run_dir is None:
+                if self.run_dir is None:
                     return f
-                if self.run_dir.exists(f.marker):
+                if not f.every and self.run_dir.exists(f.marker):
                     return None
-                self.run_dir.write_bytes_atomic(f.marker, b"")
+                # the record is the marker (written before the fault strikes: a SIGKILL follows)
+                name = f.marker if not f.every else f"{f.marker}_{time.time_ns()}"
+                record_fired(self.run_dir, name, {
+                    "kind": f.kind, "fault": f.spec, "rank": f.rank, "step": f.step,
+                    "at_step": step if kind != "crash_before_done" else step + 2,
+                    "visit": self.visits.get(step, 1), "pid": os.getpid(), "by": "worker",
+                    "time": time.time()})
                 return f
         return None
 
@@ -162,6 +196,54 @@ def announce(run_dir, spec: str, sources: list[str]) -> None:
     run_dir.append_text(RECORD, json.dumps({"spec": spec, "sources": sources,
                                             "time": time.time()}) + "\n")
     run_dir.flush()
+
+
+FIRED = "faults"
+
+
+def record_fired(run_dir, name: str, record: dict) -> None:
+    """Write the record of a fault that fires now, as `<run dir>/<name>` (under FIRED/)."""
+    run_dir.write_bytes_atomic(name, json.dumps(record, sort_keys=True).encode())
+
+
+def record_external(run_dir, kind: str, at_step: int, **detail) -> str:
+    """Record a fault injected from outside the run (EXTERNAL_KINDS) at about `at_step` (the
+    last step the run had logged); returns the record's name. Written by the injector before
+    it strikes, like the workers' own."""
+    if kind not in EXTERNAL_KINDS:
+        raise ValueError(f"external fault: expected a kind in {EXTERNAL_KINDS}, found {kind!r}")
+    name = f"{FIRED}/{kind}_s{at_step}_{time.time_ns()}"
+    record_fired(run_dir, name, {"kind": kind, "fault": kind, "step": at_step,
+                                 "at_step": at_step, "by": "external", "time": time.time(),
+                                 **detail})
+    return name
+
+
+_MARKER = re.compile(r"^(?P<kind>[a-z_0-9]+?)_r(?P<rank>\d+)_s(?P<step>\d+)(?:_\d+)?$")
+
+
+def read_fired(run_dir, *, keep: int = 50) -> tuple[int, list[dict]]:
+    """(how many faults fired in this run directory, the records of the last `keep` of them in
+    the order they fired). A record from before records had content (an empty marker) is
+    described from its name; an unreadable one is listed as such, never dropped."""
+    names = run_dir.listdir(FIRED, files_only=True) if run_dir.exists(FIRED) else []
+    out = []
+    for name in names:
+        try:
+            rec = json.loads(run_dir.read_bytes(f"{FIRED}/{name}", max_bytes=1 << 16) or b"{}")
+        except (OSError, ValueError):
+            rec = None
+        if not isinstance(rec, dict):
+            rec = {"kind": name, "fault": f"unreadable record {FIRED}/{name}"}
+        if not rec:  # an empty marker: what its name says
+            m = _MARKER.match(name)
+            rec = ({"kind": m["kind"], "rank": int(m["rank"]), "step": int(m["step"]),
+                    "fault": f"{m['kind']}:rank={m['rank']},step={m['step']}"} if m
+                   else {"kind": name, "fault": name})
+        out.append({**rec, "name": name})
+    out.sort(key=lambda r: (r.get("time") if isinstance(r.get("time"), (int, float)) else 0.0,
+                            r["name"]))
+    return len(out), out[-keep:]
 
 
 def read_armed(run_dir, *, keep: int = 5) -> tuple[int, list[dict]]:

@@ -89,6 +89,23 @@ class ResumeAudit:
         return None
 
 
+def trajectory_losses(records) -> dict[int, float]:
+    """{step: loss} of the trajectory the run is on, from loss-history records in file order:
+    each step's latest train record, without the steps a rewind abandoned (a rewind to
+    checkpoint T re-trains from step T, so every step >= T logged before it belongs to a
+    trajectory the run left; one the run did not re-train before a crash must not be what a
+    resume's audit compares with: the resume skips the same data window and differs there)."""
+    out: dict[int, float] = {}
+    for r in records:
+        kind = r.get("kind")
+        if kind == "rewind" and isinstance(r.get("to_step"), int):
+            for s in [s for s in out if s >= r["to_step"]]:
+                del out[s]
+        elif kind == "train":
+            out.update(steps_logged([r]))
+    return out
+
+
 class RunHistory:
     def __init__(self, run_dir: RunDir, cfg, *, enabled: bool):
         self.run_dir, self.cfg, self.enabled = run_dir, cfg, enabled
@@ -106,12 +123,12 @@ class RunHistory:
         records = read_history(self.run_dir)
         self.attempt = 1 + max((r.get("attempt") or 0 for r in records), default=0)
         if resumed_from is not None:
-            earlier = steps_logged([r for r in records if r.get("kind") == "train"])
+            earlier = trajectory_losses(records)
             self.audit = ResumeAudit({s: l for s, l in earlier.items() if s >= resumed_from})
         self.event(resumed_from or 0, "resume" if resumed_from is not None else "start",
                    resumed_from=resumed_from, note=note, max_steps=max_steps,
-                   steps_lost=(max(steps_logged([r for r in records if r.get("kind") == "train"]),
-                                   default=-1) + 1 - resumed_from) if resumed_from is not None else None)
+                   steps_lost=(max(trajectory_losses(records), default=-1) + 1 - resumed_from)
+                   if resumed_from is not None else None)
         return self.attempt
 
     def train(self, step: int, **fields) -> None:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from raygpt import checkpoint as ck
-from raygpt.faults import read_armed
+from raygpt.faults import WHAT as FAULT_WHAT
+from raygpt.faults import read_armed, read_fired
 from raygpt.history import LOSS_HISTORY, GoodputTally, iter_history
 from raygpt.storage import RunDir, open_run_dir, redact
 
@@ -70,6 +71,7 @@ class RunView:
     last_record: dict | None = None                            # last record but audit / watch
     goodput: dict | None = None                                # summarize_run over the history
     faults: tuple[int, list] = (0, [])                         # faults.read_armed
+    fired: tuple[int, list] = (0, [])                          # faults.read_fired
 
 
 # ---------------------------------------------------------------------- reading a run
@@ -204,6 +206,7 @@ def load_run(run_dir, *, verify: str = "full", progress: Progress | None = None,
                              check_checkpoints(run_dir, verify=verify, progress=progress),
                              recent=recent)
     view.faults = read_armed(run_dir)
+    view.fired = read_fired(run_dir, keep=STATUS_FAULTS)
     return view
 
 
@@ -259,6 +262,7 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
         a = last_armed[-1]
         lines.append(f"faults    FAULT INJECTION ARMED {armed} time(s) in this run directory; "
                      f"last: {a.get('spec')} (from {' and '.join(map(str, a.get('sources') or []))})")
+    lines += fired_lines(*view.fired)
 
     if view.train:
         step = max(view.train)
@@ -299,8 +303,7 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
     if n.get("malformed"):
         events.append(f"{n['malformed']} malformed record(s) left out")
     lines.append("events    " + " | ".join(events))
-    if view.audits:
-        lines.append(f"audit     {view.audits[-1].get('message', '')}")
+    lines += resume_lines(view)
 
     good = [c for c in view.checkpoints if c.ok]
     bad = [c for c in view.checkpoints if not c.ok]
@@ -317,6 +320,56 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def fired_lines(count: int, fired: list[dict]) -> list[str]:
+    """One line per fault that fired (faults.read_fired: the last few, oldest first)."""
+    if not count:
+        return []
+    out = [f"fired     {count} fault(s) injected" + (f", the last {len(fired)}:" if len(fired) < count
+                                                     else ":")]
+    for r in fired:
+        kind = str(r.get("kind"))
+        if r.get("by") == "external":
+            name = f"{kind} after step {r.get('at_step')} (injected by {r.get('injector') or 'an outside tool'})"
+        else:
+            name = str(r.get("fault", kind))
+            if isinstance(r.get("at_step"), int) and r["at_step"] != r.get("step"):
+                name += f" (struck at step {r['at_step']})"
+        what = FAULT_WHAT.get(kind)
+        detail = f" [{r['detail']}]" if r.get("detail") else ""
+        out.append(f"          {name}" + (f": {what}" if what else "") + detail)
+    return out
+
+
+def resume_lines(view: RunView) -> list[str]:
+    """One line per resume (the last few): where it resumed from, how many steps it re-did and
+    what the resume audit found when it had re-done them (history.ResumeAudit)."""
+    resumes = [r for r in view.attempts if r.get("kind") == "resume"]
+    if not resumes:
+        return [f"audit     {a.get('message', '')}" for a in view.audits[-1:]]
+    audits = {a.get("attempt"): a for a in view.audits}
+    newest = max((r.get("attempt") or 0 for r in view.attempts), default=0)
+    out = []
+    for i, r in enumerate(resumes):
+        attempt, lost = r.get("attempt"), r.get("steps_lost")
+        head = f"attempt {attempt} from step {r.get('resumed_from')}"
+        n = f"{lost} step(s)" if isinstance(lost, int) else "steps"  # older records lack it
+        if attempt in audits:
+            verdict = f"{n} re-done: {audits[attempt].get('message', '')}"
+        elif lost == 0:
+            verdict = "no step to re-do (it resumed where the run stopped): nothing to audit"
+        elif attempt == newest and view.last_record is not None \
+                and view.last_record.get("attempt") == attempt \
+                and view.last_record.get("kind") != "end":
+            verdict = f"{n} to re-do: audit pending"
+        else:
+            verdict = f"{n} to re-do: no audit (the attempt ended before re-doing them)"
+        out.append(f"{'resumes' if i == 0 else '':<10}{head}: {verdict}")
+    total = view.counts.get("resume", 0)
+    if total > len(resumes):
+        out.append(f"          (the last {len(resumes)} of {total} resumes)")
+    return out
+
+
 def printable(text: str) -> str:
     """`text` safe to print to a terminal: credentials in URIs redacted (storage.redact), and
     every control or format character (terminal escape sequences, carriage returns, bidi
@@ -327,11 +380,13 @@ def printable(text: str) -> str:
 
 
 STATUS_RECENT = 20  # train steps (and events of each kind) `raygpt status` keeps in memory
+STATUS_FAULTS = 50  # fired faults `raygpt status` lists (the newest)
 
 
 def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
     """`raygpt status`: what ran (config.json of every launch), the last step, loss, tok/s,
-    checkpoints, restarts and goodput of a run. The history is streamed: memory does not grow
+    checkpoints, restarts, the faults injected (RUN_DIR/faults/), each resume with its audit and
+    goodput of a run. The history is streamed: memory does not grow
     with its records (only a number per step)."""
     from raygpt.run_config import format_launches, read_launches
     text = format_status(load_run(run_dir_uri, verify=verify, progress=progress,
@@ -492,7 +547,7 @@ def _stderr_progress(message: str) -> None:
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (verified as a resume would), "
-        "restarts, failures, skips, rewinds and goodput."))
+        "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput."))
     p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
     p.add_argument("--quick", action="store_true",
                    help="check checkpoints for DONE, MANIFEST and file sizes only (no sha256)")

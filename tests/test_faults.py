@@ -1,8 +1,12 @@
-"""Fault injection specs: parsed strictly, fired once per run directory unless every=1."""
+"""Fault injection specs: parsed strictly, fired once per run directory unless every=1; every
+fault that fires leaves its record, and `raygpt status` lists them with each resume's audit."""
 
 import pytest
 
-from raygpt.faults import Fault, FaultPlan, parse_spec
+from raygpt.cli import main
+from raygpt.faults import (FIRED, Fault, FaultPlan, InjectedFault, parse_spec, read_fired,
+                           record_external)
+from raygpt.history import RunHistory
 from raygpt.storage import open_run_dir
 
 
@@ -42,3 +46,94 @@ def test_visit_fires_at_the_nth_arrival_at_its_step_in_one_attempt(tmp_path):
     assert fired == [False, False, False, False, False, True, False]
     with pytest.raises(ValueError, match="visit: expected N >= 1"):
         parse_spec("kill:step=3,visit=0")
+
+
+# ---------------------------------------------------------------------- the record of what fired
+
+def test_a_fault_leaves_its_record_before_it_strikes(tmp_path):
+    rd = open_run_dir(str(tmp_path))
+    plan = FaultPlan(parse_spec("raise:rank=1,step=4,visit=2;nan:rank=1,step=6,every=1"),
+                     rank=1, run_dir=rd)
+    plan.before_update(4)
+    with pytest.raises(InjectedFault):
+        plan.before_update(4)  # the second arrival: the record is there although it raised
+    count, fired = read_fired(rd)
+    assert count == 1
+    rec = fired[0]
+    assert (rec["kind"], rec["fault"], rec["rank"], rec["step"], rec["at_step"], rec["visit"],
+            rec["by"]) == ("raise", "raise:rank=1,step=4,visit=2", 1, 4, 4, 2, "worker")
+    assert not FaultPlan(parse_spec("raise:rank=1,step=4"), rank=1, run_dir=rd)._arm("raise", 4)
+    plan.before_update(6)
+    assert plan.nan_now(6) and plan.nan_now(6)  # every=1: each firing has its own record
+    count, fired = read_fired(rd)
+    assert count == 3 and [r["kind"] for r in fired] == ["raise", "nan", "nan"]
+    assert fired[1]["fault"] == "nan:rank=1,step=6,every=1"
+    # a crash before DONE strikes two steps after the checkpoint it leaves incomplete
+    cbd = FaultPlan(parse_spec("crash_before_done:step=8"), rank=0, run_dir=rd)
+    assert cbd._arm("crash_before_done", 8)
+    assert read_fired(rd)[1][-1]["at_step"] == 10
+
+
+def test_external_faults_are_recorded_and_old_markers_still_read(tmp_path):
+    rd = open_run_dir(str(tmp_path))
+    rd.write_bytes_atomic(f"{FIRED}/kill_r1_s7", b"")  # a marker from before records had content
+    rd.write_bytes_atomic(f"{FIRED}/garbage", b"\xff{not json")
+    record_external(rd, "ctrl_c", 12, injector="a test", detail="SIGINT to process group 1")
+    record_external(rd, "remove_node", 15, injector="a test")
+    with pytest.raises(ValueError, match="expected a kind in .*ctrl_c"):
+        record_external(rd, "kill", 3)
+    count, fired = read_fired(rd)
+    assert count == 4
+    by_kind = {r["kind"]: r for r in fired}
+    assert (by_kind["kill"]["rank"], by_kind["kill"]["step"]) == (1, 7)
+    assert "unreadable record" in by_kind["garbage"]["fault"]
+    assert by_kind["ctrl_c"]["at_step"] == 12 and by_kind["ctrl_c"]["by"] == "external"
+    assert [r["kind"] for r in fired][-2:] == ["ctrl_c", "remove_node"]  # in the order they fired
+    assert read_fired(rd, keep=1) == (4, fired[-1:])
+
+
+def _train(h, steps, tag=0.0):
+    for s in steps:
+        h.train(s, loss=10.0 - 0.1 * s + tag, norm=1.0, lr=1e-3, tokens=256 * (s + 1), dt=0.1)
+
+
+def test_status_lists_every_fault_and_every_resumes_audit(tmp_path, capsys):
+    """Four resumes, one of each verdict: nothing to re-do (a stop by signal), verified after
+    re-doing steps, cut short by the next failure, still re-doing (the run is live)."""
+    rd = open_run_dir(str(tmp_path / "run"))
+    rd.makedirs()
+    h = RunHistory(rd, cfg=None, enabled=True)
+    h.begin_attempt(None, None, max_steps=20)
+    _train(h, range(6))
+    h.end({"step": 6, "max_steps": 20, "stopped_early": True})  # Ctrl-C: exit 3
+    h.begin_attempt(6, "resumed with -y 1")                     # attempt 2: nothing re-done
+    _train(h, range(6, 10))
+    h.begin_attempt(8, "restarted by Ray")                      # attempt 3: re-does 8, 9
+    _train(h, range(8, 12))
+    h.begin_attempt(10, "restarted by Ray")                     # attempt 4: dies re-doing 10
+    _train(h, [10])
+    h.begin_attempt(10, "restarted by Ray")                     # attempt 5: live, at step 10
+    _train(h, [10])
+    record_external(rd, "ctrl_c", 5, injector="a test")
+    FaultPlan(parse_spec("sigusr1:step=7"), rank=0, run_dir=rd)._arm("sigusr1", 7)
+    kill = FaultPlan(parse_spec("kill:rank=1,step=10,visit=2"), rank=1, run_dir=rd)
+    kill.visits[10] = 2  # back at step 10 after a rewind (before_update would SIGKILL us)
+    assert kill._arm("kill", 10)
+    record_external(rd, "remove_node", 11, injector="a test")
+
+    assert main(["status", "--quick", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    fired = lines[[l.split()[0] if l.strip() else "" for l in lines].index("fired"):][:5]
+    assert fired[0].startswith("fired     4 fault(s) injected")
+    assert "ctrl_c after step 5 (injected by a test): SIGINT to the driver's process group" in fired[1]
+    assert "sigusr1:rank=0,step=7: SIGUSR1 to the worker process" in fired[2]
+    assert "kill:rank=1,step=10,visit=2: SIGKILL to the worker process" in fired[3]
+    assert "remove_node after step 11 (injected by a test): a Ray node removed" in fired[4]
+    resumes = [l for l in lines if "attempt " in l and " from step " in l]
+    assert resumes[0].startswith("resumes   attempt 2 from step 6: no step to re-do")
+    assert "attempt 3 from step 8: 2 step(s) re-done: resume verified bit-exact over 2 steps" \
+        in resumes[1]
+    assert "attempt 4 from step 10: 2 step(s) to re-do: no audit (the attempt ended" in resumes[2]
+    assert "attempt 5 from step 10: 2 step(s) to re-do: audit pending" in resumes[3]
+    assert len(resumes) == 4

@@ -46,3 +46,24 @@ def test_summary_counts_failures_recovery_and_goodput():
     assert s["failures"] == 1 and s["resumes"] == 1
     assert s["recovery_s"] == [3.5]  # failure at 2.5 -> first new step at 6.0
     assert s["goodput"] == 3.0 / 8.0  # steps 0, 1, 2 once each, over 8 s of wall time
+
+
+def test_a_resume_after_a_rewind_is_audited_against_the_trajectory_it_is_on(tmp_path):
+    """Steps a rewind abandoned and the run did not re-train before a crash are not what the
+    resume's audit compares with: the resume skips the spike's data window, as the rewind did."""
+    rd = open_run_dir(str(tmp_path))
+    h = RunHistory(rd, None, enabled=True)
+    h.begin_attempt(None, None, max_steps=12)
+    for s in range(10):
+        h.train(s, loss=2.0 - 0.1 * s + (5.0 if s >= 8 else 0.0), norm=1.0)  # spike from step 8
+    h.event(10, "rewind", to_step=6, window=[[0, 64, 96]], lr_scale=1.0)
+    for s in (6, 7):  # re-trained from checkpoint 6 on other data: other losses
+        h.train(s, loss=1.0 - 0.01 * s, norm=1.0)
+    # a worker dies here; the next attempt resumes from checkpoint 6 with the rewind applied
+    h2 = RunHistory(rd, None, enabled=True)
+    h2.begin_attempt(6, "restarted by Ray", max_steps=12)
+    for s in (6, 7, 8, 9):
+        h2.train(s, loss=1.0 - 0.01 * s, norm=1.0)
+    resume, audit = [r for r in read_history(rd) if r["kind"] in ("resume", "audit")]
+    assert resume["steps_lost"] == 2
+    assert audit["message"] == "resume verified bit-exact over 2 steps"

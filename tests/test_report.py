@@ -127,7 +127,8 @@ def test_status_names_the_failure_the_rewind_the_skip_and_the_checkpoints(run_di
                       "1 failure(s) (last after step 9: rank 1: ActorDiedError: the worker "
                       "process died unexpectedly)",
                       "1 resume(s) (from step 8)"]
-    assert lines["audit"] == "resume verified bit-exact over 2 steps"
+    assert lines["resumes"] == ("attempt 2 from step 8: 2 step(s) re-done: resume verified "
+                                "bit-exact over 2 steps")
     assert lines["ckpts"].startswith("2 verified: step 4, 8 | newest resumable: step 8 (")
     bad = [line.strip() for line in text.splitlines() if "NOT usable" in line]
     assert bad[0].startswith("NOT usable: step 10: step_00000010/state_00000010_00001.bin: sha256:")
