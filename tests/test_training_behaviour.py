@@ -103,7 +103,7 @@ def test_a_rewind_that_lowers_lr_scale_lowers_the_rate_adamw_is_given(tmp_path, 
 
 # ---------------------------------------------------------------------- -sl / -sg past the window
 
-SPIKE_CALL = 18  # the training forward pass (= step, grad accum 1) whose loss is blown up
+SPIKE_CALL = 16  # the first step judged against a full window of 16 (steps 0-15 fill it)
 
 
 def spiking_forward(monkeypatch, factor=20.0):
@@ -126,11 +126,11 @@ def spiking_forward(monkeypatch, factor=20.0):
 @pytest.mark.parametrize("flag", ["skip_update_lossz", "skip_update_gradz"])
 def test_a_z_score_outlier_is_skipped_once_the_window_is_full(tmp_path, monkeypatch, flag):
     """llm.c's detectors return z only after a full window (128 values); shrunk to 16 here so
-    the run gets past it in 20 steps. A finite spike at step 18 must be skipped (one skip, its
+    the run gets past it in 17 steps. A finite spike at step 16 must be skipped (one skip, its
     update dropped), every other step trained."""
     monkeypatch.setattr(outlier, "OUTLIER_DETECTOR_WINDOW_SIZE", 16)  # max z over 16: sqrt(15)
     spiking_forward(monkeypatch)
-    summary = run_local(tiny_config(tmp_path, max_steps=20, checkpoint_every=0, **{flag: 3.0}))
+    summary = run_local(tiny_config(tmp_path, max_steps=17, checkpoint_every=0, **{flag: 3.0}))
     assert summary["skips"] == 1
     verdicts = {r["step"]: r["verdict"] for r in train_records(tmp_path)}
     assert verdicts[SPIKE_CALL] == "skip"
@@ -145,17 +145,17 @@ def test_a_z_score_outlier_is_skipped_once_the_window_is_full(tmp_path, monkeypa
 def test_resume_restores_the_detectors_monitor_and_counters(tmp_path):
     """A run that crashes and resumes ends with the same policy state as one that did not: the
     z-score detectors, the spike monitor's windows and the counters come back from the
-    checkpoint, not fresh (a fresh detector would count 8 values where the run saw 12)."""
+    checkpoint, not fresh (a fresh detector would count 4 values where the run saw 8)."""
     spike = SpikeConfig(enabled=True, min_history=4, window=8)
-    kw = dict(max_steps=12, checkpoint_every=4, spike=spike, skip_update_lossz=6.0,
+    kw = dict(max_steps=8, checkpoint_every=4, spike=spike, skip_update_lossz=6.0,
               skip_update_gradz=6.0)
     run_local(tiny_config(tmp_path / "full", **kw))
     crash = tiny_config(tmp_path / "crash", **kw, fault="raise:rank=0,step=6")
     with pytest.raises(InjectedFault):
         run_local(crash)
     run_local(crash.with_overrides({"resume": 1}))
-    full, resumed = state_file(tmp_path / "full", 12), state_file(tmp_path / "crash", 12)
-    assert full.extras["loss_detector"]["count"] == 12 and full.extras["monitor"]["losses"]
+    full, resumed = state_file(tmp_path / "full", 8), state_file(tmp_path / "crash", 8)
+    assert full.extras["loss_detector"]["count"] == 8 and full.extras["monitor"]["losses"]
     assert resumed.extras == full.extras
     assert (resumed.rng_state, resumed.rng_state_last_update) == (full.rng_state,
                                                                   full.rng_state_last_update)
@@ -165,13 +165,13 @@ def test_resume_restores_the_detectors_monitor_and_counters(tmp_path):
 
 
 def test_retention_deletes_the_checkpoints_it_lets_go(tmp_path):
-    """-nk 2 -nm 8 in a real run: the run directory keeps the last two checkpoints and every 8th;
-    the others are gone from disk, not just from a list."""
-    run_local(tiny_config(tmp_path, max_steps=12, checkpoint_every=2, checkpoints_keep=2,
-                          major_checkpoint_every=8, async_checkpoint=False))
+    """-nk 2 -nm 4 in a real run: the run directory keeps the last two checkpoints and every 4th;
+    the others (step 2) are gone from disk, not just from a list."""
+    run_local(tiny_config(tmp_path, max_steps=8, checkpoint_every=2, checkpoints_keep=2,
+                          major_checkpoint_every=4, async_checkpoint=False))
     on_disk = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
-    assert on_disk == [ck.step_dir(s) for s in (8, 10, 12)]
-    assert ck.list_checkpoint_steps(open_run_dir(str(tmp_path))) == [8, 10, 12]
+    assert on_disk == [ck.step_dir(s) for s in (4, 6, 8)]
+    assert ck.list_checkpoint_steps(open_run_dir(str(tmp_path))) == [4, 6, 8]
 
 
 # ---------------------------------------------------------------------- bf16 + fp32 master on CPU
@@ -181,7 +181,10 @@ def bf16_config(run_dir, **kw):
     """The GPU default (bf16 working weights, fp32 master, stochastic rounding) on the CPU: the
     config refuses bf16 on CPU for real runs (slow), so the resolved config is changed after its
     checks; the update and rounding then run through the PyTorch reference ops."""
-    cfg = tiny_config(run_dir, total_batch_size=4 * 32 * 2, max_steps=8, **kw).resolve(0)
+    # 3 steps, a checkpoint after each: the reference ops' stochastic rounding hashes every
+    # parameter in Python-level torch ops (seconds a step on one thread), so few updates
+    cfg = tiny_config(run_dir, max_steps=3, checkpoint_every=1, async_checkpoint=False,
+                      **kw).resolve(0)
     return dataclasses.replace(cfg, precision="bf16")
 
 
@@ -190,14 +193,14 @@ def test_bf16_master_weights_resume_bit_exact_on_cpu(tmp_path):
     last update (rng_state_last_update): the resumed run's losses and final weights equal the
     uninterrupted run's bit for bit."""
     run_local(bf16_config(tmp_path / "full"), resolved=True)
-    crashed = bf16_config(tmp_path / "crashed", fault="raise:rank=0,step=6")
+    crashed = bf16_config(tmp_path / "crashed", fault="raise:rank=0,step=2")
     with pytest.raises(InjectedFault):
         run_local(crashed, resolved=True)
     run_local(dataclasses.replace(crashed, resume=1), resolved=True)
     a, b = train_losses(tmp_path / "full"), train_losses(tmp_path / "crashed", attempt=2)
-    assert sorted(b) == [4, 5, 6, 7] and all(b[s] == a[s] for s in b), (a, b)
-    assert state_file(tmp_path / "full", 8).master is not None
-    name = f"{ck.step_dir(8)}/{ck.model_file(8)}"
+    assert sorted(b) == [2] and b[2] == a[2], (a, b)  # from checkpoint 2's re-derived weights
+    assert state_file(tmp_path / "full", 3).master is not None
+    name = f"{ck.step_dir(3)}/{ck.model_file(3)}"
     assert (open_run_dir(str(tmp_path / "full")).read_bytes(name)
             == open_run_dir(str(tmp_path / "crashed")).read_bytes(name))
 
@@ -231,14 +234,13 @@ def samples(run_dir) -> dict:
 
 
 def test_the_sampler_writes_reproducible_text_at_its_steps(tmp_path):
-    """-s 2: a sample at steps 2 and 4 (and the last), each seeded by its step, so two runs
-    write the same text, and the text decodes gen_tokens tokens of the model's vocabulary."""
+    """-s 2: a sample at steps 2 and 4 (the last) in the run's samples file; sample_text is
+    seeded by the step (the same text for the same step) and leaves the model training."""
     cfg = tiny_config(tmp_path / "a", max_steps=4, sample_every=2, gen_tokens=6,
                       checkpoint_every=0)
     run_local(cfg)
-    run_local(cfg.with_overrides({"output_dir": str(tmp_path / "b")}))
-    a, b = samples(tmp_path / "a"), samples(tmp_path / "b")
-    assert sorted(a) == [2, 4] and a == b
+    written = samples(tmp_path / "a")
+    assert sorted(written) == [2, 4] and all(isinstance(t, str) and t for t in written.values())
     # sample_text on its own: seeded by the step, and the model is left in training mode
     resolved, cpu = cfg.resolve(0), torch.device("cpu")
     model = build_model(resolved, cpu)
