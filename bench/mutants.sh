@@ -8,6 +8,7 @@
 #   bench/mutants.sh                      # every core module (long: an hour or more on 2 cores)
 #   bench/mutants.sh schedule outlier     # some of them
 #   MUTANTS_DIR=/tmp/x bench/mutants.sh   # scratch directory (default /tmp/raygpt-mutants)
+#   MUTANTS_REV=HEAD bench/mutants.sh     # a commit's tree instead of the working tree
 #
 # mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
 # the working tree (tracked and untracked-but-not-ignored files), never in the checkout. Each
@@ -43,8 +44,12 @@ for mod in "${MODULES[@]}"; do
   tests=$(tests_for "$mod")
   work="$SCRATCH/$mod"
   rm -rf "$work" && mkdir -p "$work"
-  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
-    (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
+  if [ -n "${MUTANTS_REV:-}" ]; then  # a commit instead of the working tree
+    (cd "$ROOT" && git archive "$MUTANTS_REV") | (cd "$work" && tar -xf -)
+  else
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
+      (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
+  fi
   python3 - "$work/pyproject.toml" "raygpt/$mod.py" $tests <<'PY'
 import json, re, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
