@@ -23,13 +23,14 @@ SCRATCH=${MUTANTS_DIR:-/tmp/raygpt-mutants}
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=(schedule outlier optim state data checkpoint loop)
 
-# the fast, Ray-free tests that exercise each module (the loop tests reach every core module)
+# the fast, Ray-free tests that exercise each module: the pure modules against their own unit
+# tests (seconds), the rest against the loop tests too (they reach every core module; minutes)
 LOOP_TESTS="tests/test_loop.py tests/test_spike.py tests/test_training_behaviour.py"
 tests_for() {
   case "$1" in
-    schedule)   echo "tests/test_schedule.py tests/test_training_behaviour.py" ;;
-    outlier)    echo "tests/test_outlier.py tests/test_spike.py" ;;
-    optim)      echo "tests/test_optim.py tests/test_training_behaviour.py" ;;
+    schedule)   echo "tests/test_schedule.py" ;;
+    outlier)    echo "tests/test_outlier.py" ;;
+    optim)      echo "tests/test_optim.py" ;;
     state)      echo "tests/test_outlier.py $LOOP_TESTS" ;;
     data)       echo "tests/test_data.py $LOOP_TESTS" ;;
     checkpoint) echo "tests/test_checkpoint.py $LOOP_TESTS" ;;
