@@ -171,3 +171,17 @@ def test_bad_lengths_raise():
     with pytest.raises(ValueError, match="zero length"):
         learning_rate_cosine(10, peak_lr=1e-3, warmup_steps=10, total_steps=10, final_lr_frac=0.0)
     assert lr("cosine", 9, 1e-3, 10, 10, 0.0) == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_wsd_decays_from_its_decay_point_on_not_after_it():
+    """llm.c's WSD holds the plateau while step < decay_point and computes the decay at
+    decay_point itself: min + (1 - sqrt(0)) * (peak - min), which in float32 is not always
+    peak (here one ulp above it: peak - min rounds). A schedule that held the plateau through
+    decay_point would return peak exactly (found by bench/mutants.sh: `<` -> `<=` survived)."""
+    d = wsd_decay_start(100)
+    args = dict(peak_lr=1e-4, warmup_steps=10, total_steps=100, final_lr_frac=0.1)
+    peak = float(np.float32(1e-4))
+    assert learning_rate_wsd(d - 1, **args) == peak
+    at = learning_rate_wsd(d, **args)
+    p, m = np.float32(1e-4), np.float32(1e-4) * np.float32(0.1)
+    assert at == float(m + (np.float32(1.0) - np.sqrt(np.float32(0.0))) * (p - m)) and at != peak
