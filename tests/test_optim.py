@@ -75,3 +75,19 @@ def test_adamw_matches_torch_adamw_in_fp32():
         ref_opt.step()
     for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (n, (a - b).abs().max())
+
+
+def test_adamw_defaults_to_one_process_that_needs_no_process_group():
+    """AdamW's defaults are a single process (rank 0 of 1, no ZeRO): it owns every parameter,
+    and its data-parallel collectives are no-ops that need no torch.distributed process group
+    (found by bench/mutants.sh: a default of world=2 survived the other tests)."""
+    import torch.distributed as dist
+    flat = FlatParameters(tiny_model(), torch.device("cpu"), torch.float32)
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    assert not dist.is_initialized()
+    assert (opt.rank, opt.world, opt.zero_stage) == (0, 1, 0)
+    assert (opt.lo, opt.hi) == (0, flat.num_parameters) and opt.master is None
+    flat.grads.fill_(1.0)
+    opt.reduce_gradients()  # would call into torch.distributed with world > 1
+    opt.gather_params()
+    assert torch.equal(flat.grads, torch.ones_like(flat.grads))
