@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from raygpt.schedule import (KINDS, learning_rate, learning_rate_cosine, learning_rate_wsd,
+from raygpt.schedule import (KINDS, learning_rate, learning_rate_wsd,
                              wsd_decay_start)
 
 # Printed with %.9g by a C program computing llm.c's schedulers.h formulas in `float`
