@@ -91,3 +91,17 @@ def test_adamw_defaults_to_one_process_that_needs_no_process_group():
     opt.reduce_gradients()  # would call into torch.distributed with world > 1
     opt.gather_params()
     assert torch.equal(flat.grads, torch.ones_like(flat.grads))
+
+
+def test_a_zero1_rank_holds_optimizer_state_for_its_shard_only():
+    """Rank 1 of 2 under ZeRO-1 owns the second half of the padded buffer (clipped to the real
+    parameters): m, v are that long, and the optimizer reads that slice (no process group is
+    needed to build it; shard-range argument mutants survived the single-process tests)."""
+    flat = FlatParameters(tiny_model(), torch.device("cpu"), torch.float32, pad_multiple=2)
+    n = flat.num_parameters
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, rank=1, world=2,
+                zero_stage=1)
+    half = -(-n // 2)
+    assert (opt.lo, opt.hi) == (half, n) == shard_range(n, 1, 2, 1)
+    assert opt.m.shape == opt.v.shape == (n - half,) and opt.m.dtype == torch.float32
+    assert opt.shard_params.data_ptr() == flat.params[half:].data_ptr()
