@@ -146,6 +146,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
     with session.run_dir.background_appends(enabled=session.rank == 0), \
             _torch_settings_restored(), \
+            signals.handlers_restored(), \
             contextlib.ExitStack() as on_exit:  # closes the run log's sinks, on errors too
         try:
             return _train(cfg, session, on_exit)

@@ -16,6 +16,7 @@ backend hook; in a plain process `watch()` installs them itself.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -75,6 +76,30 @@ def watch() -> Flags:
 
 def unwatch() -> None:
     _flags["stop"] = _flags["save"] = False
+
+
+# the signals whose handlers a training attempt may replace in its process
+CALLER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def handlers_restored():
+    """The caller's SIGTERM / SIGUSR1 / SIGINT handlers come back when the block ends, normally
+    or by an exception: `watch()` installs raygpt's inside it, and a process that trains and then
+    goes on (a test session, a notebook, a driver) must not keep a SIGTERM that only sets a flag
+    nobody reads any more. Off the main thread (a Ray Train worker's training thread) nothing is
+    saved or restored: handlers cannot be set there, and the worker's were installed on its
+    main thread on purpose (`install` through the trainer's backend hook)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in CALLER_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # None: set outside Python; it cannot be put back from here
+                signal.signal(s, handler)
 
 
 class SaveClock:

@@ -31,6 +31,17 @@ def train_losses(run_dir, attempt=None) -> dict[int, float]:
     return out
 
 
+def samples_seen(run_dir) -> list[tuple[int, int]]:
+    """Every (shard, sample) the final loss curve trained on (latest attempt of each step), from
+    the train records of a run with record_samples on."""
+    by_step = {}
+    for r in records(run_dir):
+        if r["kind"] == "train":
+            by_step[r["step"]] = r["samples"]
+    return sorted((shard, i) for ranges in by_step.values() for shard, a, b in ranges
+                  for i in range(a, b))
+
+
 def memory_fs():
     """fsspec's in-memory filesystem as a pyarrow FileSystem: a non-local run-dir store for tests
     (process-global: give every test its own root)."""

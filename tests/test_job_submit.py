@@ -54,6 +54,9 @@ def ray_cli() -> str:
 
 
 def free_ports(n: int) -> list[int]:
+    """n ports free a moment ago. Ray's `ray start` must be told its ports, so they are released
+    before it binds them and another process may take one in between: the fixture starts the
+    head again on fresh ports when it failed on a port in use (`PORT_TAKEN`)."""
     socks = []
     for _ in range(n):  # all bound at once, so the n ports differ
         s = socket.socket()
@@ -63,6 +66,12 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+# how a Ray process says a port it was given is taken (gRPC, asyncio, the GCS)
+PORT_TAKEN = ("address already in use", "Address already in use", "Failed to bind",
+              "errno 98", "EADDRINUSE")
+HEAD_STARTS = 3  # attempts on fresh ports before a head that will not come up fails the test
 
 
 class Cluster:
@@ -116,47 +125,72 @@ class Cluster:
 def cluster():
     # Ray's unix sockets live under the temp dir: keep its path short (pytest's tmp_path is not)
     tmp = Path(tempfile.mkdtemp(prefix="rgjob-", dir="/tmp"))
-    gcs, dashboard, *others = free_ports(9)
-    names = ("dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
-             "node-manager-port", "object-manager-port", "ray-client-server-port",
-             "runtime-env-agent-port")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                RAY_USAGE_STATS_ENABLED="0",
                RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")  # teardown: stop at once
     log = open(tmp / "head.log", "w")
+    head = None
+    try:
+        for attempt in range(1, HEAD_STARTS + 1):
+            head, c = _start_head(env, tmp, log)
+            up = _wait_for_head(head, c, deadline=time.monotonic() + 90)
+            if up is not None:
+                print(f"ray head up in {up:.1f} s (start {attempt})")
+                break
+            text = (tmp / "head.log").read_text()
+            if head.poll() is None or not any(m in text for m in PORT_TAKEN) \
+                    or attempt == HEAD_STARTS:
+                raise AssertionError(f"ray head did not come up:\n{text[-3000:]}")
+            # another process took one of the ports between free_ports and Ray's bind
+            _stop_head(head)
+        yield c
+    finally:
+        if head is not None:
+            _stop_head(head)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_head(env: dict, tmp: Path, log) -> tuple[subprocess.Popen, Cluster]:
+    gcs, dashboard, *others = free_ports(9)
+    names = ("dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
+             "node-manager-port", "object-manager-port", "ray-client-server-port",
+             "runtime-env-agent-port")
     head = subprocess.Popen(
         [ray_cli(), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}",
          "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
          "--node-ip-address=127.0.0.1", "--disable-usage-stats", f"--temp-dir={tmp}/ray",
          *(f"--{n}={p}" for n, p in zip(names, others))],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    c = Cluster(f"http://127.0.0.1:{dashboard}", env, tmp)
+    return head, Cluster(f"http://127.0.0.1:{dashboard}", env, tmp)
+
+
+def _wait_for_head(head: subprocess.Popen, c: Cluster, deadline: float) -> float | None:
+    """Seconds until the dashboard answered, or None if the head exited or the deadline passed."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            c.api("/api/version")
+            return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if head.poll() is not None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)
+
+
+def _stop_head(head: subprocess.Popen) -> None:
+    """Stop exactly the processes this test started: the `ray start --block` process and its
+    process group (never `ray stop`, which would stop every Ray on the machine)."""
+    head.send_signal(signal.SIGTERM)  # `ray start --block` stops the node's processes
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                c.api("/api/version")
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if head.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"ray head did not come up:\n"
-                                         f"{(tmp / 'head.log').read_text()[-3000:]}")
-                time.sleep(0.5)
-        print(f"ray head up in {time.monotonic() - deadline + 90:.1f} s")
-        yield c
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the node's processes
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # whatever of ours outlived it (same group)
-        except ProcessLookupError:
-            pass
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)  # whatever of ours outlived it (same group)
+    except ProcessLookupError:
+        pass
 
 
 def verified_steps(run_dir) -> list[int]:

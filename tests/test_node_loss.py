@@ -2,19 +2,21 @@
 mid-run; a replacement joins; Ray Train restarts the worker group and raygpt resumes from a
 verified checkpoint with the losses an uninterrupted run has."""
 
-import os
 import subprocess
 import threading
 import time
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
 from raygpt import checkpoint as ck
+from raygpt.loop import train
+from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
 from raygpt.trainer import run
-from tests.helpers import records, tiny_config, train_losses
+from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
                           "health_check_initial_delay_ms": 0}
@@ -22,19 +24,25 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_t
 
 @pytest.fixture(scope="module")
 def cluster():
-    # the processes the cluster starts inherit these: notice drains fast, poll them every step
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
-    os.environ["RAYGPT_PREEMPTION_POLL_STEPS"] = "1"
-    # after a node loss an elastic run first retries its old size until Ray Train's worker-group
-    # start times out (60 s by default), then resumes smaller: 30 s keeps that path, faster
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "30"
-    c = Cluster(initialize_head=True, connect=True,
-                head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    # the settings below hold for this module's cluster only: the test process's environment
+    # is handed back as it was when the module ends (MonkeyPatch undoes them)
+    with pytest.MonkeyPatch.context() as env:
+        # the processes the cluster starts inherit these: notice drains fast, poll every step
+        env.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+        env.setenv("RAYGPT_PREEMPTION_POLL_STEPS", "1")
+        # after a node loss an elastic run first retries its old size until Ray Train's
+        # worker-group start times out (60 s by default), then resumes smaller: 30 s keeps that
+        # path, faster
+        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+        c = Cluster(initialize_head=True, connect=True,
+                    head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+        try:
+            nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+            c.wait_for_nodes()
+            yield c, nodes
+        finally:
+            ray.shutdown()
+            c.shutdown()
 
 
 def wait_for(predicate, timeout, what):
@@ -95,6 +103,16 @@ def test_elastic_run_finishes_on_fewer_workers_after_node_loss(cluster, tmp_path
     assert result["step"] == 16 and result["failures"] >= 1
     worlds = [r["world"] for r in records(tmp_path) if r["kind"] == "train"]
     assert worlds[0] == 2 and worlds[-1] == 1
+    # the same global batch on either side of the loss: the curve is the one a single worker
+    # (grad accumulation 2, no Ray: a few seconds) trains, on the same samples, each once
+    twin = tiny_config(tmp_path / "twin", num_workers=1, max_steps=16, checkpoint_every=0,
+                       total_batch_size=4 * 32 * 2, record_samples=True).resolve(0)
+    train(twin, LocalSession(open_run_dir(twin.output_dir), torch.device("cpu")))
+    elastic, single = train_losses(tmp_path), train_losses(tmp_path / "twin")
+    assert sorted(elastic) == sorted(single) == list(range(16))
+    for s in single:  # DDP's sum over ranks and accumulation's sum differ in rounding only
+        assert elastic[s] == pytest.approx(single[s], rel=1e-4, abs=1e-5), s
+    assert samples_seen(tmp_path) == samples_seen(tmp_path / "twin")
 
 
 def test_preemption_notice_checkpoints_once_and_the_restart_resumes_there(cluster, tmp_path):

@@ -75,3 +75,33 @@ def test_adamw_matches_torch_adamw_in_fp32():
         ref_opt.step()
     for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (n, (a - b).abs().max())
+
+
+def test_adamw_defaults_to_one_process_that_needs_no_process_group():
+    """AdamW's defaults are a single process (rank 0 of 1, no ZeRO): it owns every parameter,
+    and its data-parallel collectives are no-ops that need no torch.distributed process group
+    (found by bench/mutants.sh: a default of world=2 survived the other tests)."""
+    import torch.distributed as dist
+    flat = FlatParameters(tiny_model(), torch.device("cpu"), torch.float32)
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    assert not dist.is_initialized()
+    assert (opt.rank, opt.world, opt.zero_stage) == (0, 1, 0)
+    assert (opt.lo, opt.hi) == (0, flat.num_parameters) and opt.master is None
+    flat.grads.fill_(1.0)
+    opt.reduce_gradients()  # would call into torch.distributed with world > 1
+    opt.gather_params()
+    assert torch.equal(flat.grads, torch.ones_like(flat.grads))
+
+
+def test_a_zero1_rank_holds_optimizer_state_for_its_shard_only():
+    """Rank 1 of 2 under ZeRO-1 owns the second half of the padded buffer (clipped to the real
+    parameters): m, v are that long, and the optimizer reads that slice (no process group is
+    needed to build it; shard-range argument mutants survived the single-process tests)."""
+    flat = FlatParameters(tiny_model(), torch.device("cpu"), torch.float32, pad_multiple=2)
+    n = flat.num_parameters
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, rank=1, world=2,
+                zero_stage=1)
+    half = -(-n // 2)
+    assert (opt.lo, opt.hi) == (half, n) == shard_range(n, 1, 2, 1)
+    assert opt.m.shape == opt.v.shape == (n - half,) and opt.m.dtype == torch.float32
+    assert opt.shard_params.data_ptr() == flat.params[half:].data_ptr()

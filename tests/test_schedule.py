@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from raygpt.schedule import (KINDS, learning_rate, learning_rate_cosine, learning_rate_wsd,
+from raygpt.schedule import (KINDS, learning_rate, learning_rate_wsd,
                              wsd_decay_start)
 
 # Printed with %.9g by a C program computing llm.c's schedulers.h formulas in `float`
@@ -168,6 +168,22 @@ def test_bad_lengths_raise():
     with pytest.raises(ValueError, match="warmup_steps"):
         lr("linear", 0, 1e-3, -1, 10, 0.0)
     # warmup == total: the decay phase has no length, so step == total has no defined value
-    with pytest.raises(ValueError, match="zero length"):
-        learning_rate_cosine(10, peak_lr=1e-3, warmup_steps=10, total_steps=10, final_lr_frac=0.0)
+    # ...and the error names the schedule it came from (the decay phase is shared code)
+    for kind in ("cosine", "linear"):
+        with pytest.raises(ValueError, match=f"schedule '{kind}': the decay phase .* zero length"):
+            lr(kind, 10, 1e-3, 10, 10, 0.0)
     assert lr("cosine", 9, 1e-3, 10, 10, 0.0) == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_wsd_decays_from_its_decay_point_on_not_after_it():
+    """llm.c's WSD holds the plateau while step < decay_point and computes the decay at
+    decay_point itself: min + (1 - sqrt(0)) * (peak - min), which in float32 is not always
+    peak (here one ulp above it: peak - min rounds). A schedule that held the plateau through
+    decay_point would return peak exactly (found by bench/mutants.sh: `<` -> `<=` survived)."""
+    d = wsd_decay_start(100)
+    args = dict(peak_lr=1e-4, warmup_steps=10, total_steps=100, final_lr_frac=0.1)
+    peak = float(np.float32(1e-4))
+    assert learning_rate_wsd(d - 1, **args) == peak
+    at = learning_rate_wsd(d, **args)
+    p, m = np.float32(1e-4), np.float32(1e-4) * np.float32(0.1)
+    assert at == float(m + (np.float32(1.0) - np.sqrt(np.float32(0.0))) * (p - m)) and at != peak

@@ -41,7 +41,9 @@ def s3():
     """(filesystem, uri(path) -> an s3:// URI carrying the endpoint and the credentials)."""
     from moto.server import ThreadedMotoServer
 
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    env = pytest.MonkeyPatch()  # the variable is handed back as it was when the module ends
+    if "AWS_EC2_METADATA_DISABLED" not in os.environ:
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -57,6 +59,7 @@ def s3():
                 f"&region=us-east-1&allow_delayed_open=true")
     yield fs, uri
     server.stop()
+    env.undo()
 
 
 def _put(fs, path: str, data: bytes = b"x") -> None:

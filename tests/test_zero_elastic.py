@@ -10,7 +10,7 @@ import torch
 from raygpt import checkpoint as ck
 from raygpt.storage import open_run_dir
 from raygpt.trainer import run
-from tests.helpers import records, tiny_config, train_losses
+from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with grad accum 2
 
@@ -34,16 +34,6 @@ def ddp(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp")
     run(cfg_for(d))
     return d
-
-
-def samples_seen(run_dir) -> list[tuple[int, int]]:
-    """Every (shard, sample) the final loss curve trained on (latest attempt of each step)."""
-    by_step = {}
-    for r in records(run_dir):
-        if r["kind"] == "train":
-            by_step[r["step"]] = r["samples"]
-    return sorted((shard, i) for ranges in by_step.values() for shard, a, b in ranges
-                  for i in range(a, b))
 
 
 def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, tmp_path):

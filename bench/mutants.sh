@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Mutation testing of raygpt's core modules: mutmut (the `test` extra) changes one small thing at
+# a time in a module (an operator, a constant, a call's argument) and runs the fast tests that
+# cover the changed function; a mutant that no test notices "survives". Prints the kill rate per
+# module; the survivors and the reason each is equivalent (or the test that now kills it) are
+# kept in bench/results/mutants.md.
+#
+#   bench/mutants.sh                      # every core module (long: an hour or more on 2 cores)
+#   bench/mutants.sh schedule outlier     # some of them
+#   MUTANTS_DIR=/tmp/x bench/mutants.sh   # scratch directory (default /tmp/raygpt-mutants)
+#   MUTANTS_REV=HEAD bench/mutants.sh     # a commit's tree instead of the working tree
+#
+# mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
+# the working tree (tracked and untracked-but-not-ignored files), never in the checkout. Each
+# module gets its own copy of the configuration ([tool.mutmut] in pyproject.toml) with
+# only_mutate narrowed to it and the test selection narrowed to the tests that exercise it (the
+# stats pass that maps tests to functions runs every selected test once under tracing).
+# Not part of CI: run it by hand, at low priority (nice), after changing a core module.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SCRATCH=${MUTANTS_DIR:-/tmp/raygpt-mutants}
+MODULES=("$@")
+[ ${#MODULES[@]} -gt 0 ] || MODULES=(schedule outlier optim state data checkpoint loop)
+
+# the fast, Ray-free tests that exercise each module: the pure modules against their own unit
+# tests (seconds), the rest against the loop tests too (they reach every core module; minutes)
+LOOP_TESTS="tests/test_loop.py tests/test_spike.py tests/test_training_behaviour.py"
+tests_for() {
+  case "$1" in
+    schedule)   echo "tests/test_schedule.py" ;;
+    outlier)    echo "tests/test_outlier.py" ;;
+    optim)      echo "tests/test_optim.py" ;;
+    state)      echo "tests/test_outlier.py $LOOP_TESTS" ;;
+    data)       echo "tests/test_data.py $LOOP_TESTS" ;;
+    checkpoint) echo "tests/test_checkpoint.py $LOOP_TESTS" ;;
+    loop)       echo "$LOOP_TESTS" ;;
+    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint loop)" >&2
+       exit 2 ;;
+  esac
+}
+
+summary=()
+for mod in "${MODULES[@]}"; do
+  tests=$(tests_for "$mod")
+  work="$SCRATCH/$mod"
+  rm -rf "$work" && mkdir -p "$work"
+  if [ -n "${MUTANTS_REV:-}" ]; then  # a commit instead of the working tree
+    (cd "$ROOT" && git archive "$MUTANTS_REV") | (cd "$work" && tar -xf -)
+  else
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
+      (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
+  fi
+  python3 - "$work/pyproject.toml" "raygpt/$mod.py" $tests <<'PY'
+import json, re, sys
+path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
+text = open(path).read()
+text = re.sub(r"only_mutate = \[[^\]]*\]", "only_mutate = " + json.dumps([module]), text)
+text = re.sub(r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
+              "pytest_add_cli_args_test_selection = " + json.dumps(tests), text)
+open(path, "w").write(text)
+PY
+  echo "== $mod: mutating raygpt/$mod.py against: $tests"
+  (cd "$work" && PYTHONPATH="$work" nice -n 19 mutmut run --max-children "${MUTANTS_JOBS:-1}" \
+     > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
+  (cd "$work" && mutmut results --all true > "$work/results.txt" 2>&1) || true
+  line=$(python3 - "$work/results.txt" "$mod" <<'PY'
+import collections, sys
+path, mod = sys.argv[1], sys.argv[2]
+counts = collections.Counter()
+for raw in open(path):
+    name, sep, status = raw.strip().rpartition(": ")
+    if sep and name.startswith("raygpt."):
+        counts[status.strip()] += 1
+total = sum(counts.values())
+killed = counts["killed"]
+# a mutant the tests never reach ("no tests") or that hangs past mutmut's limit ("timeout": the
+# tests noticed, by not finishing) is counted as mutmut counts it: not survived, not killed
+detail = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+rate = f"{100 * killed / total:5.1f}%" if total else "  n/a"
+print(f"{mod:<11} {killed:4d}/{total:<4d} killed {rate}   ({detail})")
+PY
+)
+  echo "   $line"
+  summary+=("$line")
+done
+
+echo
+echo "module      killed/total        ($(date -u +%Y-%m-%dT%H:%MZ), mutmut $(mutmut --version 2>/dev/null | awk '{print $NF}'))"
+printf '%s\n' "${summary[@]}"
+echo "survivors: (cd $SCRATCH/<module> && mutmut results; mutmut show <name>)"
