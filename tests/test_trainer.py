@@ -98,9 +98,9 @@ def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, 
     summary = go(cfg.with_overrides({"output_dir": str(run_dir),
                                      "fault": "crash_before_done:rank=0,step=8"}))
     assert summary["step"] == 12 and summary["failures"] == 1
-    rd = open_run_dir(str(run_dir))
-    problems = ck.verify_checkpoint(rd, 8)  # the files of the first attempt, without DONE
-    assert problems and "DONE" in problems[0]
+    # checkpoint 8 had its files but no DONE when rank 0 died at step 10, so the restart passed
+    # over it to 4; the re-trained step 8 is saved and completed again, so its
+    # state after the run says nothing of the first attempt's
     resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
     assert resumes[-1]["resumed_from"] == 4
     assert train_losses(run_dir) == train_losses(full_dir)
@@ -271,7 +271,9 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
 
     kept = json.loads((run_dir / "tracking.json").read_text())
     ids, rows = wandb_history(run_dir)
-    assert ids == [kept["wandb"]["id"]] * 2  # one offline dir per attempt, one run id
+    # one W&B run id across both attempts; the killed attempt's own "run" record may die unwritten
+    # with its process (W&B writes offline files asynchronously), so it is not counted
+    assert ids and set(ids) == {kept["wandb"]["id"]}
     want = {s: r["loss"] for s, r in train.items()}
     resumed = [r["resumed_from"] for r in recs if r["kind"] == "resume"][0]
     got_wandb = latest((r["step"], r["train/loss"]) for r in rows if "train/loss" in r)
