@@ -275,7 +275,8 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     # with its process (W&B writes offline files asynchronously), so it is not counted
     assert ids and set(ids) == {kept["wandb"]["id"]}
     want = {s: r["loss"] for s, r in train.items()}
-    resumed = [r["resumed_from"] for r in recs if r["kind"] == "resume"][0]
+    # where the last attempt began: checkpoint 4, or step 0 when the kill beat checkpoint 4's DONE
+    resumed = next((r["resumed_from"] for r in recs if r["kind"] == "resume"), 0)
     got_wandb = latest((r["step"], r["train/loss"]) for r in rows if "train/loss" in r)
     # the killed attempt's unwritten tail is W&B's to lose (its buffer dies with the process);
     # what W&B has is right, and the last attempt is all there
