@@ -19,7 +19,7 @@ the mean ms/step over the same steps (what a checkpoint's stall moves), the firs
 (compilation included), then a separate pass with syncs that splits a step into
 forward+backward, norm, optimizer; "other" is ms/step minus those three (what the step spends
 outside the GPU's work: host gaps, logging, data). Two MFUs: raygpt's own
-(raygpt.metrics.estimate_mfu, llm.c's 6N + 6LCT per token, what the loop prints) and the
+(raygpt.runlog.mfu.estimate_mfu, llm.c's 6N + 6LCT per token, what the loop prints) and the
 bench's own count: FLOPs of one forward+backward counted by torch.utils.flop_counter, with the
 attention term halved (causal: half the score matrix is masked; FlopCounterMode counts it
 dense), over the datasheet peak. Peak memory. Numbers, not a test.
@@ -71,7 +71,7 @@ import raygpt.loop
 import raygpt.model
 from raygpt.config import TrainConfig
 from raygpt.data import DistributedDataLoader
-from raygpt.metrics import estimate_mfu, flops_per_token, promised_flops
+from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 

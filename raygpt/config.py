@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raygpt import tracking
+from raygpt.runlog import tracking
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DATA_DIR = PACKAGE_DIR / "data_files"
@@ -219,7 +219,7 @@ class TrainConfig:
     """Console line every N steps."""
     record_samples: bool = False
     """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
-    # experiment tracking (rank 0, at the log interval and every validation; see raygpt.tracking)
+    # experiment tracking (rank 0, at the log interval and every validation; see raygpt.runlog.tracking)
     wandb: str = ""
     """W&B project for train/val metrics and the config (needs 'raygpt[wandb]');
     WANDB_MODE=offline keeps the files in <run dir>/wandb; empty: off."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from raygpt.checkpoint import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.data import ShardError
-from raygpt.tracking import TrackingError
+from raygpt.runlog.tracking import TrackingError
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1

@@ -32,7 +32,7 @@ from raygpt.errors import TrainingStopped  # the spike policy escalates: the run
 from raygpt.faults import plan_for
 from raygpt.model import GPT, GPTConfig, kernels_for, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.runlog import RunLog
+from raygpt.runlog.reporter import Reporter
 from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
@@ -216,21 +216,17 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
     resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
     n_params = num_parameters(model)
-    # every event goes to runlog once: console, main.log, loss history, TensorBoard, Ray, trackers
-    runlog = on_exit.enter_context(RunLog(cfg, session, max_steps=max_steps,
-                                          resumed_from=resumed_from, model_config=model.config,
-                                          n_params=n_params))
-    attempt, history, logger = runlog.attempt, runlog.history, runlog.logger  # (rewind's sinks)
+    # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
+    # trackers
+    runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
+                                            resumed_from=resumed_from, model_config=model.config,
+                                            n_params=n_params))
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
     save_clock = signals.SaveClock(cfg.checkpoint_minutes if is_main else 0.0)  # rank 0 decides
 
-    if is_main:
-        print(f"raygpt | {cfg.model}: {n_params:,} parameters | {world} x {session.device_name}"
-              f" | {cfg.precision} | B={cfg.batch_size} T={cfg.seq_len} grad_accum={grad_accum}"
-              f" | {tokens_per_step:,} tokens/step | {max_steps} steps | attempt {attempt}"
-              + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""),
-              flush=True)
+    runlog.start(world=world, grad_accum=grad_accum, tokens_per_step=tokens_per_step,
+                 resumed_from=resumed_from)
     if cfg.compile:
         runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
 
@@ -301,7 +297,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         grad_scale = cfg.grad_clip / norm if norm > cfg.grad_clip else 1.0
 
         if verdict.kind in ("rewind", "escalate"):
-            rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
+            rewind(cfg, state, ckpt, train_loader, runlog, step, verdict, step_samples)
             runlog.restart_at(state.step)
             resumed_from = state.step  # its checkpoint exists: do not write it again
             continue
@@ -356,7 +352,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
                "checkpoint_stall_s": ckpt.stall_seconds, "checkpoint_stalls": ckpt.stalls,
                "checkpoints_written": len(ckpt.write_seconds),
                "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
-               "attempt": attempt,
+               "attempt": runlog.attempt,
                # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
                "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                    if device.type == "cuda" else None)}
@@ -379,7 +375,7 @@ def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
             "update_ratio": dict(zip(flat.names, ratios.tolist()))}
 
 
-def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_samples) -> None:
+def rewind(cfg, state, ckpt, loader, runlog, step, verdict, step_samples) -> None:
     """Seed 001's rewind: back to the newest verified checkpoint before the spike began, with the
     spike's data window added to the persisted skip list; escalate past the policy's limits."""
     ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
@@ -395,13 +391,8 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
     if target is None and escalation is None:
         escalation = (f"no verified checkpoint at or before step {spike_start - cfg.spike.safety_steps}"
                       f" to rewind to (the spike began at step {spike_start})")
-    history.event(step, "rewind", reason=verdict.reason, to_step=target, window=window,
-                  lr_scale=lr_scale, loss_z=verdict.loss_z, rewinds=state.ledger.rewinds)
-    logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
-    if history.enabled:
-        print(f"step {step + 1:5d} | REWIND: {verdict.reason}; back to step {target}, skipping "
-              f"{sum(e - s for _, s, e in window)} samples from now on, lr_scale {lr_scale:.3f}",
-              flush=True)
+    runlog.rewind(step, verdict, target=target, window=window, lr_scale=lr_scale,
+                  rewinds=state.ledger.rewinds)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
     ckpt.rewind_to(target, state, loader, window)  # the decision is durable before it returns

@@ -36,15 +36,17 @@ import contextlib
 import datetime
 import getpass
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 
 from raygpt.config import ConfigError
 from raygpt.storage import RunDir, read_json_bounded, redact
+
+log = logging.getLogger(__name__)
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
@@ -178,7 +180,7 @@ def read_lease(run_dir: RunDir) -> dict | None:
                 and isinstance(d.get("token"), str) and isinstance(d.get("expires"), (int, float))):
             raise ValueError("expected a raygpt lease (format, token, expires)")
     except ValueError as e:
-        print(f"raygpt | WARNING: {run_dir.uri(LEASE)}: ignored ({e})", file=sys.stderr, flush=True)
+        log.warning(f"raygpt | WARNING: {run_dir.uri(LEASE)}: ignored ({e})")
         return None
     return d
 
@@ -258,7 +260,7 @@ class Lease:
                              + (f" ({describe_holder(back)})" if back else "") + "; try again")
         self.held, self._acquired = True, back["acquired"]
         if why not in ("free", "ours"):
-            print(f"raygpt | lease of {self.run_dir.uri()}: {why}", flush=True)
+            log.info(f"raygpt | lease of {self.run_dir.uri()}: {why}")
         return why
 
     def renew(self) -> bool:
@@ -294,14 +296,14 @@ class Lease:
             while not self._stop.wait(self.ttl_s / 4):
                 try:
                     if not self.renew():
-                        print(f"raygpt | WARNING: lost the lease of {self.run_dir.uri()}: "
-                              f"{self.lost}", file=sys.stderr, flush=True)
+                        log.warning(f"raygpt | WARNING: lost the lease of {self.run_dir.uri()}: "
+                                    f"{self.lost}")
                         if on_lost is not None:
                             on_lost(self.lost)
                         return
                 except Exception as e:  # noqa: BLE001 - the next beat retries
-                    print(f"raygpt | WARNING: could not renew the lease of {self.run_dir.uri()}: "
-                          f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    log.warning(f"raygpt | WARNING: could not renew the lease of {self.run_dir.uri()}: "
+                                f"{type(e).__name__}: {e}")
         self._stop.clear()
         self._thread = threading.Thread(target=beat, daemon=True, name="raygpt-lease-heartbeat")
         self._thread.start()

@@ -48,7 +48,7 @@ def check(cfg: TrainConfig) -> list[str]:
 
 
 def check_trackers(cfg: TrainConfig) -> None:
-    from raygpt.tracking import check_mlflow_uri
+    from raygpt.runlog.tracking import check_mlflow_uri
     problem = check_mlflow_uri(cfg.mlflow)
     if problem:
         raise ConfigError(problem)

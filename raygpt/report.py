@@ -28,7 +28,7 @@ from typing import Callable
 from raygpt import checkpoint as ck
 from raygpt.faults import WHAT as FAULT_WHAT
 from raygpt.faults import read_armed, read_fired
-from raygpt.history import LOSS_HISTORY, GoodputTally, iter_history
+from raygpt.runlog.history import LOSS_HISTORY, GoodputTally, iter_history
 from raygpt.storage import RunDir, open_run_dir, redact
 
 Progress = Callable[[str], None]

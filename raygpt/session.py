@@ -37,7 +37,7 @@ class Session:
         """The step of the checkpoint the surroundings restored (Ray's get_checkpoint), if any."""
         return None
 
-    # the least time between two reports of train metrics (raygpt.runlog); 0: at every log step
+    # the least time between two reports of train metrics (raygpt.runlog.reporter); 0: at every log step
     metrics_interval_s: float = 0.0
 
     def report_metrics(self, metrics: dict) -> None:

@@ -20,11 +20,11 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import queue
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +32,8 @@ import weakref
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20  # 8 MiB: streaming unit for hashing and copying (state files can be GBs)
 DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an append uploads it
@@ -426,7 +428,7 @@ class _Writer:
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - the caller is already raising its own error
-            print(f"raygpt | WARNING: {e}", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: {e}")
 
 
 class FileTooLarge(ValueError):
@@ -579,9 +581,9 @@ class _Appends:
         if stored is not None and stored > m.synced:
             self._splice_foreign(m, stored)
         elif stored != m.synced and not (stored is None and m.synced == 0):
-            print(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
-                  f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
-                  f"uploading this process's copy", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
+                        f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
+                        f"uploading this process's copy")
         parent = m.remote.rpartition("/")[0]
         if stored is None and parent:
             self.fs.create_dir(parent, recursive=True)
@@ -633,8 +635,8 @@ class _Appends:
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - a finalizer must not raise
-            print(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
-                  f"their local copies stay in {self.tmpdir}", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
+                        f"their local copies stay in {self.tmpdir}")
 
 
 def _copy_exactly(src, dst, n: int) -> None:

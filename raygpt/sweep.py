@@ -82,7 +82,7 @@ from raygpt import checkpoint as ck
 from raygpt import preflight
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
-from raygpt.history import read_history
+from raygpt.runlog.history import read_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.ownership import Lease, check_overwrite, read_marker, write_marker
 from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact

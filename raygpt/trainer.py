@@ -56,13 +56,14 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import preflight, signals, tracking
+from raygpt import preflight, signals
+from raygpt.runlog import tracking
 from raygpt.checkpointer import finalize_checkpoint
 from raygpt.config import ConfigError, TrainConfig, absolute_output_dir
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
 from raygpt.faults import announce as announce_faults
 from raygpt.faults import armed_spec, parse_spec
-from raygpt.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.runlog.history import LOSS_HISTORY, read_history, summarize_run
 from raygpt.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ownership import (Lease, check_overwrite, is_own_file, read_marker,
                               refused_overwrite_target, write_marker)

@@ -17,10 +17,10 @@ import pytest
 
 from raygpt import checkpoint as ck
 from raygpt.cli import main
-from raygpt.history import LOSS_HISTORY, RunHistory
+from raygpt.runlog.history import LOSS_HISTORY, RunHistory
 from raygpt.report import format_status, load_run, plot_run, run_status
 from raygpt.storage import open_run_dir
-from raygpt.tensorboard import TensorBoardWriter, read_events, read_scalars
+from raygpt.runlog.tensorboard import TensorBoardWriter, read_events, read_scalars
 
 TOKENS_PER_STEP = 256
 DT = 0.5  # seconds per step -> 512 tok/s

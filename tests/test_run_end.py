@@ -25,7 +25,7 @@ from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPP
                            TrainingStopped, stop_code)
 from raygpt.signals import SaveClock
 from raygpt.storage import open_run_dir
-from raygpt.tracking import TrackingError
+from raygpt.runlog.tracking import TrackingError
 from raygpt.trainer import RunFailed, StopOnRunStopped, run
 from tests.helpers import records, tiny_config, train_losses
 

@@ -23,7 +23,7 @@ from raygpt import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.data import DistributedDataLoader, write_shard
 from raygpt.faults import RECORD, armed_spec, plan_for
-from raygpt.history import LOSS_HISTORY
+from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
 from raygpt.report import check_checkpoints, quick_check, run_status
 from raygpt.storage import RunDir, open_run_dir

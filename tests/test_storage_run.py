@@ -19,7 +19,7 @@ import torch
 
 from raygpt import checkpoint as ck
 from raygpt.config import TrainConfig
-from raygpt.history import read_history
+from raygpt.runlog.history import read_history
 from raygpt.loop import train
 from raygpt.report import load_run, run_status
 from raygpt.session import LocalSession

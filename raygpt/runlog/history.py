@@ -16,10 +16,12 @@ flushes at every checkpoint publish.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
-from raygpt.metrics import steps_logged
 from raygpt.storage import RunDir
+
+log = logging.getLogger(__name__)
 
 LOSS_HISTORY = "loss_history.jsonl"
 SAMPLES = "samples.jsonl"
@@ -37,7 +39,7 @@ def iter_records(lines, name: str):
         try:
             rec = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
-            print(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}", flush=True)
+            log.warning(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}")
             continue
         if isinstance(rec, dict):
             yield rec
@@ -89,6 +91,18 @@ class ResumeAudit:
         return None
 
 
+def steps_logged(records: list[dict]) -> dict[int, float]:
+    """{step: loss} from loss-history records, the latest attempt of each step winning (the file
+    is in time order, so a step re-run after a resume or rewind overrides its earlier line).
+    Step records carry "step" and "loss"; records with an "event" key (a skip or rewind note,
+    even one that repeats the loss) are ignored."""
+    out: dict[int, float] = {}
+    for rec in records:
+        if "step" in rec and "loss" in rec and "event" not in rec:
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
 def trajectory_losses(records) -> dict[int, float]:
     """{step: loss} of the trajectory the run is on, from loss-history records in file order:
     each step's latest train record, without the steps a rewind abandoned (a rewind to
@@ -137,7 +151,7 @@ class RunHistory:
         if self.enabled:
             line = self.audit.observe(step, fields["loss"])
             if line:
-                print(f"raygpt | {line}", flush=True)
+                log.info(f"raygpt | {line}")
                 self.event(step, "audit", message=line, matched=self.audit.matched)
 
     def val(self, step: int, val_loss: float) -> None:
