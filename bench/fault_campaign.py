@@ -405,7 +405,7 @@ def execute(campaign: Campaign, workdir, log=print) -> dict:
     log(f"campaign | seed {campaign.seed} | {campaign.max_steps} steps | spikes at "
         f"{campaign.nan_steps} | faults: {campaign.spec} | from outside: "
         + (", ".join(f"{k} after step {s}" for k, s, _ in campaign.external) or "none"))
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from raygpt.config import DEFAULT_TRAIN, TrainConfig
 from raygpt.data import DistributedDataLoader
 from raygpt.model import GPT, GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.trainer import run
+from raygpt.ray.driver import run
 
 
 def losses(run_dir) -> dict:

@@ -37,20 +37,6 @@ from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
 
-# After the first step (compiled, warmed up) the live objects are moved out of the collector's
-# reach (gc.freeze): a full collection otherwise walks Dynamo's and Inductor's caches and
-# stalls a step for tens of milliseconds now and then (bench/profile_step.py prints the pauses).
-GC_FREEZE_AFTER_FIRST_STEP = True
-
-# The next micro-batch is gathered on the host and copied to the device while the GPU runs the
-# backward pass (DistributedDataLoader.prefetch), not after the step's sync. A switch so the
-# throughput bench can measure it (its `noprefetch` variant).
-PREFETCH_BATCHES = True
-
-# torch.compile's mode for the model (None: Inductor's default). "reduce-overhead" replays the
-# forward and backward graphs as CUDA graphs. A switch so the throughput bench can measure it.
-COMPILE_MODE = None
-
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
 
@@ -79,6 +65,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
     else:
         model = load_model_file(cfg.model)
+    model.loss_impl, model.ce_kernel = cfg.loss_impl, cfg.ce_kernel  # (--loss-impl, --no-ce-kernel)
     model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type))
     return model.to(device)
 
@@ -155,7 +142,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
                 raise NonDeterministicOp(_op_named_in(str(e))) from e
             raise
         finally:
-            if GC_FREEZE_AFTER_FIRST_STEP:
+            if cfg.gc_freeze:
                 gc.unfreeze()  # what the loop froze is collectable again once it is over
 
 
@@ -210,7 +197,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
     tokens_per_step = cfg.total_batch_size
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // tokens_per_step)
-    forward = torch.compile(model, mode=COMPILE_MODE) if cfg.compile else model
+    forward = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
 
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
@@ -271,7 +258,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
             # token-weighted mean over the whole window and all ranks (grads are SUM-reduced)
             ((loss_sum + z_sum) / tokens_per_step).backward()
             loss_acc += loss_sum.detach()
-            if PREFETCH_BATCHES:  # the next micro-batch's gather and copy, during this backward
+            if cfg.prefetch_batches:  # the next micro-batch's gather and copy, during this backward
                 train_loader.prefetch(device)
         opt.reduce_gradients()
         norm_sq = opt.grad_norm_squared()  # this rank's shard; all of it without ZeRO
@@ -320,7 +307,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         state.tokens_seen += tokens_per_step
         state.clipped += int(norm > cfg.grad_clip)
 
-        if step == first_step and GC_FREEZE_AFTER_FIRST_STEP:
+        if step == first_step and cfg.gc_freeze:  # (a full collection stalls a step: see config)
             gc.collect()
             gc.freeze()
 

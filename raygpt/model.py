@@ -126,11 +126,6 @@ def kernels_for(deterministic: bool, device_type: str) -> dict:
     if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
         return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
     return {}
-# The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton
-# kernel on CUDA, one read of the logits) when True; the same math as PyTorch ops (which
-# Inductor fuses into a kernel that reads each row three times) when False. z-loss keeps the
-# PyTorch ops, as it also needs the softmax itself.
-USE_CE_KERNEL = True
 _SDPA_PRIORITY = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -171,7 +166,8 @@ class _FusedClassifierLoss(torch.autograd.Function):
     with the input gradients computed in forward (see the notes above)."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size: int, z_loss: float, chunk_rows: int):
+    def forward(ctx, x, weight, targets, vocab_size: int, z_loss: float, chunk_rows: int,
+                ce_kernel: bool):
         N, with_z = x.shape[0], z_loss > 0.0
         loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -183,7 +179,7 @@ class _FusedClassifierLoss(torch.autograd.Function):
             X, t = x[lo:hi], targets[lo:hi]                                    # (n, C), (n,)
             L = X @ weight.t()                                                 # (n, Vp)
             keep = t != -1
-            if with_z or not USE_CE_KERNEL:
+            if with_z or not ce_kernel:
                 Lf, lse, target_logit, row_max, row_min = logit_statistics(L, t, vocab_size)
                 p = torch.exp(Lf - lse[:, None])                               # (n, Vp), 0 in pads
                 onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
@@ -222,23 +218,28 @@ class _FusedClassifierLoss(torch.autograd.Function):
         else:
             dx, dw = ctx.saved_tensors
             grad_x, grad_w = dx * g_loss, dw * g_loss
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None, None
 
 
 def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           vocab_size: int, *, z_loss: float = 0.0,
-                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS):
+                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS, ce_kernel: bool = True):
     """Cross-entropy of the classifier x @ weight^T over the first vocab_size columns, in row
     chunks, without the full logits. x (N, C) final hidden states, weight (Vp, C), targets (N,)
     with -1 = ignore. Returns fp32 scalars (loss_sum, z_sum, max_abs_logit):
     loss_sum = sum over kept rows of CE, z_sum = z_loss * sum over kept rows of lse^2 (a 0 that
     carries no gradient when z_loss is 0), max_abs_logit = max |logit| over every row and the
     real columns (no gradient). With grad enabled the input gradients are computed here and
-    backward only scales them; without (evaluation), only the statistics are computed."""
+    backward only scales them; without (evaluation), only the statistics are computed.
+    ce_kernel: the softmax gradient without z-loss as raygpt.ops.cross_entropy_grad (one Triton
+    kernel on CUDA, one read of the logits), else as PyTorch ops (which Inductor fuses into a
+    kernel that reads each row three times); z-loss keeps the PyTorch ops, as it also needs
+    the softmax itself."""
     if chunk_rows < 1:
         raise ValueError(f"fused_classifier_loss: expected chunk_rows >= 1, found {chunk_rows}")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _FusedClassifierLoss.apply(x, weight, targets, vocab_size, float(z_loss), chunk_rows)
+        return _FusedClassifierLoss.apply(x, weight, targets, vocab_size, float(z_loss), chunk_rows,
+                                          ce_kernel)
     loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     max_abs = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
@@ -317,15 +318,18 @@ class GPT(nn.Module):
 
     Implementation choices, each None = the module default at construction: loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
-    (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS). They change speed, memory and
+    (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
+    gradient as raygpt's kernel, see fused_classifier_loss). They change speed, memory and
     determinism, not the function computed (`use_kernels` changes the last two later)."""
 
     def __init__(self, config: GPTConfig, *, init_seed: int | None = 42,
                  loss_impl: str | None = None, ce_chunk_rows: int | None = None,
-                 sdpa_backend: str | None = None, embedding_impl: str | None = None):
+                 sdpa_backend: str | None = None, embedding_impl: str | None = None,
+                 ce_kernel: bool = True):
         super().__init__()
         self.config = config
         self.loss_impl = DEFAULT_LOSS_IMPL if loss_impl is None else loss_impl
+        self.ce_kernel = ce_kernel  # see fused_classifier_loss
         self.ce_chunk_rows = DEFAULT_CE_CHUNK_ROWS if ce_chunk_rows is None else ce_chunk_rows
         sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
         if self.loss_impl not in LOSS_IMPLS:
@@ -431,7 +435,7 @@ class GPT(nn.Module):
         if self.loss_impl == "fused":
             loss_sum, z_sum, max_abs = fused_classifier_loss(
                 x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T).long(), V,
-                z_loss=z_loss, chunk_rows=self.ce_chunk_rows)
+                z_loss=z_loss, chunk_rows=self.ce_chunk_rows, ce_kernel=self.ce_kernel)
             self.last_max_logit = max_abs.detach()
             return loss_sum, z_sum
 

@@ -18,7 +18,7 @@ was expected, or returns what it found (for the start-up line):
 - trackers: an --mlflow URI MLflow cannot open (`tracking.check_mlflow_uri`; a missing wandb or
   mlflow package is refused earlier, by `TrainConfig.validate`).
 
-`raygpt.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
+`raygpt.ray.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
 of a Ray Tune sweep that can be known before Tune samples anything, before Ray starts.
 
 Nothing here needs Ray; the data and model checks read headers only, the resume check reads one

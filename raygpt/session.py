@@ -2,7 +2,7 @@
 
 A `Session` says who this worker is (rank, world, device), where the run directory is, which
 checkpoint the surroundings want it to resume from, and how to publish a checkpoint. Under Ray
-Train that is `raygpt.trainer.RaySession` (ray.train.report with a Checkpoint, a driver-side
+Train that is `raygpt.ray.worker.RaySession` (ray.train.report with a Checkpoint, a driver-side
 callback writes DONE and MANIFEST); `LocalSession` is the same protocol for a single process
 without Ray, which publishes a checkpoint by copying it into the run directory itself.
 """

@@ -26,7 +26,7 @@ from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPP
 from raygpt.signals import SaveClock
 from raygpt.storage import open_run_dir
 from raygpt.runlog.tracking import TrackingError
-from raygpt.trainer import RunFailed, StopOnRunStopped, run
+from raygpt.ray.driver import RunFailed, StopOnRunStopped, run
 from tests.helpers import records, tiny_config, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,13 +126,13 @@ def test_spike_escalation_stops_the_run_without_a_retry(local_ray, tmp_path):
 
 
 def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(local_ray):
-    """raygpt.pg_cleanup's reaper on its own, with a stand-in for Ray Train's controller: killed
+    """raygpt.ray.pg_cleanup's reaper on its own, with a stand-in for Ray Train's controller: killed
     for real, its placement group is removed (no State API involved: this test process's Ray has
     no dashboard); stopped in order first (the controller removes its own group), the reaper
     exits and leaves the group alone even when the controller dies later."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    from raygpt.pg_cleanup import PlacementGroupReaper
+    from raygpt.ray.pg_cleanup import PlacementGroupReaper
 
     @ray.remote(num_cpus=0)
     class Controller:

@@ -27,7 +27,7 @@ from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
 from raygpt.report import check_checkpoints, quick_check, run_status
 from raygpt.storage import RunDir, open_run_dir
-from raygpt.trainer import claimed_run_dir, prepare_run_dir
+from raygpt.ownership import claimed_run_dir, prepare_run_dir
 from tests.helpers import tiny_config
 
 SECRET = "TOPSECRETkey/with+slash"
@@ -331,16 +331,17 @@ def test_a_claim_refuses_a_second_job_and_releases_on_the_way_out(tmp_path):
 def test_a_run_starts_its_own_ray_unless_an_address_is_given(monkeypatch):
     import ray
 
-    from raygpt import sweep, trainer
+    from raygpt.ray import driver
+    from raygpt.ray import sweep
     seen = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda address=None, **kw: seen.append(address))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    trainer.init_ray()
+    driver.init_ray()
     sweep._ensure_ray(None)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    trainer.init_ray()
-    trainer.init_ray("ray://head:10001")
+    driver.init_ray()
+    driver.init_ray("ray://head:10001")
     assert seen == ["local", "local", "10.0.0.1:6379", "ray://head:10001"]
 
 
@@ -508,10 +509,11 @@ def test_status_prints_no_terminal_escapes_and_no_credentials(tmp_path):
 
 
 def test_failure_reports_and_sweep_plans_never_hold_credentials(tmp_path, s3):
-    from raygpt import sweep, trainer
+    from raygpt.ray import driver
+    from raygpt.ray import sweep
     fs, uri = s3
     cfg = tiny_config(uri("bucket/failed"))
-    report = trainer._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
+    report = driver._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
     assert SECRET not in report and QUOTED not in report and "AKIATEST" not in report
     assert "s3://***@bucket/failed?endpoint_override" in report and "s3://***@bucket/x" in report
     sweep_dir = uri("bucket/sweep")

@@ -9,7 +9,7 @@ import torch
 
 from raygpt import checkpoint as ck
 from raygpt.storage import open_run_dir
-from raygpt.trainer import run
+from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with grad accum 2

@@ -9,7 +9,7 @@ import ray
 
 from raygpt import checkpoint as ck
 from raygpt.storage import open_run_dir
-from raygpt.trainer import RunFailed, run
+from raygpt.ray.driver import RunFailed, run
 from tests.helpers import records, tiny_config, train_losses
 
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
@@ -130,7 +130,7 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
 
 
 def snapshot_names(run_dir) -> list[str]:
-    from raygpt.ray_snapshot import SNAPSHOT
+    from raygpt.ray.snapshot import SNAPSHOT
     snap = json.loads((run_dir / SNAPSHOT).read_text())
     return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
 
@@ -230,7 +230,8 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     from mlflow.tracking import MlflowClient
     from ray.train import UserCallback
 
-    from raygpt.trainer import build_trainer, create_control, prepare_run_dir
+    from raygpt.ownership import prepare_run_dir
+    from raygpt.ray.driver import build_trainer, create_control
     from tests.test_tracking import latest, wandb_history
 
     class RecordReports(UserCallback):  # defined here: pickled by value to the controller
