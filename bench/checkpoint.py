@@ -63,7 +63,7 @@ def main():
           f" vs one step {1000 * med(base_dts):.1f} ms")
     print(f"writing one checkpoint (background thread): {statistics.mean(ck_sum['checkpoint_write_s']):.2f} s")
     print(f"whole run wall time: {base_wall:.1f} s without, {ck_wall:.1f} s with checkpoints")
-    print(f"loading a {size / 2**30:.2f} GiB checkpoint (read, verify header, restore in seed 000's order): {load_s:.2f} s")
+    print(f"loading a {size / 2**30:.2f} GiB checkpoint (read, verify header, restore in llm.c's order): {load_s:.2f} s")
 
 
 if __name__ == "__main__":

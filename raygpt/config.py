@@ -80,7 +80,7 @@ def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSI
 
 @dataclass
 class SpikeConfig:
-    """Seed 001's loss-spike policy on top of llm.c's z-score skip."""
+    """The loss-spike policy (raygpt.outlier.SpikeMonitor) on top of llm.c's z-score skip."""
 
     enabled: bool = knob(False, section="spike", long="--spike")
     """Turn the spike monitor on (skip isolated outliers, rewind sustained spikes)."""
@@ -190,7 +190,7 @@ class TrainConfig:
     checkpoint_every: int | None = knob(None, section="checkpoint", short="-n",
                                         may_change_on_resume=True)
     """Write a checkpoint every N steps (-n); 0 writes only at the end and on signals. Default:
-    100 on GPU (seed 002), 50 on CPU (the 100-step CPU job checkpoints once before its end)."""
+    100 on GPU, 50 on CPU (the 100-step CPU job checkpoints once before its end)."""
     checkpoint_minutes: float = knob(0.0, section="checkpoint", may_change_on_resume=True)
     """Also write a checkpoint once this many minutes have passed since the last one
     (--checkpoint-minutes), for long runs; rank 0's clock decides and every rank saves at the
@@ -211,7 +211,7 @@ class TrainConfig:
 
     # ==== the loss-spike monitor (--spike, --spike-*)
     spike: SpikeConfig = knob(factory=SpikeConfig, section="spike")
-    """Seed 001's loss-spike monitor: --spike turns it on, --spike-* set its knobs."""
+    """The loss-spike monitor (raygpt.outlier): --spike turns it on, --spike-* set its knobs."""
 
     # ==== the run directory, logging and fault injection (-o)
     output_dir: str = knob("runs/shakespeare", section="run", short="-o", metavar="DIR|URI",

@@ -28,10 +28,11 @@ import dataclasses
 import glob
 import hashlib
 import os
-import tempfile
 import typing
 
 import numpy as np
+
+from raygpt.atomic_file import atomic_local_file
 
 if typing.TYPE_CHECKING:
     import torch
@@ -51,8 +52,8 @@ class ShardError(ValueError):
 # ---------------------------------------------------------------------------- shard file format
 
 def write_shard(path: str | os.PathLike, tokens) -> None:
-    """Write `tokens` as an llm.c shard at `path`, atomically (temp file, fsync, rename), so a
-    crash never leaves a half-written shard under the final name."""
+    """Write `tokens` as an llm.c shard at `path`, atomically (raygpt.atomic_file), so a crash
+    never leaves a half-written shard under the final name."""
     path = os.fspath(path)
     toks = np.asarray(tokens)
     if toks.ndim != 1:
@@ -68,34 +69,9 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, toks.size
 
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.tobytes())
-            f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not every filesystem lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with atomic_local_file(path) as f:
+        f.write(header.tobytes())
+        f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
 
 
 def read_shard_header(path: str | os.PathLike) -> int:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +41,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt import ops
+from raygpt.atomic_file import atomic_local_file
 from raygpt.config import MODEL_SHAPES
 from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
@@ -609,7 +609,7 @@ def model_file_size(cfg: GPTConfig, dtype: torch.dtype) -> int:
 def write_model_file(path, model: GPT, dtype: torch.dtype = torch.float32) -> None:
     """Write model as an llm.c model file (version 3 fp32 or 5 bf16), atomically."""
     header = model_header(model.config, dtype)
-    with _atomic_writer(path) as f:
+    with atomic_local_file(path) as f:
         f.write(header.tobytes())
         for _, params in llmc_parameter_layout(model):
             for p in params:
@@ -635,7 +635,7 @@ def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.d
     if not flat.is_floating_point():
         raise ModelFileError(path, "flat_params", "a floating-point buffer", flat.dtype)
     header = model_header(cfg, dtype)
-    with _atomic_writer(path) as f:
+    with atomic_local_file(path) as f:
         f.write(header.tobytes())
         _write_values(f, flat, dtype)
 
@@ -711,37 +711,3 @@ def _write_values(f, flat: torch.Tensor, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:
             chunk = chunk.view(torch.int16)
         f.write(memoryview(chunk.numpy()).cast("B"))
-
-
-class _atomic_writer:
-    """Write to `<path>.tmp.<pid>`, fsync, then rename over path: a reader sees the old file or
-    the whole new one, never a half-written file."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp.{os.getpid()}")
-
-    def __enter__(self):
-        self.f = open(self.tmp, "wb")
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
-                self.f.flush()
-                os.fsync(self.f.fileno())
-        finally:
-            self.f.close()
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            return False
-        os.replace(self.tmp, self.path)
-        try:  # make the rename itself durable (best effort: not every filesystem allows it)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError:
-            pass
-        return False

@@ -5,8 +5,8 @@ A run directory is a `pyarrow.fs` filesystem plus a root path: a local or NFS pa
 in `PyFileSystem`). `RunDir` takes paths relative to the root, always with `/` separators.
 
 Durability differs by backend and is handled here so callers never think about it:
-- local: an atomic write is temp file in the same directory + fsync + rename + fsync of the
-  directory, so a crash leaves either the old file or the new one, never a torn one;
+- local: an atomic write is raygpt.atomic_file's (temp file in the same directory, fsync,
+  rename, fsync of the directory), so a crash leaves the old file or the new one, never a torn one;
 - object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
 Object stores have no append: appends go to a local mirror of the file that is uploaded whole
 (one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
@@ -32,6 +32,8 @@ import weakref
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+from raygpt.atomic_file import write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -455,25 +457,6 @@ def read_json_bounded(run_dir: "RunDir", rel: str, max_bytes: int = MAX_JSON_BYT
         return json.loads(data.decode("utf-8"))
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{run_dir.uri(rel)}: expected UTF-8 JSON ({e})") from e
-
-
-def write_local_atomic(target: Path, chunks) -> None:
-    """Write `chunks` (bytes-like) to a local file atomically: a temporary file in the same
-    directory, fsync, rename over the target, fsync the directory (so the rename is durable).
-    A crash leaves the old file or the new one, never a mix; a failure removes the temp file."""
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_path(target.parent)
 
 
 def _fsync_path(path: Path) -> None:

@@ -2,7 +2,7 @@
 
 `loss_history.jsonl` gets one line per step, validation, event (skip, rewind, resume, failure,
 end) and never loses one: it is appended across restarts and policy changes, never truncated or
-rewritten (seed 002). Each record carries the attempt number. When a resumed attempt passes steps
+rewritten. Each record carries the attempt number. When a resumed attempt passes steps
 an earlier attempt already logged, the audit compares the two losses as floats and says either
 "resume verified bit-exact over K steps" or where and by how much they first differ, so a resume
 that lost state is noticed at once, not a week later.
