@@ -15,12 +15,7 @@ from tests.helpers import records, tiny_config, train_losses
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/ray_seam/conftest.py
 
 def go(cfg):
     return run(cfg.resolve(0))
@@ -232,7 +227,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
 
     from raygpt.ownership import prepare_run_dir
     from raygpt.ray.driver import build_trainer, create_control
-    from tests.test_tracking import latest, wandb_history
+    from tests.runlog.test_tracking import latest, wandb_history
 
     class RecordReports(UserCallback):  # defined here: pickled by value to the controller
         def __init__(self, path):

@@ -29,7 +29,7 @@ from raygpt.runlog.tracking import TrackingError
 from raygpt.ray.driver import RunFailed, StopOnRunStopped, run
 from tests.helpers import records, tiny_config, train_losses
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2)
 
 
@@ -83,13 +83,6 @@ def test_failure_policy_raises_on_run_stopped_and_retries_the_rest():
 
 
 # ---------------------------------------------------------------------- in-process runs
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
 
 def go(cfg):
     return run(cfg.resolve(0))
@@ -165,7 +158,7 @@ def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(loc
 
 
 # A killed worker is still retried under this failure policy and resumes bit-exactly:
-# tests/test_trainer.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
+# tests/ray_seam/test_driver.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
 
 CTRL_C = dict(num_workers=2, max_steps=30, checkpoint_every=10, total_batch_size=4 * 32 * 2)
 
