@@ -28,7 +28,9 @@ def atomic_local_file(target: str | os.PathLike):
     """`with atomic_local_file(path) as f: f.write(...)`: `f` is a binary file in the target's
     directory that replaces `path` atomically and durably when the block ends without an error."""
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
+    # <name>.tmp-<random>: every temporary name raygpt makes carries ".tmp-" (a reader of a run
+    # or stage directory skips such names; see checkpoint's _TEMP_MARK)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
