@@ -36,17 +36,18 @@ with the first baseline's step by step; the two baseline runs' difference is the
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
 Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's
 GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
-its own kernels, `det` is the loop's --deterministic mode (with PyTorch's deterministic kernels
-while raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC is off, `det+torchdet` forces them),
-`raygpt` picks raygpt's deterministic attention and embedding backward (`det+raygpt`: with
-strict mode), `ckpt@N` checkpoints every N steps
+its own kernels, `det` is the loop's deterministic mode (the GPU default: raygpt's deterministic
+attention and embedding backward), `det+torchdet` the same with PyTorch's deterministic kernels
+instead (raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC off: the "before"), `raygpt` picks
+raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
 module defaults. The loop builds its own model, so a variant sets raygpt.model's and
 raygpt.loop's module switches (and Inductor's config) for its run and restores them after.
 --no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
 e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
-kernels, strict with raygpt's). --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
+kernels, strict with raygpt's). `default` is raygpt.model's module defaults, which are the
+non-deterministic kernels: a run's own default (deterministic on GPUs) is the `det` row. --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
 
@@ -287,7 +288,7 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
                   max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
                   output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
                   warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
-                  compile=True)
+                  compile=True, deterministic=False)  # the `det` variant turns it on
     return TrainConfig(**{**fields, **(overrides or {})}).resolve(1)
 
 
@@ -500,7 +501,7 @@ def main():
                         max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
                         output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
                         warmup_steps=0, scheduler="constant", learning_rate=3e-4,
-                        final_lr_frac=1.0).resolve(1)
+                        final_lr_frac=1.0, deterministic=False).resolve(1)  # as the default row
         run(c)
         recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
         t = [r["dt"] for r in recs if r["kind"] == "train"]

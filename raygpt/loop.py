@@ -210,7 +210,8 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
     tokens_per_step = cfg.total_batch_size
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // tokens_per_step)
-    forward = torch.compile(model, mode=COMPILE_MODE) if cfg.compile else model
+    # static shapes: validation batches of another size must not make the training graph symbolic
+    forward = torch.compile(model, mode=COMPILE_MODE, dynamic=False) if cfg.compile else model
 
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)

@@ -80,6 +80,47 @@ def test_compiled_code_keeps_its_kernel_lookup_after_the_first_eager_call():
     assert "compile check passed" in out, out
 
 
+def test_training_graph_stays_static_after_a_validation_of_another_batch_size(tmp_path, monkeypatch):
+    """The default GPU run validates 15-sample batches (the bundled validation set holds 31 of
+    1,024 tokens) before training on 16: Dynamo's automatic dynamic shapes then compiled the
+    training graph with a symbolic batch size, which under --deterministic (Inductor's reduction
+    configs fixed, the batch hint canonicalized) cost 16% of a step on 2 H200s
+    (bench/results/h200x2_det_default_2026-11-30.log). Every graph the loop compiles must have
+    static shapes; Dynamo's own graph capture is what decides it, so a recording backend stands
+    in for Inductor here."""
+    import raygpt.loop
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        # a symbolic size enters the graph as an input of its own (a SymInt beside the tensors)
+        graphs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        return gm.forward
+
+    real_compile = torch.compile
+
+    def compile_recording(model, **kw):
+        kw.pop("mode", None)  # an Inductor option: the recording backend takes none
+        return real_compile(model, backend=recording_backend, **kw)
+
+    monkeypatch.setattr(raygpt.loop.torch, "compile", compile_recording)
+    torch._dynamo.reset()
+    cfg = tiny_config(tmp_path / "run", compile=True, max_steps=3, val_every=2, val_batch_size=3,
+                      checkpoint_every=0)
+    try:
+        raygpt.loop.train(cfg.resolve(0), LocalSession(open_run_dir(cfg.output_dir),
+                                                       torch.device("cpu")))
+    finally:
+        torch._dynamo.reset()
+    batch_sizes = {x[0] for g in graphs for x in g if isinstance(x, tuple) and len(x) == 2}
+    assert len(graphs) >= 2 and {3, 4} <= batch_sizes, graphs  # validation's graph and training's
+    symbolic = [[x for x in g if not isinstance(x, tuple)] for g in graphs]
+    assert not any(symbolic), f"graphs compiled with symbolic sizes: {symbolic}"
+
+
 # ---------------------------------------------------------------------- the checks (subprocess)
 
 def _check_loop(device: str) -> None:
