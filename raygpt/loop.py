@@ -60,12 +60,14 @@ NOT_DETERMINISTIC = "does not have a deterministic implementation"
 
 
 class NonDeterministicOp(ConfigError):
-    """--deterministic met an op with no deterministic implementation: the run cannot keep its
-    promise, and a restart would meet the same op (a bad-input error, not a fault to retry)."""
+    """Deterministic mode (the GPU default, or --deterministic) met an op with no deterministic
+    implementation: the run cannot keep its promise, and a restart would meet the same op (a
+    bad-input error, not a fault to retry)."""
 
     def __init__(self, op: str):
-        super().__init__(f"--deterministic: {op} has no deterministic implementation on this "
-                         f"device; run without --deterministic, or avoid the op")
+        super().__init__(f"--deterministic (the default on GPUs): {op} has no deterministic "
+                         f"implementation on this device; run with --no-deterministic (resumes "
+                         f"are then close, not bit-exact), or avoid the op")
         self.op = op
 
 
