@@ -1,10 +1,15 @@
-"""Throughput of raygpt's training step against a plain PyTorch baseline, side by side on one GPU.
+"""Throughput of raygpt's training step against llm.c's own train_gpt2.py and a plain PyTorch
+baseline, side by side on one GPU.
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
                                [--variants default,cudnn,det,ckpt@100] [--split-only]
-                               [--no-rebaseline] [--no-baseline]
+                               [--no-rebaseline] [--no-baseline] [--no-llmc] [--anchors DIR]
 
-Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one process:
+The baseline of record is llm.c's PyTorch trainer, unchanged (`../shared/anchors`, run by
+bench/anchor.py in a child process with the same model, batch and constant learning rate): its
+row comes first and, unless --no-rebaseline, again after the raygpt rows; every raygpt row's
+ratio is against the mean of the two, and the loss comparison is against its first run.
+Then, in this process, the same GPT-2 (raygpt.model.GPT, same init, same data) on two sides:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
   (loss_impl="reference": full logits, fp32 cross-entropy), torch.optim.AdamW(fused=True),
   torch.nn.utils.clip_grad_norm_ (what llm.c's train_gpt2.py does). It is pinned: raygpt's
@@ -75,6 +80,8 @@ from raygpt.data import DistributedDataLoader
 from raygpt.metrics import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
+
+import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 
 
 def cuda_time(fn) -> float:
@@ -378,6 +385,11 @@ def main():
     p.add_argument("--no-rebaseline", action="store_true",
                    help="run the baseline only once, before the raygpt rows (by default it runs "
                         "again after them, and each ratio is against the mean of both runs)")
+    p.add_argument("--no-llmc", action="store_true",
+                   help="skip llm.c's train_gpt2.py (the baseline of record, before and after)")
+    p.add_argument("--anchors", default=None,
+                   help="folder holding llm.c's train_gpt2.py and its offline runner "
+                        "(default: $RAYGPT_ANCHORS or ../shared/anchors)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the PyTorch baseline (raygpt rows only, compared with the first)")
     p.add_argument("--split-only", action="store_true",
@@ -469,6 +481,20 @@ def main():
         row(name, b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
         print(f"{'':28s} {clocks.summary(name)}", flush=True)
 
+    def run_llmc(name):
+        """llm.c's own trainer in a child process on this GPU (bench/anchor.py): its step times
+        and losses as printed; the clock window is its last timed steps, counted back from its
+        exit (its shutdown is short against them)."""
+        r = anchor.run(anchor.command(depth=args.depth, batch=args.batch, seq=args.seq,
+                                      steps=args.steps, anchors=args.anchors))
+        end = time.time()
+        clocks.mark(name, (end - sum(r.times[args.warmup:]), end))
+        row(name, r.times, None, float("nan"), r.losses)
+        print(f"{'':28s} {clocks.summary(name)}", flush=True)
+
+    if not args.no_llmc:
+        anchor.runner_path(args.anchors)  # missing: say so before minutes of compiling
+        run_llmc("llm.c train_gpt2.py")
     if not args.no_baseline:
         run_baseline("pytorch baseline")
     for i, spec in enumerate(variants):
@@ -492,6 +518,8 @@ def main():
         # the same baseline again: if the GPU drifted (clocks, heat) over the raygpt rows, the
         # two baseline rows differ, and the ratio is against their mean
         run_baseline("pytorch baseline again")
+    if not (args.no_rebaseline or args.no_llmc):
+        run_llmc("llm.c train_gpt2.py again")
     if args.ray:
         import ray
         from raygpt.trainer import run
@@ -519,10 +547,18 @@ def main():
         print(f"baseline before / after the raygpt rows: {bases[0]:.0f} / {bases[1]:.0f} tok/s "
               f"({bases[1] / bases[0] - 1:+.1%}); ratios against their mean, {base:.0f}")
     for name, tps, _, mean, *_ in rows:
-        if not name.startswith("pytorch baseline") and bases:
+        if name.startswith("raygpt") and bases:
             print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
                   f"{mean:.1f} ms")
-    ours = [r for r in rows if not r[0].startswith("pytorch baseline")]
+    anchors = [r[1] for r in rows if r[0].startswith("llm.c")]
+    if anchors:
+        mean_anchor = statistics.mean(anchors)
+        print(f"llm.c train_gpt2.py before / after the raygpt rows: "
+              + " / ".join(f"{a:.0f}" for a in anchors) + f" tok/s; ratios against {mean_anchor:.0f}")
+        for name, tps, *_ in rows:
+            if name.startswith("raygpt"):
+                print(f"ratio {name} / llm.c train_gpt2.py: {tps / mean_anchor:.3f}")
+    ours = [r for r in rows if r[0].startswith("raygpt")]
     for name, tps, *_ in ours[1:]:  # e.g. det (after) and det+torchdet (before) vs default
         print(f"ratio {name} / {ours[0][0]}: {tps / ours[0][1]:.3f} ({tps / ours[0][1] - 1:+.1%})")
     # same data, same init: the losses agree within noise. The noise: the two baseline runs
