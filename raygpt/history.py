@@ -249,6 +249,7 @@ class GoodputTally:
         self.last_step_time: float | None = None  # the newest train record's time
         self.open: list[dict] = []  # recoveries whose attempt has not caught up yet
         self.split: list[dict] = []  # every recovery, in order of its failure
+        self.next_step = 0  # one past the highest step trained so far
 
     def _recovery_event(self, r: dict, kind: str, t: float) -> None:
         if kind == "failure":
@@ -263,7 +264,8 @@ class GoodputTally:
             for rec in self.open:
                 if rec["first_step_time"] is None:
                     rec["start"] = r
-                    lost = r.get("steps_lost") if kind == "resume" else None
+                    # a restart with no checkpoint to resume from trains every step again
+                    lost = r.get("steps_lost") if kind == "resume" else self.next_step
                     from_step = r.get("resumed_from") or 0
                     rec["steps_retrained"] = lost if isinstance(lost, int) and lost > 0 else 0
                     rec["catch_up_step"] = from_step + rec["steps_retrained"] - 1
@@ -277,6 +279,8 @@ class GoodputTally:
                     rec["caught_up_time"] = t
             self.open = [rec for rec in self.open if rec["caught_up_time"] is None]
             self.last_step_time = t
+            if isinstance(r.get("step"), int):
+                self.next_step = max(self.next_step, r["step"] + 1)
 
     def add(self, r: dict) -> None:
         t = r.get("time", 0)

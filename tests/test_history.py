@@ -89,8 +89,9 @@ def test_a_recovery_without_marks_or_lost_steps_shows_what_is_known():
     s = summarize_run(recs)
     first, second = [r["parts"] for r in s["recoveries"]]
     assert first["detected"] == 1.0 and first["total"] == 6.0 and first["group_up"] is None
+    assert s["recoveries"][0]["steps_retrained"] == 1  # step 0 again, from scratch
     assert s["recovery_lines"][0] == ("recovery 1: 6.00 s = failure detected 1.00 s + "
-                                      "steps re-trained 0.00 s (0 steps)")
+                                      "steps re-trained 0.00 s (1 steps)")
     assert second["total"] is None
     assert s["recovery_lines"][1] == "recovery 2: not trained again yet = failure detected 2.00 s"
 
