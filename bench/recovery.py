@@ -60,7 +60,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.depth, args.batch_size, args.seq_len = 2, 4, 64
-        args.checkpoint_every, args.max_steps, args.kill_step = 4, 10, 6
+        args.checkpoint_every, args.max_steps, args.kill_step = 4, 12, 9
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
