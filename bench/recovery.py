@@ -143,8 +143,8 @@ def table(results: list[dict]) -> str:
 
     names = [r["scenario"] for r in results]
     rows = [("kill -> failure recorded", [r["kill_to_failure_record"] for r in results])]
-    rows += [(PART_LABELS[p] + (f" ({results[0]['steps_retrained']})" if p == "retrained" else ""),
-              [r["parts"][p] for r in results]) for p in RECOVERY_PARTS]
+    rows += [(PART_LABELS[p], [r["parts"][p] for r in results]) for p in RECOVERY_PARTS]
+    rows += [("  (steps re-trained, count)", [r["steps_retrained"] for r in results])]
     rows += [("TOTAL last step -> caught up", [r["parts"]["total"] for r in results]),
              ("to the first step trained again",
               [r["parts"]["total"] - (r["parts"]["retrained"] or 0) for r in results]),
