@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import math
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -83,6 +86,70 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         model = load_model_file(cfg.model)
     model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type))
     return model.to(device)
+
+
+# torch.compile's caches (Inductor's FX graphs, AOTAutograd's, Triton's kernels) live on the node's
+# local disk under this directory, shared by every worker process the node runs, so a worker that
+# Ray restarts on a surviving node finds its graphs compiled (TORCHINDUCTOR_CACHE_DIR /
+# TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
+# (torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
+# replacement node fills its local caches from them before its first step instead of compiling.
+NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), "raygpt_compile_cache")
+COMPILE_ARTIFACTS = "compile_cache"
+
+
+def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
+    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                                                           "triton_user"))
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:
+    """Where the run keeps its compiled artifacts: one file per (config, torch, device model),
+    since a graph compiled for another GPU or torch version is of no use (and torch's own keys
+    would only miss). The config is its identity plus what a resume may change that changes
+    the graphs (--deterministic picks other kernels)."""
+    key = hashlib.sha256(json.dumps([cfg.hash(), cfg.deterministic, COMPILE_MODE,
+                                     torch.__version__, device_name]).encode())
+    return f"{COMPILE_ARTIFACTS}/{key.hexdigest()[:20]}.bin"
+
+
+def load_compile_artifacts(run_dir, name: str, cache_dir: str) -> bool:
+    """Fill this node's caches from the run's artifacts, once per node (a marker in the local
+    cache says they are in); True when the run has artifacts. A damaged file only costs a
+    compilation: torch checks what it loads, and the loop compiles as if there were none."""
+    if not run_dir.exists(name):
+        return False
+    marker = _artifacts_marker(cache_dir, name)
+    if not os.path.exists(marker):
+        try:
+            torch.compiler.load_cache_artifacts(run_dir.read_bytes(name))
+        except Exception as e:  # noqa: BLE001 - a cache: compiling is always a correct fallback
+            print(f"raygpt | WARNING: {run_dir.uri(name)}: compiled artifacts not loaded ({e}); "
+                  f"compiling", flush=True)
+            return True
+        _touch(marker)
+    return True
+
+
+def save_compile_artifacts(run_dir, name: str, cache_dir: str) -> None:
+    """Store what this process compiled (the first step's graphs, validation's) beside the run;
+    this node's cache has them already."""
+    artifacts = torch.compiler.save_cache_artifacts()
+    if artifacts is not None:
+        run_dir.write_bytes_atomic(name, artifacts[0])
+        _touch(_artifacts_marker(cache_dir, name))
+
+
+def _artifacts_marker(cache_dir: str, name: str) -> str:
+    return os.path.join(cache_dir, "raygpt_loaded_" + os.path.basename(name))
+
+
+def _touch(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").close()
 
 
 def broadcast_step(step: int | None, world: int, device: torch.device) -> int | None:
@@ -214,15 +281,22 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
                  else train_loader.tokens_per_epoch // tokens_per_step)
     # static shapes: validation batches of another size must not make the training graph symbolic
     forward = torch.compile(model, mode=COMPILE_MODE, dynamic=False) if cfg.compile else model
+    if cfg.compile:  # compile once per node: local caches, and the run's artifacts for a new node
+        artifacts = compile_artifacts_name(cfg, session.device_name)
+        compile_cache = use_node_compile_cache()
+        have_artifacts = load_compile_artifacts(session.run_dir, artifacts, compile_cache)
 
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
+    restore_started = time.time()
     resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
+    startup = {**session.startup_marks(), "restore_started": restore_started,
+               "state_loaded": time.time(), "load_s": ckpt.load_seconds}  # the recovery ledger's
     n_params = num_parameters(model)
     # every event goes to runlog once: console, main.log, loss history, TensorBoard, Ray, trackers
     runlog = on_exit.enter_context(RunLog(cfg, session, max_steps=max_steps,
                                           resumed_from=resumed_from, model_config=model.config,
-                                          n_params=n_params))
+                                          n_params=n_params, startup=startup))
     attempt, history, logger = runlog.attempt, runlog.history, runlog.logger  # (rewind's sinks)
     faults = plan_for(cfg.fault, rank, session.run_dir)
     flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
@@ -327,6 +401,8 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         state.tokens_seen += tokens_per_step
         state.clipped += int(norm > cfg.grad_clip)
 
+        if step == first_step and cfg.compile and is_main and not have_artifacts:
+            save_compile_artifacts(session.run_dir, artifacts, compile_cache)
         if step == first_step and GC_FREEZE_AFTER_FIRST_STEP:
             gc.collect()
             gc.freeze()

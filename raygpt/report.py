@@ -317,7 +317,15 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
 
     if view.goodput is not None:
         lines.append(f"goodput   {view.goodput['line']}")
+        split = view.goodput.get("recovery_lines", [])
+        if len(split) > RECOVERIES_SHOWN:
+            lines.append(f"          (the last {RECOVERIES_SHOWN} of {len(split)} recoveries)")
+        lines += [f"          {line}" for line in split[-RECOVERIES_SHOWN:]]
     return "\n".join(printable(line) for line in lines)
+
+
+# recoveries split into their parts on `raygpt status` (the newest; the goodput line has them all)
+RECOVERIES_SHOWN = 5
 
 
 def fired_lines(count: int, fired: list[dict]) -> list[str]:

@@ -54,21 +54,22 @@ def _run_check(*args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def test_training_step_compiles_once_on_cpu():
+def test_training_step_compiles_once_on_cpu(tmp_path):
     """Inductor on the CPU (C++), with checkpoints every 2 steps. One micro-step per step and
     no validation, so the first compiled call is step 1's one forward: a second micro-step or
     validation at step 0 would call the forward before step 2 and hide a cause such as an
-    attribute the forward reads and sets (set by its first call, read changed by its second)."""
-    out = _run_check("loop", "cpu")
-    assert "compile check passed" in out, out
+    attribute the forward reads and sets (set by its first call, read changed by its second).
+    Then the run resumed on a new node starts from its compiled artifacts
+    (check_new_node_starts_warm)."""
+    print(check_new_node_starts_warm(tmp_path, "cpu"))
 
 
 @pytest.mark.gpu
-def test_training_step_compiles_once_on_gpu():
+def test_training_step_compiles_once_on_gpu(tmp_path):
     """The GPU default path: bf16 working weights with fp32 masters, the fused loss's Triton
-    kernel (a custom op inside the compiled forward), the Triton optimizer between steps."""
-    out = _run_check("loop", "cuda")
-    assert "compile check passed" in out, out
+    kernel (a custom op inside the compiled forward), the Triton optimizer between steps; then
+    a new node resumes from the run's artifacts (Inductor's Triton kernels come bundled)."""
+    print(check_new_node_starts_warm(tmp_path, "cuda"))
 
 
 @needs_triton
@@ -121,9 +122,56 @@ def test_training_graph_stays_static_after_a_validation_of_another_batch_size(tm
     assert not any(symbolic), f"graphs compiled with symbolic sizes: {symbolic}"
 
 
+def _json_line(out: str) -> dict:
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+def check_new_node_starts_warm(tmp_path, device: str) -> str:
+    """Compile once per run, not once per node: the compile-once check's process compiled the
+    step cold on node A and stored its artifacts beside the run; a second process with an empty
+    node cache (node B, a replacement node) resumes the run and finds every Inductor graph in
+    the cache the artifacts filled: hits only, no miss."""
+    run_dir, node_a, node_b = str(tmp_path / "run"), str(tmp_path / "node_a"), str(tmp_path / "node_b")
+    out = _run_check("loop", device, run_dir, node_a)
+    assert "compile check passed" in out, out
+    cold = _json_line(out)
+    new = _json_line(_run_check("artifacts", run_dir, node_b, device))
+    assert new["resumed_from"] == 4 and new["artifacts"], new
+    assert new["counters"].get("fxgraph_cache_miss", 0) == 0, new
+    assert new["counters"].get("fxgraph_cache_hit", 0) >= 2, new
+    return (f"first step: cold {cold['first_step_dt']:.2f} s, new node "
+            f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
+
+
 # ---------------------------------------------------------------------- the checks (subprocess)
 
-def _check_loop(device: str) -> None:
+def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
+    """The compile-once check's run resumed for steps 4-5 on a node whose compile cache is
+    `cache_dir`; prints the compile counters and the first step's time."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    from raygpt.history import read_history
+    from raygpt.loop import COMPILE_ARTIFACTS, train
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    torch.set_num_threads(1)
+    cfg = tiny_config(run_dir, compile=True, max_steps=6, val_every=0, checkpoint_every=2, resume=1,
+                      device="gpu" if device == "cuda" else "cpu"
+                      ).resolve(1 if device == "cuda" else 0)
+    train(cfg, LocalSession(open_run_dir(run_dir), torch.device(device)))
+    recs = [r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train"]
+    c = torch._dynamo.utils.counters
+    print(json.dumps({"counters": {**c["inductor"], **c["aot_autograd"]},
+                      "first_step_dt": recs[-2]["dt"],
+                      "resumed_from": recs[-2]["step"],
+                      "artifacts": sorted(os.listdir(os.path.join(run_dir, COMPILE_ARTIFACTS)))}))
+
+
+
+def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None = None) -> None:
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     from raygpt.loop import train
     from raygpt.session import LocalSession
     from raygpt.storage import open_run_dir
@@ -143,7 +191,7 @@ def _check_loop(device: str) -> None:
             return super().poll_requests()
 
     torch.set_num_threads(1)
-    run_dir = tempfile.mkdtemp(prefix="raygpt_compile_check_")
+    run_dir = run_dir or tempfile.mkdtemp(prefix="raygpt_compile_check_")
     cfg = tiny_config(run_dir, compile=True, device="gpu" if device == "cuda" else "cpu",
                       max_steps=4, val_every=0,
                       checkpoint_every=2).resolve(1 if device == "cuda" else 0)
@@ -151,7 +199,10 @@ def _check_loop(device: str) -> None:
     assert compile_counts()["dynamo_frames"] == 0
     train(cfg, session)
     counts = session.per_step + [compile_counts()]  # the last: after the final checkpoint
-    print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts}))
+    from raygpt.history import read_history
+    first = next(r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train")
+    print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts,
+                      "first_step_dt": first["dt"]}))
     if os.environ.get("RAYGPT_COMPILE_TIMES"):
         print(torch._dynamo.utils.compile_times(repr="str"))
     assert len(session.per_step) == cfg.max_steps, session.per_step
@@ -180,6 +231,8 @@ def _check_kernel_lookup() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "loop":
-        _check_loop(sys.argv[2])
+        _check_loop(*sys.argv[2:])
+    elif sys.argv[1] == "artifacts":
+        _check_artifacts(*sys.argv[2:])
     else:
         _check_kernel_lookup()

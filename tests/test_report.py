@@ -135,6 +135,9 @@ def test_status_names_the_failure_the_rewind_the_skip_and_the_checkpoints(run_di
     assert bad[1].startswith("NOT usable: step 12: step_00000012/DONE_00000012: missing")
     assert len(bad) == 2
     assert lines["goodput"].startswith("1 failure(s), 1 resume(s)")
+    # the recovery's split, on the line under goodput (this history has no start-up marks)
+    split = [line.strip() for line in text.splitlines() if line.strip().startswith("recovery 1: ")]
+    assert len(split) == 1 and "failure detected" in split[0] and "(2 steps)" in split[0], split
 
 
 def test_quick_check_sees_missing_files_but_not_a_flipped_byte(run_dir):

@@ -8,6 +8,8 @@ import pytest
 import ray
 
 from raygpt import checkpoint as ck
+from raygpt.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
+from raygpt.report import run_status
 from raygpt.storage import open_run_dir
 from raygpt.trainer import RunFailed, run
 from tests.helpers import records, tiny_config, train_losses
@@ -69,6 +71,15 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     full, mine = open_run_dir(str(full_dir)), open_run_dir(str(run_dir))
     name = f"{ck.step_dir(12)}/{ck.model_file(12)}"
     assert full.read_bytes(name) == mine.read_bytes(name)  # final weights bit for bit
+    # the recovery ledger: every part measured (the start-up marks from Ray's backend and the
+    # loop), none negative, together the whole recovery; steps 4 and 5 re-trained
+    assert set(STARTUP_MARKS) <= resumes[0]["startup"].keys()
+    (recovery,) = summarize_run(records(run_dir))["recoveries"]
+    parts = recovery["parts"]
+    assert all(parts[p] is not None and parts[p] >= 0 for p in RECOVERY_PARTS), parts
+    assert sum(parts[p] for p in RECOVERY_PARTS) == pytest.approx(parts["total"], abs=1e-6)
+    assert recovery["steps_retrained"] == 2
+    assert "recovery 1: " in run_status(str(run_dir)) and "worker group up" in run_status(str(run_dir))
 
 
 def test_sigterm_to_one_worker_stops_cleanly_and_resumes(uninterrupted, tmp_path):
