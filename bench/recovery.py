@@ -4,7 +4,7 @@
   cold   the node's compile cache is emptied and the run's compiled artifacts are hidden right
          after the kill: the new workers compile everything again
   warm   nothing touched: the new workers find their graphs in the node's local cache
-         (loop.NODE_COMPILE_CACHE, kept across worker restarts)
+         (loop.NODE_COMPILE_CACHE, per user and private, kept across worker restarts)
   new    the node's compile cache is emptied but the run's artifacts stay: the new workers fill
          their cache from <run dir>/compile_cache/ (what a replacement node does)
 

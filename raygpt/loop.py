@@ -94,12 +94,22 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
 # TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
 # (torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
 # replacement node fills its local caches from them before its first step instead of compiling.
-NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), "raygpt_compile_cache")
+# Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
+# another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
+NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"raygpt_compile_cache_{os.getuid()}")
 COMPILE_ARTIFACTS = "compile_cache"
 
 
 def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.stat(root)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{root}: the node's compile cache must be private to user "
+                                  f"{os.getuid()} (found owner {st.st_uid}, mode "
+                                  f"{oct(st.st_mode & 0o777)}); remove it or set "
+                                  f"TORCHINDUCTOR_CACHE_DIR")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
                                                            "triton_user"))

@@ -143,6 +143,24 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
             f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
 
 
+def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
+    """Compiled code is loaded from the node's cache: it is made 0700, and a directory that is
+    not private (e.g. made first by another user of the node) is refused, naming it."""
+    from raygpt.loop import use_node_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    fresh = tmp_path / "fresh"
+    assert use_node_compile_cache(str(fresh)) == str(fresh)
+    assert (fresh.stat().st_mode & 0o777) == 0o700
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match=str(shared)):
+        use_node_compile_cache(str(shared))
+
+
 # ---------------------------------------------------------------------- the checks (subprocess)
 
 def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
