@@ -110,6 +110,29 @@ def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
     return doomed
 
 
+def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str]) -> dict:
+    """{name: bytes} for the files `names` of checkpoint `step`, read in parallel, each checked
+    against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file)."""
+    from concurrent.futures import ThreadPoolExecutor
+    sdir = ck.step_dir(step)
+
+    def fetch(name: str) -> bytes:
+        data = run_dir.read_bytes(f"{sdir}/{name}")
+        ck.verify_bytes(run_dir, step, name, data, manifest)
+        return data
+
+    with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
+        return dict(zip(names, pool.map(fetch, names)))
+
+
+def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
+    """What rank `rank` of an unchanged world reads to choose and verify its resume checkpoint
+    (`Checkpointer.restore_latest`'s steps without a model: the newest complete checkpoint, then
+    its own state file hashed). For bench/checkpoint.py."""
+    step = ck.find_latest_verified(run_dir, hashes=False, warn=lambda m: None)
+    return fetch_verified(run_dir, step, ck.read_manifest(run_dir, step), [ck.state_file(step, rank)])
+
+
 class _HashingWriter(io.RawIOBase):
     """A write-only file that hashes what passes through it."""
 
@@ -410,20 +433,11 @@ class Checkpointer:
         return sorted({0, *overlap})
 
     def _fetch_verified(self, step: int, manifest: dict, same_sharding: bool):
-        """({name: bytes}, None) with every file this rank loads read (in parallel) and its
-        sha256 checked against MANIFEST, or (None, what failed)."""
-        from concurrent.futures import ThreadPoolExecutor
-        sdir = ck.step_dir(step)
-
-        def fetch(name: str) -> bytes:
-            data = self.run_dir.read_bytes(f"{sdir}/{name}")
-            ck.verify_bytes(self.run_dir, step, name, data, manifest)
-            return data
-
-        names = self._files_to_load(step, manifest, same_sharding)
+        """({name: bytes}, None) with every file this rank loads read and checked, or (None,
+        what failed)."""
         try:
-            with ThreadPoolExecutor(min(8, len(names))) as pool:
-                return dict(zip(names, pool.map(fetch, names))), None
+            return fetch_verified(self.run_dir, step, manifest,
+                                  self._files_to_load(step, manifest, same_sharding)), None
         except (ck.CheckpointError, OSError, ValueError) as e:
             return None, f"{type(e).__name__}: {e}"
 

@@ -756,3 +756,46 @@ def test_quick_verify_still_needs_done_manifest_every_rank_and_sizes(run_dir):
     assert any("DONE_00000040: missing" in p for p in verify_checkpoint(run_dir, 40, hashes=False))
     assert any("state_00000040_00002.bin: expected rank file not listed" in p
                for p in verify_checkpoint(run_dir, 40, world_size=3, hashes=False))
+
+
+def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for_it(
+        tmp_path, monkeypatch):
+    """Ray's controller calls after_report synchronously: it must return while storage is
+    still being written, and FinalizerDrain (the controller's end) must wait for DONE/MANIFEST."""
+    import threading
+
+    from raygpt import trainer
+
+    rd = open_run_dir(tmp_path / "run")
+    hashes = _upload_without_done(rd, 30)
+    release, started = threading.Event(), threading.Event()
+    real = trainer.finalize_checkpoint
+
+    def slow(*a, **kw):  # storage that takes its time
+        started.set()
+        assert release.wait(30)
+        return real(*a, **kw)
+    monkeypatch.setattr(trainer, "finalize_checkpoint", slow)
+
+    class Ckpt:
+        path = str(tmp_path / "run" / step_dir(30))
+
+    fin = trainer.CheckpointFinalizer(str(tmp_path / "run"))
+    metrics = [{"raygpt_files": {k: v for k, v in hashes.items() if k != state_file(30, 1)},
+                "raygpt_manifest": _meta(30, "t")},
+               {"raygpt_files": {state_file(30, 1): hashes[state_file(30, 1)]}}]
+    fin.after_report(None, metrics, Ckpt())  # returns although the finalization is blocked
+    assert started.wait(10) and not rd.exists(f"{step_dir(30)}/{MANIFEST}")
+    drain = threading.Thread(target=trainer.FinalizerDrain().after_controller_finish, args=(None,))
+    drain.start()
+    drain.join(0.5)
+    assert drain.is_alive()  # the controller's end waits for the pending checkpoint
+    release.set()
+    drain.join(30)
+    assert not drain.is_alive()
+    assert verify_checkpoint(rd, 30) == []
+    # and the trainer gives the drain to every controller (Ray's own defaults stubbed out)
+    base = next(k for k in trainer.RaygptTrainer.__mro__[1:] if "_create_default_callbacks" in vars(k))
+    monkeypatch.setattr(base, "_create_default_callbacks", lambda self: [])
+    callbacks = object.__new__(trainer.RaygptTrainer)._create_default_callbacks()
+    assert any(isinstance(c, trainer.FinalizerDrain) for c in callbacks)

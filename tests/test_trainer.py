@@ -106,6 +106,31 @@ def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, 
     assert train_losses(run_dir) == train_losses(full_dir)
 
 
+def test_a_corrupt_state_file_of_one_rank_makes_both_ranks_fall_back_together(uninterrupted,
+                                                                             tmp_path):
+    """Each rank hashes only the files it loads, so only rank 1 sees that its state file of
+    checkpoint 8 was corrupted after its MANIFEST (same size: no quick check can tell); the
+    ranks' verdicts are agreed, and both resume from 4 with the uninterrupted run's losses."""
+    import shutil
+
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(full_dir, run_dir)
+    rd = open_run_dir(str(run_dir))
+    rd.delete_dir(ck.step_dir(12))
+    rel = f"{ck.step_dir(8)}/{ck.state_file(8, 1)}"
+    data = bytearray(rd.read_bytes(rel))
+    data[len(data) // 2] ^= 0x40
+    rd.write_bytes_atomic(rel, bytes(data))
+    assert ck.find_latest_verified(rd, hashes=False) == 8
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "resume": 1}))
+    assert summary["step"] == 12
+    resume = [r for r in records(run_dir) if r["kind"] == "resume"][-1]
+    assert resume["resumed_from"] == 4
+    assert sorted(train_losses(run_dir, attempt=resume["attempt"])) == list(range(4, 12))
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
 def test_nan_on_one_rank_rewinds_both_without_a_hang(tmp_path):
     from raygpt.config import SpikeConfig
     spike = SpikeConfig(enabled=True, min_history=4, window=8, max_rewinds=2)
