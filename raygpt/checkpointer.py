@@ -110,6 +110,21 @@ def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
     return doomed
 
 
+def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
+    """The ranks of an N-rank checkpoint whose state files a rank owning [lo, hi) of the flat
+    buffers reads to reshard: rank 0 (the rank-independent state: loader, RNG, policies) and,
+    under ZeRO-1, the old ranks whose shards overlap [lo, hi); without ZeRO rank 0's full copy
+    is all there is to read."""
+    if not (zero_old == 1 and n_old > 1):
+        return [0]
+    overlap = []
+    for r in range(n_old):
+        r_lo, r_hi = shard_range(total, r, n_old, zero_old)
+        if r_lo < hi and r_hi > lo:
+            overlap.append(r)
+    return sorted({0, *overlap})
+
+
 def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str]) -> dict:
     """{name: bytes} for the files `names` of checkpoint `step`, read in parallel, each checked
     against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file)."""
@@ -420,17 +435,9 @@ class Checkpointer:
         return names
 
     def _old_ranks_needed(self, manifest: dict) -> list[int]:
-        n_old = manifest["world_size"]
-        zero_old = manifest.get("extra", {}).get("zero_stage", 0)
-        if not (zero_old == 1 and n_old > 1):
-            return [0]
-        total, lo, hi = self.flat.num_parameters, self.opt.lo, self.opt.hi
-        overlap = []
-        for r in range(n_old):
-            r_lo, r_hi = shard_range(total, r, n_old, zero_old)
-            if r_lo < hi and r_hi > lo:
-                overlap.append(r)
-        return sorted({0, *overlap})
+        return old_ranks_needed(self.flat.num_parameters, manifest["world_size"],
+                                manifest.get("extra", {}).get("zero_stage", 0),
+                                self.opt.lo, self.opt.hi)
 
     def _fetch_verified(self, step: int, manifest: dict, same_sharding: bool):
         """({name: bytes}, None) with every file this rank loads read and checked, or (None,

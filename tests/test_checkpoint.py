@@ -799,3 +799,19 @@ def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for
     monkeypatch.setattr(base, "_create_default_callbacks", lambda self: [])
     callbacks = object.__new__(trainer.RaygptTrainer)._create_default_callbacks()
     assert any(isinstance(c, trainer.FinalizerDrain) for c in callbacks)
+
+
+def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
+    from raygpt.checkpointer import old_ranks_needed
+    from raygpt.optim import shard_range
+
+    total = 1000
+    # 4 ZeRO ranks (250 each) onto 2: rank 1 owns [500, 1000) = old ranks 2 and 3, plus rank 0
+    assert old_ranks_needed(total, 4, 1, *shard_range(total, 1, 2, 1)) == [0, 2, 3]
+    assert old_ranks_needed(total, 4, 1, *shard_range(total, 0, 2, 1)) == [0, 1]
+    # 2 onto 3 (334 each): rank 1 owns [334, 668), across the old boundary at 500
+    assert old_ranks_needed(total, 2, 1, *shard_range(total, 1, 3, 1)) == [0, 1]
+    # onto one rank: every old shard, but not rank 63's, empty (64 * 16 > 1000: padding)
+    assert old_ranks_needed(total, 64, 1, 0, total) == list(range(63))
+    assert old_ranks_needed(total, 8, 0, 0, total) == [0]  # no ZeRO: rank 0 holds everything
+    assert old_ranks_needed(total, 1, 1, 0, 500) == [0]
