@@ -389,7 +389,18 @@ class Checkpointer:
         before = None
         while True:
             step = self._latest_resumable(decisions, warn, before)
-            if step is None:
+            files, problem = None, None
+            if step is not None:
+                t0 = time.perf_counter()
+                manifest = ck.read_manifest(self.run_dir, step)
+                same_sharding = self._same_sharding(manifest)  # an incompatible config raises
+                files, problem = self._fetch_verified(step, manifest, same_sharding)
+                self.load_seconds += time.perf_counter() - t0
+                if problem is not None:
+                    print(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: {problem}",
+                          flush=True)
+            bad, newest, oldest = self._agree(problem is not None, -1 if step is None else step)
+            if newest == -1:  # no rank has a candidate left
                 if hint is not None:
                     warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists "
                          f"in {self.run_dir}; starting from scratch")
@@ -397,30 +408,28 @@ class Checkpointer:
                     print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
                           f"fresh", flush=True)
                 return None
-            t0 = time.perf_counter()
-            manifest = ck.read_manifest(self.run_dir, step)
-            same_sharding = self._same_sharding(manifest)  # an incompatible config raises here
-            files, problem = self._fetch_verified(step, manifest, same_sharding)
-            self.load_seconds += time.perf_counter() - t0
-            if problem is not None:
-                print(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: {problem}",
-                      flush=True)
-            if not self._any_rank(problem is not None):
+            if not bad and newest == oldest:
                 break
-            warn(f"checkpoint step {step} in {self.run_dir.uri()} failed verification on at "
-                 f"least one rank; every rank falls back to an older one")
-            before = step
+            if bad:
+                warn(f"checkpoint step {newest} in {self.run_dir.uri()} failed verification on "
+                     f"at least one rank; every rank falls back to an older one")
+            else:  # the ranks saw different newest checkpoints (one completed meanwhile)
+                warn(f"the ranks found different newest checkpoints ({oldest}..{newest}); "
+                     f"every rank passes over step {newest}")
+            before = newest
         self.load(step, state, loader, files=files)
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on any (the resume verdict's collective)."""
+    def _agree(self, bad: bool, step: int) -> tuple[bool, int, int]:
+        """(any rank's verdict is bad, the newest and the oldest candidate step over the ranks):
+        the resume verdict's one collective, so every rank takes the same decision."""
         if self.world == 1 or not torch.distributed.is_initialized():
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.flat.params.device)
+            return bad, step, step
+        t = torch.tensor([1.0 if bad else 0.0, float(step), -float(step)],
+                         dtype=torch.float64, device=self.flat.params.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return bool(t[0].item() > 0), int(t[1].item()), int(-t[2].item())
 
     def _files_to_load(self, step: int, manifest: dict, same_sharding: bool) -> list[str]:
         """The files of checkpoint `step` this rank reads to load it: its own state file, or
