@@ -7,14 +7,18 @@ A checkpoint at step N is one directory of the run directory (see raygpt/storage
         model_<N:08d>.bin            llm.c model file, rank 0 (written by raygpt/model.py)
         state_<N:08d>_<rank:05d>.bin llm.c state file, one per rank (this module)
         DONE_<N:08d>                 llm.c's sentinel: every rank's files are in storage
-        MANIFEST.json                size + sha256 of every other file, identity hashes
+        MANIFEST.json                size + sha256 of every other file (the sha256 its
+                                     writing rank computed while writing), identity hashes
 
 Write order: all rank files -> DONE -> MANIFEST. DONE keeps llm.c's meaning (written only after
 every rank finished, so llm.c-style tools can rely on it). MANIFEST comes last because it is the
 last word: it hashes DONE too, and a checkpoint is trusted only when DONE and MANIFEST exist and
 every listed hash matches. A crash anywhere before the MANIFEST lands therefore leaves a
 checkpoint that readers treat as absent (they fall back to an older one and say so), never one
-that is half-trusted.
+that is half-trusted. Checking costs stay flat in the world size: MANIFEST takes the writers'
+hashes (nothing is read back to write it), "complete" (DONE, MANIFEST, every file with its size:
+`verify_checkpoint(hashes=False)`) is what selection, retention and `raygpt status` check, and
+each rank hashes the bytes it loads (`verify_bytes`).
 
 Ray integration (reporting, the driver callback that writes DONE and MANIFEST) and the training
 loop live elsewhere; they call the formats and policies here.
