@@ -194,8 +194,11 @@ class TrainConfig:
     (-d) stays the same; grad accumulation absorbs the change. Default: none (a fixed size)."""
     precision: str | None = None
     """bf16 (working weights bf16, fp32 master) or fp32. Default: bf16 on GPUs, fp32 on CPUs."""
-    zero_stage: int = 0
-    """0: every rank holds the whole optimizer state; 1: ZeRO-1 sharding (-z)."""
+    zero_stage: int | None = None
+    """0: every rank holds the whole optimizer state; 1: ZeRO-1 sharding, each rank holds and
+    checkpoints 1/N of it (-z). Default: 1 with more than one GPU worker (a rank's state file is
+    then 1/N of the optimizer, so checkpoint bytes per rank shrink as the world grows), else 0
+    (CPU runs keep the replicated state and its simple all-reduce)."""
     compile: bool | None = None
     """torch.compile the model. Default: on for GPUs, off for CPUs."""
     deterministic: bool | None = None
@@ -290,6 +293,8 @@ class TrainConfig:
             c.compile = on_gpu
         if c.deterministic is None:
             c.deterministic = on_gpu
+        if c.zero_stage is None:
+            c.zero_stage = 1 if on_gpu and c.num_workers > 1 else 0
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.validate()

@@ -117,6 +117,67 @@ def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, 
     assert train_losses(run_dir) == train_losses(full_dir)
 
 
+def test_a_corrupt_state_file_of_one_rank_makes_both_ranks_fall_back_together(uninterrupted,
+                                                                             tmp_path):
+    """Each rank hashes only the files it loads, so only rank 1 sees that its state file of
+    checkpoint 8 was corrupted after its MANIFEST (same size: no quick check can tell); the
+    ranks' verdicts are agreed, and both resume from 4 with the uninterrupted run's losses."""
+    import shutil
+
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(full_dir, run_dir)
+    rd = open_run_dir(str(run_dir))
+    rd.delete_dir(ck.step_dir(12))
+    rel = f"{ck.step_dir(8)}/{ck.state_file(8, 1)}"
+    data = bytearray(rd.read_bytes(rel))
+    data[len(data) // 2] ^= 0x40
+    rd.write_bytes_atomic(rel, bytes(data))
+    assert ck.find_latest_verified(rd, hashes=False) == 8
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "resume": 1}))
+    assert summary["step"] == 12
+    resume = [r for r in records(run_dir) if r["kind"] == "resume"][-1]
+    assert resume["resumed_from"] == 4
+    assert sorted(train_losses(run_dir, attempt=resume["attempt"])) == list(range(4, 12))
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatch):
+    """Rank 1 of 2 resuming the finished 2-worker run (in this process, no Ray): of checkpoint
+    12 it reads MANIFEST, its own state file and (fp32) the model file, nothing of rank 0's."""
+    import torch
+
+    from raygpt.checkpointer import Checkpointer
+    from raygpt.data import DistributedDataLoader
+    from raygpt.loop import build_model
+    from raygpt.optim import AdamW, FlatParameters
+    from raygpt.session import Session
+    from raygpt.state import TrainState
+    from raygpt.storage import RunDir
+
+    full_dir, cfg, _ = uninterrupted
+    cfg = cfg.with_overrides({"resume": 1}).resolve(0)
+    session = Session()
+    session.rank, session.world, session.run_dir = 1, 2, open_run_dir(str(full_dir))
+    model = build_model(cfg, torch.device("cpu"))
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=2)
+    opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                weight_decay=cfg.weight_decay, rank=1, world=2, zero_stage=cfg.zero_stage)
+    loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, 1, 2,
+                                   shuffle=cfg.shuffle, seed=cfg.seed)
+    read = []
+    for name in ("read_bytes", "sha256_of"):
+        orig = getattr(RunDir, name)
+        monkeypatch.setattr(RunDir, name, lambda self, rel, *a, _o=orig, **k: read.append(rel)
+                            or _o(self, rel, *a, **k))
+    ckpt = Checkpointer(cfg, session, flat, opt, model.config, cfg.max_steps)
+    assert ckpt.restore_latest(TrainState.fresh(cfg), loader) == 12
+    d = ck.step_dir(12)
+    assert {r for r in read if r.startswith("step_")} == {
+        f"{d}/{ck.MANIFEST}", f"{d}/{ck.state_file(12, 1)}", f"{d}/{ck.model_file(12)}"}
+    assert read.count(f"{d}/{ck.state_file(12, 1)}") == 1  # read once: hashed from those bytes
+
+
 def test_nan_on_one_rank_rewinds_both_without_a_hang(tmp_path):
     from raygpt.config import SpikeConfig
     spike = SpikeConfig(enabled=True, min_history=4, window=8, max_rewinds=2)
