@@ -1,69 +1,313 @@
-"""Checkpoint cost on one GPU: the training stall per async checkpoint, the time to write and to
-load one, and the step-time overhead of checkpointing every N steps. Numbers, not a test.
+"""Checkpoint cost: numbers, not a test. Three modes.
 
-    python bench/checkpoint.py [--depth 12] [--batch 16] [--steps 40] [--every 10]
+`--mode driver` (CPU, no Ray, any world size): what the driver pays per checkpoint as the world
+grows. For each world size N it stages a checkpoint as N ranks would leave it in storage (a model
+file and N state files of the sizes a d`--depth` model's ranks write, with or without ZeRO-1,
+each hashed while written like the ranks do), then calls the real `CheckpointFinalizer.
+after_report` the way Ray's controller does, with the ranks' reported metrics. It prints the time
+the callback held the controller, the time until MANIFEST landed (DONE comes before it), and the
+bytes the finalizer read from storage (counted by wrapping RunDir's reads, cross-checked with
+/proc/self/io's rchar of this process), plus what one rank reads and hashes to pick and verify
+the checkpoint it resumes from (`Checkpointer.resume_reads`, the real selection code, when this
+checkout has it; else `find_latest_verified` + its own state file, as the old restore path did).
+
+    python bench/checkpoint.py --mode driver --world-sizes 1,2,4,8,16,64 [--depth 12] [-z 0]
+
+`--mode ray` (Ray Train workers, CPU by default, GPUs with --device gpu): real runs of N workers,
+checkpointing every `--every` steps. Per world size: the training stall per checkpoint (host
+copies, from the summary), the time from the step a checkpoint was taken (its train record) to
+its DONE file, and the resume time to the first step (a second run with -y 1: from the call to
+the first train record of the resumed attempt).
+
+    python bench/checkpoint.py --mode ray --world-sizes 1,2,4 [--model d2 --seq-len 64]
+    python bench/checkpoint.py --mode ray --world-sizes 2 --device gpu --model d12 --seq-len 1024 \
+        --batch 16 --steps 30 --every 10
+
+`--mode gpu1` is the original one-GPU benchmark (stall, write, load; no Ray).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from raygpt.config import TrainConfig
-from raygpt.loop import train
-from raygpt.session import LocalSession
-from raygpt.storage import open_run_dir
+from raygpt import checkpoint as ck
 
 
-def run(args, every: int, resume: int = 0, run_dir: str | None = None):
-    run_dir = run_dir or tempfile.mkdtemp(prefix="raygpt-ckpt-bench-")
-    cfg = TrainConfig(model=f"d{args.depth}", batch_size=args.batch, seq_len=1024,
-                      max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=every,
-                      output_dir=run_dir, device="gpu", num_workers=1, warmup_steps=0,
-                      resume=resume).resolve(1)
-    t0 = time.perf_counter()
-    summary = train(cfg, LocalSession(open_run_dir(run_dir), torch.device("cuda")))
-    wall = time.perf_counter() - t0
-    recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
-    dts = [r["dt"] for r in recs if r["kind"] == "train"]
-    return summary, dts, wall, run_dir
+# ---------------------------------------------------------------------------------- driver mode
+class ReadCounter:
+    """Counts the bytes read through RunDir (read_bytes, sha256_of, iter_lines) in this process."""
+
+    def __init__(self):
+        from raygpt.storage import RunDir
+        self.cls, self.bytes, self.saved = RunDir, 0, {}
+
+    def __enter__(self):
+        cls, counter = self.cls, self
+        for name in ("read_bytes", "sha256_of", "iter_lines"):
+            orig = getattr(cls, name)
+            self.saved[name] = orig
+
+            def wrapped(run_dir, rel, *a, _orig=orig, _name=name, **kw):
+                if _name == "read_bytes":
+                    out = _orig(run_dir, rel, *a, **kw)
+                    counter.bytes += len(out)
+                    return out
+                if _name == "sha256_of":
+                    counter.bytes += run_dir.size_of(rel)
+                    return _orig(run_dir, rel, *a, **kw)
+                return _count_lines(_orig(run_dir, rel, *a, **kw), counter)
+            setattr(cls, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.cls, name, orig)
+
+
+def _count_lines(it, counter):
+    for line in it:
+        counter.bytes += len(line) + 1
+        yield line
+
+
+def rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _write_hashed(path: Path, nbytes: int, rng) -> dict:
+    h, left = hashlib.sha256(), nbytes
+    with open(path, "wb") as f:
+        while left:
+            chunk = rng.bytes(min(left, 8 << 20))
+            h.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+    return {"sha256": h.hexdigest(), "size": nbytes}
+
+
+class _FakeCheckpoint:  # what Ray hands after_report: only .path is used
+    def __init__(self, path):
+        self.path = path
+
+
+def driver_bench(args) -> list[dict]:
+    from raygpt.config import TrainConfig
+    from raygpt.model import GPTConfig
+    from raygpt.storage import open_run_dir
+    from raygpt.ray.driver import CheckpointFinalizer
+
+    from raygpt.model import llmc_num_elements
+    P = llmc_num_elements(GPTConfig.from_depth(args.depth))
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in args.world_sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"raygpt-ckbench-{n}-"))
+        try:
+            step = 4
+            sdir = root / ck.step_dir(step)
+            sdir.mkdir()
+            shard = -(-P // n) if args.zero == 1 and n > 1 else P
+            metrics = []
+            for r in range(n):
+                files = {}
+                name = ck.state_file(step, r)
+                files[name] = _write_hashed(sdir / name, ck.HEADER_BYTES + 4 * 2 * shard + 64, rng)
+                if r == 0:
+                    files[ck.model_file(step)] = _write_hashed(sdir / ck.model_file(step),
+                                                               1024 + 4 * P, rng)
+                metrics.append({"step": step, "raygpt_files": files})
+            cfg = TrainConfig(model=f"d{args.depth}", output_dir=str(root), device="cpu",
+                              num_workers=n, zero_stage=args.zero)
+            metrics[0]["raygpt_manifest"] = {
+                "step": step, "world_size": n, "num_parameters": P, "config_hash": "c" * 64,
+                "tokenizer_hash": "t", "data_hash": "d", "config_identity": cfg.identity(),
+                "extra": {"zero_stage": args.zero},
+                "retention": {"keep_last": 0, "keep_every": 0, "wsd_decay_start": None}}
+            total = sum(f["size"] for m in metrics for f in m["raygpt_files"].values())
+            fin = CheckpointFinalizer(str(root))
+            with ReadCounter() as counter:
+                r0 = rchar()
+                t0 = time.perf_counter()
+                fin.after_report(None, metrics, _FakeCheckpoint(str(sdir)))
+                held = time.perf_counter() - t0
+                if hasattr(fin, "drain"):
+                    fin.drain()
+                done = time.perf_counter() - t0
+                driver_read, driver_rchar = counter.bytes, rchar() - r0
+            rd = open_run_dir(str(root))
+            assert not ck.verify_checkpoint(rd, step), ck.verify_checkpoint(rd, step)
+            # one rank's resume: what it reads to pick and verify the checkpoint it loads
+            with ReadCounter() as counter:
+                t0 = time.perf_counter()
+                rank_read = _resume_reads(rd, n - 1, n)
+                resume_s = time.perf_counter() - t0
+                assert rank_read == counter.bytes or rank_read is None
+                rank_read = counter.bytes
+            rows.append({"world": n, "stored_mb": total / 1e6, "controller_held_s": held,
+                         "to_manifest_s": done, "driver_read_mb": driver_read / 1e6,
+                         "driver_rchar_mb": driver_rchar / 1e6, "rank_read_mb": rank_read / 1e6,
+                         "rank_verify_s": resume_s})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _resume_reads(rd, rank: int, world: int):
+    """What one rank reads to choose and verify its resume checkpoint (not the loading itself).
+    Uses the checkpointer's own selection (`resume_reads`) when this checkout has it."""
+    from raygpt import checkpointer
+    if hasattr(checkpointer, "resume_reads"):
+        checkpointer.resume_reads(rd, rank=rank, world=world)
+        return None
+    step = ck.find_latest_verified(rd)  # the old restore path: every rank hashes every file
+    rd.read_bytes(f"{ck.step_dir(step)}/{ck.state_file(step, rank)}")
+    return None
+
+
+def print_driver(rows, args):
+    print(f"\ndriver cost per checkpoint, d{args.depth} ZeRO-{args.zero} (storage: local disk)")
+    print(f"{'world':>5} {'stored MB':>10} {'ctrl held s':>11} {'to MANIFEST s':>13} "
+          f"{'driver read MB':>14} {'rchar MB':>9} {'rank read MB':>12} {'rank verify s':>13}")
+    for r in rows:
+        print(f"{r['world']:>5} {r['stored_mb']:>10.1f} {r['controller_held_s']:>11.3f} "
+              f"{r['to_manifest_s']:>13.3f} {r['driver_read_mb']:>14.1f} {r['driver_rchar_mb']:>9.1f}"
+              f" {r['rank_read_mb']:>12.1f} {r['rank_verify_s']:>13.3f}")
+
+
+# ---------------------------------------------------------------------------------- ray mode
+def ray_bench(args) -> list[dict]:
+    import ray
+
+    from raygpt.config import TrainConfig
+    from raygpt.ray.driver import run
+
+    if not ray.is_initialized():
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
+                 **({"num_cpus": max(args.world_sizes)} if args.ray_address == "local" else {}))
+    rows = []
+    for n in args.world_sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"raygpt-raybench-{n}-"))
+        try:
+            base = dict(model=args.model, batch_size=args.batch, seq_len=args.seq_len,
+                        total_batch_size=args.batch * args.seq_len * n, max_steps=args.steps,
+                        val_every=0, sample_every=0, checkpoint_every=args.every,
+                        output_dir=str(root), device=args.device, num_workers=n,
+                        compile=args.device == "gpu", warmup_steps=0)
+            if args.zero is not None:
+                base["zero_stage"] = args.zero
+            summary = run(TrainConfig(**base).resolve(0))
+            recs = _records(root)
+            t_step = {r["step"]: r["time"] for r in recs if r["kind"] == "train"}
+            lat = []
+            for s in range(args.every, args.steps + 1, args.every):
+                done = root / ck.step_dir(s) / ck.done_file(s)
+                # the train record of step s-1 is logged when step s begins, where the save is
+                if done.exists() and (s - 1) in t_step:
+                    lat.append(done.stat().st_mtime - t_step[s - 1])
+            n_saves = max(1, summary.get("checkpoints_written", len(lat)))
+            stall = summary.get("checkpoint_stall_s", float("nan")) / n_saves
+            dts = sorted(r["dt"] for r in recs if r["kind"] == "train")
+            t0 = time.time()
+            run(TrainConfig(**{**base, "max_steps": args.steps + 2, "resume": 1}).resolve(0))
+            recs2 = _records(root)
+            last = max(r.get("attempt") or 0 for r in recs2)
+            first = min(r["time"] for r in recs2 if r["kind"] == "train" and r.get("attempt") == last)
+            rows.append({"world": n, "step_s": dts[len(dts) // 2], "stall_s": stall,
+                         "step_to_done_s": statistics.mean(lat) if lat else float("nan"),
+                         "max_step_to_done_s": max(lat) if lat else float("nan"),
+                         "resume_to_first_step_s": first - t0,
+                         "load_s": summary.get("checkpoint_load_s")})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _records(root: Path) -> list[dict]:
+    return [json.loads(l) for l in (root / "loss_history.jsonl").read_text().splitlines() if l.strip()]
+
+
+def print_ray(rows, args):
+    print(f"\nRay runs: {args.model} T={args.seq_len} B={args.batch} on {args.device}, "
+          f"checkpoint every {args.every} of {args.steps} steps")
+    print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'step->DONE s':>12} "
+          f"{'max step->DONE s':>16} {'resume->1st step s':>18}")
+    for r in rows:
+        print(f"{r['world']:>5} {r['step_s']:>13.3f} {r['stall_s']:>8.4f} {r['step_to_done_s']:>12.2f}"
+              f" {r['max_step_to_done_s']:>16.2f} {r['resume_to_first_step_s']:>18.2f}")
+
+
+# ---------------------------------------------------------------------------------- gpu1 mode
+def gpu1(args):
+    import torch
+
+    from raygpt.config import TrainConfig
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+
+    def one(every, resume=0, run_dir=None):
+        run_dir = run_dir or tempfile.mkdtemp(prefix="raygpt-ckpt-bench-")
+        cfg = TrainConfig(model=f"d{args.depth}", batch_size=args.batch, seq_len=1024,
+                          max_steps=args.steps, val_every=0, sample_every=0,
+                          checkpoint_every=every, output_dir=run_dir, device="gpu",
+                          num_workers=1, warmup_steps=0, resume=resume).resolve(1)
+        summary = train(cfg, LocalSession(open_run_dir(run_dir), torch.device("cuda")))
+        return summary, [r["dt"] for r in _records(Path(run_dir)) if r["kind"] == "train"], run_dir
+
+    base, base_dts, _ = one(0)
+    ck_sum, ck_dts, run_dir = one(args.every)
+    resumed, _, _ = one(args.every, resume=1, run_dir=run_dir)
+    med = lambda xs: statistics.median(xs[5:])
+    n = ck_sum["checkpoints_written"]
+    print(f"\n{torch.cuda.get_device_name()} | d{args.depth} B={args.batch} T=1024")
+    print(f"step: {1000 * med(base_dts):.1f} ms without, {1000 * med(ck_dts):.1f} ms with checkpoints")
+    print(f"stall per checkpoint: {1000 * ck_sum['checkpoint_stall_s'] / n:.1f} ms")
+    print(f"write (background): {statistics.mean(ck_sum['checkpoint_write_s']):.2f} s")
+    print(f"load: {resumed['checkpoint_load_s']:.2f} s")
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--mode", choices=("driver", "ray", "gpu1"), default="driver")
+    p.add_argument("--world-sizes", default="1,2,4,8,16,64",
+                   type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--depth", type=int, default=2, help="driver/gpu1 modes: model depth")
+    p.add_argument("-z", "--zero", type=int, default=None, help="ZeRO stage (default: raygpt's)")
+    p.add_argument("--model", default="d2")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--ray-address", default="local")
+    p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args()
-    base, base_dts, base_wall, _ = run(args, 0)
-    ck_sum, ck_dts, ck_wall, run_dir = run(args, args.every)
-    n_saves = ck_sum["checkpoints_written"]
-    from raygpt import checkpoint as ck
-    rd = open_run_dir(run_dir)
-    size = sum(rd.size_of(f"{ck.step_dir(args.steps)}/{n}") for n in rd.listdir(ck.step_dir(args.steps)))
-    # the time to load: a resume of the finished run's last checkpoint (build + restore + 0 steps)
-    resumed, _, _, _ = run(args, args.every, resume=1, run_dir=run_dir)
-    load_s = resumed["checkpoint_load_s"]
-    skip = 5
-    med = lambda xs: statistics.median(xs[skip:])
-    mean = lambda xs: statistics.mean(xs[skip:])
-    print(f"\n{torch.cuda.get_device_name()} | d{args.depth} B={args.batch} T=1024 | {args.steps} steps,"
-          f" checkpoint every {args.every} ({n_saves} saves, {size / 2**30:.2f} GiB each)")
-    print(f"step time, no checkpoints:       median {1000 * med(base_dts):.1f} ms, mean {1000 * mean(base_dts):.1f} ms")
-    print(f"step time, checkpoint every {args.every}:  median {1000 * med(ck_dts):.1f} ms, mean {1000 * mean(ck_dts):.1f} ms"
-          f"  (mean overhead {100 * (mean(ck_dts) / mean(base_dts) - 1):+.2f}%)")
-    print(f"training stall per checkpoint (host copy): {1000 * ck_sum['checkpoint_stall_s'] / n_saves:.1f} ms"
-          f" vs one step {1000 * med(base_dts):.1f} ms")
-    print(f"writing one checkpoint (background thread): {statistics.mean(ck_sum['checkpoint_write_s']):.2f} s")
-    print(f"whole run wall time: {base_wall:.1f} s without, {ck_wall:.1f} s with checkpoints")
-    print(f"loading a {size / 2**30:.2f} GiB checkpoint (read, verify header, restore in llm.c's order): {load_s:.2f} s")
+    if args.mode == "gpu1":
+        return gpu1(args)
+    if args.mode == "driver":
+        args.zero = 0 if args.zero is None else args.zero
+        rows = driver_bench(args)
+        print_driver(rows, args)
+    else:
+        rows = ray_bench(args)
+        print_ray(rows, args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ test (the CPU tests cover the same paths on gloo).
                                                  [--sections scaling,zero,exact] [--cpu]
 
 scaling: tokens/s per GPU on 1, 2, 4, 8 GPUs (those present), same per-GPU micro-batch, median
-  step after 5 warm-up steps, from the loop's own per-step dt.
+  step after 5 warm-up steps, from the loop's own per-step dt; beside each width, llm.c's own
+  train_gpt2.py on the same GPUs (torchrun beyond one; bench/anchor.py; --no-llmc skips it).
 zero:    GPT-2 1558M (d48) for a few steps unsharded and with ZeRO-1 on all GPUs; rank 0's
   peak tensor memory for each (eager, B=4). This section runs the loop's step pieces (model,
   FlatParameters, AdamW with its ZeRO stage, reduce_gradients, the norm, the update) in plain
@@ -41,6 +42,8 @@ from raygpt.data import DistributedDataLoader
 from raygpt.model import GPT, GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.ray.driver import run
+
+import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 
 
 def losses(run_dir) -> dict:
@@ -118,7 +121,13 @@ def main():
     p.add_argument("--exact-zero", type=int, default=1, choices=(0, 1),
                    help="ZeRO stage of the exact section's runs (1: the NCCL reduce-scatter path)")
     p.add_argument("--cpu", action="store_true", help="dry run on 2 gloo CPU workers, tiny model")
+    p.add_argument("--no-llmc", action="store_true",
+                   help="scaling without llm.c's train_gpt2.py beside each width (bench/anchor.py)")
+    p.add_argument("--anchors", default=None, help="folder of llm.c's file and its runner")
     args = p.parse_args()
+    llmc = not (args.cpu or args.no_llmc)
+    if llmc:
+        anchor.runner_path(args.anchors)  # missing: say so before any run
     sections = args.sections.split(",")
     if args.cpu:
         devices, dev, seq, name = 2, "cpu", 64, "CPU (gloo)"
@@ -143,7 +152,13 @@ def main():
             dts = [dt for _, dt, _ in losses(cfg.output_dir).values()][5:]
             tps = args.batch * seq * n / statistics.median(dts)
             rows.append((n, tps, tps / n))
-            say(f"{n:7d} {tps:10.0f} {tps / n:10.0f} {tps / n / rows[0][2]:10.1%}")
+            line = f"{n:7d} {tps:10.0f} {tps / n:10.0f} {tps / n / rows[0][2]:10.1%}"
+            if llmc:  # llm.c's trainer on the same GPUs right after (torchrun beyond one)
+                r = anchor.run(anchor.command(depth=args.depth, batch=args.batch, seq=seq,
+                                              steps=args.steps, gpus=n, anchors=args.anchors))
+                ref = r.median_tok_per_s(5)
+                line += f" | llm.c train_gpt2.py {ref:10.0f} tok/s, raygpt / llm.c {tps / ref:.3f}"
+            say(line)
 
     if "zero" in sections and devices >= 2:
         depth = 2 if args.cpu else 48

@@ -1,10 +1,15 @@
-"""Throughput of raygpt's training step against a plain PyTorch baseline, side by side on one GPU.
+"""Throughput of raygpt's training step against llm.c's own train_gpt2.py and a plain PyTorch
+baseline, side by side on one GPU.
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
                                [--variants default,cudnn,det,ckpt@100] [--split-only]
-                               [--no-rebaseline] [--no-baseline]
+                               [--no-rebaseline] [--no-baseline] [--no-llmc] [--anchors DIR]
 
-Both sides train the same GPT-2 (raygpt.model.GPT, same init, same data) in one process:
+The baseline of record is llm.c's PyTorch trainer, unchanged (`../shared/anchors`, run by
+bench/anchor.py in a child process with the same model, batch and constant learning rate): its
+row comes first and, unless --no-rebaseline, again after the raygpt rows; every raygpt row's
+ratio is against the mean of the two, and the loss comparison is against its first run.
+Then, in this process, the same GPT-2 (raygpt.model.GPT, same init, same data) on two sides:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
   (loss_impl="reference": full logits, fp32 cross-entropy), torch.optim.AdamW(fused=True),
   torch.nn.utils.clip_grad_norm_ (what llm.c's train_gpt2.py does). It is pinned: raygpt's
@@ -36,10 +41,10 @@ with the first baseline's step by step; the two baseline runs' difference is the
 attention, `torchce` computes the fused loss's softmax gradient with PyTorch ops (fused by
 Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on Inductor's
 GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
-its own kernels, `det` is the loop's --deterministic mode (with PyTorch's deterministic kernels
-while raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC is off, `det+torchdet` forces them),
-`raygpt` picks raygpt's deterministic attention and embedding backward (`det+raygpt`: with
-strict mode), `ckpt@N` checkpoints every N steps
+its own kernels, `det` is the loop's deterministic mode (the GPU default: raygpt's deterministic
+attention and embedding backward), `det+torchdet` the same with PyTorch's deterministic kernels
+instead (raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC off: the "before"), `raygpt` picks
+raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
 module defaults. A variant sets the loop's performance fields of TrainConfig (loss_impl,
@@ -47,7 +52,8 @@ ce_kernel, prefetch_batches, compile_mode, deterministic), and raygpt.model's re
 switches (kernel choices, chunk rows) and Inductor's config for its run, restored after.
 --no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
 e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
-kernels, strict with raygpt's). --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
+kernels, strict with raygpt's). `default` is raygpt.model's module defaults, which are the
+non-deterministic kernels: a run's own default (deterministic on GPUs) is the `det` row. --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
 
@@ -74,6 +80,8 @@ from raygpt.data import DistributedDataLoader
 from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
+
+import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 
 
 def cuda_time(fn) -> float:
@@ -287,7 +295,7 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
                   max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
                   output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
                   warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
-                  compile=True)
+                  compile=True, deterministic=False)  # the `det` variant turns it on
     return TrainConfig(**{**fields, **(overrides or {})}).resolve(1)
 
 
@@ -379,6 +387,11 @@ def main():
     p.add_argument("--no-rebaseline", action="store_true",
                    help="run the baseline only once, before the raygpt rows (by default it runs "
                         "again after them, and each ratio is against the mean of both runs)")
+    p.add_argument("--no-llmc", action="store_true",
+                   help="skip llm.c's train_gpt2.py (the baseline of record, before and after)")
+    p.add_argument("--anchors", default=None,
+                   help="folder holding llm.c's train_gpt2.py and its offline runner "
+                        "(default: $RAYGPT_ANCHORS or ../shared/anchors)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the PyTorch baseline (raygpt rows only, compared with the first)")
     p.add_argument("--split-only", action="store_true",
@@ -470,6 +483,20 @@ def main():
         row(name, b_times, b_split, torch.cuda.max_memory_allocated() / 2**30, b_losses)
         print(f"{'':28s} {clocks.summary(name)}", flush=True)
 
+    def run_llmc(name):
+        """llm.c's own trainer in a child process on this GPU (bench/anchor.py): its step times
+        and losses as printed; the clock window is its last timed steps, counted back from its
+        exit (its shutdown is short against them)."""
+        r = anchor.run(anchor.command(depth=args.depth, batch=args.batch, seq=args.seq,
+                                      steps=args.steps, anchors=args.anchors))
+        end = time.time()
+        clocks.mark(name, (end - sum(r.times[args.warmup:]), end))
+        row(name, r.times, None, float("nan"), r.losses)
+        print(f"{'':28s} {clocks.summary(name)}", flush=True)
+
+    if not args.no_llmc:
+        anchor.runner_path(args.anchors)  # missing: say so before minutes of compiling
+        run_llmc("llm.c train_gpt2.py")
     if not args.no_baseline:
         run_baseline("pytorch baseline")
     for i, spec in enumerate(variants):
@@ -493,6 +520,8 @@ def main():
         # the same baseline again: if the GPU drifted (clocks, heat) over the raygpt rows, the
         # two baseline rows differ, and the ratio is against their mean
         run_baseline("pytorch baseline again")
+    if not (args.no_rebaseline or args.no_llmc):
+        run_llmc("llm.c train_gpt2.py again")
     if args.ray:
         import ray
         from raygpt.ray.driver import run
@@ -502,7 +531,7 @@ def main():
                         max_steps=args.steps, val_every=0, sample_every=0, checkpoint_every=0,
                         output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
                         warmup_steps=0, scheduler="constant", learning_rate=3e-4,
-                        final_lr_frac=1.0).resolve(1)
+                        final_lr_frac=1.0, deterministic=False).resolve(1)  # as the default row
         run(c)
         recs = [json.loads(l) for l in Path(run_dir, "loss_history.jsonl").read_text().splitlines()]
         t = [r["dt"] for r in recs if r["kind"] == "train"]
@@ -520,10 +549,18 @@ def main():
         print(f"baseline before / after the raygpt rows: {bases[0]:.0f} / {bases[1]:.0f} tok/s "
               f"({bases[1] / bases[0] - 1:+.1%}); ratios against their mean, {base:.0f}")
     for name, tps, _, mean, *_ in rows:
-        if not name.startswith("pytorch baseline") and bases:
+        if name.startswith("raygpt") and bases:
             print(f"ratio {name} / baseline: {tps / base:.3f} (median step); mean step "
                   f"{mean:.1f} ms")
-    ours = [r for r in rows if not r[0].startswith("pytorch baseline")]
+    anchors = [r[1] for r in rows if r[0].startswith("llm.c")]
+    if anchors:
+        mean_anchor = statistics.mean(anchors)
+        print(f"llm.c train_gpt2.py before / after the raygpt rows: "
+              + " / ".join(f"{a:.0f}" for a in anchors) + f" tok/s; ratios against {mean_anchor:.0f}")
+        for name, tps, *_ in rows:
+            if name.startswith("raygpt"):
+                print(f"ratio {name} / llm.c train_gpt2.py: {tps / mean_anchor:.3f}")
+    ours = [r for r in rows if r[0].startswith("raygpt")]
     for name, tps, *_ in ours[1:]:  # e.g. det (after) and det+torchdet (before) vs default
         print(f"ratio {name} / {ours[0][0]}: {tps / ours[0][1]:.3f} ({tps / ours[0][1] - 1:+.1%})")
     # same data, same init: the losses agree within noise. The noise: the two baseline runs

@@ -7,14 +7,18 @@ A checkpoint at step N is one directory of the run directory (see raygpt/storage
         model_<N:08d>.bin            llm.c model file, rank 0 (written by raygpt/model.py)
         state_<N:08d>_<rank:05d>.bin llm.c state file, one per rank (this module)
         DONE_<N:08d>                 llm.c's sentinel: every rank's files are in storage
-        MANIFEST.json                size + sha256 of every other file, identity hashes
+        MANIFEST.json                size + sha256 of every other file (the sha256 its
+                                     writing rank computed while writing), identity hashes
 
 Write order: all rank files -> DONE -> MANIFEST. DONE keeps llm.c's meaning (written only after
 every rank finished, so llm.c-style tools can rely on it). MANIFEST comes last because it is the
 last word: it hashes DONE too, and a checkpoint is trusted only when DONE and MANIFEST exist and
 every listed hash matches. A crash anywhere before the MANIFEST lands therefore leaves a
 checkpoint that readers treat as absent (they fall back to an older one and say so), never one
-that is half-trusted.
+that is half-trusted. Checking costs stay flat in the world size: MANIFEST takes the writers'
+hashes (nothing is read back to write it), "complete" (DONE, MANIFEST, every file with its size:
+`verify_checkpoint(hashes=False)`) is what selection, retention and `raygpt status` check, and
+each rank hashes the bytes it loads (`verify_bytes`).
 
 Ray integration (reporting, the driver callback that writes DONE and MANIFEST) and the training
 loop live elsewhere; they call the formats and policies here.
@@ -523,17 +527,37 @@ def published_files(run_dir: RunDir, step: int) -> list[str]:
 
 def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameters: int,
                    config_hash: str, tokenizer_hash: str, data_hash: str,
-                   config_identity: dict | None = None, extra: dict | None = None) -> dict:
-    """Hash (sha256 + size) every file of the step directory except MANIFEST (and temp files),
+                   config_identity: dict | None = None, extra: dict | None = None,
+                   written: dict | None = None) -> dict:
+    """List (size + sha256) every file of the step directory except MANIFEST (and temp files),
     then write MANIFEST.json atomically. Call it last, after DONE. Returns the manifest.
 
+    `written` ({name: {"size", "sha256"}}) is what the ranks hashed while writing their files:
+    those files are not read again, only their stored size is compared with the written one
+    (CheckpointError on a difference or a file missing from storage), so the cost of a manifest
+    does not grow with the state. A file `written` does not cover (DONE, a few bytes) is hashed
+    from storage. Without `written` every file is hashed from storage (tools, tests).
     config_identity (TrainConfig.identity()) lets `check_compatible` name differing fields.
     """
     d = step_dir(step)
+    written = written or {}
+    present = published_files(run_dir, step)
+    missing = sorted(set(written) - set(present))
+    if missing:
+        raise CheckpointError(f"{run_dir.uri(f'{d}/{missing[0]}')}: written by its rank but not "
+                              f"in storage ({len(missing)} file(s) missing); no MANIFEST")
     files = {}
-    for name in published_files(run_dir, step):
+    for name in present:
         rel = f"{d}/{name}"
-        files[name] = {"size": run_dir.size_of(rel), "sha256": run_dir.sha256_of(rel)}
+        size = run_dir.size_of(rel)
+        if name in written:
+            if size != written[name]["size"]:
+                raise CheckpointError(f"{run_dir.uri(rel)}: size: expected {written[name]['size']} "
+                                      f"bytes as written by its rank, found {size} in storage; "
+                                      f"no MANIFEST")
+            files[name] = {"size": size, "sha256": written[name]["sha256"]}
+        else:
+            files[name] = {"size": size, "sha256": run_dir.sha256_of(rel, max_bytes=size)}
     manifest = {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "step": step,
         "world_size": world_size, "num_parameters": num_parameters,
@@ -614,12 +638,16 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = None) -> list[str]:
+def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = None,
+                      hashes: bool = True) -> list[str]:
     """Problems that make the checkpoint at `step` untrustworthy; [] means verified.
 
     Needs DONE, a readable MANIFEST, the model file and one state file per rank listed in it
     (world_size ranks, or the manifest's own world_size when None), and every listed file
-    present with the listed size and sha256. Files the manifest does not list are ignored.
+    present with the listed size and (with `hashes`) sha256. Files the manifest does not list
+    are ignored. Without `hashes` nothing but MANIFEST is read (a listing and sizes: cheap on
+    object stores, a flipped bit goes unnoticed): what resume selection, retention and
+    `raygpt status` use; each rank then hashes what it loads (`verify_bytes`).
     """
     d = step_dir(step)
     problems = []
@@ -651,6 +679,8 @@ def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = No
         if size != entry.get("size"):
             problems.append(f"{rel}: size: expected {entry.get('size')}, found {size}")
             continue  # a size mismatch already condemns it; skip hashing gigabytes
+        if not hashes:
+            continue
         try:  # at most the listed size: a name that is a link to /dev/zero ends here
             digest = run_dir.sha256_of(rel, max_bytes=size)
         except (OSError, ValueError) as e:
@@ -659,6 +689,21 @@ def verify_checkpoint(run_dir: RunDir, step: int, *, world_size: int | None = No
         if digest != entry.get("sha256"):
             problems.append(f"{rel}: sha256: expected {entry.get('sha256')}, found {digest}")
     return problems
+
+
+def verify_bytes(run_dir: RunDir, step: int, name: str, data: bytes, manifest: dict) -> None:
+    """CheckpointError unless `data` (file `name` of checkpoint `step`, as a rank read it to
+    load it) has the size and sha256 that MANIFEST lists: a rank hashes only what it loads,
+    from the bytes it already holds."""
+    rel = f"{step_dir(step)}/{name}"
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{run_dir.uri(rel)}: not listed in {MANIFEST}")
+    if len(data) != entry["size"]:
+        raise CheckpointError(f"{run_dir.uri(rel)}: size: expected {entry['size']}, found {len(data)}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"{run_dir.uri(rel)}: sha256: expected {entry['sha256']}, found {digest}")
 
 
 # ====================================================================== resume selection
@@ -674,8 +719,10 @@ def list_checkpoint_steps(run_dir: RunDir) -> list[int]:
 
 def find_latest_verified(run_dir: RunDir, *, before_step: int | None = None,
                          world_size: int | None = None,
-                         warn: Callable[[str], None] | None = None) -> int | None:
+                         warn: Callable[[str], None] | None = None,
+                         hashes: bool = True) -> int | None:
     """Newest step (strictly below before_step, if given) whose checkpoint verifies; None if none.
+    `hashes=False`: complete (DONE, MANIFEST, every listed file with its size), not hashed.
 
     Each newer checkpoint skipped on the way is reported through warn (default: log.warning)
     with its step and the file that failed.
@@ -684,7 +731,7 @@ def find_latest_verified(run_dir: RunDir, *, before_step: int | None = None,
     for step in reversed(list_checkpoint_steps(run_dir)):
         if before_step is not None and step >= before_step:
             continue
-        problems = verify_checkpoint(run_dir, step, world_size=world_size)
+        problems = verify_checkpoint(run_dir, step, world_size=world_size, hashes=hashes)
         if not problems:
             return step
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -55,11 +55,15 @@ def run_fingerprints(cfg: TrainConfig) -> dict:
 
 def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
     """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
-    Called by whoever knows that every rank's files are durably stored: the Ray driver callback
-    after Ray registered the checkpoint, or the single process after its own upload.
+    Called by whoever knows that every rank's files are durably stored: the Ray driver's
+    finalizer (`trainer.CheckpointFinalizer`, off the controller's thread) after Ray registered
+    the checkpoint, or the single process after its own upload.
 
-    `rank_hashes` are what the ranks hashed while writing; MANIFEST hashes what is actually in
-    storage, and the two must agree, so a corrupted upload never becomes a complete checkpoint."""
+    `rank_hashes` are what the ranks hashed while writing (every byte once, by its writer). They
+    must cover every rank's files, and storage must hold each of them with the size its rank
+    wrote; MANIFEST takes the ranks' hashes, so nothing is read back here (no cost that grows
+    with the world or the state). A corrupted upload that keeps its size is caught by the rank
+    that loads the file (`Checkpointer.restore_latest` hashes what it reads)."""
     sdir = ck.step_dir(step)
     trajectory = (meta.get("extra") or {}).get("trajectory")
     hit = ck.abandoned_by(step, trajectory, ck.read_abandoned_trajectories(run_dir))
@@ -67,6 +71,10 @@ def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dic
         raise ck.CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
                                  f"spike rewind abandoned back to step {hit['to_step']}; not "
                                  f"marking DONE")
+    unreported = [n for n in ck.expected_files(step, meta["world_size"]) if n not in rank_hashes]
+    if unreported:
+        raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{unreported[0]}')}: no rank reported "
+                                 f"writing it ({len(unreported)} file(s)); not marking DONE")
     for name, h in rank_hashes.items():
         stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
         if stored != h["size"]:
@@ -77,13 +85,8 @@ def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dic
     # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
     run_dir.make_durable([f"{sdir}/{n}" for n in ck.published_files(run_dir, step)] + [sdir, ""])
     ck.write_done(run_dir, step)
-    manifest = ck.write_manifest(run_dir, step, **{k: v for k, v in meta.items()
-                                                      if k not in ("retention", "step")})
-    for name, h in rank_hashes.items():
-        if manifest["files"][name]["sha256"] != h["sha256"]:
-            run_dir.delete_file(f"{sdir}/{ck.MANIFEST}")
-            raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: sha256 in storage differs "
-                                     f"from what its rank wrote; checkpoint left incomplete")
+    ck.write_manifest(run_dir, step, written=rank_hashes,
+                      **{k: v for k, v in meta.items() if k not in ("retention", "step")})
     apply_retention(run_dir, meta["retention"])
 
 
@@ -93,7 +96,7 @@ def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
     steps = ck.list_checkpoint_steps(run_dir)
     if not steps:
         return []
-    newest = ck.find_latest_verified(run_dir, warn=lambda m: None)
+    newest = ck.find_latest_verified(run_dir, warn=lambda m: None, hashes=False)
     protect = set()
     if policy.get("wsd_decay_start") is not None:
         before = [s for s in steps if s <= policy["wsd_decay_start"]]
@@ -105,6 +108,44 @@ def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
     for s in doomed:
         run_dir.delete_dir(ck.step_dir(s))
     return doomed
+
+
+def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
+    """The ranks of an N-rank checkpoint whose state files a rank owning [lo, hi) of the flat
+    buffers reads to reshard: rank 0 (the rank-independent state: loader, RNG, policies) and,
+    under ZeRO-1, the old ranks whose shards overlap [lo, hi); without ZeRO rank 0's full copy
+    is all there is to read."""
+    if not (zero_old == 1 and n_old > 1):
+        return [0]
+    overlap = []
+    for r in range(n_old):
+        r_lo, r_hi = shard_range(total, r, n_old, zero_old)
+        if r_lo < hi and r_hi > lo:
+            overlap.append(r)
+    return sorted({0, *overlap})
+
+
+def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str]) -> dict:
+    """{name: bytes} for the files `names` of checkpoint `step`, read in parallel, each checked
+    against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file)."""
+    from concurrent.futures import ThreadPoolExecutor
+    sdir = ck.step_dir(step)
+
+    def fetch(name: str) -> bytes:
+        data = run_dir.read_bytes(f"{sdir}/{name}")
+        ck.verify_bytes(run_dir, step, name, data, manifest)
+        return data
+
+    with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
+        return dict(zip(names, pool.map(fetch, names)))
+
+
+def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
+    """What rank `rank` of an unchanged world reads to choose and verify its resume checkpoint
+    (`Checkpointer.restore_latest`'s steps without a model: the newest complete checkpoint, then
+    its own state file hashed). For bench/checkpoint.py."""
+    step = ck.find_latest_verified(run_dir, hashes=False, warn=lambda m: None)
+    return fetch_verified(run_dir, step, ck.read_manifest(run_dir, step), [ck.state_file(step, rank)])
 
 
 class _HashingWriter(io.RawIOBase):
@@ -191,9 +232,10 @@ class Checkpointer:
                                     safety_steps, wait_s)
 
     def verified_steps(self) -> list[int]:
+        """Complete checkpoints (DONE, MANIFEST, sizes; not hashed: `load` hashes what it reads)."""
         steps = []
         for s in ck.list_checkpoint_steps(self.run_dir):
-            if not ck.verify_checkpoint(self.run_dir, s):
+            if not ck.verify_checkpoint(self.run_dir, s, hashes=False):
                 steps.append(s)
         return steps
 
@@ -332,30 +374,94 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
     def restore_latest(self, state: TrainState, loader) -> int | None:
         """Resume from the newest verified checkpoint when the surroundings restored one (a Ray
-        restart) or the config asks (-y 1); returns the step resumed from, or None."""
+        restart) or the config asks (-y 1); returns the step resumed from, or None.
+
+        The newest complete checkpoint (DONE, MANIFEST, every file with its listed size: no
+        hashing) is the candidate; each rank then reads the files it loads, in parallel, and
+        checks their sha256 against MANIFEST from the bytes it holds (`_fetch_verified`), so no
+        rank reads another's state. The ranks agree on the verdict (one collective): when any
+        rank's file fails, every rank passes over that checkpoint to the next older one."""
         hint = self.session.checkpoint_hint()
         if hint is None and self.cfg.resume != 1:
             return None
         warn = (lambda m: print(f"raygpt | WARNING: {m}", flush=True)) if self.rank == 0 else (lambda m: None)
         decisions = ck.read_abandoned_trajectories(self.run_dir)
-        step = self._latest_resumable(decisions, warn)
-        if step is None:
-            if hint is not None:
-                warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists in "
-                     f"{self.run_dir}; starting from scratch")
-            elif self.rank == 0:
-                print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting fresh",
-                      flush=True)
-            return None
-        self.load(step, state, loader)
+        before = None
+        while True:
+            step = self._latest_resumable(decisions, warn, before)
+            files, problem = None, None
+            if step is not None:
+                t0 = time.perf_counter()
+                manifest = ck.read_manifest(self.run_dir, step)
+                same_sharding = self._same_sharding(manifest)  # an incompatible config raises
+                files, problem = self._fetch_verified(step, manifest, same_sharding)
+                self.load_seconds += time.perf_counter() - t0
+                if problem is not None:
+                    print(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: {problem}",
+                          flush=True)
+            bad, newest, oldest = self._agree(problem is not None, -1 if step is None else step)
+            if newest == -1:  # no rank has a candidate left
+                if hint is not None:
+                    warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists "
+                         f"in {self.run_dir}; starting from scratch")
+                elif self.rank == 0:
+                    print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
+                          f"fresh", flush=True)
+                return None
+            if not bad and newest == oldest:
+                break
+            if bad:
+                warn(f"checkpoint step {newest} in {self.run_dir.uri()} failed verification on "
+                     f"at least one rank; every rank falls back to an older one")
+            else:  # the ranks saw different newest checkpoints (one completed meanwhile)
+                warn(f"the ranks found different newest checkpoints ({oldest}..{newest}); "
+                     f"every rank passes over step {newest}")
+            before = newest
+        self.load(step, state, loader, files=files)
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
-    def _latest_resumable(self, decisions: list[dict], warn) -> int | None:
-        """The newest verified checkpoint that no rewind abandoned (a crash can come between a
-        rewind's record and its deletion of the abandoned checkpoints)."""
-        before = None
-        while (step := ck.find_latest_verified(self.run_dir, before_step=before, warn=warn)) is not None:
+    def _agree(self, bad: bool, step: int) -> tuple[bool, int, int]:
+        """(any rank's verdict is bad, the newest and the oldest candidate step over the ranks):
+        the resume verdict's one collective, so every rank takes the same decision."""
+        if self.world == 1 or not torch.distributed.is_initialized():
+            return bad, step, step
+        t = torch.tensor([1.0 if bad else 0.0, float(step), -float(step)],
+                         dtype=torch.float64, device=self.flat.params.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t[0].item() > 0), int(t[1].item()), int(-t[2].item())
+
+    def _files_to_load(self, step: int, manifest: dict, same_sharding: bool) -> list[str]:
+        """The files of checkpoint `step` this rank reads to load it: its own state file, or
+        (resharding) rank 0's for the rank-independent state plus the old ranks' files whose
+        shards overlap this rank's [lo, hi); the model file where the weights come from it."""
+        if same_sharding:
+            names = [ck.state_file(step, self.rank)]
+        else:
+            names = [ck.state_file(step, r) for r in self._old_ranks_needed(manifest)]
+        if self.opt.master is None:
+            names.append(ck.model_file(step))
+        return names
+
+    def _old_ranks_needed(self, manifest: dict) -> list[int]:
+        return old_ranks_needed(self.flat.num_parameters, manifest["world_size"],
+                                manifest.get("extra", {}).get("zero_stage", 0),
+                                self.opt.lo, self.opt.hi)
+
+    def _fetch_verified(self, step: int, manifest: dict, same_sharding: bool):
+        """({name: bytes}, None) with every file this rank loads read and checked, or (None,
+        what failed)."""
+        try:
+            return fetch_verified(self.run_dir, step, manifest,
+                                  self._files_to_load(step, manifest, same_sharding)), None
+        except (ck.CheckpointError, OSError, ValueError) as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    def _latest_resumable(self, decisions: list[dict], warn, before: int | None = None) -> int | None:
+        """The newest complete checkpoint (below `before`) that no rewind abandoned (a crash can
+        come between a rewind's record and its deletion of the abandoned checkpoints)."""
+        while (step := ck.find_latest_verified(self.run_dir, before_step=before, warn=warn,
+                                               hashes=False)) is not None:
             trajectory = ck.read_manifest(self.run_dir, step).get("extra", {}).get("trajectory")
             hit = ck.abandoned_by(step, trajectory, decisions)
             if hit is None:
@@ -379,22 +485,37 @@ class Checkpointer:
                   f"step {decision['to_step']}): its skip list and lr_scale "
                   f"{state.ledger.lr_scale:.3f} apply from here", flush=True)
 
-    def load(self, step: int, state: TrainState, loader) -> None:
+    def load(self, step: int, state: TrainState, loader, files: dict | None = None) -> None:
+        """Load checkpoint `step`; `files` are bytes `_fetch_verified` already read and checked
+        (else each file is read here and checked against MANIFEST before it is used)."""
         t0 = time.perf_counter()
-        self._load(step, state, loader)
+        self._load(step, state, loader, files or {})
         self.load_seconds += time.perf_counter() - t0
 
-    def _load(self, step: int, state: TrainState, loader) -> None:
-        manifest = ck.read_manifest(self.run_dir, step)
+    def _same_sharding(self, manifest: dict) -> bool:
+        """Whether this rank's own state file is its state (same world and ZeRO stage); raises
+        CheckpointError naming the fields when the checkpoint cannot be resumed at all."""
         try:
             ck.check_compatible(manifest, config_identity=self.cfg.identity(),
                                 tokenizer_hash=self.fingerprints["tokenizer_hash"],
                                 data_hash=self.fingerprints["data_hash"], world_size=self.world)
-            same_sharding = manifest.get("extra", {}).get("zero_stage", 0) == self.cfg.zero_stage
+            return manifest.get("extra", {}).get("zero_stage", 0) == self.cfg.zero_stage
         except ck.WorldSizeMismatch:
-            same_sharding = False
+            return False
+
+    def _read(self, step: int, name: str, manifest: dict, files: dict) -> bytes:
+        if name in files:
+            return files[name]
+        data = self.run_dir.read_bytes(f"{ck.step_dir(step)}/{name}")
+        ck.verify_bytes(self.run_dir, step, name, data, manifest)
+        return data
+
+    def _load(self, step: int, state: TrainState, loader, files: dict) -> None:
+        manifest = ck.read_manifest(self.run_dir, step)
+        same_sharding = self._same_sharding(manifest)
         # elastic resume: written by N ranks (or another ZeRO stage), read by this run's M
-        sf = self._read_own_state(step) if same_sharding else self._read_resharded_state(step, manifest)
+        sf = (self._read_own_state(step, manifest, files) if same_sharding
+              else self._read_resharded_state(step, manifest, files))
         sdir = ck.step_dir(step)
         opt = self.opt
         # 1. optimizer state and master weights
@@ -411,7 +532,8 @@ class Checkpointer:
         else:
             # fp32: the working weights are the weights; llm.c reads them from the model file
             name = f"{sdir}/{ck.model_file(step)}"
-            _, weights = read_model_file_flat(self.run_dir.read_bytes(name), name)
+            _, weights = read_model_file_flat(self._read(step, ck.model_file(step), manifest, files),
+                                              name)
             self.flat.params[:self.flat.num_parameters].copy_(weights)
         # 3. then rng_state, 4. then the loader resumed at its position (never reset)
         state.step = sf.step
@@ -422,41 +544,48 @@ class Checkpointer:
             if self.rank == 0:
                 print(f"raygpt | WARNING: checkpoint {step}: {note}", flush=True)
 
-    def _read_own_state(self, step: int):
-        sdir, opt = ck.step_dir(step), self.opt
-        return ck.read_state_file(self.run_dir.read_bytes(f"{sdir}/{ck.state_file(step, self.rank)}"),
+    def _read_own_state(self, step: int, manifest: dict, files: dict):
+        opt = self.opt
+        return ck.read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
                                   num_parameters=opt.hi - opt.lo, expect_processes=self.world,
                                   expect_rank=self.rank)
 
-    def _read_resharded_state(self, step: int, manifest: dict):
+    def _read_resharded_state(self, step: int, manifest: dict, files: dict):
         """A checkpoint of N ranks resumed on this run's M ranks (llm.c refuses this; raygpt
         re-splits). Everything but the optimizer tensors is rank-independent (the loader state is
         a global cursor, the RNG and policy state are replicated), so it comes from rank 0's file.
         m, v and the master weights are the concatenation of the N shards in rank order (or rank
-        0's full copy without ZeRO), sliced to this rank's [lo, hi). The global batch is kept by
-        the config (total_batch_size is part of its identity); grad accumulation absorbs M."""
+        0's full copy without ZeRO), sliced to this rank's [lo, hi): only the old shards that
+        overlap it are read (`_old_ranks_needed`). The global batch is kept by the config
+        (total_batch_size is part of its identity); grad accumulation absorbs M."""
         n_old = manifest["world_size"]
         zero_old = manifest.get("extra", {}).get("zero_stage", 0)
         total = self.flat.num_parameters
         sdir = ck.step_dir(step)
-        ranks = range(n_old) if zero_old == 1 and n_old > 1 else [0]
+        lo, hi = self.opt.lo, self.opt.hi
         parts = {"m": [], "v": [], "master": []}
-        first = None
-        for r in ranks:
+        first, base = None, None
+        for r in self._old_ranks_needed(manifest):
             name = f"{sdir}/{ck.state_file(step, r)}"
-            if not self.run_dir.exists(name):
+            if ck.state_file(step, r) not in files and not self.run_dir.exists(name):
                 raise ck.CheckpointError(f"{self.run_dir.uri(name)}: expected the state file of "
                                          f"rank {r} of {n_old} to reshard from, found none")
-            lo, hi = shard_range(total, r, n_old, zero_old)
-            sf = ck.read_state_file(self.run_dir.read_bytes(name), num_parameters=hi - lo,
-                                    expect_processes=n_old, expect_rank=r)
+            r_lo, r_hi = shard_range(total, r, n_old, zero_old)
+            sf = ck.read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
+                                    num_parameters=r_hi - r_lo, expect_processes=n_old,
+                                    expect_rank=r)
             first = first or sf
+            if not (r_lo < hi and r_hi > lo):
+                continue  # rank 0's file read for the rank-independent state only
+            base = r_lo if base is None else base
             for key in parts:
                 if getattr(sf, key) is not None:
                     parts[key].append(getattr(sf, key))
-        lo, hi = self.opt.lo, self.opt.hi
         for key, arrays in parts.items():
-            setattr(first, key, np.concatenate(arrays)[lo:hi] if arrays else None)
+            if arrays:
+                setattr(first, key, np.concatenate(arrays)[lo - base:hi - base])
+            elif getattr(first, key) is not None:  # this rank's shard is empty (padding)
+                setattr(first, key, getattr(first, key)[:0])
         if self.rank == 0:
             print(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) (ZeRO-{zero_old})"
                   f" resharded onto {self.world} rank(s) (ZeRO-{self.cfg.zero_stage}); grad "

@@ -3,7 +3,7 @@
     raygpt train [llm.c flags | long options]   run a job under Ray Train
     raygpt sweep [sweep options] [train flags]   a Ray Tune sweep whose trials are raygpt runs
     raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
-    raygpt status RUN_DIR [--quick]              what ran, last step, loss, checkpoints, goodput
+    raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
 
 Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in raygpt.config.

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from raygpt import signals, tokenizer
 from raygpt.checkpointer import Checkpointer
+from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
@@ -50,12 +51,14 @@ NOT_DETERMINISTIC = "does not have a deterministic implementation"
 
 
 class NonDeterministicOp(ConfigError):
-    """--deterministic met an op with no deterministic implementation: the run cannot keep its
-    promise, and a restart would meet the same op (a bad-input error, not a fault to retry)."""
+    """Deterministic mode (the GPU default, or --deterministic) met an op with no deterministic
+    implementation: the run cannot keep its promise, and a restart would meet the same op (a
+    bad-input error, not a fault to retry)."""
 
     def __init__(self, op: str):
-        super().__init__(f"--deterministic: {op} has no deterministic implementation on this "
-                         f"device; run without --deterministic, or avoid the op")
+        super().__init__(f"--deterministic (the default on GPUs): {op} has no deterministic "
+                         f"implementation on this device; run with --no-deterministic (resumes "
+                         f"are then close, not bit-exact), or avoid the op")
         self.op = op
 
 
@@ -194,6 +197,7 @@ class Run:
     session: Session
     model: GPT
     forward: object  # the model, or its torch.compile'd wrapper
+    compiled: "CompileCache | None"  # where the compiled graphs are cached (when compiling)
     flat: FlatParameters
     opt: AdamW
     train_loader: DistributedDataLoader
@@ -233,16 +237,24 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
+    forward, compiled = model, None
+    if cfg.compile:
+        # static shapes: validation batches of another size must not make the training graph
+        # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
+        forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)
+        compiled = CompileCache.for_run(cfg, session)
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
+    restore_started = time.time()
     resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
+    startup = {**session.startup_marks(), "restore_started": restore_started,
+               "state_loaded": time.time(), "load_s": ckpt.load_seconds}  # the recovery ledger's
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
                                             resumed_from=resumed_from, model_config=model.config,
-                                            n_params=num_parameters(model)))
-    return Run(cfg=cfg, session=session, model=model,
-               forward=torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model,
+                                            n_params=num_parameters(model), startup=startup))
+    return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
                flat=flat, opt=opt, train_loader=train_loader,
                val_loader=build_val_loader(cfg, rank, world) if validating else None,
                state=state, ckpt=ckpt, runlog=runlog,
@@ -304,9 +316,8 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         # start, the host waits in the one sync above) is the step time
         dt = time.perf_counter() - t0
         state.advance(r.tokens_per_step, clipped=agreed.norm > cfg.grad_clip)
-        if step == first_step and cfg.gc_freeze:
-            gc.collect()
-            gc.freeze()  # a full collection walks the compile caches: see TrainConfig.gc_freeze
+        if step == first_step:
+            after_first_step(r)  # its compiled graphs kept for other nodes, the collector frozen
 
         # ---------------------------------------------------------- logging
         runlog.train(step, loss=agreed.loss, norm=agreed.norm, lr=lr, dt=dt, verdict=verdict,
@@ -323,6 +334,18 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         act_on(r, agreed)
 
     return finish(r, time.perf_counter() - t_start)
+
+
+def after_first_step(r: Run) -> None:
+    """After the first step (compiled, warmed up): rank 0 stores the graphs it compiled beside
+    the run (a new node then fills its caches from them), and the live objects move out of the
+    garbage collector's reach (gc.freeze: a full collection otherwise walks Dynamo's and
+    Inductor's caches and stalls a step for tens of milliseconds now and then)."""
+    if r.compiled is not None and r.session.rank == 0:
+        r.compiled.save_if_new(r.session.run_dir)
+    if r.cfg.gc_freeze:
+        gc.collect()
+        gc.freeze()
 
 
 def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:

@@ -3,7 +3,7 @@
 Both read only what the run left in its run directory, through `RunDir` (local, NFS, s3://,
 gs://), and need neither Ray nor a running job:
     loss_history.jsonl   every train / val record and event (skip, rewind, failure, resume ...)
-    step_XXXXXXXX/       the checkpoints, each verified as a resume would (DONE, MANIFEST, hashes)
+    step_XXXXXXXX/       the checkpoints: complete (DONE, MANIFEST, sizes), hashed with --verify
 
 `load_run` gathers that into a `RunView`; `format_status` and `plot_series` are pure functions of
 the view. A step that was trained more than once (after a rewind or a resume) appears once in the
@@ -143,26 +143,10 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
 
 
 def quick_check(run_dir: RunDir, step: int) -> list[str]:
-    """verify_checkpoint without the hashing: DONE, a readable MANIFEST, every listed file
-    present with its listed size. Cheap on object stores; a bit flip goes unnoticed."""
-    d = ck.step_dir(step)
-    problems = []
-    if not run_dir.exists(f"{d}/{ck.done_file(step)}"):
-        problems.append(f"{d}/{ck.done_file(step)}: missing (not every rank finished writing)")
-    try:
-        manifest = ck.read_manifest(run_dir, step)
-    except ck.CheckpointError as e:
-        return problems + [str(e)]
-    for name, entry in sorted(manifest["files"].items()):  # names confined by read_manifest
-        rel = f"{d}/{name}"
-        try:
-            if not run_dir.exists(rel):
-                problems.append(f"{rel}: listed in {ck.MANIFEST} but missing")
-            elif run_dir.size_of(rel) != entry.get("size"):
-                problems.append(f"{rel}: size: expected {entry.get('size')}, found {run_dir.size_of(rel)}")
-        except (OSError, ValueError) as e:
-            problems.append(f"{rel}: listed in {ck.MANIFEST} but not a readable file ({e})")
-    return problems
+    """verify_checkpoint without the hashing: DONE, a readable MANIFEST listing every rank's
+    files, every listed file present with its listed size. Reads MANIFEST only (a listing and
+    sizes: cheap on object stores); a flipped bit goes unnoticed (`--verify` hashes)."""
+    return ck.verify_checkpoint(run_dir, step, hashes=False)
 
 
 def _manifest_bytes(run_dir: RunDir, step: int) -> int:
@@ -172,11 +156,12 @@ def _manifest_bytes(run_dir: RunDir, step: int) -> int:
         return 0
 
 
-def check_checkpoints(run_dir: RunDir, *, verify: str = "full",
+def check_checkpoints(run_dir: RunDir, *, verify: str = "quick",
                       progress: Progress | None = None) -> list[CheckpointInfo]:
-    """Every step_XXXXXXXX/ of the run, checked like a resume would ("full": sha256 of every
-    file) or only for completeness and sizes ("quick"). Hashing a week-long run's checkpoints
-    reads every byte, so each one is announced through `progress` first."""
+    """Every step_XXXXXXXX/ of the run, checked for completeness and sizes ("quick", the
+    default: MANIFEST is all that is read) or hashed ("full": sha256 of every file, what
+    `--verify` asks for). Hashing a week-long run's checkpoints reads every byte, so each one is
+    announced through `progress` first."""
     if verify not in ("full", "quick"):
         raise ValueError(f"checkpoint verification: expected 'full' or 'quick', found {verify!r}")
     steps = ck.list_checkpoint_steps(run_dir)
@@ -192,7 +177,7 @@ def check_checkpoints(run_dir: RunDir, *, verify: str = "full",
     return out
 
 
-def load_run(run_dir, *, verify: str = "full", progress: Progress | None = None,
+def load_run(run_dir, *, verify: str = "quick", progress: Progress | None = None,
              recent: int | None = None) -> RunView:
     """Read a run directory (anything `open_run_dir` takes) into a RunView; the history is
     streamed, and with `recent` (see RunView) never held whole."""
@@ -317,7 +302,15 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
 
     if view.goodput is not None:
         lines.append(f"goodput   {view.goodput['line']}")
+        split = view.goodput.get("recovery_lines", [])
+        if len(split) > RECOVERIES_SHOWN:
+            lines.append(f"          (the last {RECOVERIES_SHOWN} of {len(split)} recoveries)")
+        lines += [f"          {line}" for line in split[-RECOVERIES_SHOWN:]]
     return "\n".join(printable(line) for line in lines)
+
+
+# recoveries split into their parts on `raygpt status` (the newest; the goodput line has them all)
+RECOVERIES_SHOWN = 5
 
 
 def fired_lines(count: int, fired: list[dict]) -> list[str]:
@@ -383,7 +376,7 @@ STATUS_RECENT = 20  # train steps (and events of each kind) `raygpt status` keep
 STATUS_FAULTS = 50  # fired faults `raygpt status` lists (the newest)
 
 
-def run_status(run_dir_uri, *, verify: str = "full", progress: Progress | None = None) -> str:
+def run_status(run_dir_uri, *, verify: str = "quick", progress: Progress | None = None) -> str:
     """`raygpt status`: what ran (config.json of every launch), the last step, loss, tok/s,
     checkpoints, restarts, the faults injected (RUN_DIR/faults/), each resume with its audit and
     goodput of a run. The history is streamed: memory does not grow
@@ -478,7 +471,7 @@ _STYLE = {
 _PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"))
 
 
-def plot_run(run_dir_uri, out_png, *, verify: str = "full",
+def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
              progress: Progress | None = None) -> dict[str, tuple[list, list]]:
     """`raygpt plot`: write a PNG of the run (loss, lr, grad norm, tok/s, with skips, rewinds,
     failures, resumes and checkpoints marked) and return {series: (x, y)} as read back from the
@@ -544,16 +537,24 @@ def _stderr_progress(message: str) -> None:
     print(f"raygpt | {printable(message)}", file=sys.stderr, flush=True)
 
 
+def _verify_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--verify", action="store_true",
+                   help="also read and sha256 every checkpoint file against its MANIFEST (reads "
+                        "every byte of every checkpoint); default: DONE, MANIFEST and sizes only")
+    g.add_argument("--quick", action="store_true",
+                   help="the default (kept for scripts that pass it): no hashing")
+
+
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
-        "Print where a run is: last step, loss, tok/s, checkpoints (verified as a resume would), "
+        "Print where a run is: last step, loss, tok/s, checkpoints (complete? --verify: hashed), "
         "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput."))
     p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
-    p.add_argument("--quick", action="store_true",
-                   help="check checkpoints for DONE, MANIFEST and file sizes only (no sha256)")
+    _verify_flags(p)
     args = p.parse_args(argv)
     try:
-        print(run_status(args.run_dir, verify="quick" if args.quick else "full",
+        print(run_status(args.run_dir, verify="full" if args.verify else "quick",
                          progress=_stderr_progress))
     except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
@@ -569,7 +570,7 @@ def plot_main(argv: list[str]) -> int:
     p.add_argument("-o", "--out", default=None,
                    help="the PNG to write (default: plot.png in a local run directory, "
                         "<run name>_plot.png here for a remote one)")
-    p.add_argument("--quick", action="store_true", help="check checkpoints without hashing them")
+    _verify_flags(p)
     args = p.parse_args(argv)
     out = args.out
     if out is None:
@@ -577,7 +578,7 @@ def plot_main(argv: list[str]) -> int:
         out = (str(run_dir.local_path("plot.png")) if run_dir.is_local
                else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
     try:
-        series = plot_run(args.run_dir, out, verify="quick" if args.quick else "full",
+        series = plot_run(args.run_dir, out, verify="full" if args.verify else "quick",
                           progress=_stderr_progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)

@@ -59,6 +59,11 @@ class Session:
         """Why this attempt exists, if the surroundings know (e.g. the previous failure)."""
         return None
 
+    def startup_marks(self) -> dict[str, float]:
+        """Wall times of this attempt's start-up that the surroundings saw before the loop ran
+        (`history.STARTUP_MARKS`: its worker group up, its process group formed); none here."""
+        return {}
+
 
 class LocalSession(Session):
     """One process, no Ray: rank 0 of 1, publishing checkpoints straight into the run dir."""

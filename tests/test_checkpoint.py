@@ -19,7 +19,7 @@ from raygpt.checkpoint import (
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
     private_stage_root, read_manifest, read_state_file, stage_dir, state_file, step_dir,
-    verify_checkpoint,
+    verify_bytes, verify_checkpoint,
     write_done, write_manifest, write_state_file,
 )
 from raygpt.config import TrainConfig
@@ -674,3 +674,144 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
         first_stored = min(before.index(("fsync", str(sdir / n))) for n in names)
         assert ("fsync", str(sdir)) in before[first_stored:], "the step directory's names"
         assert ("fsync", str(run_dir)) in before[first_stored:], "the step directory's own name"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 23: the finalizer never reads the ranks' data back; it takes their hashes
+
+
+def _reads(monkeypatch) -> list[str]:
+    """The run-dir paths read (read_bytes, sha256_of) from here on."""
+    seen = []
+    for name in ("read_bytes", "sha256_of"):
+        orig = getattr(RunDir, name)
+
+        def spy(self, rel, *a, _orig=orig, **kw):
+            seen.append(rel)
+            return _orig(self, rel, *a, **kw)
+        monkeypatch.setattr(RunDir, name, spy)
+    return seen
+
+
+def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, monkeypatch):
+    from raygpt.checkpointer import finalize_checkpoint
+
+    make_checkpoint(run_dir, 20)  # an older complete one, which retention looks at too
+    hashes = _upload_without_done(run_dir, 30)
+    seen = _reads(monkeypatch)
+    finalize_checkpoint(run_dir, 30, hashes, _meta(30, "t"))
+    rank_files = [p for p in seen if "/state_" in p or "/model_" in p]
+    assert rank_files == []  # presence and sizes only: the data are not read back
+    listed = read_manifest(run_dir, 30)["files"]
+    assert {n: listed[n] for n in hashes} == hashes
+    assert set(listed) == set(hashes) | {done_file(30)}
+    assert verify_checkpoint(run_dir, 30) == []  # the ranks' hashes are the stored bytes'
+
+
+def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_dir):
+    from raygpt.checkpointer import finalize_checkpoint
+
+    hashes = _upload_without_done(run_dir, 30)
+    rel = f"{step_dir(30)}/{state_file(30, 1)}"
+    run_dir.write_bytes_atomic(rel, run_dir.read_bytes(rel)[:-1])  # truncated in storage
+    with pytest.raises(CheckpointError, match=r"state_00000030_00001.bin: expected \d+ bytes as "
+                                              r"written by its rank, found \d+"):
+        finalize_checkpoint(run_dir, 30, hashes, _meta(30, "t"))
+    hashes = _upload_without_done(run_dir, 30)
+    del hashes[state_file(30, 1)]  # rank 1's report lost: its file is in storage, unvouched for
+    with pytest.raises(CheckpointError, match=r"state_00000030_00001.bin: no rank reported"):
+        finalize_checkpoint(run_dir, 30, hashes, _meta(30, "t"))
+    for name in (done_file(30), MANIFEST):
+        assert not run_dir.exists(f"{step_dir(30)}/{name}")
+
+
+def test_a_flipped_byte_after_upload_is_caught_by_a_hashing_verify_not_a_quick_one(run_dir):
+    from raygpt.checkpointer import finalize_checkpoint
+
+    hashes = _upload_without_done(run_dir, 30)
+    rel = f"{step_dir(30)}/{state_file(30, 0)}"
+    data = bytearray(run_dir.read_bytes(rel))
+    data[100] ^= 1  # same size: storage corrupted it after the rank hashed it
+    run_dir.write_bytes_atomic(rel, bytes(data))
+    finalize_checkpoint(run_dir, 30, hashes, _meta(30, "t"))
+    assert verify_checkpoint(run_dir, 30, hashes=False) == []
+    assert find_latest_verified(run_dir, hashes=False) == 30
+    problems = verify_checkpoint(run_dir, 30)
+    assert len(problems) == 1 and problems[0].startswith(f"{rel}: sha256: expected")
+    manifest = read_manifest(run_dir, 30)
+    with pytest.raises(CheckpointError, match=r"state_00000030_00000.bin: sha256: expected"):
+        verify_bytes(run_dir, 30, state_file(30, 0), bytes(data), manifest)
+    verify_bytes(run_dir, 30, state_file(30, 1), run_dir.read_bytes(
+        f"{step_dir(30)}/{state_file(30, 1)}"), manifest)
+    with pytest.raises(CheckpointError, match=r"size: expected"):
+        verify_bytes(run_dir, 30, state_file(30, 0), bytes(data[:-1]), manifest)
+
+
+def test_quick_verify_still_needs_done_manifest_every_rank_and_sizes(run_dir):
+    make_checkpoint(run_dir, 40)
+    d = step_dir(40)
+    run_dir.write_bytes_atomic(f"{d}/{state_file(40, 1)}", b"short")
+    assert any("size: expected" in p for p in verify_checkpoint(run_dir, 40, hashes=False))
+    run_dir.delete_file(f"{d}/{done_file(40)}")
+    assert any("DONE_00000040: missing" in p for p in verify_checkpoint(run_dir, 40, hashes=False))
+    assert any("state_00000040_00002.bin: expected rank file not listed" in p
+               for p in verify_checkpoint(run_dir, 40, world_size=3, hashes=False))
+
+
+def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for_it(
+        tmp_path, monkeypatch):
+    """Ray's controller calls after_report synchronously: it must return while storage is
+    still being written, and FinalizerDrain (the controller's end) must wait for DONE/MANIFEST."""
+    import threading
+
+    from raygpt.ray import driver
+
+    rd = open_run_dir(tmp_path / "run")
+    hashes = _upload_without_done(rd, 30)
+    release, started = threading.Event(), threading.Event()
+    real = driver.finalize_checkpoint
+
+    def slow(*a, **kw):  # storage that takes its time
+        started.set()
+        assert release.wait(30)
+        return real(*a, **kw)
+    monkeypatch.setattr(driver, "finalize_checkpoint", slow)
+
+    class Ckpt:
+        path = str(tmp_path / "run" / step_dir(30))
+
+    fin = driver.CheckpointFinalizer(str(tmp_path / "run"))
+    metrics = [{"raygpt_files": {k: v for k, v in hashes.items() if k != state_file(30, 1)},
+                "raygpt_manifest": _meta(30, "t")},
+               {"raygpt_files": {state_file(30, 1): hashes[state_file(30, 1)]}}]
+    fin.after_report(None, metrics, Ckpt())  # returns although the finalization is blocked
+    assert started.wait(10) and not rd.exists(f"{step_dir(30)}/{MANIFEST}")
+    drain = threading.Thread(target=driver.FinalizerDrain().after_controller_finish, args=(None,))
+    drain.start()
+    drain.join(0.5)
+    assert drain.is_alive()  # the controller's end waits for the pending checkpoint
+    release.set()
+    drain.join(30)
+    assert not drain.is_alive()
+    assert verify_checkpoint(rd, 30) == []
+    # and the trainer gives the drain to every controller (Ray's own defaults stubbed out)
+    base = next(k for k in driver.RaygptTrainer.__mro__[1:] if "_create_default_callbacks" in vars(k))
+    monkeypatch.setattr(base, "_create_default_callbacks", lambda self: [])
+    callbacks = object.__new__(driver.RaygptTrainer)._create_default_callbacks()
+    assert any(isinstance(c, driver.FinalizerDrain) for c in callbacks)
+
+
+def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
+    from raygpt.checkpointer import old_ranks_needed
+    from raygpt.optim import shard_range
+
+    total = 1000
+    # 4 ZeRO ranks (250 each) onto 2: rank 1 owns [500, 1000) = old ranks 2 and 3, plus rank 0
+    assert old_ranks_needed(total, 4, 1, *shard_range(total, 1, 2, 1)) == [0, 2, 3]
+    assert old_ranks_needed(total, 4, 1, *shard_range(total, 0, 2, 1)) == [0, 1]
+    # 2 onto 3 (334 each): rank 1 owns [334, 668), across the old boundary at 500
+    assert old_ranks_needed(total, 2, 1, *shard_range(total, 1, 3, 1)) == [0, 1]
+    # onto one rank: every old shard, but not rank 63's, empty (64 * 16 > 1000: padding)
+    assert old_ranks_needed(total, 64, 1, 0, total) == list(range(63))
+    assert old_ranks_needed(total, 8, 0, 0, total) == [0]  # no ZeRO: rank 0 holds everything
+    assert old_ranks_needed(total, 1, 1, 0, 500) == [0]

@@ -54,21 +54,22 @@ def _run_check(*args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def test_training_step_compiles_once_on_cpu():
+def test_training_step_compiles_once_on_cpu(tmp_path):
     """Inductor on the CPU (C++), with checkpoints every 2 steps. One micro-step per step and
     no validation, so the first compiled call is step 1's one forward: a second micro-step or
     validation at step 0 would call the forward before step 2 and hide a cause such as an
-    attribute the forward reads and sets (set by its first call, read changed by its second)."""
-    out = _run_check("loop", "cpu")
-    assert "compile check passed" in out, out
+    attribute the forward reads and sets (set by its first call, read changed by its second).
+    Then the run resumed on a new node starts from its compiled artifacts
+    (check_new_node_starts_warm)."""
+    print(check_new_node_starts_warm(tmp_path, "cpu"))
 
 
 @pytest.mark.gpu
-def test_training_step_compiles_once_on_gpu():
+def test_training_step_compiles_once_on_gpu(tmp_path):
     """The GPU default path: bf16 working weights with fp32 masters, the fused loss's Triton
-    kernel (a custom op inside the compiled forward), the Triton optimizer between steps."""
-    out = _run_check("loop", "cuda")
-    assert "compile check passed" in out, out
+    kernel (a custom op inside the compiled forward), the Triton optimizer between steps; then
+    a new node resumes from the run's artifacts (Inductor's Triton kernels come bundled)."""
+    print(check_new_node_starts_warm(tmp_path, "cuda"))
 
 
 @needs_triton
@@ -80,9 +81,116 @@ def test_compiled_code_keeps_its_kernel_lookup_after_the_first_eager_call():
     assert "compile check passed" in out, out
 
 
+def test_training_graph_stays_static_after_a_validation_of_another_batch_size(tmp_path, monkeypatch):
+    """The default GPU run validates 15-sample batches (the bundled validation set holds 31 of
+    1,024 tokens) before training on 16: Dynamo's automatic dynamic shapes then compiled the
+    training graph with a symbolic batch size, which under --deterministic (Inductor's reduction
+    configs fixed, the batch hint canonicalized) cost 16% of a step on 2 H200s
+    (bench/results/h200x2_det_default_2026-11-30.log). Every graph the loop compiles must have
+    static shapes; Dynamo's own graph capture is what decides it, so a recording backend stands
+    in for Inductor here."""
+    import raygpt.loop
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        # a symbolic size enters the graph as an input of its own (a SymInt beside the tensors)
+        graphs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        return gm.forward
+
+    real_compile = torch.compile
+
+    def compile_recording(model, **kw):
+        kw.pop("mode", None)  # an Inductor option: the recording backend takes none
+        return real_compile(model, backend=recording_backend, **kw)
+
+    monkeypatch.setattr(raygpt.loop.torch, "compile", compile_recording)
+    torch._dynamo.reset()
+    cfg = tiny_config(tmp_path / "run", compile=True, max_steps=3, val_every=2, val_batch_size=3,
+                      checkpoint_every=0)
+    try:
+        raygpt.loop.train(cfg.resolve(0), LocalSession(open_run_dir(cfg.output_dir),
+                                                       torch.device("cpu")))
+    finally:
+        torch._dynamo.reset()
+    batch_sizes = {x[0] for g in graphs for x in g if isinstance(x, tuple) and len(x) == 2}
+    assert len(graphs) >= 2 and {3, 4} <= batch_sizes, graphs  # validation's graph and training's
+    symbolic = [[x for x in g if not isinstance(x, tuple)] for g in graphs]
+    assert not any(symbolic), f"graphs compiled with symbolic sizes: {symbolic}"
+
+
+def _json_line(out: str) -> dict:
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+def check_new_node_starts_warm(tmp_path, device: str) -> str:
+    """Compile once per run, not once per node: the compile-once check's process compiled the
+    step cold on node A and stored its artifacts beside the run; a second process with an empty
+    node cache (node B, a replacement node) resumes the run and finds every Inductor graph in
+    the cache the artifacts filled: hits only, no miss."""
+    run_dir, node_a, node_b = str(tmp_path / "run"), str(tmp_path / "node_a"), str(tmp_path / "node_b")
+    out = _run_check("loop", device, run_dir, node_a)
+    assert "compile check passed" in out, out
+    cold = _json_line(out)
+    new = _json_line(_run_check("artifacts", run_dir, node_b, device))
+    assert new["resumed_from"] == 4 and new["artifacts"], new
+    assert new["counters"].get("fxgraph_cache_miss", 0) == 0, new
+    assert new["counters"].get("fxgraph_cache_hit", 0) >= 2, new
+    return (f"first step: cold {cold['first_step_dt']:.2f} s, new node "
+            f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
+
+
+def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
+    """Compiled code is loaded from the node's cache: it is made 0700, and a directory that is
+    not private (e.g. made first by another user of the node) is refused, naming it."""
+    from raygpt.compile_cache import use_node_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    fresh = tmp_path / "fresh"
+    assert use_node_compile_cache(str(fresh)) == str(fresh)
+    assert (fresh.stat().st_mode & 0o777) == 0o700
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match=str(shared)):
+        use_node_compile_cache(str(shared))
+
+
 # ---------------------------------------------------------------------- the checks (subprocess)
 
-def _check_loop(device: str) -> None:
+def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
+    """The compile-once check's run resumed for steps 4-5 on a node whose compile cache is
+    `cache_dir`; prints the compile counters and the first step's time."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    from raygpt.runlog.history import read_history
+    from raygpt.compile_cache import COMPILE_ARTIFACTS
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    torch.set_num_threads(1)
+    cfg = tiny_config(run_dir, compile=True, max_steps=6, val_every=0, checkpoint_every=2, resume=1,
+                      device="gpu" if device == "cuda" else "cpu"
+                      ).resolve(1 if device == "cuda" else 0)
+    train(cfg, LocalSession(open_run_dir(run_dir), torch.device(device)))
+    recs = [r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train"]
+    c = torch._dynamo.utils.counters
+    print(json.dumps({"counters": {**c["inductor"], **c["aot_autograd"]},
+                      "first_step_dt": recs[-2]["dt"],
+                      "resumed_from": recs[-2]["step"],
+                      "artifacts": sorted(os.listdir(os.path.join(run_dir, COMPILE_ARTIFACTS)))}))
+
+
+
+def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None = None) -> None:
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     from raygpt.loop import train
     from raygpt.session import LocalSession
     from raygpt.storage import open_run_dir
@@ -102,7 +210,7 @@ def _check_loop(device: str) -> None:
             return super().poll_requests()
 
     torch.set_num_threads(1)
-    run_dir = tempfile.mkdtemp(prefix="raygpt_compile_check_")
+    run_dir = run_dir or tempfile.mkdtemp(prefix="raygpt_compile_check_")
     cfg = tiny_config(run_dir, compile=True, device="gpu" if device == "cuda" else "cpu",
                       max_steps=4, val_every=0,
                       checkpoint_every=2).resolve(1 if device == "cuda" else 0)
@@ -110,7 +218,10 @@ def _check_loop(device: str) -> None:
     assert compile_counts()["dynamo_frames"] == 0
     train(cfg, session)
     counts = session.per_step + [compile_counts()]  # the last: after the final checkpoint
-    print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts}))
+    from raygpt.runlog.history import read_history
+    first = next(r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train")
+    print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts,
+                      "first_step_dt": first["dt"]}))
     if os.environ.get("RAYGPT_COMPILE_TIMES"):
         print(torch._dynamo.utils.compile_times(repr="str"))
     assert len(session.per_step) == cfg.max_steps, session.per_step
@@ -139,6 +250,8 @@ def _check_kernel_lookup() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "loop":
-        _check_loop(sys.argv[2])
+        _check_loop(*sys.argv[2:])
+    elif sys.argv[1] == "artifacts":
+        _check_artifacts(*sys.argv[2:])
     else:
         _check_kernel_lookup()

@@ -37,6 +37,24 @@ def test_resolve_fills_cpu_and_gpu_defaults():
     assert (gpu.device, gpu.model, gpu.precision, gpu.num_workers, gpu.compile) == ("gpu", "d12", "bf16", 8, True)
 
 
+def test_gpu_runs_are_deterministic_unless_turned_off():
+    """Bit-exact resumes are the GPU default (raygpt's deterministic kernels cost under 1%);
+    CPU kernels are deterministic without strict mode; either way the flags win."""
+    assert TrainConfig().resolve(gpus_available=2).deterministic is True
+    assert TrainConfig().resolve(gpus_available=0).deterministic is False
+    assert parse_args(["--no-deterministic"]).resolve(gpus_available=2).deterministic is False
+    assert parse_args(["--deterministic"]).resolve(gpus_available=0).deterministic is True
+
+
+def test_zero1_is_the_default_with_more_than_one_gpu_worker_and_z0_still_wins():
+    assert TrainConfig().resolve(gpus_available=8).zero_stage == 1
+    assert TrainConfig().resolve(gpus_available=1).zero_stage == 0
+    assert TrainConfig(num_workers=1).resolve(gpus_available=8).zero_stage == 0
+    assert TrainConfig().resolve(gpus_available=0).zero_stage == 0  # CPU workers: replicated
+    assert parse_args(["-z", "0"]).resolve(gpus_available=2).zero_stage == 0
+    assert parse_args(["-z", "1", "--cpu"]).resolve(gpus_available=0).zero_stage == 1
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["-k", "cosine_with_restarts"], "-k/--scheduler"),
     (["-d", "1000"], "-d/--total-batch-size"),

@@ -98,3 +98,13 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     a, b = train_losses(tmp_path / "full"), train_losses(tmp_path / "killed")
     assert sorted(a) == sorted(b) == list(range(30))
     assert a == b, [(s, a[s], b[s]) for s in a if a[s] != b[s]][:5]
+    # issue 24: the recovery's every part measured, the restarted workers' caches warm (the
+    # node kept them; the run stored its artifacts), and no second compilation after their
+    # first step: the resumed attempt's second step is a steady one
+    from raygpt.runlog.history import RECOVERY_PARTS, summarize_run
+    (recovery,) = summarize_run(records(tmp_path / "killed"))["recoveries"]
+    print(summarize_run(records(tmp_path / "killed"))["recovery_lines"][0])
+    assert all(recovery["parts"][p] is not None for p in RECOVERY_PARTS), recovery
+    assert list((tmp_path / "killed" / "compile_cache").glob("*.bin"))
+    resumed = [r for r in records(tmp_path / "killed") if r["kind"] == "train" and r["attempt"] == 2]
+    assert resumed[1]["dt"] < 1.0, [r["dt"] for r in resumed[:3]]

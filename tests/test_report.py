@@ -112,7 +112,7 @@ def h_time(rd) -> float:
 # ---------------------------------------------------------------------- status
 
 def test_status_names_the_failure_the_rewind_the_skip_and_the_checkpoints(run_dir):
-    text = run_status(run_dir.root)
+    text = run_status(run_dir.root, verify="full")
     lines = {line[:10].strip(): line[10:] for line in text.splitlines() if line[:10].strip()}
     assert lines["run"] == run_dir.root
     assert lines["state"].startswith("stopped early at step 12 (resume with -y 1)")
@@ -135,6 +135,9 @@ def test_status_names_the_failure_the_rewind_the_skip_and_the_checkpoints(run_di
     assert bad[1].startswith("NOT usable: step 12: step_00000012/DONE_00000012: missing")
     assert len(bad) == 2
     assert lines["goodput"].startswith("1 failure(s), 1 resume(s)")
+    # the recovery's split, on the line under goodput (this history has no start-up marks)
+    split = [line.strip() for line in text.splitlines() if line.strip().startswith("recovery 1: ")]
+    assert len(split) == 1 and "failure detected" in split[0] and "(2 steps)" in split[0], split
 
 
 def test_quick_check_sees_missing_files_but_not_a_flipped_byte(run_dir):
@@ -145,7 +148,7 @@ def test_quick_check_sees_missing_files_but_not_a_flipped_byte(run_dir):
 
 def test_status_reports_progress_while_verifying(run_dir):
     said = []
-    run_status(run_dir.root, progress=said.append)
+    run_status(run_dir.root, verify="full", progress=said.append)
     assert said[0].startswith(f"reading {run_dir.uri(LOSS_HISTORY)}")
     assert [s.split(" (")[0] for s in said[1:]] == [f"verifying checkpoint {i}/4" for i in (1, 2, 3, 4)]
 
@@ -162,7 +165,12 @@ def test_status_and_plot_commands(run_dir, tmp_path, capsys):
     assert main(["status", run_dir.root]) == 0
     out = capsys.readouterr()
     assert "1 rewind(s) (step 8 -> 4)" in out.out
-    assert "verifying checkpoint 4/4" in out.err
+    # quick by default: nothing hashed, so checkpoint 10's flipped byte goes unseen
+    assert "checking checkpoint 4/4" in out.err and "verifying" not in out.err
+    assert "NOT usable: step 10" not in out.out and "NOT usable: step 12" in out.out
+    assert main(["status", run_dir.root, "--verify"]) == 0
+    out = capsys.readouterr()
+    assert "verifying checkpoint 4/4" in out.err and "NOT usable: step 10: " in out.out
     png = tmp_path / "p.png"
     assert main(["plot", run_dir.root, "-o", str(png), "--quick"]) == 0
     assert png.stat().st_size > 10_000
@@ -177,7 +185,7 @@ def test_plot_draws_every_series_and_marker(run_dir, tmp_path):
     import matplotlib.image
 
     png = tmp_path / "run.png"
-    drawn = plot_run(run_dir, png)
+    drawn = plot_run(run_dir, png, verify="full")
 
     steps = list(range(12))
     final = [loss_at(s, 0) for s in range(4)] + [loss_at(s, 1) for s in range(4, 12)]

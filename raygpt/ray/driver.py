@@ -15,7 +15,10 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
   directories Ray merges from the ranks' reports are raygpt's `step_XXXXXXXX/` checkpoints.
 - `CheckpointFinalizer` is a driver-side (controller) `UserCallback`: Ray calls `after_report`
   only once *every* worker has reported and the merged checkpoint is persisted, which is exactly
-  the moment DONE and MANIFEST may appear. Doing it there, rather than on rank 0 after a
+  the moment DONE and MANIFEST may appear. It hands the checkpoint to a thread (`FinalizeQueue`:
+  sizes checked, the ranks' own hashes written into MANIFEST, nothing read back), so the
+  controller never waits on storage; `FinalizerDrain` holds the controller's end until the
+  queue is empty. Doing it there, rather than on rank 0 after a
   barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
   yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds
   alone delete, and Ray's list of checkpoints (its snapshot file) is brought back to what
@@ -51,6 +54,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -117,9 +121,66 @@ def preemption_callbacks() -> list:
 
 # ---------------------------------------------------------------------- driver side
 
+# The finalizers' work queues in this process (the controller's), by run directory: a
+# finalizer hands each checkpoint to its queue's thread, and `FinalizerDrain` waits for them all
+# before the controller ends (it is a separate callback object: Ray gives controller hooks only
+# to ControllerCallbacks, report hooks only to UserCallbacks).
+_QUEUES: dict[str, "FinalizeQueue"] = {}
+_QUEUES_LOCK = threading.Lock()
+
+
+class FinalizeQueue:
+    """One thread that finalizes checkpoints in report order (DONE, MANIFEST, retention), so
+    that Ray's controller, which calls `after_report` synchronously, never waits on storage.
+    A checkpoint whose finalization fails stays without DONE/MANIFEST (readers treat it as
+    absent) and training goes on."""
+
+    def __init__(self, output_dir: str):
+        from concurrent.futures import ThreadPoolExecutor
+        self.output_dir = output_dir
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raygpt-finalize")
+        self._futures: list = []
+
+    def submit(self, step: int, rank_hashes: dict, meta: dict) -> None:
+        self._futures = [f for f in self._futures if not f.done()]
+        self._futures.append(self._pool.submit(self._finalize, step, rank_hashes, meta))
+
+    def _finalize(self, step: int, rank_hashes: dict, meta: dict) -> None:
+        try:
+            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes, meta)
+        except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
+            log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted checkpoint is finalized; False if `timeout_s` ran out."""
+        from concurrent.futures import wait
+        _, pending = wait(list(self._futures), timeout=timeout_s)
+        return not pending
+
+
+def finalize_queue(output_dir: str) -> FinalizeQueue:
+    with _QUEUES_LOCK:
+        queue = _QUEUES.get(output_dir)
+        if queue is None:
+            queue = _QUEUES[output_dir] = FinalizeQueue(output_dir)
+        return queue
+
+
+def drain_finalize_queues(timeout_s: float | None = None) -> bool:
+    with _QUEUES_LOCK:
+        queues = list(_QUEUES.values())
+    return all([q.drain(timeout_s) for q in queues])
+
+
 class CheckpointFinalizer(UserCallback):
     """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
-    retention, and records every worker-group failure in the run's loss history."""
+    retention, and records every worker-group failure in the run's loss history.
+
+    `after_report` runs on Ray's controller thread, which waits for it: it only collects what the
+    ranks reported (their files' names, sizes and sha256, hashed while writing) and hands the
+    checkpoint to a `FinalizeQueue` thread, which checks presence and sizes in storage and writes
+    DONE then MANIFEST (never reading the data back). `FinalizerDrain` makes the controller wait
+    for the queue before it ends, so the last checkpoint is complete when fit() returns."""
 
     def __init__(self, output_dir: str, crash_before_done_steps=()):
         self.output_dir = output_dir
@@ -141,13 +202,16 @@ class CheckpointFinalizer(UserCallback):
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
         meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        try:
-            finalize_checkpoint(run_dir, step, rank_hashes, meta)
-        except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
-            # An exception here would end the whole run (a controller error). The checkpoint
-            # simply stays without DONE/MANIFEST, which every reader treats as absent.
-            log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
+        finalize_queue(self.output_dir).submit(step, rank_hashes, meta)
+        # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
+        # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
         self._reconcile(run_dir)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
+        ok = finalize_queue(self.output_dir).drain(timeout_s)
+        self._reconcile(open_run_dir(self.output_dir))
+        return ok
 
     @staticmethod
     def _reconcile(run_dir: RunDir) -> None:
@@ -160,6 +224,10 @@ class CheckpointFinalizer(UserCallback):
                         f"{type(e).__name__}: {e}")
 
     def after_exception(self, run_context, worker_exceptions):
+        # the restarted workers pick the newest complete checkpoint: let the ones the lost
+        # group reported be completed first (a few small writes each), as a synchronous
+        # finalizer would have
+        finalize_queue(self.output_dir).drain()
         self.failures += 1
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
         with open_run_dir(self.output_dir) as run_dir:  # uploaded at once on object stores
@@ -167,6 +235,27 @@ class CheckpointFinalizer(UserCallback):
                 {"kind": "failure", "failure": self.failures, "causes": causes,
                  "time": time.time(), "attempt": None}) + "\n")
         log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
+
+
+class FinalizerDrain(ControllerCallback):
+    """Holds Ray's controller at its end until every checkpoint handed to a `FinalizeQueue`
+    has its DONE and MANIFEST (or was left incomplete), then brings Ray's snapshot in line with
+    what retention deleted. On an abort (Ctrl-C) it waits at most ABORT_DRAIN_S: a checkpoint
+    not finished by then simply stays without DONE/MANIFEST."""
+
+    ABORT_DRAIN_S = 30.0
+
+    def after_controller_finish(self, result) -> None:
+        drain_finalize_queues()
+        with _QUEUES_LOCK:
+            dirs = list(_QUEUES)
+        for d in dirs:
+            CheckpointFinalizer._reconcile(open_run_dir(d))
+
+    def before_controller_abort(self) -> None:
+        if not drain_finalize_queues(self.ABORT_DRAIN_S):
+            log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
+                        "stays without DONE/MANIFEST")
 
 
 class StopOnRunStopped(DefaultFailurePolicy):
@@ -210,7 +299,7 @@ class RaygptTrainer(TorchTrainer):
         # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead
         callbacks = [c for c in super()._create_default_callbacks()
                      if not isinstance(c, PlacementGroupCleanerCallback)]
-        return [CleanupOnControllerDeath(), *callbacks]
+        return [CleanupOnControllerDeath(), FinalizerDrain(), *callbacks]
 
     def _register_sigint_handler(self, controller):
         if self.on_sigint is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -123,6 +124,9 @@ class RaySession(Session):
     def failure_note(self) -> str | None:
         return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
 
+    def startup_marks(self) -> dict[str, float]:
+        return dict(_STARTUP_MARKS)
+
 
 def train_func(config: dict) -> None:
     """What each Ray Train worker runs."""
@@ -153,10 +157,30 @@ def _quiet_report_log() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+# This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
+# _Backend before the train function runs here; RaySession.startup_marks reads them.
+_STARTUP_MARKS: dict[str, float] = {}
+
+
+def _note_startup_marks(marks: dict) -> None:
+    _STARTUP_MARKS.clear()
+    _STARTUP_MARKS.update(marks)
+
+
 class _Backend(_TorchBackend):
+    """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
+    the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split)."""
+
+    def on_start(self, worker_group, backend_config):
+        # called once the group's actors are up and ready; the process group forms inside it
+        self._marks = {"group_up": time.time()}
+        super().on_start(worker_group, backend_config)
+        self._marks["process_group"] = time.time()
+
     def on_training_start(self, worker_group, backend_config):
         super().on_training_start(worker_group, backend_config)
         worker_group.execute(signals.install)  # runs on each worker actor's main thread
+        worker_group.execute(_note_startup_marks, getattr(self, "_marks", {}))
 
 
 class RaygptTorchConfig(TorchConfig):

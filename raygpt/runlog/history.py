@@ -130,8 +130,11 @@ class RunHistory:
         if self.enabled:
             self.run_dir.append_text(name, json.dumps(record, separators=(",", ":")) + "\n")
 
-    def begin_attempt(self, resumed_from: int | None, note: str | None, max_steps: int | None = None) -> int:
-        """Number this attempt, mark the resume point, arm the resume audit."""
+    def begin_attempt(self, resumed_from: int | None, note: str | None, max_steps: int | None = None,
+                      startup: dict | None = None) -> int:
+        """Number this attempt, mark the resume point, arm the resume audit. `startup`: the wall
+        times (time.time()) of this attempt's start-up marks (STARTUP_MARKS) and `load_s`, kept
+        in the record for the recovery split (`GoodputTally`)."""
         if not self.enabled:
             return 0
         records = read_history(self.run_dir)
@@ -142,7 +145,8 @@ class RunHistory:
         self.event(resumed_from or 0, "resume" if resumed_from is not None else "start",
                    resumed_from=resumed_from, note=note, max_steps=max_steps,
                    steps_lost=(max(trajectory_losses(records), default=-1) + 1 - resumed_from)
-                   if resumed_from is not None else None)
+                   if resumed_from is not None else None,
+                   **({"startup": startup} if startup else {}))
         return self.attempt
 
     def train(self, step: int, **fields) -> None:
@@ -172,10 +176,67 @@ class RunHistory:
         self.event(summary["step"], "end", **{k: v for k, v in summary.items() if k != "step"})
 
 
+# An attempt's start-up, as wall times (time.time()) in its start/resume record's "startup":
+# the controller saw the new worker group's actors up and then the process group formed (Ray
+# Train's backend on_start; trainer._Backend), the loop began looking for a checkpoint and had
+# the state loaded; `load_s` is the part of that spent reading state (the rest: finding and
+# verifying the checkpoint). Clocks of different nodes are as close as NTP keeps them.
+STARTUP_MARKS = ("group_up", "process_group", "restore_started", "state_loaded")
+
+# The parts of one recovery, in order, as `raygpt status` names them; they add up to the whole:
+# from the last step trained before the failure to the last step re-trained after it.
+RECOVERY_PARTS = ("detected", "group_up", "process_group", "setup", "checkpoint_found",
+                  "state_loaded", "first_step", "retrained")
+PART_LABELS = {"detected": "failure detected", "group_up": "worker group up",
+               "process_group": "process group formed", "setup": "worker setup",
+               "checkpoint_found": "checkpoint found+verified", "state_loaded": "state loaded",
+               "first_step": "first step (compile)", "retrained": "steps re-trained"}
+
+
+def recovery_split(last_step_time: float | None, failure_time: float, start: dict | None,
+                   first_step_time: float | None, caught_up_time: float | None) -> dict:
+    """One recovery's parts in seconds (None where a mark is missing: a record from an older
+    raygpt, a local run without Ray's marks): from the last step trained before the failure
+    (`last_step_time`) to its record (`failure_time`), the new attempt's start-up marks
+    (`start`: its record's time and "startup"), its first step's record, and the record of the
+    last step it re-trained (`caught_up_time`, the first step's when none was lost)."""
+    marks = dict((start or {}).get("startup") or {})
+    t = [last_step_time, failure_time, marks.get("group_up"), marks.get("process_group"),
+         marks.get("restore_started"), None, marks.get("state_loaded"), first_step_time,
+         caught_up_time]
+    load_s = marks.get("load_s")
+    if t[6] is not None and isinstance(load_s, (int, float)):
+        t[5] = t[6] - load_s  # checkpoint verified: state loading began
+    parts = {}
+    for name, a, b in zip(RECOVERY_PARTS, t, t[1:]):
+        parts[name] = (b - a) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+    ends = [x for x in (caught_up_time, first_step_time) if x is not None]
+    begin = last_step_time if last_step_time is not None else failure_time
+    parts["total"] = (ends[0] - begin) if ends else None
+    return parts
+
+
+def recovery_line(i: int, rec: dict) -> str:
+    """`raygpt status`'s line for recovery `i` (1-based)."""
+    parts = rec["parts"]
+    shown = []
+    for name in RECOVERY_PARTS:
+        v = parts.get(name)
+        if v is None:
+            continue
+        extra = f" ({rec['steps_retrained']} steps)" if name == "retrained" else ""
+        shown.append(f"{PART_LABELS[name]} {v:.2f} s{extra}")
+    total = parts.get("total")
+    return (f"recovery {i}: " + (f"{total:.2f} s" if total is not None else "not trained again yet")
+            + (" = " + " + ".join(shown) if shown else ""))
+
+
 def summarize_run(records, since: float | None = None) -> dict:
     """Failures, resumes, recovery times and goodput of a run (or of the part after `since`).
 
     recovery time: from a failure record to the next step trained after it.
+    recoveries: each recovery split into its parts (`recovery_split`), from the last step
+    trained before a failure to the last step the next attempt re-trained.
     goodput: the time spent on the steps that made the final loss curve (each step's latest
     attempt) over the wall-clock time from the first to the last record; what is missing was
     lost to failures, restarts, re-done steps, evaluation and checkpoint stalls.
@@ -199,6 +260,41 @@ class GoodputTally:
         self.latest: dict[int, float] = {}  # step -> dt of its latest attempt
         self.first_time = self.last_time = None
         self.count = 0
+        self.last_step_time: float | None = None  # the newest train record's time
+        self.open: list[dict] = []  # recoveries whose attempt has not caught up yet
+        self.split: list[dict] = []  # every recovery, in order of its failure
+        self.next_step = 0  # one past the highest step trained so far
+
+    def _recovery_event(self, r: dict, kind: str, t: float) -> None:
+        if kind == "failure":
+            rec = {"last_step_time": self.last_step_time, "failure_time": t, "start": None,
+                   "first_step_time": None, "caught_up_time": None, "catch_up_step": None,
+                   "steps_retrained": None}
+            self.split.append(rec)
+            self.open.append(rec)
+        elif kind in ("start", "resume"):
+            # the attempt that recovers from every failure since the last start (a worker
+            # group that failed while starting is the same recovery, still going)
+            for rec in self.open:
+                if rec["first_step_time"] is None:
+                    rec["start"] = r
+                    # a restart with no checkpoint to resume from trains every step again
+                    lost = r.get("steps_lost") if kind == "resume" else self.next_step
+                    from_step = r.get("resumed_from") or 0
+                    rec["steps_retrained"] = lost if isinstance(lost, int) and lost > 0 else 0
+                    rec["catch_up_step"] = from_step + rec["steps_retrained"] - 1
+        elif kind == "train":
+            for rec in self.open:
+                if rec["start"] is None:
+                    continue
+                if rec["first_step_time"] is None:
+                    rec["first_step_time"] = t
+                if isinstance(r.get("step"), int) and r["step"] >= rec["catch_up_step"]:
+                    rec["caught_up_time"] = t
+            self.open = [rec for rec in self.open if rec["caught_up_time"] is None]
+            self.last_step_time = t
+            if isinstance(r.get("step"), int):
+                self.next_step = max(self.next_step, r["step"] + 1)
 
     def add(self, r: dict) -> None:
         t = r.get("time", 0)
@@ -222,6 +318,7 @@ class GoodputTally:
             self.pending.append(t)
         elif kind == "resume":
             self.resumes += 1
+        self._recovery_event(r, kind, t)
 
     def result(self) -> dict:
         wall = (self.last_time - self.first_time) if self.count > 1 else 0.0
@@ -231,5 +328,9 @@ class GoodputTally:
         line = (f"{self.failures} failure(s), {self.resumes} resume(s)"
                 + (f", recovery {', '.join(f'{t:.1f} s' for t in recoveries)}" if recoveries else "")
                 + f" | goodput {100 * goodput:.1f}% ({useful:.1f} s training of {wall:.1f} s)")
+        split = [{"parts": recovery_split(rec["last_step_time"], rec["failure_time"], rec["start"],
+                                          rec["first_step_time"], rec["caught_up_time"]),
+                  "steps_retrained": rec["steps_retrained"]} for rec in self.split]
         return {"failures": self.failures, "resumes": self.resumes, "recovery_s": recoveries,
-                "goodput": goodput, "line": line}
+                "goodput": goodput, "line": line, "recoveries": split,
+                "recovery_lines": [recovery_line(i, rec) for i, rec in enumerate(split, 1)]}

@@ -40,14 +40,14 @@ log = logging.getLogger(__name__)
 
 class Reporter:
     def __init__(self, cfg, session, *, max_steps: int, resumed_from: int | None, model_config,
-                 n_params: int):
+                 n_params: int, startup: dict | None = None):
         self.cfg, self.session, self.max_steps = cfg, session, max_steps
         self.rank, self.world = session.rank, session.world
         self.is_main = self.rank == 0
         self.model_config, self.n_params = model_config, n_params
         self.history = RunHistory(session.run_dir, cfg, enabled=self.is_main)
         self.attempt = self.history.begin_attempt(resumed_from, session.failure_note(),
-                                                  max_steps=max_steps)
+                                                  max_steps=max_steps, startup=startup)
         self.logger = Logger(session.run_dir if self.is_main else None, self.rank,
                              resume=resumed_from is not None or self.attempt > 1)
         self.tb = TensorBoardWriter(session.run_dir, enabled=self.is_main, purge_step=resumed_from)

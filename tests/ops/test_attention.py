@@ -195,17 +195,14 @@ def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function(monkeypatch):
         GPT(cfg, embedding_impl="sparse")
 
 
-def test_deterministic_runs_pick_raygpt_kernels_on_cuda_only():
+def test_deterministic_runs_pick_raygpt_kernels_on_cuda_only(monkeypatch):
+    from raygpt import model
     from raygpt.model import kernels_for
 
-    from raygpt import model
-    assert kernels_for(True, "cuda") == {}  # off until the compiled path is proven on a GPU
-    model.RAYGPT_KERNELS_WHEN_DETERMINISTIC = True
-    try:
-        assert kernels_for(True, "cuda") == dict(sdpa_backend="raygpt", embedding_impl="raygpt")
-    finally:
-        model.RAYGPT_KERNELS_WHEN_DETERMINISTIC = False
+    assert kernels_for(True, "cuda") == dict(sdpa_backend="raygpt", embedding_impl="raygpt")
     assert kernels_for(False, "cuda") == {} and kernels_for(True, "cpu") == {}
+    monkeypatch.setattr(model, "RAYGPT_KERNELS_WHEN_DETERMINISTIC", False)  # the bench's "before"
+    assert kernels_for(True, "cuda") == {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import pytest
 import ray
 
 from raygpt import checkpoint as ck
+from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
+from raygpt.report import run_status
 from raygpt.storage import open_run_dir
 from raygpt.ray.driver import RunFailed, run
 from tests.helpers import records, tiny_config, train_losses
@@ -64,6 +66,15 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     full, mine = open_run_dir(str(full_dir)), open_run_dir(str(run_dir))
     name = f"{ck.step_dir(12)}/{ck.model_file(12)}"
     assert full.read_bytes(name) == mine.read_bytes(name)  # final weights bit for bit
+    # the recovery ledger: every part measured (the start-up marks from Ray's backend and the
+    # loop), none negative, together the whole recovery; steps 4 and 5 re-trained
+    assert set(STARTUP_MARKS) <= resumes[0]["startup"].keys()
+    (recovery,) = summarize_run(records(run_dir))["recoveries"]
+    parts = recovery["parts"]
+    assert all(parts[p] is not None and parts[p] >= 0 for p in RECOVERY_PARTS), parts
+    assert sum(parts[p] for p in RECOVERY_PARTS) == pytest.approx(parts["total"], abs=1e-6)
+    assert recovery["steps_retrained"] == 2
+    assert "recovery 1: " in run_status(str(run_dir)) and "worker group up" in run_status(str(run_dir))
 
 
 def test_sigterm_to_one_worker_stops_cleanly_and_resumes(uninterrupted, tmp_path):
@@ -99,6 +110,67 @@ def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, 
     resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
     assert resumes[-1]["resumed_from"] == 4
     assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_a_corrupt_state_file_of_one_rank_makes_both_ranks_fall_back_together(uninterrupted,
+                                                                             tmp_path):
+    """Each rank hashes only the files it loads, so only rank 1 sees that its state file of
+    checkpoint 8 was corrupted after its MANIFEST (same size: no quick check can tell); the
+    ranks' verdicts are agreed, and both resume from 4 with the uninterrupted run's losses."""
+    import shutil
+
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(full_dir, run_dir)
+    rd = open_run_dir(str(run_dir))
+    rd.delete_dir(ck.step_dir(12))
+    rel = f"{ck.step_dir(8)}/{ck.state_file(8, 1)}"
+    data = bytearray(rd.read_bytes(rel))
+    data[len(data) // 2] ^= 0x40
+    rd.write_bytes_atomic(rel, bytes(data))
+    assert ck.find_latest_verified(rd, hashes=False) == 8
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "resume": 1}))
+    assert summary["step"] == 12
+    resume = [r for r in records(run_dir) if r["kind"] == "resume"][-1]
+    assert resume["resumed_from"] == 4
+    assert sorted(train_losses(run_dir, attempt=resume["attempt"])) == list(range(4, 12))
+    assert train_losses(run_dir) == train_losses(full_dir)
+
+
+def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatch):
+    """Rank 1 of 2 resuming the finished 2-worker run (in this process, no Ray): of checkpoint
+    12 it reads MANIFEST, its own state file and (fp32) the model file, nothing of rank 0's."""
+    import torch
+
+    from raygpt.checkpointer import Checkpointer
+    from raygpt.data import DistributedDataLoader
+    from raygpt.loop import build_model
+    from raygpt.optim import AdamW, FlatParameters
+    from raygpt.session import Session
+    from raygpt.state import TrainState
+    from raygpt.storage import RunDir
+
+    full_dir, cfg, _ = uninterrupted
+    cfg = cfg.with_overrides({"resume": 1}).resolve(0)
+    session = Session()
+    session.rank, session.world, session.run_dir = 1, 2, open_run_dir(str(full_dir))
+    model = build_model(cfg, torch.device("cpu"))
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=2)
+    opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                weight_decay=cfg.weight_decay, rank=1, world=2, zero_stage=cfg.zero_stage)
+    loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, 1, 2,
+                                   shuffle=cfg.shuffle, seed=cfg.seed)
+    read = []
+    for name in ("read_bytes", "sha256_of"):
+        orig = getattr(RunDir, name)
+        monkeypatch.setattr(RunDir, name, lambda self, rel, *a, _o=orig, **k: read.append(rel)
+                            or _o(self, rel, *a, **k))
+    ckpt = Checkpointer(cfg, session, flat, opt, model.config, cfg.max_steps)
+    assert ckpt.restore_latest(TrainState.fresh(cfg), loader) == 12
+    d = ck.step_dir(12)
+    assert {r for r in read if r.startswith("step_")} == {
+        f"{d}/{ck.MANIFEST}", f"{d}/{ck.state_file(12, 1)}", f"{d}/{ck.model_file(12)}"}
+    assert read.count(f"{d}/{ck.state_file(12, 1)}") == 1  # read once: hashed from those bytes
 
 
 def test_nan_on_one_rank_rewinds_both_without_a_hang(tmp_path):

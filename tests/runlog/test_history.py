@@ -49,6 +49,54 @@ def test_summary_counts_failures_recovery_and_goodput():
     assert s["goodput"] == 3.0 / 8.0  # steps 0, 1, 2 once each, over 8 s of wall time
 
 
+def test_each_recovery_is_split_into_parts_that_add_up_to_it():
+    """From the last step before the failure to the last step re-trained after it: detection,
+    worker group, process group, worker setup, checkpoint found, state loaded, the first step
+    (its compilation), the other re-trained steps; a second failure before any step trained
+    again is the same recovery, still going."""
+    startup = {"group_up": 14.0, "process_group": 14.5, "restore_started": 16.0,
+               "state_loaded": 16.75, "load_s": 0.5}
+    recs = [{"kind": "start", "time": 0.0},
+            *[{"kind": "train", "step": s, "dt": 1.0, "time": 1.0 + s} for s in range(6)],
+            {"kind": "failure", "time": 8.0},          # last step (5) trained at 6.0
+            {"kind": "failure", "time": 11.0},         # the new group failed while starting
+            {"kind": "resume", "time": 17.0, "resumed_from": 4, "steps_lost": 2,
+             "startup": startup},
+            {"kind": "train", "step": 4, "dt": 3.0, "time": 20.0},
+            {"kind": "train", "step": 5, "dt": 1.0, "time": 21.5},
+            {"kind": "train", "step": 6, "dt": 1.0, "time": 22.5}]
+    s = summarize_run(recs)
+    first, second = [r["parts"] for r in s["recoveries"]]
+    assert first == {"detected": 2.0, "group_up": 6.0, "process_group": 0.5, "setup": 1.5,
+                     "checkpoint_found": 0.25, "state_loaded": 0.5, "first_step": 3.25,
+                     "retrained": 1.5, "total": 15.5}
+    assert sum(v for k, v in first.items() if k != "total") == first["total"]
+    assert second["detected"] == 5.0 and second["total"] == 15.5 - 0.0  # from step 5's record too
+    assert s["recoveries"][0]["steps_retrained"] == 2
+    assert s["recovery_lines"][0] == (
+        "recovery 1: 15.50 s = failure detected 2.00 s + worker group up 6.00 s + process group "
+        "formed 0.50 s + worker setup 1.50 s + checkpoint found+verified 0.25 s + state loaded "
+        "0.50 s + first step (compile) 3.25 s + steps re-trained 1.50 s (2 steps)")
+
+
+def test_a_recovery_without_marks_or_lost_steps_shows_what_is_known():
+    """A restart from scratch ("start", no checkpoint) by an older raygpt without start-up marks,
+    and a recovery not trained again yet."""
+    recs = [{"kind": "train", "step": 0, "dt": 1.0, "time": 1.0},
+            {"kind": "failure", "time": 2.0},
+            {"kind": "start", "time": 5.0},
+            {"kind": "train", "step": 0, "dt": 1.0, "time": 7.0},
+            {"kind": "failure", "time": 9.0}]
+    s = summarize_run(recs)
+    first, second = [r["parts"] for r in s["recoveries"]]
+    assert first["detected"] == 1.0 and first["total"] == 6.0 and first["group_up"] is None
+    assert s["recoveries"][0]["steps_retrained"] == 1  # step 0 again, from scratch
+    assert s["recovery_lines"][0] == ("recovery 1: 6.00 s = failure detected 1.00 s + "
+                                      "steps re-trained 0.00 s (1 steps)")
+    assert second["total"] is None
+    assert s["recovery_lines"][1] == "recovery 2: not trained again yet = failure detected 2.00 s"
+
+
 def test_a_resume_after_a_rewind_is_audited_against_the_trajectory_it_is_on(tmp_path):
     """Steps a rewind abandoned and the run did not re-train before a crash are not what the
     resume's audit compares with: the resume skips the spike's data window, as the rewind did."""

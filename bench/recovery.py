@@ -1,0 +1,193 @@
+"""What a lost worker costs: SIGKILL one worker mid-run and print the recovery ledger's split
+(raygpt.runlog.history.recovery_split) for three starts of the replacement worker group:
+
+  cold   the node's compile cache is emptied and the run's compiled artifacts are hidden right
+         after the kill: the new workers compile everything again
+  warm   nothing touched: the new workers find their graphs in the node's local cache
+         (compile_cache.NODE_COMPILE_CACHE, per user and private, kept across worker restarts)
+  new    the node's compile cache is emptied but the run's artifacts stay: the new workers fill
+         their cache from <run dir>/compile_cache/ (what a replacement node does)
+
+The kill is the loop's own fault injection (`kill:rank=R,step=S`, raygpt.faults: a real SIGKILL
+of the worker process); the bench empties the cache when that fault's record appears, which is
+written just before the kill and seconds before Ray has a new worker group compiling.
+
+    python bench/recovery.py                      # 2 GPUs, GPT-2 124M, B=16 T=1024, ckpt every 10
+    python bench/recovery.py --tiny               # 2 CPU workers, d2 T=64 compiled: a dry run
+    python bench/recovery.py --scenarios warm,new --kill-step 25
+
+The node's compile cache for the bench lives under --root (TORCHINDUCTOR_CACHE_DIR is pointed
+there before Ray starts, so the workers inherit it), not in the machine's usual one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on these machines
+
+SCENARIOS = ("cold", "warm", "new")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true",
+                   help="2 CPU workers, a depth-2 model, T=64, compiled with Inductor's C++ backend")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--kill-step", type=int, default=25, help="rank --kill-rank is SIGKILLed before "
+                   "this step's update (25: 5 steps after checkpoint 20 are lost)")
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--root", default=None, help="where the runs and the bench's node cache go "
+                   "(default: a new temporary directory)")
+    p.add_argument("--json", default=None, help="also write the table's numbers to this file")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.depth, args.batch_size, args.seq_len = 2, 4, 64
+        args.checkpoint_every, args.max_steps, args.kill_step = 4, 12, 9
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    bad = [s for s in args.scenarios if s not in SCENARIOS]
+    if bad:
+        p.error(f"--scenarios: expected some of {','.join(SCENARIOS)}, found {','.join(bad)}")
+    return args
+
+
+class AfterKill(threading.Thread):
+    """Waits for the kill's record under <run dir>/faults/ and then empties the node's compile
+    cache (and, for `cold`, moves the run's compiled artifacts away)."""
+
+    def __init__(self, run_dir: Path, cache_dir: Path, scenario: str):
+        super().__init__(daemon=True)
+        self.run_dir, self.cache_dir, self.scenario = run_dir, cache_dir, scenario
+        self.done = threading.Event()
+        self.stopped = threading.Event()
+
+    def run(self):
+        from raygpt.faults import FIRED
+        from raygpt.compile_cache import COMPILE_ARTIFACTS
+
+        fired = self.run_dir / FIRED
+        while not self.stopped.wait(0.02):
+            if fired.is_dir() and any(p.name.startswith("kill_") for p in fired.iterdir()):
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
+                if self.scenario == "cold" and (self.run_dir / COMPILE_ARTIFACTS).exists():
+                    (self.run_dir / COMPILE_ARTIFACTS).rename(self.run_dir / "compile_cache.hidden")
+                self.done.set()
+                return
+
+
+def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
+    from raygpt.config import TrainConfig
+    from raygpt.faults import read_fired
+    from raygpt.runlog.history import read_history, summarize_run
+    from raygpt.storage import open_run_dir
+    from raygpt.ray.driver import run
+
+    run_dir = root / scenario
+    shutil.rmtree(cache_dir, ignore_errors=True)  # every run's own first start is cold
+    cfg = TrainConfig(model=f"d{args.depth}", batch_size=args.batch_size, seq_len=args.seq_len,
+                      max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
+                      num_workers=args.workers, output_dir=str(run_dir), val_every=0,
+                      sample_every=0, warmup_steps=2, compile=True,
+                      device="cpu" if args.tiny else "gpu", deterministic=args.deterministic,
+                      fault=f"kill:rank={args.kill_rank},step={args.kill_step}",
+                      allow_fault_injection=True)
+    cfg = cfg.resolve(0 if args.tiny else args.workers)
+    after = None
+    if scenario != "warm":
+        after = AfterKill(run_dir, cache_dir, scenario)
+        after.start()
+    t0 = time.time()
+    summary = run(cfg)
+    wall = time.time() - t0
+    if after is not None:
+        after.stopped.set()
+        after.join()
+        if not after.done.is_set():
+            raise SystemExit(f"{scenario}: the kill's record never appeared under {run_dir}")
+    records = read_history(open_run_dir(str(run_dir)))
+    ledger = summarize_run(records)
+    if len(ledger["recoveries"]) != 1:
+        raise SystemExit(f"{scenario}: expected one recovery, the ledger has "
+                         f"{len(ledger['recoveries'])}: {ledger['recovery_lines']}")
+    first = [r for r in records if r.get("kind") == "train" and r.get("attempt") == 1]
+    failure = next(r for r in records if r.get("kind") == "failure")
+    _, fired = read_fired(open_run_dir(str(run_dir)))
+    kill = next(r for r in fired if r.get("kind") == "kill")
+    rec = ledger["recoveries"][0]
+    return {"scenario": scenario, "parts": rec["parts"], "steps_retrained": rec["steps_retrained"],
+            "kill_to_failure_record": failure["time"] - kill["time"],
+            "first_start_step1_dt": first[0]["dt"] if first else None,
+            "failures": summary.get("failures"), "wall_s": wall,
+            "line": ledger["recovery_lines"][0]}
+
+
+def table(results: list[dict]) -> str:
+    from raygpt.runlog.history import PART_LABELS, RECOVERY_PARTS
+
+    names = [r["scenario"] for r in results]
+    rows = [("kill -> failure recorded", [r["kill_to_failure_record"] for r in results])]
+    rows += [(PART_LABELS[p], [r["parts"][p] for r in results]) for p in RECOVERY_PARTS]
+    rows += [("  (steps re-trained, count)", [r["steps_retrained"] for r in results])]
+    rows += [("TOTAL last step -> caught up", [r["parts"]["total"] for r in results]),
+             ("to the first step trained again",
+              [r["parts"]["total"] - (r["parts"]["retrained"] or 0) for r in results]),
+             ("(1st attempt's step 1, cold)", [r["first_start_step1_dt"] for r in results])]
+    out = [f"{'seconds':34s}" + "".join(f"{n:>10s}" for n in names)]
+    for label, vals in rows:
+        out.append(f"{label:34s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}"
+                                            for v in vals))
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    root = Path(args.root or tempfile.mkdtemp(prefix="raygpt_recovery_"))
+    root.mkdir(parents=True, exist_ok=True)
+    cache_dir = root / "node_compile_cache"
+    # before Ray starts: its workers inherit the driver's environment
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / "triton_user")
+    import ray
+    import torch
+
+    if args.tiny:
+        ray.init(address="local", num_cpus=args.workers, include_dashboard=False,
+                 log_to_driver=False)
+    else:
+        ray.init(address="local", include_dashboard=False)
+    print(f"recovery bench | {args.workers} x {'cpu' if args.tiny else 'gpu'} | d{args.depth} "
+          f"B={args.batch_size} T={args.seq_len} | checkpoint every {args.checkpoint_every} | "
+          f"kill rank {args.kill_rank} before step {args.kill_step}'s update | torch "
+          f"{torch.__version__} | runs under {root}", flush=True)
+    results = []
+    try:
+        for scenario in args.scenarios:
+            r = one_run(args, scenario, root, cache_dir)
+            print(f"{scenario}: {r['line']}", flush=True)
+            results.append(r)
+    finally:
+        ray.shutdown()
+    print(table(results), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
