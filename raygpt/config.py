@@ -596,7 +596,8 @@ def _model_file_block_size(model: str) -> int:
 def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
     """Token counts of the shards matching `pattern` (headers only), None when nothing matches
     (validate() says so); a bad header is a ConfigError naming the flag and the file."""
-    from raygpt.data import ShardError, shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.data import shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.llmc.shards import ShardError
     if not pattern or not glob.glob(pattern):
         return None
     try:

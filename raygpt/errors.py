@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from raygpt.checkpoint import CheckpointError
 from raygpt.config import ConfigError
-from raygpt.data import ShardError
+from raygpt.llmc.shards import ShardError
 from raygpt.runlog.tracking import TrackingError
 
 EXIT_FINISHED = 0

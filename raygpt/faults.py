@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 from raygpt.config import ConfigError
-from raygpt.data import ShardError
+from raygpt.llmc.shards import ShardError
 
 log = logging.getLogger(__name__)
 

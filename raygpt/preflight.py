@@ -33,7 +33,8 @@ import uuid
 import numpy as np
 
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data import ShardError, ranks_with_data, shard_token_counts, tokens_needed
+from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
+from raygpt.llmc.shards import ShardError
 
 
 def check(cfg: TrainConfig) -> list[str]:

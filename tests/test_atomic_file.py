@@ -42,7 +42,7 @@ def test_the_model_file_and_shard_writers_follow_the_rule(tmp_path, monkeypatch,
         events = record_order(monkeypatch)
         write_model_file(tmp_path / "model.bin", model)
     else:
-        from raygpt.data import write_shard
+        from raygpt.llmc.shards import write_shard
         events = record_order(monkeypatch)
         write_shard(tmp_path / "shard.bin", [1, 2, 3])
     assert events == ["fsync file", "rename", "fsync dir"]

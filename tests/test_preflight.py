@@ -20,7 +20,7 @@ from raygpt import checkpoint as ck
 from raygpt import cli, preflight
 from raygpt.checkpointer import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.data import write_shard
+from raygpt.llmc.shards import write_shard
 from raygpt.storage import open_run_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,8 @@ import pytest
 from raygpt import checkpoint as ck
 from raygpt import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.data import DistributedDataLoader, write_shard
+from raygpt.data import DistributedDataLoader
+from raygpt.llmc.shards import write_shard
 from raygpt.faults import RECORD, armed_spec, plan_for
 from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target

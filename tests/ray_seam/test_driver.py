@@ -267,7 +267,7 @@ def test_validation_on_fewer_ranks_than_workers(tmp_path):
     import numpy as np
     import torch
 
-    from raygpt.data import read_shard, write_shard
+    from raygpt.llmc.shards import read_shard, write_shard
     from raygpt.loop import build_model, build_val_loader, evaluate
 
     write_shard(tmp_path / "val.bin", np.asarray(read_shard(tiny_config(tmp_path).input_val_bin)[:100]))

@@ -20,7 +20,7 @@ import ray
 from raygpt import checkpoint as ck
 from raygpt.checkpoint import CheckpointError
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
-from raygpt.data import ShardError
+from raygpt.llmc.shards import ShardError
 from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
                            TrainingStopped, stop_code)
 from raygpt.signals import SaveClock
