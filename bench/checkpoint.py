@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 
 
 # ---------------------------------------------------------------------------------- driver mode
@@ -169,7 +169,7 @@ def driver_bench(args) -> list[dict]:
 def _resume_reads(rd, rank: int, world: int):
     """What one rank reads to choose and verify its resume checkpoint (not the loading itself).
     Uses the checkpointer's own selection (`resume_reads`) when this checkout has it."""
-    from raygpt import checkpointer
+    from raygpt.checkpointing import runtime as checkpointer
     if hasattr(checkpointer, "resume_reads"):
         checkpointer.resume_reads(rd, rank=rank, world=world)
         return None

@@ -17,7 +17,7 @@ Exit codes of `raygpt train` and `experiments/shakespeare.py`:
 
 from __future__ import annotations
 
-from raygpt.checkpoint import CheckpointError
+from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
 from raygpt.runlog.tracking import TrackingError

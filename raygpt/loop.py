@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from raygpt import signals, tokenizer
-from raygpt.checkpointer import Checkpointer
+from raygpt.checkpointing.runtime import Checkpointer
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts

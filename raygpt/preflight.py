@@ -138,16 +138,15 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     config can resume. No checkpoint at all is fine: the run starts fresh and says so."""
     if cfg.resume != 1:
         return []
-    from raygpt import checkpoint as ck
+    from raygpt.checkpointing import protocol as ck
     from raygpt.data import data_fingerprint
-    from raygpt.report import quick_check
     from raygpt.tokenizer import tokenizer_fingerprint
     run_dir = _open(cfg)
     try:
         if not run_dir.exists():
             return []
         steps = ck.list_checkpoint_steps(run_dir)
-        step = next((s for s in reversed(steps) if not quick_check(run_dir, s)), None)
+        step = next((s for s in reversed(steps) if not ck.verify_checkpoint(run_dir, s, hashes=False)), None)
         if step is None:
             return []
         manifest = ck.read_manifest(run_dir, step)

@@ -73,7 +73,7 @@ class LocalSession(Session):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
-        from raygpt.checkpointer import finalize_checkpoint
+        from raygpt.checkpointing.protocol import finalize_checkpoint
 
         self.run_dir.upload_dir(local_dir, dir_name)
         shutil.rmtree(local_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""raygpt.checkpoint: llm.c state files byte for byte, MANIFEST/DONE verification on a local
-directory and on an in-memory pyarrow filesystem, resume selection, compatibility, retention."""
+"""raygpt.checkpointing (the protocol; the runtime through the loop): llm.c state files byte
+for byte, MANIFEST/DONE verification on a local directory and on an in-memory pyarrow
+filesystem, resume selection, compatibility, retention."""
 
 import io
 import json
@@ -14,7 +15,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raygpt.checkpoint import (
+from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, MT19937_DTYPE, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
@@ -564,7 +565,7 @@ def _meta(step: int, trajectory: str) -> dict:
 
 
 def test_a_checkpoint_of_an_abandoned_trajectory_is_refused_done(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)
     hashes = _upload_without_done(run_dir, 30)  # reported on trajectory "old" before the rewind
@@ -603,7 +604,7 @@ def test_a_corrupt_abandoned_trajectories_file_is_an_error_naming_it(run_dir):
 
 
 def test_a_rewinds_decision_is_recorded_with_its_abandonment(run_dir):
-    from raygpt.checkpoint import latest_rewind_decision
+    from raygpt.checkpointing.protocol import latest_rewind_decision
     record_abandoned_trajectory(run_dir, "old", 4)  # written before decisions existed
     assert latest_rewind_decision(read_abandoned_trajectories(run_dir)) is None
     ledger = {"rewinds": 1, "lr_scale": 1.0, "history": []}
@@ -694,7 +695,7 @@ def _reads(monkeypatch) -> list[str]:
 
 
 def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, monkeypatch):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)  # an older complete one, which retention looks at too
     hashes = _upload_without_done(run_dir, 30)
@@ -709,7 +710,7 @@ def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, mon
 
 
 def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 1)}"
@@ -726,7 +727,7 @@ def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_di
 
 
 def test_a_flipped_byte_after_upload_is_caught_by_a_hashing_verify_not_a_quick_one(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 0)}"
@@ -802,7 +803,7 @@ def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for
 
 
 def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
-    from raygpt.checkpointer import old_ranks_needed
+    from raygpt.checkpointing.runtime import old_ranks_needed
     from raygpt.optim import shard_range
 
     total = 1000
@@ -815,3 +816,22 @@ def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
     assert old_ranks_needed(total, 64, 1, 0, total) == list(range(63))
     assert old_ranks_needed(total, 8, 0, 0, total) == [0]  # no ZeRO: rank 0 holds everything
     assert old_ranks_needed(total, 1, 1, 0, 500) == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# names read back, and the copy (a WSD sweep's branches start from one stable checkpoint)
+
+def test_a_step_is_read_back_from_a_directory_name_by_the_format_s_regex():
+    from raygpt.checkpointing import protocol as ck
+    assert ck.step_of_dir(ck.step_dir(12)) == 12 and ck.step_of_dir("step_123456789") == 123456789
+    for other in ("step_12", "step_0000001x", "step_00000012.tmp-ab", "checkpoint_00000012", ""):
+        assert ck.step_of_dir(other) is None, other
+
+
+def test_copy_checkpoint_refuses_an_unverified_source(tmp_path):
+    from raygpt.checkpointing import protocol as ck
+    src, dst = open_run_dir(str(tmp_path / "src")), open_run_dir(str(tmp_path / "dst"))
+    src.write_bytes_atomic(f"{ck.step_dir(8)}/{ck.model_file(8)}", b"x" * 10)  # no DONE, no MANIFEST
+    with pytest.raises(ck.CheckpointError, match="unverified"):
+        ck.copy_checkpoint(src, dst, 8)
+    assert not dst.exists(ck.step_dir(8))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.runlog.history import read_history
 from raygpt.storage import open_run_dir
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.faults import InjectedFault
 from raygpt.loop import train
 from raygpt.session import LocalSession
@@ -203,7 +203,8 @@ def test_performance_fields_reach_the_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(data.DistributedDataLoader, "prefetch", counting_prefetch)
     monkeypatch.setattr(gc, "freeze", lambda: calls.__setitem__("freeze", calls["freeze"] + 1))
     compiled_with, built = [], []
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compiled_with.append(mode) or model)
+    monkeypatch.setattr(torch, "compile",
+                        lambda model, mode=None, **kw: compiled_with.append(mode) or model)
     real_build = loop.build_model
     monkeypatch.setattr(loop, "build_model", lambda cfg, device: built.append(real_build(cfg, device))
                         or built[-1])

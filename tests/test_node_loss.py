@@ -11,7 +11,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import ray
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import cli, preflight
-from raygpt.checkpointer import run_fingerprints
+from raygpt.checkpointing.runtime import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
 from raygpt.storage import open_run_dir

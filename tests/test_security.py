@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.data import DistributedDataLoader
@@ -26,7 +26,7 @@ from raygpt.llmc.shards import write_shard
 from raygpt.faults import RECORD, armed_spec, plan_for
 from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
-from raygpt.report import check_checkpoints, quick_check, run_status
+from raygpt.report import check_checkpoints, run_status
 from raygpt.storage import RunDir, open_run_dir
 from raygpt.ownership import claimed_run_dir, prepare_run_dir
 from tests.helpers import tiny_config
@@ -459,7 +459,7 @@ def test_a_malformed_manifest_condemns_its_checkpoint_not_the_reader(tmp_path, e
     warnings = []
     assert ck.find_latest_verified(rd, warn=warnings.append) == 1  # resume falls back
     assert "step 2" in warnings[0]
-    assert quick_check(rd, 2)
+    assert ck.verify_checkpoint(rd, 2, hashes=False)  # the quick check
     rd.write_bytes_atomic(LOSS_HISTORY, b'{"kind":"start","step":0,"time":1}\n')
     text = run_status(rd)
     assert "NOT usable: step 2" in text and "1 verified: step 1" in text

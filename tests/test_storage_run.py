@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.runlog.history import read_history
 from raygpt.loop import train

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import outlier
 from raygpt.config import SpikeConfig
 from raygpt.faults import InjectedFault

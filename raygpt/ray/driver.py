@@ -60,7 +60,8 @@ from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight
-from raygpt.checkpointer import finalize_checkpoint
+from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.protocol import finalize_checkpoint
 from raygpt.config import TrainConfig, absolute_output_dir
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
@@ -191,7 +192,7 @@ class CheckpointFinalizer(UserCallback):
         if checkpoint is None:
             return
         run_dir = open_run_dir(self.output_dir)
-        step = int(Path(checkpoint.path).name.split("_")[1])
+        step = ck.step_of_dir(Path(checkpoint.path).name)
         if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
             log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")

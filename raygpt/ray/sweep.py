@@ -76,7 +76,7 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
@@ -269,29 +269,6 @@ class GracefulASHA(ASHAScheduler):
         return self.CONTINUE
 
 
-def copy_checkpoint(src: RunDir, dst: RunDir, step: int) -> None:
-    """Copy a verified checkpoint directory, in the write protocol's order: rank files, then DONE,
-    then MANIFEST (atomically, last), so an interrupted copy is never mistaken for a checkpoint."""
-    sdir = ck.step_dir(step)
-    problems = ck.verify_checkpoint(src, step)
-    if problems:
-        raise ck.CheckpointError(f"{src.uri(sdir)}: cannot branch from an unverified checkpoint: "
-                                 + "; ".join(problems))
-    dst.delete_dir(sdir)  # leftovers of an interrupted copy
-    dst.makedirs(sdir)
-    last = (ck.done_file(step), ck.MANIFEST)
-    names = src.listdir(sdir, files_only=True)
-    for name in [n for n in names if n not in last] + [ck.done_file(step)]:
-        with src.fs.open_input_stream(src.path(f"{sdir}/{name}")) as fin, \
-                dst.fs.open_output_stream(dst.path(f"{sdir}/{name}")) as fout:
-            while chunk := fin.read(8 << 20):
-                fout.write(chunk)
-    dst.write_bytes_atomic(f"{sdir}/{ck.MANIFEST}", src.read_bytes(f"{sdir}/{ck.MANIFEST}"))
-    problems = ck.verify_checkpoint(dst, step)
-    if problems:
-        raise ck.CheckpointError(f"{dst.uri(sdir)}: the copy does not verify: " + "; ".join(problems))
-
-
 def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     """Give a branch trial the shared stable-phase checkpoint, unless its run directory already
     has a verified checkpoint of its own (a retried or restored trial continues from that).
@@ -299,7 +276,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
         return False
     stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
-    copy_checkpoint(stable, run_dir, plan.shared_step)
+    ck.copy_checkpoint(stable, run_dir, plan.shared_step)
     return True
 
 

@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 from raygpt import signals
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
 from raygpt.session import Session
@@ -76,8 +77,8 @@ class RaySession(Session):
     def checkpoint_hint(self) -> int | None:
         if self._checkpoint is None:
             return None
-        name = Path(self._checkpoint.path).name
-        return int(name.split("_")[1]) if name.startswith("step_") else -1
+        step = ck.step_of_dir(Path(self._checkpoint.path).name)
+        return -1 if step is None else step
 
     def report_metrics(self, metrics: dict) -> None:
         ray.train.report(metrics)

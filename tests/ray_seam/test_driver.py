@@ -7,7 +7,7 @@ import json
 import pytest
 import ray
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
 from raygpt.report import run_status
 from raygpt.storage import open_run_dir
@@ -142,7 +142,7 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
     12 it reads MANIFEST, its own state file and (fp32) the model file, nothing of rank 0's."""
     import torch
 
-    from raygpt.checkpointer import Checkpointer
+    from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.data import DistributedDataLoader
     from raygpt.loop import build_model
     from raygpt.optim import AdamW, FlatParameters

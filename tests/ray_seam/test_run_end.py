@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from raygpt import checkpoint as ck
-from raygpt.checkpoint import CheckpointError
+from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
 from raygpt.llmc.shards import ShardError
 from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,

@@ -12,7 +12,7 @@ from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import Check
 from ray.train.v2._internal.execution.storage import StorageContext
 from ray.train.v2._internal.execution.training_report import _TrainingReport
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.storage import open_run_dir
 

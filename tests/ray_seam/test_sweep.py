@@ -23,7 +23,7 @@ import pytest
 import ray
 from ray import tune
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.ray import sweep, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.schedule import learning_rate
@@ -186,14 +186,6 @@ def test_command_line_space_takes_the_fields_types():
     bad = trials.build_sweep_parser().parse_known_args(["--grid", "warmup_steps=two"])[0]
     with pytest.raises(ConfigError, match="warmup_steps: expected int, found 'two'"):
         sweep.space_from_args(bad)
-
-
-def test_copy_checkpoint_refuses_an_unverified_source(tmp_path):
-    src, dst = open_run_dir(str(tmp_path / "src")), open_run_dir(str(tmp_path / "dst"))
-    src.write_bytes_atomic(f"{ck.step_dir(8)}/{ck.model_file(8)}", b"x" * 10)  # no DONE, no MANIFEST
-    with pytest.raises(ck.CheckpointError, match="unverified"):
-        sweep.copy_checkpoint(src, dst, 8)
-    assert not dst.exists(ck.step_dir(8))
 
 
 # ====================================================================== the trial's trainer
