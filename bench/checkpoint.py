@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 
 
 # ---------------------------------------------------------------------------------- driver mode
@@ -107,7 +107,7 @@ def driver_bench(args) -> list[dict]:
     from raygpt.config import TrainConfig
     from raygpt.model import GPTConfig
     from raygpt.storage import open_run_dir
-    from raygpt.trainer import CheckpointFinalizer
+    from raygpt.ray.driver import CheckpointFinalizer
 
     from raygpt.model import llmc_num_elements
     P = llmc_num_elements(GPTConfig.from_depth(args.depth))
@@ -169,7 +169,7 @@ def driver_bench(args) -> list[dict]:
 def _resume_reads(rd, rank: int, world: int):
     """What one rank reads to choose and verify its resume checkpoint (not the loading itself).
     Uses the checkpointer's own selection (`resume_reads`) when this checkout has it."""
-    from raygpt import checkpointer
+    from raygpt.checkpointing import runtime as checkpointer
     if hasattr(checkpointer, "resume_reads"):
         checkpointer.resume_reads(rd, rank=rank, world=world)
         return None
@@ -193,7 +193,7 @@ def ray_bench(args) -> list[dict]:
     import ray
 
     from raygpt.config import TrainConfig
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
 
     if not ray.is_initialized():
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,

@@ -322,7 +322,7 @@ def run_campaign(cfg, campaign: Campaign, cluster: CampaignCluster, workdir: Pat
 
 def final_losses(run_dir) -> dict[int, float]:
     """{step: loss} of the final curve (each step's latest attempt)."""
-    from raygpt.history import read_history
+    from raygpt.runlog.history import read_history
     from raygpt.storage import open_run_dir
 
     out = {}
@@ -354,7 +354,7 @@ def status_text(run_dir) -> str:
 def status_problems(text: str, campaign: Campaign, run_dir) -> list[str]:
     """What `raygpt status` fails to show: a fault of the plan that fired but is not listed,
     a resume without its line (and its audit's verdict), an audit that found a difference."""
-    from raygpt.history import read_history
+    from raygpt.runlog.history import read_history
     from raygpt.storage import open_run_dir
 
     problems = []
@@ -405,7 +405,7 @@ def execute(campaign: Campaign, workdir, log=print) -> dict:
     log(f"campaign | seed {campaign.seed} | {campaign.max_steps} steps | spikes at "
         f"{campaign.nan_steps} | faults: {campaign.spec} | from outside: "
         + (", ".join(f"{k} after step {s}" for k, s, _ in campaign.external) or "none"))
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ from raygpt.config import DEFAULT_TRAIN, TrainConfig
 from raygpt.data import DistributedDataLoader
 from raygpt.model import GPT, GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.trainer import run
+from raygpt.ray.driver import run
 
 import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 

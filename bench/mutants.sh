@@ -39,6 +39,13 @@ tests_for() {
        exit 2 ;;
   esac
 }
+# the file each module name stands for
+path_for() {
+  case "$1" in
+    checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
+    *)          echo "raygpt/$1.py" ;;
+  esac
+}
 
 summary=()
 for mod in "${MODULES[@]}"; do
@@ -51,7 +58,7 @@ for mod in "${MODULES[@]}"; do
     (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
       (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
   fi
-  python3 - "$work/pyproject.toml" "raygpt/$mod.py" $tests <<'PY'
+  python3 - "$work/pyproject.toml" "$(path_for "$mod")" $tests <<'PY'
 import json, re, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
 text = open(path).read()
@@ -60,7 +67,7 @@ text = re.sub(r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
               "pytest_add_cli_args_test_selection = " + json.dumps(tests), text)
 open(path, "w").write(text)
 PY
-  echo "== $mod: mutating raygpt/$mod.py against: $tests"
+  echo "== $mod: mutating $(path_for "$mod") against: $tests"
   (cd "$work" && PYTHONPATH="$work" nice -n 19 mutmut run --max-children "${MUTANTS_JOBS:-1}" \
      > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
   (cd "$work" && mutmut results --all true > "$work/results.txt" 2>&1) || true

@@ -25,7 +25,6 @@ import time
 
 import torch
 
-import raygpt.loop
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
@@ -158,17 +157,15 @@ def main():
     p.add_argument("--active", type=int, default=6)
     p.add_argument("--cpu", action="store_true", help="a dry run of this script without a GPU")
     p.add_argument("--no-gc-freeze", action="store_true",
-                   help="leave raygpt.loop.GC_FREEZE_AFTER_FIRST_STEP off (to see what it saves)")
+                   help="the loop's --no-gc-freeze (to see what gc.freeze saves)")
     p.add_argument("--trace", default=os.path.join(os.environ.get("OUT", tempfile.gettempdir()),
                                                    "profile_step.json"))
     p.add_argument("--variant", default="default",
                    help="a bench/throughput.py variant, e.g. det or det+flash: see which kernels it swaps")
     args = p.parse_args()
-    if args.no_gc_freeze:
-        raygpt.loop.GC_FREEZE_AFTER_FIRST_STEP = False
     run_dir = tempfile.mkdtemp(prefix="raygpt-profile-")
     with variant_settings(args.variant) as loop_overrides:
-        profile(args, run_dir, loop_overrides)
+        profile(args, run_dir, {**loop_overrides, **({"gc_freeze": False} if args.no_gc_freeze else {})})
 
 
 def profile(args, run_dir: str, loop_overrides: dict) -> None:

@@ -1,10 +1,10 @@
 """What a lost worker costs: SIGKILL one worker mid-run and print the recovery ledger's split
-(raygpt.history.recovery_split) for three starts of the replacement worker group:
+(raygpt.runlog.history.recovery_split) for three starts of the replacement worker group:
 
   cold   the node's compile cache is emptied and the run's compiled artifacts are hidden right
          after the kill: the new workers compile everything again
   warm   nothing touched: the new workers find their graphs in the node's local cache
-         (loop.NODE_COMPILE_CACHE, per user and private, kept across worker restarts)
+         (compile_cache.NODE_COMPILE_CACHE, per user and private, kept across worker restarts)
   new    the node's compile cache is emptied but the run's artifacts stay: the new workers fill
          their cache from <run dir>/compile_cache/ (what a replacement node does)
 
@@ -80,7 +80,7 @@ class AfterKill(threading.Thread):
 
     def run(self):
         from raygpt.faults import FIRED
-        from raygpt.loop import COMPILE_ARTIFACTS
+        from raygpt.compile_cache import COMPILE_ARTIFACTS
 
         fired = self.run_dir / FIRED
         while not self.stopped.wait(0.02):
@@ -95,9 +95,9 @@ class AfterKill(threading.Thread):
 def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
     from raygpt.config import TrainConfig
     from raygpt.faults import read_fired
-    from raygpt.history import read_history, summarize_run
+    from raygpt.runlog.history import read_history, summarize_run
     from raygpt.storage import open_run_dir
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
 
     run_dir = root / scenario
     shutil.rmtree(cache_dir, ignore_errors=True)  # every run's own first start is cold
@@ -139,7 +139,7 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    from raygpt.history import PART_LABELS, RECOVERY_PARTS
+    from raygpt.runlog.history import PART_LABELS, RECOVERY_PARTS
 
     names = [r["scenario"] for r in results]
     rows = [("kill -> failure recorded", [r["kill_to_failure_record"] for r in results])]

@@ -24,7 +24,7 @@ the mean ms/step over the same steps (what a checkpoint's stall moves), the firs
 (compilation included), then a separate pass with syncs that splits a step into
 forward+backward, norm, optimizer; "other" is ms/step minus those three (what the step spends
 outside the GPU's work: host gaps, logging, data). Two MFUs: raygpt's own
-(raygpt.metrics.estimate_mfu, llm.c's 6N + 6LCT per token, what the loop prints) and the
+(raygpt.runlog.mfu.estimate_mfu, llm.c's 6N + 6LCT per token, what the loop prints) and the
 bench's own count: FLOPs of one forward+backward counted by torch.utils.flop_counter, with the
 attention term halved (causal: half the score matrix is masked; FlopCounterMode counts it
 dense), over the datasheet peak. Peak memory. Numbers, not a test.
@@ -47,8 +47,9 @@ instead (raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC off: the "before"), `ray
 raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
-module defaults. The loop builds its own model, so a variant sets raygpt.model's and
-raygpt.loop's module switches (and Inductor's config) for its run and restores them after.
+module defaults. A variant sets the loop's performance fields of TrainConfig (loss_impl,
+ce_kernel, prefetch_batches, compile_mode, deterministic), and raygpt.model's remaining module
+switches (kernel choices, chunk rows) and Inductor's config for its run, restored after.
 --no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
 e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
 kernels, strict with raygpt's). `default` is raygpt.model's module defaults, which are the
@@ -73,11 +74,10 @@ from pathlib import Path
 
 import torch
 
-import raygpt.loop
 import raygpt.model
 from raygpt.config import TrainConfig
 from raygpt.data import DistributedDataLoader
-from raygpt.metrics import estimate_mfu, flops_per_token, promised_flops
+from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 
@@ -107,15 +107,15 @@ VARIANT_TOKENS = {
     "torchdet": "with det: PyTorch's deterministic kernels instead of raygpt's (the before)",
     "raygpt": 'sdpa_backend="raygpt" and embedding_impl="raygpt" (raygpt\'s deterministic kernels)',
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
-    "noprefetch": "the loop builds each batch after the step's sync (raygpt.loop.PREFETCH_BATCHES off)",
+    "noprefetch": "the loop builds each batch after the step's sync (--no-prefetch)",
     "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
 }
 WITH_ARG = {"fused", "ckpt"}
 
 
 def parse_variant(spec: str) -> tuple[dict, dict, dict]:
-    """'fused@8192+cudnn+det' -> (module switches {(module, name): value} of raygpt.model and
-    raygpt.loop, Inductor config, TrainConfig overrides for the loop) for that run."""
+    """'fused@8192+cudnn+det' -> (module switches {(module, name): value} of raygpt.model,
+    Inductor config, TrainConfig overrides for the loop: its performance fields) for that run."""
     model, inductor, loop = {}, {}, {}
     m = raygpt.model
     for token in spec.split("+"):
@@ -125,9 +125,9 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
             raise SystemExit(f"--variants: unknown token {token!r} in {spec!r}; expected "
                              f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N), joined by '+'")
         if name == "ref":
-            model[m, "DEFAULT_LOSS_IMPL"] = "reference"
+            loop["loss_impl"] = "reference"
         elif name == "fused":
-            model[m, "DEFAULT_LOSS_IMPL"] = "fused"
+            loop["loss_impl"] = "fused"
             if arg:
                 model[m, "DEFAULT_CE_CHUNK_ROWS"] = int(arg)
         elif name in ("cudnn", "flash"):
@@ -137,7 +137,7 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
         elif name == "coord":
             inductor["coordinate_descent_tuning"] = True
         elif name == "torchce":
-            model[m, "USE_CE_KERNEL"] = False
+            loop["ce_kernel"] = False
         elif name == "det":
             loop["deterministic"] = True
         elif name == "torchdet":
@@ -148,16 +148,16 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
         elif name == "ckpt":
             loop.update(checkpoint_every=int(arg), async_checkpoint=True)
         elif name == "noprefetch":
-            model[raygpt.loop, "PREFETCH_BATCHES"] = False
+            loop["prefetch_batches"] = False
         elif name == "cgraph":
-            model[raygpt.loop, "COMPILE_MODE"] = "reduce-overhead"
+            loop["compile_mode"] = "reduce-overhead"
     return model, inductor, loop
 
 
 @contextlib.contextmanager
 def variant_settings(spec: str):
-    """raygpt.model's and raygpt.loop's module switches and Inductor's config as the variant says,
-    restored after;
+    """raygpt.model's module switches and Inductor's config as the variant says, restored after
+    (the loop's switches are TrainConfig fields: the overrides it yields);
     Dynamo's caches are reset so each variant compiles afresh (and never hits the recompile
     limit, past which Dynamo silently runs eager)."""
     import torch._dynamo
@@ -341,14 +341,16 @@ def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 
     return (counter.get_total_flops() - attention / 2) * batch / probe_batch
 
 
-def raygpt_split(args, loader):
-    model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337).cuda()  # the variant's defaults
+def raygpt_split(args, loader, loop_overrides: dict):
+    perf = TrainConfig(**loop_overrides)  # the variant's performance fields, as the loop reads them
+    model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337, loss_impl=perf.loss_impl,
+                ce_kernel=perf.ce_kernel).cuda()  # and the variant's model-module defaults
     # and the kernels the loop's build_model would pick (det turned strict mode on for this)
     model.use_kernels(**raygpt.model.kernels_for(torch.are_deterministic_algorithms_enabled(),
                                                  "cuda"))
     flat = FlatParameters(model, torch.device("cuda"), torch.bfloat16)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    fwd = torch.compile(model, mode=raygpt.loop.COMPILE_MODE)
+    fwd = torch.compile(model, mode=perf.compile_mode)
     tokens = args.batch * args.seq
     rng = 13371337
 
@@ -508,7 +510,7 @@ def main():
             if not args.split_only:
                 r_losses, r_times, summary, window = raygpt_loop(args, loop_overrides)
             loader.reset()
-            split, first_s, what = raygpt_split(args, loader)
+            split, first_s, what = raygpt_split(args, loader, loop_overrides)
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"variant {spec}: {what}", flush=True)
             clocks.mark(label, window)
@@ -522,7 +524,7 @@ def main():
         run_llmc("llm.c train_gpt2.py again")
     if args.ray:
         import ray
-        from raygpt.trainer import run
+        from raygpt.ray.driver import run
         run_dir = tempfile.mkdtemp(prefix="raygpt-bench-ray-") + "/run"
         ray.init(num_gpus=1, include_dashboard=False)
         c = TrainConfig(model=f"d{args.depth}", batch_size=args.batch, seq_len=args.seq,

@@ -41,7 +41,7 @@ def _train(argv: list[str]) -> int:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
     from raygpt.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
-    from raygpt.trainer import RunAborted, RunFailed, run
+    from raygpt.ray.driver import RunAborted, RunFailed, run
 
     try:
         summary = run(cfg, adapted=adapted, plan=plan)
@@ -62,14 +62,13 @@ def _cluster_gpus() -> int | None:
     cluster's GPUs instead of the local ones (None: no cluster to join, count locally)."""
     import os
     if not os.environ.get("RAY_ADDRESS"):
-        return None
-    import ray
-    ray.init(address=os.environ["RAY_ADDRESS"], ignore_reinit_error=True)
-    return int(ray.cluster_resources().get("GPU", 0))
+        return None  # no cluster: Ray is not even imported before the checks
+    from raygpt.ray.driver import cluster_gpus
+    return cluster_gpus()
 
 
 def _sweep(argv: list[str]) -> int:
-    from raygpt.trials import main as sweep_main  # checks the trials before importing Ray Tune
+    from raygpt.ray.trials import main as sweep_main  # checks the trials before importing Ray Tune
     return sweep_main(argv, prog="raygpt sweep")
 
 

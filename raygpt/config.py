@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raygpt import tracking
+from raygpt.runlog import tracking
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DATA_DIR = PACKAGE_DIR / "data_files"
@@ -43,16 +43,6 @@ MODEL_SHAPES = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
 for _depth in range(1, 7):
     MODEL_SHAPES[_depth] = (64 * _depth, _depth)
 
-# Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x).
-RESUME_MUTABLE_FIELDS = frozenset({
-    "max_steps", "val_every", "val_batches", "val_batch_size", "sample_every", "gen_tokens",
-    "checkpoint_every", "checkpoint_minutes", "checkpoints_keep", "major_checkpoint_every",
-    "resume", "overwrite", "output_dir", "num_workers", "max_failures", "max_preemption_failures",
-    "fault", "log_every",
-    "watch_every", "async_checkpoint", "max_rewinds", "deterministic", "zero_stage",
-    "min_workers", "compile", "record_samples", "allow_fault_injection", "wandb", "mlflow",
-})
-
 # Fields a --config file may not set: where the run writes and whether it may delete or resume
 # are the command line's to say (a config file is often someone else's), and so is arming faults.
 CONFIG_FILE_FORBIDDEN = ("output_dir", "overwrite", "resume", "fault", "allow_fault_injection")
@@ -63,31 +53,56 @@ class ConfigError(ValueError):
     """A flag or config field has a value that cannot be used; the message names it."""
 
 
+SECTION_TITLES = {
+    "data": "data: the token shards and the batch", "model": "model",
+    "optimizer": "optimizer: AdamW, clipping, ZeRO, llm.c's z-score skip",
+    "schedule": "schedule: the learning rate over the steps",
+    "eval": "evaluation, sampling and watch metrics", "checkpoint": "checkpoints and resuming",
+    "spike": "the loss-spike monitor", "run": "the run directory, logging and fault injection",
+    "ray": "Ray: workers and their restarts",
+    "performance": "performance: speed switches (the function computed stays the same)"}
+
+
+def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSING,
+         short: str | None = None, long: str | None = None, choices: tuple | None = None,
+         metavar: str | None = None, may_change_on_resume: bool = False):
+    """A config field and everything the rest of raygpt needs to know about it, in one place:
+    its `section` (a SECTION_TITLES key: --help groups the flags by it), its llm.c `short` flag,
+    a `long` flag that is not the name with dashes (a boolean whose default is on has a flag
+    that turns it off), its closed set of `choices` (validate() checks the same tuples), the
+    `metavar` --help shows, and whether it `may_change_on_resume` (a checkpoint's identity,
+    `TrainConfig.identity`, leaves those fields out: e.g. extending -x)."""
+    assert section in SECTION_TITLES, section
+    return field(default=default, default_factory=factory, metadata=dict(
+        section=section, short=short, long=long, choices=choices, metavar=metavar,
+        may_change_on_resume=may_change_on_resume))
+
+
 @dataclass
 class SpikeConfig:
-    """Seed 001's loss-spike policy on top of llm.c's z-score skip."""
+    """The loss-spike policy (raygpt.outlier.SpikeMonitor) on top of llm.c's z-score skip."""
 
-    enabled: bool = False
+    enabled: bool = knob(False, section="spike", long="--spike")
     """Turn the spike monitor on (skip isolated outliers, rewind sustained spikes)."""
-    window: int = 64
+    window: int = knob(64, section="spike")
     """Clean steps in the robust baseline (median and MAD of the loss)."""
-    min_history: int = 16
+    min_history: int = knob(16, section="spike")
     """Clean steps needed before the monitor judges anything."""
-    soft_z: float = 6.0
+    soft_z: float = knob(6.0, section="spike")
     """Robust z of the loss above which a step is an outlier (skipped)."""
-    hard_z: float = 20.0
+    hard_z: float = knob(20.0, section="spike")
     """Robust z of the loss above which the run rewinds at once."""
-    gnorm_mult: float = 10.0
+    gnorm_mult: float = knob(10.0, section="spike")
     """A grad norm this many times the median clean norm is an outlier too (0 turns it off)."""
-    max_consecutive: int = 3
+    max_consecutive: int = knob(3, section="spike")
     """More consecutive outliers than this turn skipping into a rewind."""
-    safety_steps: int = 1
+    safety_steps: int = knob(1, section="spike")
     """Rewind to a checkpoint at least this many steps before the spike began."""
-    max_rewinds: int = 5
+    max_rewinds: int = knob(5, section="spike")
     """After this many rewinds the run stops with an error (escalates to a human)."""
-    lr_scale_decay: float = 0.7
+    lr_scale_decay: float = knob(0.7, section="spike", long="--spike-lr-decay")
     """lr_scale is multiplied by this when a region spikes again after its data was skipped."""
-    min_lr_scale: float = 0.1
+    min_lr_scale: float = knob(0.1, section="spike")
     """lr_scale below this stops the run with an error."""
 
 
@@ -96,141 +111,180 @@ class TrainConfig:
     """One raygpt run. Defaults are the embedded Shakespeare job; `resolve()` fills the `None`s
     from the hardware (GPT-2 124M in bf16 on GPUs, a small fp32 model on 2 CPU workers)."""
 
-    # data (-i -j)
-    input_bin: str = DEFAULT_TRAIN
+    # ==== data: the token shards and the batch (-i -j -b -t -d)
+    input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB")
     """Glob of llm.c train token shards (-i)."""
-    input_val_bin: str = DEFAULT_VAL
+    input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB")
     """Glob of llm.c validation token shards (-j); empty turns validation off."""
-    shuffle: bool = True
+    shuffle: bool = knob(True, section="data", long="--no-shuffle")
     """Deterministic shuffling of shard order and of samples within a shard (train only)."""
-    # run directory (-o)
-    output_dir: str = "runs/shakespeare"
-    """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
-    # model (-e)
-    model: str | None = None
-    """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M) or an llm.c model_*.bin
-    file to start from. Default: d12 on GPUs, d4 on CPUs."""
-    # batch (-b -t -d)
-    batch_size: int | None = None
+    batch_size: int | None = knob(None, section="data", short="-b")
     """Micro-batch size per worker, B. Default: 16 on GPUs, 8 on CPUs, made smaller when the
     train shards cannot hold B*T*workers+1 tokens (llm.c's loader rule)."""
-    seq_len: int | None = None
+    seq_len: int | None = knob(None, section="data", short="-t")
     """Sequence length, T. Default: 1024 on GPUs, 64 on CPUs (at most a model file's
     max_seq_len)."""
-    total_batch_size: int = -1
+    total_batch_size: int = knob(-1, section="data", short="-d")
     """Tokens per optimizer step across all workers (-d); -1 means B*T*world (no accumulation)."""
-    # optimizer and schedule (-l -u -q -c -k -x)
-    learning_rate: float | None = None
-    """Peak learning rate. Default: 6e-4 on GPUs, 1e-3 on CPUs."""
-    warmup_steps: int | None = None
-    """Linear warmup steps, 1-based as llm.c. Default: 20 on GPUs, 10 on CPUs."""
-    final_lr_frac: float = 0.1
-    """Final LR as a fraction of the peak (-q)."""
-    weight_decay: float = 0.1
-    """AdamW weight decay on 2-D tensors (-c)."""
-    scheduler: str = "cosine"
-    """cosine | linear | constant | wsd (-k)."""
-    max_steps: int | None = None
-    """Optimizer steps to train; -1 means one epoch of the train shards. Default: 200 on GPUs,
-    100 on CPUs."""
-    grad_clip: float = 1.0
-    """Clip the global grad norm to this (as a scalar inside AdamW; gradients stay untouched)."""
-    beta1: float = 0.9
-    """AdamW's beta1 (decay of the first-moment average)."""
-    beta2: float = 0.95
-    """AdamW's beta2 (decay of the second-moment average)."""
-    eps: float = 1e-8
-    """AdamW's epsilon, added to the root of the second moment."""
-    # evaluation and sampling (-v -m -s -g)
-    val_every: int = 20
-    """Validation loss every N steps (-v); 0 turns it off."""
-    val_batches: int | None = None
-    """Validation micro-batches per rank per evaluation. Default: up to 20, as many as the
-    validation shards hold without reading a sample twice (at least 1)."""
-    val_batch_size: int | None = None
-    """Validation micro-batch per rank. Default: the one up to B that covers the most of the
-    validation shards in -m batches. Ranks beyond the validation data sit validation out."""
-    sample_every: int | None = None
-    """Generate a text sample every N steps; 0 turns it off. Default: 50."""
-    gen_tokens: int = 64
-    """Tokens per generated sample (-g)."""
-    # outlier detector (-sl -sg)
-    skip_update_lossz: float = 0.0
-    """Skip the update when the loss z-score exceeds this (-sl); 0 turns it off."""
-    skip_update_gradz: float = 0.0
-    """Skip the update when the grad-norm z-score exceeds this (-sg); 0 turns it off."""
-    spike: SpikeConfig = field(default_factory=SpikeConfig)
-    """Seed 001's loss-spike monitor: --spike turns it on, --spike-* set its knobs."""
-    z_loss: float = 0.0
-    """Coefficient of the z-loss on the output logits (about 1e-4 when on); 0 turns it off."""
-    watch_every: int = 50
-    """Every N steps log watch metrics: clipped fraction, max logit, update/param ratios."""
-    # checkpoints (-n -nk -nm -y)
-    checkpoint_every: int | None = None
-    """Write a checkpoint every N steps (-n); 0 writes only at the end and on signals. Default:
-    100 on GPU (seed 002), 50 on CPU (the 100-step CPU job checkpoints once before its end)."""
-    checkpoint_minutes: float = 0.0
-    """Also write a checkpoint once this many minutes have passed since the last one
-    (--checkpoint-minutes), for long runs; rank 0's clock decides and every rank saves at the
-    same step. 0 turns it off."""
-    checkpoints_keep: int = 0
-    """Keep the last K checkpoints (-nk); 0 keeps all."""
-    major_checkpoint_every: int = 0
-    """Keep every checkpoint whose step is a multiple of M forever (-nm); 0 turns it off."""
-    resume: int = 0
-    """1: resume from the newest verified checkpoint in the run directory (-y)."""
-    overwrite: bool = False
-    """Allow a fresh start over a run directory that already holds a run."""
-    async_checkpoint: bool = True
-    """Write checkpoint files on a background thread after a host copy."""
-    # hardware and parallelism
-    device: str = "auto"
-    """Where the workers train: auto picks gpu when the machine (or, under ray job submit, the
-    cluster) has a GPU, else cpu. --cpu and --gpu are short for it."""
-    num_workers: int | None = None
-    """Ray Train workers. Default: every visible GPU, or 2 CPU workers."""
-    min_workers: int | None = None
-    """Elastic: continue on as few as this many workers after losing nodes. The global batch
-    (-d) stays the same; grad accumulation absorbs the change. Default: none (a fixed size)."""
-    precision: str | None = None
+    seed: int = knob(1337, section="data")
+    """Seeds init, the data shuffle and stochastic rounding."""
+
+    # ==== model (-e)
+    model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE")
+    """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M) or an llm.c model_*.bin
+    file to start from. Default: d12 on GPUs, d4 on CPUs."""
+    precision: str | None = knob(None, section="model", choices=("bf16", "fp32"))
     """bf16 (working weights bf16, fp32 master) or fp32. Default: bf16 on GPUs, fp32 on CPUs."""
-    zero_stage: int | None = None
+    z_loss: float = knob(0.0, section="model")
+    """Coefficient of the z-loss on the output logits (about 1e-4 when on); 0 turns it off."""
+
+    # ==== optimizer: AdamW, clipping, ZeRO, llm.c's z-score skip (-l -c -z -sl -sg)
+    learning_rate: float | None = knob(None, section="optimizer", short="-l")
+    """Peak learning rate. Default: 6e-4 on GPUs, 1e-3 on CPUs."""
+    weight_decay: float = knob(0.1, section="optimizer", short="-c")
+    """AdamW weight decay on 2-D tensors (-c)."""
+    grad_clip: float = knob(1.0, section="optimizer")
+    """Clip the global grad norm to this (as a scalar inside AdamW; gradients stay untouched)."""
+    beta1: float = knob(0.9, section="optimizer")
+    """AdamW's beta1 (decay of the first-moment average)."""
+    beta2: float = knob(0.95, section="optimizer")
+    """AdamW's beta2 (decay of the second-moment average)."""
+    eps: float = knob(1e-8, section="optimizer")
+    """AdamW's epsilon, added to the root of the second moment."""
+    zero_stage: int | None = knob(None, section="optimizer", short="-z", choices=(0, 1),
+                                  may_change_on_resume=True)
     """0: every rank holds the whole optimizer state; 1: ZeRO-1 sharding, each rank holds and
     checkpoints 1/N of it (-z). Default: 1 with more than one GPU worker (a rank's state file is
     then 1/N of the optimizer, so checkpoint bytes per rank shrink as the world grows), else 0
     (CPU runs keep the replicated state and its simple all-reduce)."""
-    compile: bool | None = None
+    skip_update_lossz: float = knob(0.0, section="optimizer", short="-sl")
+    """Skip the update when the loss z-score exceeds this (-sl); 0 turns it off."""
+    skip_update_gradz: float = knob(0.0, section="optimizer", short="-sg")
+    """Skip the update when the grad-norm z-score exceeds this (-sg); 0 turns it off."""
+
+    # ==== schedule: the learning rate over the steps (-k -u -q -x)
+    scheduler: str = knob("cosine", section="schedule", short="-k", choices=SCHEDULERS)
+    """cosine | linear | constant | wsd (-k)."""
+    warmup_steps: int | None = knob(None, section="schedule", short="-u")
+    """Linear warmup steps, 1-based as llm.c. Default: 20 on GPUs, 10 on CPUs."""
+    final_lr_frac: float = knob(0.1, section="schedule", short="-q")
+    """Final LR as a fraction of the peak (-q)."""
+    max_steps: int | None = knob(None, section="schedule", short="-x", may_change_on_resume=True)
+    """Optimizer steps to train; -1 means one epoch of the train shards. Default: 200 on GPUs,
+    100 on CPUs."""
+
+    # ==== evaluation, sampling and watch metrics (-v -m -s -g)
+    val_every: int = knob(20, section="eval", short="-v", may_change_on_resume=True)
+    """Validation loss every N steps (-v); 0 turns it off."""
+    val_batches: int | None = knob(None, section="eval", short="-m", may_change_on_resume=True)
+    """Validation micro-batches per rank per evaluation. Default: up to 20, as many as the
+    validation shards hold without reading a sample twice (at least 1)."""
+    val_batch_size: int | None = knob(None, section="eval", may_change_on_resume=True)
+    """Validation micro-batch per rank. Default: the one up to B that covers the most of the
+    validation shards in -m batches. Ranks beyond the validation data sit validation out."""
+    sample_every: int | None = knob(None, section="eval", short="-s", may_change_on_resume=True)
+    """Generate a text sample every N steps; 0 turns it off. Default: 50."""
+    gen_tokens: int = knob(64, section="eval", short="-g", may_change_on_resume=True)
+    """Tokens per generated sample (-g)."""
+    watch_every: int = knob(50, section="eval", may_change_on_resume=True)
+    """Every N steps log watch metrics: clipped fraction, max logit, update/param ratios."""
+
+    # ==== checkpoints and resuming (-n -nk -nm -y)
+    checkpoint_every: int | None = knob(None, section="checkpoint", short="-n",
+                                        may_change_on_resume=True)
+    """Write a checkpoint every N steps (-n); 0 writes only at the end and on signals. Default:
+    100 on GPU, 50 on CPU (the 100-step CPU job checkpoints once before its end)."""
+    checkpoint_minutes: float = knob(0.0, section="checkpoint", may_change_on_resume=True)
+    """Also write a checkpoint once this many minutes have passed since the last one
+    (--checkpoint-minutes), for long runs; rank 0's clock decides and every rank saves at the
+    same step. 0 turns it off."""
+    checkpoints_keep: int = knob(0, section="checkpoint", short="-nk", may_change_on_resume=True)
+    """Keep the last K checkpoints (-nk); 0 keeps all."""
+    major_checkpoint_every: int = knob(0, section="checkpoint", short="-nm",
+                                       may_change_on_resume=True)
+    """Keep every checkpoint whose step is a multiple of M forever (-nm); 0 turns it off."""
+    resume: int = knob(0, section="checkpoint", short="-y", choices=(0, 1),
+                       may_change_on_resume=True)
+    """1: resume from the newest verified checkpoint in the run directory (-y)."""
+    overwrite: bool = knob(False, section="checkpoint", may_change_on_resume=True)
+    """Allow a fresh start over a run directory that already holds a run."""
+    async_checkpoint: bool = knob(True, section="checkpoint", long="--sync-checkpoint",
+                                  may_change_on_resume=True)
+    """Write checkpoint files on a background thread after a host copy."""
+
+    # ==== the loss-spike monitor (--spike, --spike-*)
+    spike: SpikeConfig = knob(factory=SpikeConfig, section="spike")
+    """The loss-spike monitor (raygpt.outlier): --spike turns it on, --spike-* set its knobs."""
+
+    # ==== the run directory, logging and fault injection (-o)
+    output_dir: str = knob("runs/shakespeare", section="run", short="-o", metavar="DIR|URI",
+                           may_change_on_resume=True)
+    """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
+    log_every: int = knob(1, section="run", may_change_on_resume=True)
+    """Console line every N steps."""
+    record_samples: bool = knob(False, section="run", may_change_on_resume=True)
+    """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
+    wandb: str = knob("", section="run", may_change_on_resume=True)
+    """W&B project for train/val metrics and the config (needs 'raygpt[wandb]');
+    WANDB_MODE=offline keeps the files in <run dir>/wandb; empty: off."""
+    mlflow: str = knob("", section="run", may_change_on_resume=True)
+    """MLflow tracking URI for the same metrics: a server URL, sqlite:///FILE.db or a local
+    directory (needs 'raygpt[mlflow]'); empty: off."""
+    fault: str = knob("", section="run", metavar="SPEC", may_change_on_resume=True)
+    """Fault injection for tests, e.g. 'kill:rank=1,step=7' (see raygpt.faults); off when empty."""
+    allow_fault_injection: bool = knob(False, section="run", may_change_on_resume=True)
+    """Let RAYGPT_FAULT from the environment arm faults (refused without it: an inherited
+    variable must not inject kills into a real run)."""
+
+    # ==== Ray: workers and their restarts
+    device: str = knob("auto", section="ray", choices=("auto", "cpu", "gpu"))
+    """Where the workers train: auto picks gpu when the machine (or, under ray job submit, the
+    cluster) has a GPU, else cpu. --cpu and --gpu are short for it."""
+    num_workers: int | None = knob(None, section="ray", may_change_on_resume=True)
+    """Ray Train workers. Default: every visible GPU, or 2 CPU workers."""
+    min_workers: int | None = knob(None, section="ray", may_change_on_resume=True)
+    """Elastic: continue on as few as this many workers after losing nodes. The global batch
+    (-d) stays the same; grad accumulation absorbs the change. Default: none (a fixed size)."""
+    max_failures: int = knob(3, section="ray", may_change_on_resume=True)
+    """Worker-group restarts Ray Train may make after failures (FailureConfig.max_failures)."""
+    max_preemption_failures: int = knob(10, section="ray", may_change_on_resume=True)
+    """Restarts after preemptions, counted apart from max_failures."""
+
+    # ==== performance: speed switches (the function computed stays the same)
+    compile: bool | None = knob(None, section="performance", may_change_on_resume=True)
     """torch.compile the model. Default: on for GPUs, off for CPUs."""
-    deterministic: bool | None = None
+    deterministic: bool | None = knob(None, section="performance", may_change_on_resume=True)
     """Bitwise-exact runs and resumes: deterministic kernels only (torch.use_deterministic_algorithms,
     strict; on GPUs raygpt's own attention and embedding backward), a fixed cuBLAS workspace. An
     op with no deterministic implementation stops the run with its name (exit 2). Default: on for
     GPUs (it costs under 1% of a step there), off for CPUs (whose kernels are deterministic)."""
-    seed: int = 1337
-    """Seeds init, the data shuffle and stochastic rounding."""
-    # fault tolerance
-    max_failures: int = 3
-    """Worker-group restarts Ray Train may make after failures (FailureConfig.max_failures)."""
-    max_preemption_failures: int = 10
-    """Restarts after preemptions, counted apart from max_failures."""
-    fault: str = ""
-    """Fault injection for tests, e.g. 'kill:rank=1,step=7' (see raygpt.faults); off when empty."""
-    allow_fault_injection: bool = False
-    """Let RAYGPT_FAULT from the environment arm faults (refused without it: an inherited
-    variable must not inject kills into a real run)."""
-    log_every: int = 1
-    """Console line every N steps."""
-    record_samples: bool = False
-    """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
-    # experiment tracking (rank 0, at the log interval and every validation; see raygpt.tracking)
-    wandb: str = ""
-    """W&B project for train/val metrics and the config (needs 'raygpt[wandb]');
-    WANDB_MODE=offline keeps the files in <run dir>/wandb; empty: off."""
-    mlflow: str = ""
-    """MLflow tracking URI for the same metrics: a server URL, sqlite:///FILE.db or a local
-    directory (needs 'raygpt[mlflow]'); empty: off."""
+    compile_mode: str = knob("default", section="performance",
+                             choices=("default", "reduce-overhead", "max-autotune"),
+                             may_change_on_resume=True)
+    """torch.compile's mode for the model: reduce-overhead replays the forward and backward
+    graphs as CUDA graphs (bench/throughput.py's cgraph variant measures it)."""
+    prefetch_batches: bool = knob(True, section="performance", long="--no-prefetch",
+                                  may_change_on_resume=True)
+    """Gather the next micro-batch on the host and copy it to the device during the backward
+    pass (DistributedDataLoader.prefetch), not after the step's sync."""
+    gc_freeze: bool = knob(True, section="performance", long="--no-gc-freeze",
+                           may_change_on_resume=True)
+    """After the first step move the live objects out of the garbage collector's reach
+    (gc.freeze): a full collection otherwise walks Dynamo's and Inductor's caches and stalls a
+    step for tens of milliseconds now and then (bench/profile_step.py prints the pauses)."""
+    loss_impl: str = knob("fused", section="performance", choices=("fused", "reference"),
+                          may_change_on_resume=True)
+    """The training loss: fused (chunked classifier, gradient computed in the forward pass,
+    the (B*T, V) logits never held) or reference (the textbook cross-entropy)."""
+    ce_kernel: bool = knob(True, section="performance", long="--no-ce-kernel",
+                           may_change_on_resume=True)
+    """The fused loss's softmax gradient as raygpt.ops.cross_entropy_grad (one Triton kernel on
+    CUDA), not as PyTorch ops (Inductor's kernel, which reads each row three times)."""
+    preemption_poll_steps: int = knob(10, section="performance", may_change_on_resume=True)
+    """Steps between polls of Ray's preemption notice (ray.train.get_preemption_info, a barrier
+    of every worker)."""
 
-    # ------------------------------------------------------------------ derived values
+    # ==== derived values
     @property
     def depth(self) -> int | None:
         if self.model and self.model.startswith("d") and self.model[1:].isdigit():
@@ -246,7 +300,7 @@ class TrainConfig:
             return self.total_batch_size
         return self.batch_size * self.seq_len * world
 
-    # ------------------------------------------------------------------ resolution and checks
+    # ==== resolution and checks
     def resolve(self, gpus_available: int | None = None,
                 notes: list[str] | None = None) -> "TrainConfig":
         """Return a copy with hardware- and data-dependent defaults filled in, then validated.
@@ -309,7 +363,7 @@ class TrainConfig:
         need(bool(self.output_dir.strip()), "-o/--output-dir",
              "a run directory (a path or URI; empty is the current directory: an unset variable?)",
              self.output_dir)
-        need(self.scheduler in CHOICES["scheduler"], "-k/--scheduler", " | ".join(SCHEDULERS),
+        need(self.scheduler in SCHEDULERS, "-k/--scheduler", " | ".join(SCHEDULERS),
              self.scheduler)
         need(self.device in ("cpu", "gpu"), "--device", "cpu or gpu", self.device)
         need(self.precision in ("fp32", "bf16"), "--precision", "fp32 or bf16", self.precision)
@@ -349,6 +403,12 @@ class TrainConfig:
         need(self.resume in (0, 1), "-y/--resume", "0 or 1", self.resume)
         need(self.zero_stage in (0, 1), "-z/--zero-stage", "0 or 1", self.zero_stage)
         need(self.z_loss >= 0, "--z-loss", "a coefficient >= 0", self.z_loss)
+        for name in ("compile_mode", "loss_impl"):  # (a config file is not argparse-checked)
+            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
+            need(getattr(self, name) in choices, "--" + name.replace("_", "-"),
+                 " | ".join(choices), getattr(self, name))
+        need(self.preemption_poll_steps >= 1, "--preemption-poll-steps", "an integer >= 1",
+             self.preemption_poll_steps)
         s = self.spike
         need(s.window >= 4 and 1 <= s.min_history <= s.window, "--spike-window/--spike-min-history",
              "window >= 4 and 1 <= min_history <= window", (s.window, s.min_history))
@@ -383,7 +443,7 @@ class TrainConfig:
         if missing:
             raise ConfigError(missing)
 
-    # ------------------------------------------------------------------ identity and overrides
+    # ==== identity and overrides
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -419,6 +479,11 @@ class TrainConfig:
                 raise ConfigError(f"unknown config field {key!r} in overrides")
         return TrainConfig.from_dict(d)
 
+    @classmethod
+    def section_fields(cls, section: str) -> list[str]:
+        """The names of the fields in `section`, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata["section"] == section]
+
     def identity(self) -> dict:
         """The fields a checkpoint must agree on to be resumed (everything not in the allowlist)."""
         d = self.to_dict()
@@ -426,6 +491,12 @@ class TrainConfig:
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+
+
+# Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x): each
+# field's own `knob(may_change_on_resume=...)`.
+RESUME_MUTABLE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig)
+                                  if f.metadata["may_change_on_resume"])
 
 
 def _typed(cls, d: dict, where: str) -> dict:
@@ -525,7 +596,8 @@ def _model_file_block_size(model: str) -> int:
 def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
     """Token counts of the shards matching `pattern` (headers only), None when nothing matches
     (validate() says so); a bad header is a ConfigError naming the flag and the file."""
-    from raygpt.data import ShardError, shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.data import shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.llmc.shards import ShardError
     if not pattern or not glob.glob(pattern):
         return None
     try:
@@ -603,26 +675,8 @@ def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
 
 # The command line is generated from the dataclasses above: every field is a flag, its help is
 # the field's docstring (read from this file's source with `ast`, so the two cannot drift), its
-# default the field's default. llm.c's one- and two-letter flags keep llm.c's meanings.
-SHORT_FLAGS = {
-    "input_bin": "-i", "input_val_bin": "-j", "output_dir": "-o", "model": "-e",
-    "batch_size": "-b", "seq_len": "-t", "total_batch_size": "-d", "learning_rate": "-l",
-    "warmup_steps": "-u", "final_lr_frac": "-q", "weight_decay": "-c", "scheduler": "-k",
-    "max_steps": "-x", "val_every": "-v", "val_batches": "-m", "sample_every": "-s",
-    "gen_tokens": "-g", "skip_update_lossz": "-sl", "skip_update_gradz": "-sg",
-    "checkpoint_every": "-n", "checkpoints_keep": "-nk", "major_checkpoint_every": "-nm",
-    "resume": "-y", "zero_stage": "-z",
-}
-# The values a field accepts, where they are a closed set (validate() checks the same tuples).
-CHOICES = {"scheduler": SCHEDULERS, "device": ("auto", "cpu", "gpu"), "precision": ("bf16", "fp32"),
-           "resume": (0, 1), "zero_stage": (0, 1)}
-# Long flags that are not the field name with dashes; a boolean whose default is on has a
-# flag that turns it off.
-LONG_FLAGS = {"shuffle": "--no-shuffle", "async_checkpoint": "--sync-checkpoint",
-              "spike.enabled": "--spike", "spike.lr_scale_decay": "--spike-lr-decay"}
-_METAVARS = {"input_bin": "GLOB", "input_val_bin": "GLOB", "output_dir": "DIR|URI",
-             "model": "dN|FILE", "fault": "SPEC"}
-
+# default the field's default, its short flag, choices and metavar the field's `knob` metadata.
+# llm.c's one- and two-letter flags keep llm.c's meanings.
 EXIT_CODES = """exit status:
   0  finished (every step of -x trained)
   1  failed (Ray's retry budget spent, or an error raygpt cannot recover from)
@@ -662,44 +716,51 @@ def _show(value) -> str:
 
 
 def _flag_specs():
-    """(dest, names, argparse kwargs) of every config field: TrainConfig's, then SpikeConfig's
-    as spike_<name> (the --spike-* flags)."""
+    """(section, dest, names, argparse kwargs) of every config field: TrainConfig's, then
+    SpikeConfig's as spike_<name> (the --spike-* flags)."""
     import re
     for cls, prefix in ((TrainConfig, ""), (SpikeConfig, "spike.")):
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name == "spike":
                 continue
+            meta = f.metadata
             key = prefix + f.name
             dest = key.replace(".", "_")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             # the flag is shown beside the help, so the docstring's own "(-x)" goes
             doc = re.sub(r"\s*\((-\w+ ?)+\)", "", docs.get(f.name, "")).replace("%", "%%")
-            long = LONG_FLAGS.get(key, "--" + key.replace(".", "-").replace("_", "-"))
-            names = [n for n in (SHORT_FLAGS.get(key), long) if n]
+            long = meta["long"] or "--" + key.replace(".", "-").replace("_", "-")
+            names = [n for n in (meta["short"], long) if n]
             typ = _value_type(f)
             if typ is bool:
                 if default is True:  # the flag turns a default-on feature off
-                    yield dest, names, dict(action="store_false", default=None,
-                                            help=f"{doc} (default: on; this flag turns it off)")
+                    yield meta["section"], dest, names, dict(
+                        action="store_false", default=None,
+                        help=f"{doc} (default: on; this flag turns it off)")
                 else:
                     shown = "" if default is None else " (default: off)"
-                    yield dest, names, dict(action="store_true", default=None, help=doc + shown)
+                    yield meta["section"], dest, names, dict(action="store_true", default=None,
+                                                             help=doc + shown)
                     if default is None:
-                        yield dest, ["--no-" + long[2:]], dict(action="store_false",
-                                                               help=f"turn {long} off")
+                        yield meta["section"], dest, ["--no-" + long[2:]], dict(
+                            action="store_false", help=f"turn {long} off")
                 continue
-            kw = dict(dest=dest, type=typ, default=None, metavar=_METAVARS.get(key, typ.__name__.upper()
-                                                                              .replace("STR", "TEXT")))
-            if key in CHOICES:
-                kw.update(choices=CHOICES[key], metavar="{" + ",".join(map(str, CHOICES[key])) + "}")
+            kw = dict(dest=dest, type=typ, default=None,
+                      metavar=meta["metavar"] or typ.__name__.upper().replace("STR", "TEXT"))
+            if meta["choices"]:
+                kw.update(choices=meta["choices"],
+                          metavar="{" + ",".join(map(str, meta["choices"])) + "}")
             shown = "" if default is None else f" (default: {_show(default)})"
             kw["help"] = doc + shown
-            yield dest, names, kw
+            yield meta["section"], dest, names, kw
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # a usage mistake is a ConfigError like any other bad value
+class FlagParser(argparse.ArgumentParser):
+    """argparse for raygpt's commands (train, and sweep's own flags): a usage mistake is a
+    ConfigError like any other bad value, in raygpt's form (flag, expected, found)."""
+
+    def error(self, message):
         raise ConfigError(_usage_error(message))
 
 
@@ -721,15 +782,16 @@ def _usage_error(message: str) -> str:
 
 
 def build_parser(prog: str = "raygpt train") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = FlagParser(prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Pretrain GPT-2 on Ray Train. llm.c's flags keep llm.c's meanings;\n"
                             "every field of raygpt.config.TrainConfig is a flag (its docstring is "
                             "the help).",
                 epilog=EXIT_CODES)
-    for dest, names, kw in _flag_specs():
+    groups = {name: p.add_argument_group(title) for name, title in SECTION_TITLES.items()}
+    for section, dest, names, kw in _flag_specs():
         if "dest" not in kw:
             kw["dest"] = dest
-        p.add_argument(*names, **kw)
+        groups[section].add_argument(*names, **kw)
     p.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="--device cpu")
     p.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="--device gpu")
     p.add_argument("--config", default=None, metavar="FILE",

@@ -1,8 +1,6 @@
 """llm.c token shards and the distributed data loader that reads them.
 
-On disk (llm.c's format, reader and writer side by side below): a header of 256 little-endian
-int32 -- magic 20240520, version 1, token count, the rest zero -- followed by the tokens as
-uint16. `write_shard` / `read_shard_header` / `read_shard` own that format.
+The shards' on-disk format (llm.c's) is raygpt.llmc.shards'.
 
 `DistributedDataLoader` owns the data order, which is a pure function of (seed, global cursor):
 
@@ -28,112 +26,14 @@ import dataclasses
 import glob
 import hashlib
 import os
-import tempfile
 import typing
 
 import numpy as np
 
+from raygpt.llmc.shards import ShardError, read_shard, read_shard_header
+
 if typing.TYPE_CHECKING:
     import torch
-
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4  # 1024
-TOKEN_DTYPE = np.dtype("<u2")  # GPT-2's 50257 tokens fit uint16
-_MAX_TOKEN_COUNT = 2**31 - 1  # header[2] is an int32
-
-
-class ShardError(ValueError):
-    """A token shard (or a shard pattern) cannot be used; the message names the file and field."""
-
-
-# ---------------------------------------------------------------------------- shard file format
-
-def write_shard(path: str | os.PathLike, tokens) -> None:
-    """Write `tokens` as an llm.c shard at `path`, atomically (temp file, fsync, rename), so a
-    crash never leaves a half-written shard under the final name."""
-    path = os.fspath(path)
-    toks = np.asarray(tokens)
-    if toks.ndim != 1:
-        raise ShardError(f"{path}: tokens: expected a 1-D sequence, found shape {toks.shape}")
-    if toks.size and not np.issubdtype(toks.dtype, np.integer):
-        raise ShardError(f"{path}: tokens: expected integers, found dtype {toks.dtype}")
-    if toks.size and (int(toks.min()) < 0 or int(toks.max()) > np.iinfo(np.uint16).max):
-        raise ShardError(f"{path}: tokens: expected values in [0, 65535] (uint16), "
-                         f"found range [{int(toks.min())}, {int(toks.max())}]")
-    if toks.size > _MAX_TOKEN_COUNT:
-        raise ShardError(f"{path}: token count: expected at most {_MAX_TOKEN_COUNT} (int32 header "
-                         f"field), found {toks.size}")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, toks.size
-
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.tobytes())
-            f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not every filesystem lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_shard_header(path: str | os.PathLike) -> int:
-    """Check the header of the shard at `path` against llm.c's format and its file size;
-    return the token count."""
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e})") from e
-    if len(raw) < HEADER_BYTES:
-        raise ShardError(f"{path}: header: expected {HEADER_BYTES} bytes (256 int32), "
-                         f"found a file of {len(raw)} bytes")
-    header = np.frombuffer(raw, dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: magic (header[0]): expected {SHARD_MAGIC}, found {int(header[0])}"
-                         " -- not an llm.c token shard")
-    if header[1] != SHARD_VERSION:
-        raise ShardError(f"{path}: version (header[1]): expected {SHARD_VERSION}, "
-                         f"found {int(header[1])}")
-    ntok = int(header[2])
-    expected_size = HEADER_BYTES + ntok * TOKEN_DTYPE.itemsize
-    if ntok < 0 or size != expected_size:
-        raise ShardError(f"{path}: token count (header[2]) = {ntok}: expected a file of "
-                         f"{HEADER_BYTES} + 2*{ntok} = {expected_size} bytes, found {size} bytes")
-    return ntok
-
-
-def read_shard(path: str | os.PathLike) -> np.ndarray:
-    """The tokens of the shard at `path` as a read-only uint16 array (memory-mapped)."""
-    path = os.fspath(path)
-    ntok = read_shard_header(path)
-    if ntok == 0:  # mmap cannot map zero bytes
-        return np.zeros(0, dtype=TOKEN_DTYPE)
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))
-
 
 def tokens_needed(B: int, T: int, world: int) -> int:
     """Tokens every shard must hold for a loader of `world` ranks at micro-batch B x T: one

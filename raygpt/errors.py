@@ -7,7 +7,7 @@ decision raygpt made itself (the spike policy escalating to a human): the next a
 same error after minutes of start-up, and the run fails anyway with its budget spent.
 `stop_code(exc)` tells the two apart; it runs inside the worker, where the exception still has
 its cause. `RunStopped` carries the verdict to the driver, whose failure policy
-(`raygpt.trainer.StopOnRunStopped`) ends the run at once instead of retrying.
+(`raygpt.ray.driver.StopOnRunStopped`) ends the run at once instead of retrying.
 
 Exit codes of `raygpt train` and `experiments/shakespeare.py`:
     0  finished               1  failed (retry budget spent, or raygpt decided to stop)
@@ -17,10 +17,10 @@ Exit codes of `raygpt train` and `experiments/shakespeare.py`:
 
 from __future__ import annotations
 
-from raygpt.checkpoint import CheckpointError
+from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError
-from raygpt.data import ShardError
-from raygpt.tracking import TrackingError
+from raygpt.llmc.shards import ShardError
+from raygpt.runlog.tracking import TrackingError
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1

@@ -38,6 +38,7 @@ as bench/fault_campaign.py injects them), are recorded by whoever injects them
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -45,7 +46,9 @@ import time
 from dataclasses import dataclass
 
 from raygpt.config import ConfigError
-from raygpt.data import ShardError
+from raygpt.llmc.shards import ShardError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
 EXTERNAL_KINDS = ("ctrl_c", "remove_node")
@@ -192,7 +195,7 @@ def announce(run_dir, spec: str, sources: list[str]) -> None:
     are armed)."""
     if not spec:
         return
-    print(f"raygpt | FAULT INJECTION ARMED: {spec} (from {' and '.join(sources)})", flush=True)
+    log.info(f"raygpt | FAULT INJECTION ARMED: {spec} (from {' and '.join(sources)})")
     run_dir.append_text(RECORD, json.dumps({"spec": spec, "sources": sources,
                                             "time": time.time()}) + "\n")
     run_dir.flush()

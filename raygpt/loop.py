@@ -1,8 +1,11 @@
 """The per-worker training loop: llm.c's main loop in PyTorch, with no Ray inside.
 
-`train(cfg, session)` reads top to bottom like llm.c's `for (step ...)` body and seed 001's
-pseudocode: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
-(micro-steps, one agreement collective, outlier verdict, lr, grad_scale, update) and logging.
+`train(cfg, session)` reads top to bottom like the `for (int step = 0; ...)` body of llm.c's
+train_gpt2.cu: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
+(the micro-steps, one agreement collective, the outlier verdict, lr, the update) and logging.
+Each line of the step is one call to a component that decides its own policy (`build_run`
+names them: the checkpointer, the reporter, the fault plan, the signal flags); `rewind` takes
+the run and the verdict.
 Everything Ray-specific (rank, device, reporting a checkpoint, the checkpoint to resume from)
 comes through `session` (see `raygpt.session`), so the same loop runs under Ray Train and as a
 plain single process.
@@ -15,12 +18,10 @@ and one host sync reads it back: that is the only synchronisation inside a step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
-import hashlib
-import json
 import math
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -28,31 +29,18 @@ import torch
 import torch.distributed as dist
 
 from raygpt import signals, tokenizer
-from raygpt.checkpointer import Checkpointer
+from raygpt.checkpointing.runtime import Checkpointer
+from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
 from raygpt.model import GPT, GPTConfig, kernels_for, load_model_file, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
-from raygpt.runlog import RunLog
+from raygpt.runlog.reporter import Reporter
 from raygpt.schedule import learning_rate
 from raygpt.session import Session
 from raygpt.state import TrainState
-
-# After the first step (compiled, warmed up) the live objects are moved out of the collector's
-# reach (gc.freeze): a full collection otherwise walks Dynamo's and Inductor's caches and
-# stalls a step for tens of milliseconds now and then (bench/profile_step.py prints the pauses).
-GC_FREEZE_AFTER_FIRST_STEP = True
-
-# The next micro-batch is gathered on the host and copied to the device while the GPU runs the
-# backward pass (DistributedDataLoader.prefetch), not after the step's sync. A switch so the
-# throughput bench can measure it (its `noprefetch` variant).
-PREFETCH_BATCHES = True
-
-# torch.compile's mode for the model (None: Inductor's default). "reduce-overhead" replays the
-# forward and backward graphs as CUDA graphs. A switch so the throughput bench can measure it.
-COMPILE_MODE = None
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
@@ -84,82 +72,9 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
     else:
         model = load_model_file(cfg.model)
+    model.loss_impl, model.ce_kernel = cfg.loss_impl, cfg.ce_kernel  # (--loss-impl, --no-ce-kernel)
     model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type))
     return model.to(device)
-
-
-# torch.compile's caches (Inductor's FX graphs, AOTAutograd's, Triton's kernels) live on the node's
-# local disk under this directory, shared by every worker process the node runs, so a worker that
-# Ray restarts on a surviving node finds its graphs compiled (TORCHINDUCTOR_CACHE_DIR /
-# TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
-# (torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
-# replacement node fills its local caches from them before its first step instead of compiling.
-# Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
-# another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
-NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"raygpt_compile_cache_{os.getuid()}")
-COMPILE_ARTIFACTS = "compile_cache"
-
-
-def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
-    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.stat(root)
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise PermissionError(f"{root}: the node's compile cache must be private to user "
-                                  f"{os.getuid()} (found owner {st.st_uid}, mode "
-                                  f"{oct(st.st_mode & 0o777)}); remove it or set "
-                                  f"TORCHINDUCTOR_CACHE_DIR")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
-                                                           "triton_user"))
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:
-    """Where the run keeps its compiled artifacts: one file per (config, torch, device model),
-    since a graph compiled for another GPU or torch version is of no use (and torch's own keys
-    would only miss). The config is its identity plus what a resume may change that changes
-    the graphs (--deterministic picks other kernels)."""
-    key = hashlib.sha256(json.dumps([cfg.hash(), cfg.deterministic, COMPILE_MODE,
-                                     torch.__version__, device_name]).encode())
-    return f"{COMPILE_ARTIFACTS}/{key.hexdigest()[:20]}.bin"
-
-
-def load_compile_artifacts(run_dir, name: str, cache_dir: str) -> bool:
-    """Fill this node's caches from the run's artifacts, once per node (a marker in the local
-    cache says they are in); True when the run has artifacts. A damaged file only costs a
-    compilation: torch checks what it loads, and the loop compiles as if there were none."""
-    if not run_dir.exists(name):
-        return False
-    marker = _artifacts_marker(cache_dir, name)
-    if not os.path.exists(marker):
-        try:
-            torch.compiler.load_cache_artifacts(run_dir.read_bytes(name))
-        except Exception as e:  # noqa: BLE001 - a cache: compiling is always a correct fallback
-            print(f"raygpt | WARNING: {run_dir.uri(name)}: compiled artifacts not loaded ({e}); "
-                  f"compiling", flush=True)
-            return True
-        _touch(marker)
-    return True
-
-
-def save_compile_artifacts(run_dir, name: str, cache_dir: str) -> None:
-    """Store what this process compiled (the first step's graphs, validation's) beside the run;
-    this node's cache has them already."""
-    artifacts = torch.compiler.save_cache_artifacts()
-    if artifacts is not None:
-        run_dir.write_bytes_atomic(name, artifacts[0])
-        _touch(_artifacts_marker(cache_dir, name))
-
-
-def _artifacts_marker(cache_dir: str, name: str) -> str:
-    return os.path.join(cache_dir, "raygpt_loaded_" + os.path.basename(name))
-
-
-def _touch(path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    open(path, "w").close()
 
 
 def broadcast_step(step: int | None, world: int, device: torch.device) -> int | None:
@@ -234,7 +149,7 @@ def train(cfg: TrainConfig, session: Session) -> dict:
                 raise NonDeterministicOp(_op_named_in(str(e))) from e
             raise
         finally:
-            if GC_FREEZE_AFTER_FIRST_STEP:
+            if cfg.gc_freeze:
                 gc.unfreeze()  # what the loop froze is collectable again once it is over
 
 
@@ -255,9 +170,8 @@ def _torch_settings_restored():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3:]
 
 
-def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> dict:
-    rank, world, device = session.rank, session.world, session.device
-    is_main = rank == 0
+def _set_torch_switches(cfg: TrainConfig) -> None:
+    """The process-wide torch switches of a run (train() gives the caller's back after)."""
     if cfg.deterministic:
         # cuBLAS is deterministic only with a fixed workspace (PyTorch's reproducibility notes);
         # read when the first cuBLAS handle is made, which is after this point in a worker
@@ -273,7 +187,44 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
-    # ------------------------------------------------------------------ build the run
+
+@dataclasses.dataclass
+class Run:
+    """What one worker's run is made of (`build_run`), named as the loop names its components:
+    the loop's body calls these and each decides its own policy."""
+
+    cfg: TrainConfig
+    session: Session
+    model: GPT
+    forward: object  # the model, or its torch.compile'd wrapper
+    compiled: "CompileCache | None"  # where the compiled graphs are cached (when compiling)
+    flat: FlatParameters
+    opt: AdamW
+    train_loader: DistributedDataLoader
+    val_loader: DistributedDataLoader | None
+    state: TrainState
+    ckpt: Checkpointer
+    runlog: Reporter
+    faults: object  # raygpt.faults' plan for this rank
+    flags: object  # SIGTERM / SIGUSR1 as flags (raygpt.signals)
+    save_clock: signals.SaveClock
+    max_steps: int
+    grad_accum: int
+    tokens_per_step: int
+    resumed_from: int | None  # a checkpoint that exists at this step: do not write it again
+    agree: torch.Tensor  # the per-step agreement vector (LOSS ... RAY_REPORT)
+    stop_requested: bool = False
+    val_loss: float = float("nan")
+
+    @property
+    def validating(self) -> bool:
+        return bool(self.cfg.input_val_bin) and self.cfg.val_every > 0
+
+
+def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> Run:
+    """The model, optimizer, loaders, the state restored from the newest verified checkpoint
+    (llm.c's resume order, inside Checkpointer), and the reporter every event goes to."""
+    rank, world, device = session.rank, session.world, session.device
     model = build_model(cfg, device)
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
@@ -284,180 +235,225 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
                                          shuffle=cfg.shuffle, seed=cfg.seed)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
-    val_loader = build_val_loader(cfg, rank, world) if validating else None
-    grad_accum = cfg.grad_accum_steps(world)
-    tokens_per_step = cfg.total_batch_size
     max_steps = (cfg.max_steps if cfg.max_steps > 0
-                 else train_loader.tokens_per_epoch // tokens_per_step)
-    # static shapes: validation batches of another size must not make the training graph symbolic
-    forward = torch.compile(model, mode=COMPILE_MODE, dynamic=False) if cfg.compile else model
-    if cfg.compile:  # compile once per node: local caches, and the run's artifacts for a new node
-        artifacts = compile_artifacts_name(cfg, session.device_name)
-        compile_cache = use_node_compile_cache()
-        have_artifacts = load_compile_artifacts(session.run_dir, artifacts, compile_cache)
-
+                 else train_loader.tokens_per_epoch // cfg.total_batch_size)
+    forward, compiled = model, None
+    if cfg.compile:
+        # static shapes: validation batches of another size must not make the training graph
+        # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
+        forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)
+        compiled = CompileCache.for_run(cfg, session)
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
     restore_started = time.time()
-    resumed_from = ckpt.restore_latest(state, train_loader)  # seed 000's resume order inside
+    resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
     startup = {**session.startup_marks(), "restore_started": restore_started,
                "state_loaded": time.time(), "load_s": ckpt.load_seconds}  # the recovery ledger's
-    n_params = num_parameters(model)
-    # every event goes to runlog once: console, main.log, loss history, TensorBoard, Ray, trackers
-    runlog = on_exit.enter_context(RunLog(cfg, session, max_steps=max_steps,
-                                          resumed_from=resumed_from, model_config=model.config,
-                                          n_params=n_params, startup=startup))
-    attempt, history, logger = runlog.attempt, runlog.history, runlog.logger  # (rewind's sinks)
-    faults = plan_for(cfg.fault, rank, session.run_dir)
-    flags = signals.watch()  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
-    save_clock = signals.SaveClock(cfg.checkpoint_minutes if is_main else 0.0)  # rank 0 decides
+    # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
+    # trackers
+    runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
+                                            resumed_from=resumed_from, model_config=model.config,
+                                            n_params=num_parameters(model), startup=startup))
+    return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
+               flat=flat, opt=opt, train_loader=train_loader,
+               val_loader=build_val_loader(cfg, rank, world) if validating else None,
+               state=state, ckpt=ckpt, runlog=runlog,
+               faults=plan_for(cfg.fault, rank, session.run_dir),
+               flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
+               save_clock=signals.SaveClock(cfg.checkpoint_minutes if rank == 0 else 0.0),
+               max_steps=max_steps, grad_accum=cfg.grad_accum_steps(world),
+               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from,
+               agree=torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device))
 
-    if is_main:
-        print(f"raygpt | {cfg.model}: {n_params:,} parameters | {world} x {session.device_name}"
-              f" | {cfg.precision} | B={cfg.batch_size} T={cfg.seq_len} grad_accum={grad_accum}"
-              f" | {tokens_per_step:,} tokens/step | {max_steps} steps | attempt {attempt}"
-              + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""),
-              flush=True)
+
+def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> dict:
+    _set_torch_switches(cfg)
+    r = build_run(cfg, session, on_exit)
+    state, ckpt, runlog = r.state, r.ckpt, r.runlog
+    runlog.start(world=session.world, grad_accum=r.grad_accum, tokens_per_step=r.tokens_per_step,
+                 resumed_from=r.resumed_from)
     if cfg.compile:
         runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
-
-    agree = torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device)
-    clipped_at_last_watch = state.clipped
-    val_loss = float("nan")
-    stop_requested = False
-    t_start = time.perf_counter()
-    first_step = state.step
+    clipped_at_last_watch, first_step, t_start = state.clipped, state.step, time.perf_counter()
 
     while True:
         step = state.step  # a rewind moves it back, so the loop reads it rather than counting
-        last_step = step == max_steps
+        last_step = step == r.max_steps
 
         # ---------------------------------------------------------- validation and sample
-        if validating and (step % cfg.val_every == 0 or last_step):
-            val_loss = evaluate(forward, val_loader, cfg, device, world)
-            runlog.val(step, val_loss, skips=state.skips, rewinds=state.ledger.rewinds)
-        if is_main and cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step):
-            runlog.sample(step, sample_text(model, cfg, device, step))
+        if r.validating and (step % cfg.val_every == 0 or last_step):
+            r.val_loss = evaluate(r.forward, r.val_loader, cfg, session.device, session.world)
+            runlog.val(step, r.val_loss, skips=state.skips, rewinds=state.ledger.rewinds)
+        if session.rank == 0 and sampling_step(cfg, step, last_step):
+            runlog.sample(step, sample_text(r.model, cfg, session.device, step))
 
         # ---------------------------------------------------------- checkpoint
-        if ckpt.due(step, last_step, resumed_from) or state.save_requested:
-            ckpt.save(state, train_loader, blocking=last_step or stop_requested)
+        if ckpt.due(step, last_step, r.resumed_from) or state.save_requested:
+            ckpt.save(state, r.train_loader, blocking=last_step or r.stop_requested)
             state.save_requested = False
-            save_clock.saved()
-        if last_step or stop_requested:
+            r.save_clock.saved()
+        if last_step or r.stop_requested:
             break
 
         # ---------------------------------------------------------- TRAINING SECTION
         t0 = time.perf_counter()
-        faults.before_update(step)
-        flat.zero_grad()
-        step_samples = []
-        loss_acc = torch.zeros((), dtype=torch.float32, device=device)
-        for _ in range(grad_accum):
-            x, y = train_loader.next_batch(device)
-            step_samples.append(train_loader.last_global_samples)
-            loss_sum, z_sum = forward(x, y, z_loss=cfg.z_loss)
-            if faults.nan_now(step):
-                loss_sum = loss_sum * float("nan")
-            # token-weighted mean over the whole window and all ranks (grads are SUM-reduced)
-            ((loss_sum + z_sum) / tokens_per_step).backward()
-            loss_acc += loss_sum.detach()
-            if PREFETCH_BATCHES:  # the next micro-batch's gather and copy, during this backward
-                train_loader.prefetch(device)
-        opt.reduce_gradients()
-        norm_sq = opt.grad_norm_squared()  # this rank's shard; all of it without ZeRO
-
-        # one collective: the loss, the squared norm, and every flag the ranks must agree on
-        agree[LOSS] = loss_acc
-        agree[NORM_SQ] = norm_sq if (cfg.zero_stage == 1 or is_main) else 0.0
-        outside_stop, outside_save = session.poll_requests()  # driver signals, preemption
-        agree[STOP] = max(flags.stop_requested(), float(outside_stop))
-        agree[SAVE] = max(flags.take_save_request(), float(outside_save),
-                          float(faults.preempt_now(step)), float(save_clock.due()))
-        agree[CKPT_READY] = ckpt.ready()
-        agree[RAY_REPORT] = runlog.wants_ray_report(step)  # rank 0's clock decides for all ranks
-        all_reduce_sum(agree, world)
-        loss_v, norm_sq_v, stop_v, save_v, ready_v, report_v = agree.tolist()  # the one host sync
-        loss = loss_v / tokens_per_step
-        norm = math.sqrt(norm_sq_v) if norm_sq_v >= 0 else float("nan")
-
-        verdict = state.judge(cfg, step, loss, norm)
+        r.faults.before_update(step)
+        loss_sum, step_samples = forward_backward(r, step)
+        r.opt.reduce_gradients()
+        agreed = agree(r, step, loss_sum, r.opt.grad_norm_squared())  # the step's one sync
+        verdict = state.judge(cfg, step, agreed.loss, agreed.norm)
         lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
-                           warmup_steps=cfg.warmup_steps, total_steps=max_steps,
+                           warmup_steps=cfg.warmup_steps, total_steps=r.max_steps,
                            final_lr_frac=cfg.final_lr_frac) * state.lr_scale
-        grad_scale = cfg.grad_clip / norm if norm > cfg.grad_clip else 1.0
-
         if verdict.kind in ("rewind", "escalate"):
-            rewind(cfg, state, ckpt, train_loader, history, logger, step, verdict, step_samples)
-            runlog.restart_at(state.step)
-            resumed_from = state.step  # its checkpoint exists: do not write it again
+            rewind(r, step, verdict, step_samples)
             continue
-        watching = is_main and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
-        before = flat.params[:flat.num_parameters].clone() if watching else None
-        if verdict.kind == "ok":
-            state.rng_state_last_update = state.rng_state
-            sr_seed, state.rng_state = random_u32(state.rng_state)
-            opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
-            state.spike_samples = []
-        else:  # skip: drop this update only; the step (and with it lr and data order) advances
-            state.skips += 1
-            state.spike_samples += step_samples
-            runlog.skip(step, verdict, loss=loss, norm=norm)
+        watching = session.rank == 0 and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
+        before = r.flat.params[:r.flat.num_parameters].clone() if watching else None
+        update(r, step, verdict, lr, agreed, step_samples)
         # no sync here: the optimizer kernels overlap the host's logging and the next step's
         # launch (its batch was prefetched during this backward); in steady state dt (start to
         # start, the host waits in the one sync above) is the step time
         dt = time.perf_counter() - t0
-        state.step = step + 1
-        state.tokens_seen += tokens_per_step
-        state.clipped += int(norm > cfg.grad_clip)
-
-        if step == first_step and cfg.compile and is_main and not have_artifacts:
-            save_compile_artifacts(session.run_dir, artifacts, compile_cache)
-        if step == first_step and GC_FREEZE_AFTER_FIRST_STEP:
-            gc.collect()
-            gc.freeze()
+        state.advance(r.tokens_per_step, clipped=agreed.norm > cfg.grad_clip)
+        if step == first_step:
+            after_first_step(r)  # its compiled graphs kept for other nodes, the collector frozen
 
         # ---------------------------------------------------------- logging
-        runlog.train(step, loss=loss, norm=norm, lr=lr, dt=dt, verdict=verdict,
-                     tokens=state.tokens_seen, tokens_per_step=tokens_per_step,
-                     report_to_ray=report_v > 0,
+        runlog.train(step, loss=agreed.loss, norm=agreed.norm, lr=lr, dt=dt, verdict=verdict,
+                     tokens=state.tokens_seen, tokens_per_step=r.tokens_per_step,
+                     report_to_ray=agreed.ray_report,
                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
                         if cfg.record_samples else {}))
         if watching:
-            watch = watch_metrics(flat, before, getattr(model, "last_max_logit", None),
-                                  (state.clipped - clipped_at_last_watch) / cfg.watch_every)
+            runlog.watch(step, watch_metrics(r.flat, before, getattr(r.model, "last_max_logit", None),
+                                             (state.clipped - clipped_at_last_watch) / cfg.watch_every))
             clipped_at_last_watch = state.clipped
-            runlog.watch(step, watch)
 
         # ---------------------------------------------------------- what the ranks agreed on
-        if ready_v >= world:
-            ckpt.publish_pending({"step": state.step, "train_loss": loss, "val_loss": val_loss})
-        if save_v > 0:
-            state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
-        if stop_v > 0:
-            state.save_requested = stop_requested = True  # SIGTERM: checkpoint, then exit
+        act_on(r, agreed)
 
+    return finish(r, time.perf_counter() - t_start)
+
+
+def after_first_step(r: Run) -> None:
+    """After the first step (compiled, warmed up): rank 0 stores the graphs it compiled beside
+    the run (a new node then fills its caches from them), and the live objects move out of the
+    garbage collector's reach (gc.freeze: a full collection otherwise walks Dynamo's and
+    Inductor's caches and stalls a step for tens of milliseconds now and then)."""
+    if r.compiled is not None and r.session.rank == 0:
+        r.compiled.save_if_new(r.session.run_dir)
+    if r.cfg.gc_freeze:
+        gc.collect()
+        gc.freeze()
+
+
+def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:
+    return cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step)
+
+
+def forward_backward(r: Run, step: int) -> tuple[torch.Tensor, list]:
+    """The step's micro-steps: gradients summed over the window (the token-weighted mean over
+    the whole window and all ranks, as grads are SUM-reduced); returns this rank's loss sum
+    (on the device, no sync) and the global sample indices each micro-batch trained on."""
+    r.flat.zero_grad()
+    step_samples = []
+    loss_acc = torch.zeros((), dtype=torch.float32, device=r.session.device)
+    for _ in range(r.grad_accum):
+        x, y = r.train_loader.next_batch(r.session.device)
+        step_samples.append(r.train_loader.last_global_samples)
+        loss_sum, z_sum = r.forward(x, y, z_loss=r.cfg.z_loss)
+        if r.faults.nan_now(step):
+            loss_sum = loss_sum * float("nan")
+        ((loss_sum + z_sum) / r.tokens_per_step).backward()
+        loss_acc += loss_sum.detach()
+        if r.cfg.prefetch_batches:  # the next micro-batch's gather and copy, during this backward
+            r.train_loader.prefetch(r.session.device)
+    return loss_acc, step_samples
+
+
+@dataclasses.dataclass
+class Agreed:
+    """What every rank agreed on after the step's one collective."""
+
+    loss: float  # mean over the window's tokens on every rank
+    norm: float  # the global grad norm (NaN when not finite)
+    stop: bool  # SIGTERM, a driver's stop: checkpoint, then exit
+    save: bool  # SIGUSR1, preemption, --checkpoint-minutes: checkpoint, go on
+    checkpoint_ready: bool  # every rank's background checkpoint is written
+    ray_report: bool  # report this step's metrics to Ray (rank 0's clock decided)
+
+
+def agree(r: Run, step: int, loss_sum: torch.Tensor, norm_sq: torch.Tensor) -> Agreed:
+    """One collective: the loss, the squared norm, and every flag the ranks must agree on; one
+    host sync reads it back."""
+    a, cfg = r.agree, r.cfg
+    a[LOSS] = loss_sum
+    a[NORM_SQ] = norm_sq if (cfg.zero_stage == 1 or r.session.rank == 0) else 0.0  # ZeRO: shards
+    outside_stop, outside_save = r.session.poll_requests()  # driver signals, preemption
+    a[STOP] = max(r.flags.stop_requested(), float(outside_stop))
+    a[SAVE] = max(r.flags.take_save_request(), float(outside_save),
+                  float(r.faults.preempt_now(step)), float(r.save_clock.due()))
+    a[CKPT_READY] = r.ckpt.ready()
+    a[RAY_REPORT] = r.runlog.wants_ray_report(step)  # rank 0's clock decides for all ranks
+    all_reduce_sum(a, r.session.world)
+    loss_v, norm_sq_v, stop_v, save_v, ready_v, report_v = a.tolist()  # the one host sync
+    return Agreed(loss=loss_v / r.tokens_per_step,
+                  norm=math.sqrt(norm_sq_v) if norm_sq_v >= 0 else float("nan"),
+                  stop=stop_v > 0, save=save_v > 0, checkpoint_ready=ready_v >= r.session.world,
+                  ray_report=report_v > 0)
+
+
+def update(r: Run, step: int, verdict, lr: float, agreed: Agreed, step_samples: list) -> None:
+    """The optimizer step, with the clip as a scalar (llm.c: the gradients stay untouched), or
+    a skipped update: the step (and with it lr and data order) advances all the same."""
+    state = r.state
+    if verdict.kind == "ok":
+        grad_scale = r.cfg.grad_clip / agreed.norm if agreed.norm > r.cfg.grad_clip else 1.0
+        state.rng_state_last_update = state.rng_state
+        sr_seed, state.rng_state = random_u32(state.rng_state)
+        r.opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
+        state.spike_samples = []
+    else:  # skip: drop this update only
+        state.skips += 1
+        state.spike_samples += step_samples
+        r.runlog.skip(step, verdict, loss=agreed.loss, norm=agreed.norm)
+
+
+def act_on(r: Run, agreed: Agreed) -> None:
+    """After the step: publish a finished background checkpoint, note a save or stop request."""
+    if agreed.checkpoint_ready:
+        r.ckpt.publish_pending({"step": r.state.step, "train_loss": agreed.loss,
+                                "val_loss": r.val_loss})
+    if agreed.save:
+        r.state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
+    if agreed.stop:
+        r.state.save_requested = r.stop_requested = True  # SIGTERM: checkpoint, then exit
+
+
+def finish(r: Run, elapsed: float) -> dict:
+    """Wait for the last checkpoint, then the run's summary (the end record, the last line)."""
+    state, ckpt, device = r.state, r.ckpt, r.session.device
     ckpt.finish()
-    elapsed = time.perf_counter() - t_start
-    summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
-               "stopped_early": state.step < max_steps, "skips": state.skips,
+    summary = {"step": state.step, "max_steps": r.max_steps, "val_loss": r.val_loss,
+               "stopped_early": state.step < r.max_steps, "skips": state.skips,
                "rewinds": state.ledger.rewinds, "elapsed_s": elapsed,
                "checkpoint_stall_s": ckpt.stall_seconds, "checkpoint_stalls": ckpt.stalls,
                "checkpoints_written": len(ckpt.write_seconds),
                "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
-               "attempt": attempt,
+               "attempt": r.runlog.attempt,
                # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
                "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                    if device.type == "cuda" else None)}
-    runlog.end(summary)
+    r.runlog.end(summary)
     signals.unwatch()
     return summary
 
 
 @torch.no_grad()
 def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
-    """Seed 001's watch metrics: the fraction of recent steps clipped, the largest output logit,
-    and ||update|| / ||param|| per llm.c tensor group (a healthy run keeps these small and steady).
+    """Watch metrics: the fraction of recent steps clipped, the largest output logit, and
+    ||update|| / ||param|| per llm.c tensor group (a healthy run keeps these small and steady).
     One host sync, every watch_every steps only."""
     after = flat.params[:flat.num_parameters]
     deltas = torch.split((after.float() - before.float()), flat.tensor_sizes)
@@ -468,9 +464,11 @@ def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
             "update_ratio": dict(zip(flat.names, ratios.tolist()))}
 
 
-def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_samples) -> None:
-    """Seed 001's rewind: back to the newest verified checkpoint before the spike began, with the
-    spike's data window added to the persisted skip list; escalate past the policy's limits."""
+def rewind(r: Run, step: int, verdict, step_samples: list) -> None:
+    """Back to the newest verified checkpoint before the spike began, with the spike's data
+    window added to the persisted skip list; escalate (TrainingStopped) past the policy's
+    limits. The decision is durable before the run goes on from the checkpoint."""
+    cfg, state, ckpt = r.cfg, r.state, r.ckpt
     ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
     window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
     spike_start = verdict.spike_start if verdict.spike_start is not None else step
@@ -484,13 +482,10 @@ def rewind(cfg, state, ckpt, loader, history, logger, step, verdict, step_sample
     if target is None and escalation is None:
         escalation = (f"no verified checkpoint at or before step {spike_start - cfg.spike.safety_steps}"
                       f" to rewind to (the spike began at step {spike_start})")
-    history.event(step, "rewind", reason=verdict.reason, to_step=target, window=window,
-                  lr_scale=lr_scale, loss_z=verdict.loss_z, rewinds=state.ledger.rewinds)
-    logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
-    if history.enabled:
-        print(f"step {step + 1:5d} | REWIND: {verdict.reason}; back to step {target}, skipping "
-              f"{sum(e - s for _, s, e in window)} samples from now on, lr_scale {lr_scale:.3f}",
-              flush=True)
+    r.runlog.rewind(step, verdict, target=target, window=window, lr_scale=lr_scale,
+                    rewinds=state.ledger.rewinds)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
-    ckpt.rewind_to(target, state, loader, window)  # the decision is durable before it returns
+    ckpt.rewind_to(target, state, r.train_loader, window)  # the decision is durable first
+    r.runlog.restart_at(state.step)
+    r.resumed_from = state.step  # its checkpoint exists: do not write it again

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +41,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt import ops
+from raygpt.atomic_file import atomic_local_file
 from raygpt.config import MODEL_SHAPES
 from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
@@ -127,11 +127,6 @@ def kernels_for(deterministic: bool, device_type: str) -> dict:
     if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
         return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
     return {}
-# The fused loss's softmax gradient without z-loss: raygpt.ops.cross_entropy_grad (one Triton
-# kernel on CUDA, one read of the logits) when True; the same math as PyTorch ops (which
-# Inductor fuses into a kernel that reads each row three times) when False. z-loss keeps the
-# PyTorch ops, as it also needs the softmax itself.
-USE_CE_KERNEL = True
 _SDPA_PRIORITY = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -172,7 +167,8 @@ class _FusedClassifierLoss(torch.autograd.Function):
     with the input gradients computed in forward (see the notes above)."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size: int, z_loss: float, chunk_rows: int):
+    def forward(ctx, x, weight, targets, vocab_size: int, z_loss: float, chunk_rows: int,
+                ce_kernel: bool):
         N, with_z = x.shape[0], z_loss > 0.0
         loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -184,7 +180,7 @@ class _FusedClassifierLoss(torch.autograd.Function):
             X, t = x[lo:hi], targets[lo:hi]                                    # (n, C), (n,)
             L = X @ weight.t()                                                 # (n, Vp)
             keep = t != -1
-            if with_z or not USE_CE_KERNEL:
+            if with_z or not ce_kernel:
                 Lf, lse, target_logit, row_max, row_min = logit_statistics(L, t, vocab_size)
                 p = torch.exp(Lf - lse[:, None])                               # (n, Vp), 0 in pads
                 onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
@@ -223,23 +219,28 @@ class _FusedClassifierLoss(torch.autograd.Function):
         else:
             dx, dw = ctx.saved_tensors
             grad_x, grad_w = dx * g_loss, dw * g_loss
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None, None
 
 
 def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           vocab_size: int, *, z_loss: float = 0.0,
-                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS):
+                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS, ce_kernel: bool = True):
     """Cross-entropy of the classifier x @ weight^T over the first vocab_size columns, in row
     chunks, without the full logits. x (N, C) final hidden states, weight (Vp, C), targets (N,)
     with -1 = ignore. Returns fp32 scalars (loss_sum, z_sum, max_abs_logit):
     loss_sum = sum over kept rows of CE, z_sum = z_loss * sum over kept rows of lse^2 (a 0 that
     carries no gradient when z_loss is 0), max_abs_logit = max |logit| over every row and the
     real columns (no gradient). With grad enabled the input gradients are computed here and
-    backward only scales them; without (evaluation), only the statistics are computed."""
+    backward only scales them; without (evaluation), only the statistics are computed.
+    ce_kernel: the softmax gradient without z-loss as raygpt.ops.cross_entropy_grad (one Triton
+    kernel on CUDA, one read of the logits), else as PyTorch ops (which Inductor fuses into a
+    kernel that reads each row three times); z-loss keeps the PyTorch ops, as it also needs
+    the softmax itself."""
     if chunk_rows < 1:
         raise ValueError(f"fused_classifier_loss: expected chunk_rows >= 1, found {chunk_rows}")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _FusedClassifierLoss.apply(x, weight, targets, vocab_size, float(z_loss), chunk_rows)
+        return _FusedClassifierLoss.apply(x, weight, targets, vocab_size, float(z_loss), chunk_rows,
+                                          ce_kernel)
     loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     z_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     max_abs = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
@@ -318,15 +319,18 @@ class GPT(nn.Module):
 
     Implementation choices, each None = the module default at construction: loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
-    (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS). They change speed, memory and
+    (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
+    gradient as raygpt's kernel, see fused_classifier_loss). They change speed, memory and
     determinism, not the function computed (`use_kernels` changes the last two later)."""
 
     def __init__(self, config: GPTConfig, *, init_seed: int | None = 42,
                  loss_impl: str | None = None, ce_chunk_rows: int | None = None,
-                 sdpa_backend: str | None = None, embedding_impl: str | None = None):
+                 sdpa_backend: str | None = None, embedding_impl: str | None = None,
+                 ce_kernel: bool = True):
         super().__init__()
         self.config = config
         self.loss_impl = DEFAULT_LOSS_IMPL if loss_impl is None else loss_impl
+        self.ce_kernel = ce_kernel  # see fused_classifier_loss
         self.ce_chunk_rows = DEFAULT_CE_CHUNK_ROWS if ce_chunk_rows is None else ce_chunk_rows
         sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
         if self.loss_impl not in LOSS_IMPLS:
@@ -432,7 +436,7 @@ class GPT(nn.Module):
         if self.loss_impl == "fused":
             loss_sum, z_sum, max_abs = fused_classifier_loss(
                 x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T).long(), V,
-                z_loss=z_loss, chunk_rows=self.ce_chunk_rows)
+                z_loss=z_loss, chunk_rows=self.ce_chunk_rows, ce_kernel=self.ce_kernel)
             self.last_max_logit = max_abs.detach()
             return loss_sum, z_sum
 
@@ -606,7 +610,7 @@ def model_file_size(cfg: GPTConfig, dtype: torch.dtype) -> int:
 def write_model_file(path, model: GPT, dtype: torch.dtype = torch.float32) -> None:
     """Write model as an llm.c model file (version 3 fp32 or 5 bf16), atomically."""
     header = model_header(model.config, dtype)
-    with _atomic_writer(path) as f:
+    with atomic_local_file(path) as f:
         f.write(header.tobytes())
         for _, params in llmc_parameter_layout(model):
             for p in params:
@@ -632,7 +636,7 @@ def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.d
     if not flat.is_floating_point():
         raise ModelFileError(path, "flat_params", "a floating-point buffer", flat.dtype)
     header = model_header(cfg, dtype)
-    with _atomic_writer(path) as f:
+    with atomic_local_file(path) as f:
         f.write(header.tobytes())
         _write_values(f, flat, dtype)
 
@@ -708,37 +712,3 @@ def _write_values(f, flat: torch.Tensor, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:
             chunk = chunk.view(torch.int16)
         f.write(memoryview(chunk.numpy()).cast("B"))
-
-
-class _atomic_writer:
-    """Write to `<path>.tmp.<pid>`, fsync, then rename over path: a reader sees the old file or
-    the whole new one, never a half-written file."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp.{os.getpid()}")
-
-    def __enter__(self):
-        self.f = open(self.tmp, "wb")
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
-                self.f.flush()
-                os.fsync(self.f.fileno())
-        finally:
-            self.f.close()
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            return False
-        os.replace(self.tmp, self.path)
-        try:  # make the rename itself durable (best effort: not every filesystem allows it)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError:
-            pass
-        return False

@@ -63,13 +63,6 @@ class FlatParameters:
     def zero_grad(self) -> None:
         self.grads.zero_()
 
-    def tensor_offsets(self) -> list[int]:
-        offsets, o = [], 0
-        for n in self.tensor_sizes:
-            offsets.append(o)
-            o += n
-        return offsets
-
 
 def shard_range(num_parameters: int, rank: int, world: int, zero_stage: int) -> tuple[int, int]:
     """The slice [lo, hi) of the flat buffers whose optimizer state this rank owns.

@@ -1,11 +1,12 @@
-"""Loss and grad-norm outliers: llm.c's z-score `OutlierDetector` and seed 001's spike policy.
+"""Loss and grad-norm outliers: llm.c's z-score `OutlierDetector` and raygpt's spike policy
+(skip isolated outliers, rewind sustained spikes, escalate to a human).
 
 Two layers, both pure (no I/O, no torch), both with exact `state_dict()` / `load_state_dict()` so a
 resumed run judges every step exactly as the uninterrupted run would have:
 
 - `OutlierDetector`: llmc/outlier_detector.h. Mean and std over a sliding window of the last 128
   values, kept as running sums in double precision; it drives llm.c's `-sl` / `-sg` skips.
-- `SpikeMonitor`: seed 001's graded response. A robust baseline (median and MAD of the last
+- `SpikeMonitor`: a graded response. A robust baseline (median and MAD of the last
   `window` clean losses, median of their grad norms) gives a verdict per step: "ok", "skip" (an
   isolated outlier: drop the update, the step still advances) or "rewind" (non-finite, past the
   hard threshold, or more than `max_consecutive` outliers in a row). `rewind_target` picks the
@@ -161,12 +162,12 @@ def _expect(ok: bool, owner: str, field: str, expected, found) -> None:
         raise ValueError(f"{owner} state: field {field!r}: expected {expected}, found {found!r}")
 
 
-# ---------------------------------------------------------------------- seed 001's spike policy
+# ---------------------------------------------------------------------- the spike policy
 
 MAD_TO_STD = 1.4826
 """MAD * 1.4826 estimates the std of normally distributed values (1 / Phi^-1(3/4))."""
 MAD_FLOOR = 1e-3
-"""Floor of the scaled MAD, as seed 001's max(mad, 1e-3): a flat loss curve must not turn a
+"""Floor of the scaled MAD, max(mad, 1e-3): a flat loss curve must not turn a
 tiny wiggle into a huge z."""
 
 VERDICT_KINDS = ("ok", "skip", "rewind", "escalate")
@@ -202,7 +203,7 @@ def robust_z(loss: float, clean_losses) -> float:
 
 
 class SpikeMonitor:
-    """Seed 001's SpikeMonitor: `check(step, loss, gnorm)` once per step, before the update.
+    """The spike monitor: `check(step, loss, gnorm)` once per step, before the update.
 
     Order of the tests, first match wins:
       1. loss or gnorm not finite                          -> rewind
@@ -345,7 +346,7 @@ class RewindLedger:
 
         If the region overlaps one rewound before, its data was already skipped and it spiked
         again: the cause is probably the optimizer state or the learning rate, not the data, so
-        lr_scale *= lr_scale_decay (seed 001).
+        lr_scale *= lr_scale_decay.
         """
         if region_end < region_start:
             raise ValueError(f"rewind region: expected region_start <= region_end, found "

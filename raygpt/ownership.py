@@ -36,15 +36,20 @@ import contextlib
 import datetime
 import getpass
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 
-from raygpt.config import ConfigError
-from raygpt.storage import RunDir, read_json_bounded, redact
+from raygpt.config import ConfigError, TrainConfig
+from raygpt.faults import announce as announce_faults
+from raygpt.faults import armed_spec
+from raygpt.runlog.history import LOSS_HISTORY
+from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
+
+log = logging.getLogger(__name__)
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
@@ -141,6 +146,25 @@ def check_overwrite(run_dir: RunDir, kind: str, uri: str) -> None:
 
 # ---------------------------------------------------------------------- the lease
 
+def check_fresh_start(target: RunDir, kind: str, given: str, overwrite: bool) -> None:
+    """The one rule for starting afresh where a run (or a sweep) already is: refused without
+    --overwrite (-y 1 resumes it), and with it only over a directory `check_overwrite` allows."""
+    if not overwrite:
+        raise ConfigError(f"-o/--output-dir {redact(target.uri())}: expected an empty or new "
+                          f"{kind} directory, found an existing {kind}; pass -y 1 to resume it or "
+                          f"--overwrite to start fresh over it")
+    check_overwrite(target, kind, given)
+
+
+def delete_for_fresh_start(target: RunDir, kind: str, lease: "Lease | None") -> None:
+    """Delete the existing run or sweep `check_fresh_start` allowed, under this job's lease
+    (taken before, so a live job is never deleted; renewed after, as the delete took its file)."""
+    log.info(f"raygpt | --overwrite: deleting the {kind} in {redact(target.uri())}")
+    target.delete_dir("")
+    if lease is not None:
+        lease.renew()
+
+
 def _user() -> str:
     try:
         return getpass.getuser()
@@ -178,7 +202,7 @@ def read_lease(run_dir: RunDir) -> dict | None:
                 and isinstance(d.get("token"), str) and isinstance(d.get("expires"), (int, float))):
             raise ValueError("expected a raygpt lease (format, token, expires)")
     except ValueError as e:
-        print(f"raygpt | WARNING: {run_dir.uri(LEASE)}: ignored ({e})", file=sys.stderr, flush=True)
+        log.warning(f"raygpt | WARNING: {run_dir.uri(LEASE)}: ignored ({e})")
         return None
     return d
 
@@ -258,7 +282,7 @@ class Lease:
                              + (f" ({describe_holder(back)})" if back else "") + "; try again")
         self.held, self._acquired = True, back["acquired"]
         if why not in ("free", "ours"):
-            print(f"raygpt | lease of {self.run_dir.uri()}: {why}", flush=True)
+            log.info(f"raygpt | lease of {self.run_dir.uri()}: {why}")
         return why
 
     def renew(self) -> bool:
@@ -294,14 +318,14 @@ class Lease:
             while not self._stop.wait(self.ttl_s / 4):
                 try:
                     if not self.renew():
-                        print(f"raygpt | WARNING: lost the lease of {self.run_dir.uri()}: "
-                              f"{self.lost}", file=sys.stderr, flush=True)
+                        log.warning(f"raygpt | WARNING: lost the lease of {self.run_dir.uri()}: "
+                                    f"{self.lost}")
                         if on_lost is not None:
                             on_lost(self.lost)
                         return
                 except Exception as e:  # noqa: BLE001 - the next beat retries
-                    print(f"raygpt | WARNING: could not renew the lease of {self.run_dir.uri()}: "
-                          f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    log.warning(f"raygpt | WARNING: could not renew the lease of {self.run_dir.uri()}: "
+                                f"{type(e).__name__}: {e}")
         self._stop.clear()
         self._thread = threading.Thread(target=beat, daemon=True, name="raygpt-lease-heartbeat")
         self._thread.start()
@@ -318,3 +342,55 @@ def is_own_file(name: str) -> bool:
     """The files of this module (kept when a run directory is judged empty or scanned)."""
     return name in (MARKER, LEASE, _LOCK)
 
+
+# ---------------------------------------------------------------------- claiming a run directory
+
+def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
+    """Never overwrite a run silently, never delete what is not a run. A directory that holds a
+    run needs -y 1 (resume) or --overwrite (start fresh: only over a directory raygpt marked as
+    a run, never `/`, the home or current directory, a bucket root or an empty -o); a directory
+    that holds anything else is refused. `lease` (not yet held) is taken after the checks and
+    before anything is deleted, so a live run is never deleted. A new run directory is marked
+    (`ownership.MARKER`); a pre-marker run resumed with -y 1 is marked then."""
+    if not cfg.output_dir.strip():
+        raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
+                          f"{refused_overwrite_target(cfg.output_dir)}")
+    run_dir = open_run_dir(cfg.output_dir)
+    names = [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
+    holds_run = any(n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in names)
+    marker = read_marker(run_dir)
+    fresh_over_run = holds_run and cfg.resume != 1
+    if fresh_over_run:
+        check_fresh_start(run_dir, "run", cfg.output_dir, cfg.overwrite)
+    elif names and not holds_run and marker is None:
+        raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new run "
+                          f"directory, found {len(names)} entries that are not a raygpt run "
+                          f"(e.g. {', '.join(repr(n) for n in names[:3])}); name a new directory")
+    if lease is not None:
+        lease.acquire()  # RunDirBusy (a ConfigError) when another job holds it
+    if fresh_over_run:
+        delete_for_fresh_start(run_dir, "run", lease)
+        marker = None
+    run_dir.makedirs("")
+    if marker is None:
+        write_marker(run_dir, "run", adopted=holds_run and not fresh_over_run)
+    return run_dir
+
+
+@contextlib.contextmanager
+def claimed_run_dir(cfg: TrainConfig, *, lineage: str | None = None, what: str = "raygpt train",
+                    on_lost=None):
+    """`prepare_run_dir` under this job's lease, renewed by a heartbeat while inside, released
+    on the way out (so `-y 1` right after works at once). Armed faults (--fault, and
+    RAYGPT_FAULT only with --allow-fault-injection) are folded into the config it yields,
+    printed and recorded in the run directory."""
+    spec, sources = armed_spec(cfg.fault, os.environ, cfg.allow_fault_injection)
+    cfg = cfg.with_overrides({"fault": spec})
+    lease = Lease(open_run_dir(cfg.output_dir), lineage=lineage, what=what)
+    try:
+        run_dir = prepare_run_dir(cfg, lease)
+        announce_faults(run_dir, spec, sources)
+        lease.start_heartbeat(on_lost)
+        yield cfg, run_dir
+    finally:
+        lease.release()

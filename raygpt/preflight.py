@@ -18,7 +18,7 @@ was expected, or returns what it found (for the start-up line):
 - trackers: an --mlflow URI MLflow cannot open (`tracking.check_mlflow_uri`; a missing wandb or
   mlflow package is refused earlier, by `TrainConfig.validate`).
 
-`raygpt.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
+`raygpt.ray.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
 of a Ray Tune sweep that can be known before Tune samples anything, before Ray starts.
 
 Nothing here needs Ray; the data and model checks read headers only, the resume check reads one
@@ -33,7 +33,8 @@ import uuid
 import numpy as np
 
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data import ShardError, ranks_with_data, shard_token_counts, tokens_needed
+from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
+from raygpt.llmc.shards import ShardError
 
 
 def check(cfg: TrainConfig) -> list[str]:
@@ -48,7 +49,7 @@ def check(cfg: TrainConfig) -> list[str]:
 
 
 def check_trackers(cfg: TrainConfig) -> None:
-    from raygpt.tracking import check_mlflow_uri
+    from raygpt.runlog.tracking import check_mlflow_uri
     problem = check_mlflow_uri(cfg.mlflow)
     if problem:
         raise ConfigError(problem)
@@ -137,16 +138,15 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     config can resume. No checkpoint at all is fine: the run starts fresh and says so."""
     if cfg.resume != 1:
         return []
-    from raygpt import checkpoint as ck
+    from raygpt.checkpointing import protocol as ck
     from raygpt.data import data_fingerprint
-    from raygpt.report import quick_check
     from raygpt.tokenizer import tokenizer_fingerprint
     run_dir = _open(cfg)
     try:
         if not run_dir.exists():
             return []
         steps = ck.list_checkpoint_steps(run_dir)
-        step = next((s for s in reversed(steps) if not quick_check(run_dir, s)), None)
+        step = next((s for s in reversed(steps) if not ck.verify_checkpoint(run_dir, s, hashes=False)), None)
         if step is None:
             return []
         manifest = ck.read_manifest(run_dir, step)

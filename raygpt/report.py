@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.faults import WHAT as FAULT_WHAT
 from raygpt.faults import read_armed, read_fired
-from raygpt.history import LOSS_HISTORY, GoodputTally, iter_history
+from raygpt.runlog.history import LOSS_HISTORY, GoodputTally, iter_history
 from raygpt.storage import RunDir, open_run_dir, redact
 
 Progress = Callable[[str], None]
@@ -142,13 +142,6 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
     return view
 
 
-def quick_check(run_dir: RunDir, step: int) -> list[str]:
-    """verify_checkpoint without the hashing: DONE, a readable MANIFEST listing every rank's
-    files, every listed file present with its listed size. Reads MANIFEST only (a listing and
-    sizes: cheap on object stores); a flipped bit goes unnoticed (`--verify` hashes)."""
-    return ck.verify_checkpoint(run_dir, step, hashes=False)
-
-
 def _manifest_bytes(run_dir: RunDir, step: int) -> int:
     try:
         return sum(int(e.get("size", 0)) for e in ck.read_manifest(run_dir, step)["files"].values())
@@ -172,7 +165,7 @@ def check_checkpoints(run_dir: RunDir, *, verify: str = "quick",
             progress(f"{'verifying' if verify == 'full' else 'checking'} checkpoint {i}/{len(steps)}"
                      f" (step {step}, {_human_bytes(size)})")
         problems = (ck.verify_checkpoint(run_dir, step) if verify == "full"
-                    else quick_check(run_dir, step))
+                    else ck.verify_checkpoint(run_dir, step, hashes=False))
         out.append(CheckpointInfo(step, problems, size))
     return out
 

@@ -40,26 +40,31 @@ _KEPT_RE = re.compile(r"^config\.(\d+)\.json$")
 
 
 def launch_record(cfg: TrainConfig, *, launch: int, argv: list[str] | None = None,
-                  adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None) -> dict:
-    """argv and cwd: this process's unless given (a sweep trial records its sweep's command)."""
+                  adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None,
+                  cluster: dict | None = None) -> dict:
+    """argv and cwd: this process's unless given (a sweep trial records its sweep's command).
+    `cluster`: the Ray cluster's resources when the driver is in one already (the Ray seam,
+    raygpt.ray.driver, reads them: this module does not import Ray)."""
     argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
     return {
         "format": FORMAT, "version": VERSION, "launch": launch, "time": time.time(),
         "command": {"argv": argv, "line": shlex.join(argv), "cwd": cwd or os.getcwd()},
         "config": cfg.to_dict(), "adapted": list(adapted), "plan": list(plan),
-        "hardware": _hardware(cfg), "versions": _versions(),
+        "hardware": _hardware(cfg, cluster), "versions": _versions(),
     }
 
 
 def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = None,
-                 adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None) -> dict:
+                 adapted: list[str] = (), plan: list[str] = (), cwd: str | None = None,
+                 cluster: dict | None = None) -> dict:
     """Keep the previous config.json as config.<launch>.json, then write this launch's."""
     kept = [int(m.group(1)) for n in run_dir.listdir(files_only=True) if (m := _KEPT_RE.match(n))]
     launch = max(kept, default=0) + 1
     if run_dir.exists(CONFIG_FILE):
         run_dir.write_bytes_atomic(f"config.{launch}.json", run_dir.read_bytes(CONFIG_FILE))
         launch += 1
-    record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan, cwd=cwd)
+    record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan, cwd=cwd,
+                           cluster=cluster)
     # a URI's credentials (s3://KEY:SECRET@...) in -o or the command line are never stored
     text = redact(json.dumps(record, indent=1, default=str))
     run_dir.write_bytes_atomic(CONFIG_FILE, (text + "\n").encode())
@@ -80,6 +85,16 @@ def read_launches(run_dir: RunDir) -> list[dict]:
             continue
         if isinstance(rec, dict) and rec.get("format") == FORMAT and isinstance(rec.get("config"), dict):
             out.append(rec)
+    return out
+
+
+def with_defaults(config: dict) -> dict:
+    """A launch's recorded config with the fields its raygpt did not have yet (a config.json
+    written before a field existed) at their defaults, the values that launch ran with."""
+    defaults = TrainConfig().to_dict()
+    out = {**defaults, **config}
+    if isinstance(config.get("spike"), dict):
+        out["spike"] = {**defaults["spike"], **config["spike"]}
     return out
 
 
@@ -121,13 +136,13 @@ def _launch_lines(launches: list[dict]) -> list[str]:
              + (f" | git {v['git_commit'][:10]}" if "git_commit" in v else "")]
     lines += [f"          adapted: {note}" for note in new.get("adapted", [])]
     for before, after in zip(launches, launches[1:]):
-        changes = config_changes(before["config"], after["config"])
+        changes = config_changes(with_defaults(before["config"]), with_defaults(after["config"]))
         lines.append(f"          launch {after.get('launch')} changed: "
                      + ("; ".join(changes) if changes else "nothing in the config"))
     return lines
 
 
-def _hardware(cfg: TrainConfig) -> dict:
+def _hardware(cfg: TrainConfig, cluster: dict | None = None) -> dict:
     hw = {"host": socket.gethostname(), "platform": platform.platform(),
           "cpus": os.cpu_count(), "workers": f"{cfg.num_workers} x {cfg.device}"}
     try:
@@ -136,13 +151,8 @@ def _hardware(cfg: TrainConfig) -> dict:
             hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - a broken CUDA install is not this record's business
         pass
-    try:
-        import ray
-        if ray.is_initialized():  # under `ray job submit` the driver joined the cluster already
-            hw["cluster"] = {k: v for k, v in ray.cluster_resources().items()
-                             if k in ("CPU", "GPU", "memory")}
-    except Exception:  # noqa: BLE001
-        pass
+    if cluster is not None:  # under `ray job submit` the driver joined the cluster already
+        hw["cluster"] = {k: v for k, v in cluster.items() if k in ("CPU", "GPU", "memory")}
     return hw
 
 

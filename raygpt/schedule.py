@@ -90,8 +90,8 @@ def learning_rate_constant(step: int, *, peak_lr: float, warmup_steps: int, tota
 
 def wsd_decay_start(total_steps: int) -> int:
     """The first step of WSD's decay phase: llm.c's (int)(0.8f * train_num_batches), in float32.
-    Checkpoint retention keeps the last checkpoint before this step (seed 001: cooldown
-    branches start from it)."""
+    Checkpoint retention keeps the last checkpoint before this step (a WSD sweep's
+    cooldown branches start from it)."""
     return int(_F(0.8) * _F(total_steps))
 
 

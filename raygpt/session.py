@@ -2,7 +2,7 @@
 
 A `Session` says who this worker is (rank, world, device), where the run directory is, which
 checkpoint the surroundings want it to resume from, and how to publish a checkpoint. Under Ray
-Train that is `raygpt.trainer.RaySession` (ray.train.report with a Checkpoint, a driver-side
+Train that is `raygpt.ray.worker.RaySession` (ray.train.report with a Checkpoint, a driver-side
 callback writes DONE and MANIFEST); `LocalSession` is the same protocol for a single process
 without Ray, which publishes a checkpoint by copying it into the run directory itself.
 """
@@ -37,7 +37,7 @@ class Session:
         """The step of the checkpoint the surroundings restored (Ray's get_checkpoint), if any."""
         return None
 
-    # the least time between two reports of train metrics (raygpt.runlog); 0: at every log step
+    # the least time between two reports of train metrics (raygpt.runlog.reporter); 0: at every log step
     metrics_interval_s: float = 0.0
 
     def report_metrics(self, metrics: dict) -> None:
@@ -73,7 +73,7 @@ class LocalSession(Session):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
-        from raygpt.checkpointer import finalize_checkpoint
+        from raygpt.checkpointing.protocol import finalize_checkpoint
 
         self.run_dir.upload_dir(local_dir, dir_name)
         shutil.rmtree(local_dir, ignore_errors=True)

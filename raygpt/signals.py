@@ -1,6 +1,6 @@
 """Operator signals and preemption notices, turned into flags the loop reads at step boundaries.
 
-SIGTERM means "checkpoint and exit cleanly"; SIGUSR1 means "checkpoint and continue" (seed 002).
+SIGTERM means "checkpoint and exit cleanly"; SIGUSR1 means "checkpoint and continue".
 A preemption notice from Ray (`ray.train.get_preemption_info()`, polled by the Ray session)
 means "checkpoint now, once, and keep training". The handlers only set flags: no I/O and no
 collectives happen inside a signal handler. The loop puts the flags into its per-step agreement
@@ -40,14 +40,6 @@ def install() -> bool:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
     return True
-
-
-def request_stop() -> None:
-    _flags["stop"] = True
-
-
-def request_save() -> None:
-    _flags["save"] = True
 
 
 class Flags:

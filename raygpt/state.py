@@ -9,7 +9,6 @@ skip / rewind policy is decided, and it holds no I/O.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -47,7 +46,7 @@ class TrainState:
         return self.ledger.lr_scale
 
     def judge(self, cfg: TrainConfig, step: int, loss: float, norm: float) -> Verdict:
-        """llm.c's z-score skip (-sl / -sg), then seed 001's spike policy when it is on.
+        """llm.c's z-score skip (-sl / -sg), then the spike policy (raygpt.outlier) when it is on.
         A non-finite loss or norm never reaches AdamW: it rewinds under the spike policy and is
         skipped (with the reason said) without it."""
         # a non-finite value is judged but never enters a detector's window (see OutlierDetector)
@@ -95,5 +94,8 @@ class TrainState:
         return [f"{name}: {owner.repair_note}" for name, owner in owners.items()
                 if owner is not None and owner.repair_note]
 
-    def copy(self) -> "TrainState":
-        return dataclasses.replace(self)
+    def advance(self, tokens: int, *, clipped: bool) -> None:
+        """A step done (its update applied or skipped): the step, tokens seen, clipped steps."""
+        self.step += 1
+        self.tokens_seen += tokens
+        self.clipped += int(clipped)

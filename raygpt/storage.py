@@ -5,8 +5,8 @@ A run directory is a `pyarrow.fs` filesystem plus a root path: a local or NFS pa
 in `PyFileSystem`). `RunDir` takes paths relative to the root, always with `/` separators.
 
 Durability differs by backend and is handled here so callers never think about it:
-- local: an atomic write is temp file in the same directory + fsync + rename + fsync of the
-  directory, so a crash leaves either the old file or the new one, never a torn one;
+- local: an atomic write is raygpt.atomic_file's (temp file in the same directory, fsync,
+  rename, fsync of the directory), so a crash leaves the old file or the new one, never a torn one;
 - object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
 Object stores have no append: appends go to a local mirror of the file that is uploaded whole
 (one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
@@ -20,11 +20,11 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import queue
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +32,10 @@ import weakref
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+from raygpt.atomic_file import write_local_atomic
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20  # 8 MiB: streaming unit for hashing and copying (state files can be GBs)
 DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an append uploads it
@@ -426,7 +430,7 @@ class _Writer:
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - the caller is already raising its own error
-            print(f"raygpt | WARNING: {e}", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: {e}")
 
 
 class FileTooLarge(ValueError):
@@ -453,25 +457,6 @@ def read_json_bounded(run_dir: "RunDir", rel: str, max_bytes: int = MAX_JSON_BYT
         return json.loads(data.decode("utf-8"))
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{run_dir.uri(rel)}: expected UTF-8 JSON ({e})") from e
-
-
-def write_local_atomic(target: Path, chunks) -> None:
-    """Write `chunks` (bytes-like) to a local file atomically: a temporary file in the same
-    directory, fsync, rename over the target, fsync the directory (so the rename is durable).
-    A crash leaves the old file or the new one, never a mix; a failure removes the temp file."""
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_path(target.parent)
 
 
 def _fsync_path(path: Path) -> None:
@@ -579,9 +564,9 @@ class _Appends:
         if stored is not None and stored > m.synced:
             self._splice_foreign(m, stored)
         elif stored != m.synced and not (stored is None and m.synced == 0):
-            print(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
-                  f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
-                  f"uploading this process's copy", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
+                        f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
+                        f"uploading this process's copy")
         parent = m.remote.rpartition("/")[0]
         if stored is None and parent:
             self.fs.create_dir(parent, recursive=True)
@@ -633,8 +618,8 @@ class _Appends:
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - a finalizer must not raise
-            print(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
-                  f"their local copies stay in {self.tmpdir}", file=sys.stderr, flush=True)
+            log.warning(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
+                        f"their local copies stay in {self.tmpdir}")
 
 
 def _copy_exactly(src, dst, n: int) -> None:

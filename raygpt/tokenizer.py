@@ -19,7 +19,7 @@ from pathlib import Path
 import tiktoken
 import tiktoken.load
 
-from raygpt.data import read_shard_header, write_shard
+from raygpt.llmc.shards import read_shard_header, write_shard
 
 RANKS_PATH = Path(__file__).resolve().parent / "data_files" / "r50k_base.tiktoken"
 # sha256 of r50k_base.tiktoken; tiktoken checks the same value for its own download.

@@ -1,5 +1,6 @@
-"""raygpt.checkpoint: llm.c state files byte for byte, MANIFEST/DONE verification on a local
-directory and on an in-memory pyarrow filesystem, resume selection, compatibility, retention."""
+"""raygpt.checkpointing (the protocol; the runtime through the loop): llm.c state files byte
+for byte, MANIFEST/DONE verification on a local directory and on an in-memory pyarrow
+filesystem, resume selection, compatibility, retention."""
 
 import io
 import json
@@ -14,7 +15,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raygpt.checkpoint import (
+from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, MT19937_DTYPE, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
@@ -564,7 +565,7 @@ def _meta(step: int, trajectory: str) -> dict:
 
 
 def test_a_checkpoint_of_an_abandoned_trajectory_is_refused_done(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)
     hashes = _upload_without_done(run_dir, 30)  # reported on trajectory "old" before the rewind
@@ -603,7 +604,7 @@ def test_a_corrupt_abandoned_trajectories_file_is_an_error_naming_it(run_dir):
 
 
 def test_a_rewinds_decision_is_recorded_with_its_abandonment(run_dir):
-    from raygpt.checkpoint import latest_rewind_decision
+    from raygpt.checkpointing.protocol import latest_rewind_decision
     record_abandoned_trajectory(run_dir, "old", 4)  # written before decisions existed
     assert latest_rewind_decision(read_abandoned_trajectories(run_dir)) is None
     ledger = {"rewinds": 1, "lr_scale": 1.0, "history": []}
@@ -694,7 +695,7 @@ def _reads(monkeypatch) -> list[str]:
 
 
 def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, monkeypatch):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)  # an older complete one, which retention looks at too
     hashes = _upload_without_done(run_dir, 30)
@@ -709,7 +710,7 @@ def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, mon
 
 
 def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 1)}"
@@ -726,7 +727,7 @@ def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_di
 
 
 def test_a_flipped_byte_after_upload_is_caught_by_a_hashing_verify_not_a_quick_one(run_dir):
-    from raygpt.checkpointer import finalize_checkpoint
+    from raygpt.checkpointing.protocol import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 0)}"
@@ -764,29 +765,29 @@ def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for
     still being written, and FinalizerDrain (the controller's end) must wait for DONE/MANIFEST."""
     import threading
 
-    from raygpt import trainer
+    from raygpt.ray import driver
 
     rd = open_run_dir(tmp_path / "run")
     hashes = _upload_without_done(rd, 30)
     release, started = threading.Event(), threading.Event()
-    real = trainer.finalize_checkpoint
+    real = driver.finalize_checkpoint
 
     def slow(*a, **kw):  # storage that takes its time
         started.set()
         assert release.wait(30)
         return real(*a, **kw)
-    monkeypatch.setattr(trainer, "finalize_checkpoint", slow)
+    monkeypatch.setattr(driver, "finalize_checkpoint", slow)
 
     class Ckpt:
         path = str(tmp_path / "run" / step_dir(30))
 
-    fin = trainer.CheckpointFinalizer(str(tmp_path / "run"))
+    fin = driver.CheckpointFinalizer(str(tmp_path / "run"))
     metrics = [{"raygpt_files": {k: v for k, v in hashes.items() if k != state_file(30, 1)},
                 "raygpt_manifest": _meta(30, "t")},
                {"raygpt_files": {state_file(30, 1): hashes[state_file(30, 1)]}}]
     fin.after_report(None, metrics, Ckpt())  # returns although the finalization is blocked
     assert started.wait(10) and not rd.exists(f"{step_dir(30)}/{MANIFEST}")
-    drain = threading.Thread(target=trainer.FinalizerDrain().after_controller_finish, args=(None,))
+    drain = threading.Thread(target=driver.FinalizerDrain().after_controller_finish, args=(None,))
     drain.start()
     drain.join(0.5)
     assert drain.is_alive()  # the controller's end waits for the pending checkpoint
@@ -795,14 +796,14 @@ def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for
     assert not drain.is_alive()
     assert verify_checkpoint(rd, 30) == []
     # and the trainer gives the drain to every controller (Ray's own defaults stubbed out)
-    base = next(k for k in trainer.RaygptTrainer.__mro__[1:] if "_create_default_callbacks" in vars(k))
+    base = next(k for k in driver.RaygptTrainer.__mro__[1:] if "_create_default_callbacks" in vars(k))
     monkeypatch.setattr(base, "_create_default_callbacks", lambda self: [])
-    callbacks = object.__new__(trainer.RaygptTrainer)._create_default_callbacks()
-    assert any(isinstance(c, trainer.FinalizerDrain) for c in callbacks)
+    callbacks = object.__new__(driver.RaygptTrainer)._create_default_callbacks()
+    assert any(isinstance(c, driver.FinalizerDrain) for c in callbacks)
 
 
 def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
-    from raygpt.checkpointer import old_ranks_needed
+    from raygpt.checkpointing.runtime import old_ranks_needed
     from raygpt.optim import shard_range
 
     total = 1000
@@ -815,3 +816,22 @@ def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
     assert old_ranks_needed(total, 64, 1, 0, total) == list(range(63))
     assert old_ranks_needed(total, 8, 0, 0, total) == [0]  # no ZeRO: rank 0 holds everything
     assert old_ranks_needed(total, 1, 1, 0, 500) == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# names read back, and the copy (a WSD sweep's branches start from one stable checkpoint)
+
+def test_a_step_is_read_back_from_a_directory_name_by_the_format_s_regex():
+    from raygpt.checkpointing import protocol as ck
+    assert ck.step_of_dir(ck.step_dir(12)) == 12 and ck.step_of_dir("step_123456789") == 123456789
+    for other in ("step_12", "step_0000001x", "step_00000012.tmp-ab", "checkpoint_00000012", ""):
+        assert ck.step_of_dir(other) is None, other
+
+
+def test_copy_checkpoint_refuses_an_unverified_source(tmp_path):
+    from raygpt.checkpointing import protocol as ck
+    src, dst = open_run_dir(str(tmp_path / "src")), open_run_dir(str(tmp_path / "dst"))
+    src.write_bytes_atomic(f"{ck.step_dir(8)}/{ck.model_file(8)}", b"x" * 10)  # no DONE, no MANIFEST
+    with pytest.raises(ck.CheckpointError, match="unverified"):
+        ck.copy_checkpoint(src, dst, 8)
+    assert not dst.exists(ck.step_dir(8))

@@ -1,5 +1,5 @@
 """The `raygpt` command as a user meets it: --help and --version exit 0, every subcommand has
-its own help, `python -m raygpt` and `python -m raygpt.sweep` work, exit codes are documented."""
+its own help, `python -m raygpt` and `python -m raygpt.ray.sweep` work, exit codes are documented."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_train_help_lists_every_flag_with_defaults():
     assert out.stdout == sh(str(REPO / "experiments" / "shakespeare.py"), "--help").stdout
 
 
-@pytest.mark.parametrize("entry", [("-m", "raygpt", "sweep"), ("-m", "raygpt.sweep")])
+@pytest.mark.parametrize("entry", [("-m", "raygpt", "sweep"), ("-m", "raygpt.ray.sweep")])
 def test_sweep_front_doors_have_their_own_help(entry):
     out = sh(*entry, "--help")
     assert out.returncode == 0, out.stderr

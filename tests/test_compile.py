@@ -146,7 +146,7 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
 def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
     """Compiled code is loaded from the node's cache: it is made 0700, and a directory that is
     not private (e.g. made first by another user of the node) is refused, naming it."""
-    from raygpt.loop import use_node_compile_cache
+    from raygpt.compile_cache import use_node_compile_cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -167,8 +167,9 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     """The compile-once check's run resumed for steps 4-5 on a node whose compile cache is
     `cache_dir`; prints the compile counters and the first step's time."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    from raygpt.history import read_history
-    from raygpt.loop import COMPILE_ARTIFACTS, train
+    from raygpt.runlog.history import read_history
+    from raygpt.compile_cache import COMPILE_ARTIFACTS
+    from raygpt.loop import train
     from raygpt.session import LocalSession
     from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
@@ -217,7 +218,7 @@ def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None =
     assert compile_counts()["dynamo_frames"] == 0
     train(cfg, session)
     counts = session.per_step + [compile_counts()]  # the last: after the final checkpoint
-    from raygpt.history import read_history
+    from raygpt.runlog.history import read_history
     first = next(r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train")
     print(json.dumps({"device": device, "precision": cfg.precision, "per_step": counts,
                       "first_step_dt": first["dt"]}))

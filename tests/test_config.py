@@ -221,3 +221,57 @@ def test_explicit_values_are_kept_and_only_the_validation_batch_adapts():
     assert _loaders_build(cfg, 1) == ({(0, i) for i in range(31)}, 31)
     cfg = parse_args(["-m", "5", "--val-batch-size", "4"]).resolve(gpus_available=2)
     assert (cfg.val_batches, cfg.val_batch_size) == (5, 4)
+
+
+# ---------------------------------------------------------------------- sections and resumes
+
+def test_every_field_is_in_a_section_and_help_groups_the_flags_by_it():
+    import dataclasses
+
+    from raygpt.config import SECTION_TITLES, SpikeConfig, build_parser
+
+    for cls in (TrainConfig, SpikeConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("section") in SECTION_TITLES, f"{cls.__name__}.{f.name}"
+    groups = {g.title: {a.dest for a in g._group_actions} for g in build_parser()._action_groups}
+    perf = groups[SECTION_TITLES["performance"]]
+    assert {"prefetch_batches", "gc_freeze", "compile_mode", "loss_impl", "ce_kernel",
+            "preemption_poll_steps", "compile", "deterministic"} <= perf
+    assert "spike_soft_z" in groups[SECTION_TITLES["spike"]]
+    assert TrainConfig.section_fields("schedule") == ["scheduler", "warmup_steps", "final_lr_frac",
+                                                      "max_steps"]
+
+
+def test_performance_switches_are_flags_and_may_change_on_resume():
+    from raygpt.config import RESUME_MUTABLE_FIELDS
+
+    cfg = parse_args(["--no-prefetch", "--no-gc-freeze", "--compile-mode", "reduce-overhead",
+                      "--loss-impl", "reference", "--no-ce-kernel", "--preemption-poll-steps", "1"])
+    assert (cfg.prefetch_batches, cfg.gc_freeze, cfg.ce_kernel) == (False, False, False)
+    assert (cfg.compile_mode, cfg.loss_impl, cfg.preemption_poll_steps) == (
+        "reduce-overhead", "reference", 1)
+    assert set(TrainConfig.section_fields("performance")) <= RESUME_MUTABLE_FIELDS
+    assert TrainConfig().identity() == cfg.identity()  # a checkpoint resumes with any of them
+    resolved = TrainConfig(device="cpu").resolve(0)
+    with pytest.raises(ConfigError, match=r"--loss-impl: expected fused \| reference, found 'fast'"):
+        resolved.with_overrides({"loss_impl": "fast"}).validate()
+
+
+def test_a_config_written_before_the_sections_still_resumes():
+    """tests/assets/config_before_sections.json: what raygpt wrote before TrainConfig had
+    sections and performance fields (config.json's config, and a checkpoint MANIFEST's identity
+    and hash). The same run configured today must be the same identity, or -y 1 would refuse
+    every checkpoint written before (checkpoint.check_compatible compares exactly these); and
+    `raygpt status` must not list the new fields as changed between the two launches."""
+    from pathlib import Path
+
+    from raygpt.run_config import config_changes, with_defaults
+
+    asset = json.loads((Path(__file__).parent / "assets" / "config_before_sections.json").read_text())
+    old = asset["config_json_config"]
+    assert "prefetch_batches" not in old  # really the old layout
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.identity() == asset["manifest_config_identity"]
+    assert cfg.hash() == asset["manifest_config_hash"]
+    today = cfg.with_overrides({"resume": 1}).to_dict()
+    assert config_changes(with_defaults(old), with_defaults(today)) == ["resume: 0 -> 1"]

@@ -26,9 +26,9 @@ def test_the_default_command_prints_readable_lines_and_no_error_noise(tmp_path):
     lines = [re.sub(r"^\S*\((\w+) pid=\d+\)\S* ", "", line) for line in out.splitlines()]
     # no error-level line from Ray's processes or raygpt's actors (PreemptionWatcher's was one)
     # and no Python traceback at all: not Ray Train's PlacementGroupCleaner's (its State API
-    # queries fail without a dashboard, or with two Rays on the machine: raygpt.pg_cleanup
+    # queries fail without a dashboard, or with two Rays on the machine: raygpt.ray.pg_cleanup
     # replaces it), not the controller's resource request timing out on a busy machine (the
-    # driver starts the AutoscalingCoordinator first: trainer.start_train_helpers)
+    # driver starts the AutoscalingCoordinator first: driver.start_train_helpers)
     bad = [i for i, line in enumerate(lines) if RAY_CORE_ERROR.search(line) or " ERROR " in line
            or "max_restarts" in line or "Traceback (most recent call last)" in line
            or re.search(r'File ".*\.py", line \d+', line) or "PlacementGroupCleaner" in line
@@ -47,11 +47,11 @@ def test_every_run_gets_raygpts_placement_group_cleanup_in_place_of_rays(tmp_pat
     from ray.train.v2._internal.callbacks.placement_group_callback import (
         PlacementGroupCleanerCallback)
 
-    from raygpt import trainer
-    from raygpt.pg_cleanup import CleanupOnControllerDeath
+    from raygpt.ray import driver
+    from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
     from tests.helpers import tiny_config
 
-    built = trainer.build_trainer(tiny_config(tmp_path / "run").resolve(0), control_name="c")
+    built = driver.build_trainer(tiny_config(tmp_path / "run").resolve(0), control_name="c")
     kinds = [type(c) for c in built._create_default_callbacks()]
     assert CleanupOnControllerDeath in kinds
     assert not any(issubclass(k, PlacementGroupCleanerCallback) for k in kinds)
@@ -61,12 +61,12 @@ def test_every_run_gets_raygpts_preemption_watcher_in_place_of_rays(monkeypatch)
     """Ray Train's own watcher is switched off through the environment Ray hands its controller,
     and raygpt's (no restarts, so no core-worker ERROR line) is in every run's callbacks, the
     second run of a process too; a user who switched Ray's off gets none."""
-    from raygpt import trainer
+    from raygpt.ray import driver
 
-    monkeypatch.delenv(trainer.RAY_PREEMPTION_WATCHER_ENV, raising=False)
+    monkeypatch.delenv(driver.RAY_PREEMPTION_WATCHER_ENV, raising=False)
     for _ in range(2):
-        assert [type(c) for c in trainer.preemption_callbacks()] == [
-            trainer.PreemptionWatcherCallback]
-        assert os.environ[trainer.RAY_PREEMPTION_WATCHER_ENV] == "0"
-    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", "0")
-    assert trainer.preemption_callbacks() == []
+        assert [type(c) for c in driver.preemption_callbacks()] == [
+            driver.PreemptionWatcherCallback]
+        assert os.environ[driver.RAY_PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setattr(driver, "_USER_PREEMPTION_WATCHER", "0")
+    assert driver.preemption_callbacks() == []

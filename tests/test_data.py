@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt.data import (
-    HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION, DistributedDataLoader, ShardError, data_fingerprint,
-    read_shard, read_shard_header, sample_order, samples_to_ranges, shard_order, write_shard,
-)
+from raygpt.data import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
+from raygpt.llmc.shards import (HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION, ShardError, read_shard,
+                                 read_shard_header, write_shard)
 
 VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "raygpt", "data_files",
                             "tiny_shakespeare_val.bin")

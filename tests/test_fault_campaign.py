@@ -14,8 +14,8 @@ import os
 
 from bench.fault_campaign import (EXTERNAL, KINDS, execute, last_attempt, last_step, plan,
                                   status_problems)
-from raygpt import checkpoint as ck
-from raygpt.ray_snapshot import SNAPSHOT
+from raygpt.checkpointing import protocol as ck
+from raygpt.ray.snapshot import SNAPSHOT
 from raygpt.storage import open_run_dir
 
 SEED = int(os.environ.get("RAYGPT_CAMPAIGN_SEED", "1717"))

@@ -6,7 +6,7 @@ import pytest
 from raygpt.cli import main
 from raygpt.faults import (FIRED, Fault, FaultPlan, InjectedFault, parse_spec, read_fired,
                            record_external)
-from raygpt.history import RunHistory
+from raygpt.runlog.history import RunHistory
 from raygpt.storage import open_run_dir
 
 

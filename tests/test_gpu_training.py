@@ -41,7 +41,7 @@ def test_bf16_master_weights_resume_bit_exact(tmp_path):
 def test_d12_job_under_ray_reports_throughput_and_mfu(tmp_path, capfd):
     ray = pytest.importorskip("ray")
     from raygpt.config import TrainConfig
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
     ray.init(address="local", num_gpus=1, include_dashboard=False)
     try:
         cfg = TrainConfig(model="d12", batch_size=16, seq_len=1024, max_steps=8, val_every=4,
@@ -82,7 +82,7 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     """Under Ray on every visible GPU (up to 2): a worker SIGKILLed after the step-10
     checkpoint; Ray restarts the group, and every loss of the run equals the uninterrupted run's."""
     ray = pytest.importorskip("ray")
-    from raygpt.trainer import run
+    from raygpt.ray.driver import run
     workers = min(2, torch.cuda.device_count())
     ray.init(address="local", num_gpus=workers, include_dashboard=False)
     try:
@@ -101,7 +101,7 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     # issue 24: the recovery's every part measured, the restarted workers' caches warm (the
     # node kept them; the run stored its artifacts), and no second compilation after their
     # first step: the resumed attempt's second step is a steady one
-    from raygpt.history import RECOVERY_PARTS, summarize_run
+    from raygpt.runlog.history import RECOVERY_PARTS, summarize_run
     (recovery,) = summarize_run(records(tmp_path / "killed"))["recoveries"]
     print(summarize_run(records(tmp_path / "killed"))["recovery_lines"][0])
     assert all(recovery["parts"][p] is not None for p in RECOVERY_PARTS), recovery

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from raygpt import checkpoint as ck
-from raygpt.history import read_history
+from raygpt.checkpointing import protocol as ck
+from raygpt.runlog.history import read_history
 from raygpt.storage import open_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.faults import InjectedFault
 from raygpt.loop import train
 from raygpt.session import LocalSession
@@ -110,7 +110,7 @@ def test_sigusr1_checkpoints_and_continues_unchanged(uninterrupted, tmp_path):
 
 def test_fresh_start_over_an_existing_run_is_refused(uninterrupted):
     from raygpt.config import ConfigError
-    from raygpt.trainer import prepare_run_dir
+    from raygpt.ownership import prepare_run_dir
     full_dir, cfg, _ = uninterrupted
     with pytest.raises(ConfigError, match="pass -y 1 to resume it or --overwrite"):
         prepare_run_dir(cfg)
@@ -183,3 +183,38 @@ def test_sigterm_still_checkpoints_after_something_replaced_the_handler(tmp_path
     finally:
         signal.signal(signal.SIGTERM, old)
     assert summary["stopped_early"] and summary["step"] == 4
+
+
+def test_performance_fields_reach_the_loop(tmp_path, monkeypatch):
+    """The speed switches a bench flips are config fields the loop reads (not module globals):
+    --no-prefetch builds each batch after the sync, --no-gc-freeze leaves the collector alone,
+    --loss-impl and --no-ce-kernel reach the model, --compile-mode reaches torch.compile."""
+    import gc
+
+    from raygpt import data, loop
+
+    calls = {"prefetch": 0, "freeze": 0}
+    real_prefetch = data.DistributedDataLoader.prefetch
+
+    def counting_prefetch(self, device):
+        calls["prefetch"] += 1
+        return real_prefetch(self, device)
+
+    monkeypatch.setattr(data.DistributedDataLoader, "prefetch", counting_prefetch)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.__setitem__("freeze", calls["freeze"] + 1))
+    compiled_with, built = [], []
+    monkeypatch.setattr(torch, "compile",
+                        lambda model, mode=None, **kw: compiled_with.append(mode) or model)
+    real_build = loop.build_model
+    monkeypatch.setattr(loop, "build_model", lambda cfg, device: built.append(real_build(cfg, device))
+                        or built[-1])
+    base = dict(max_steps=2, checkpoint_every=0)
+    run_local(tiny_config(tmp_path / "on", **base))
+    assert calls == {"prefetch": 2, "freeze": 1} and (built[0].loss_impl, built[0].ce_kernel) == (
+        "fused", True)
+    calls.update(prefetch=0, freeze=0)
+    run_local(tiny_config(tmp_path / "off", prefetch_batches=False, gc_freeze=False, compile=True,
+                          compile_mode="reduce-overhead", loss_impl="reference", ce_kernel=False,
+                          **base))
+    assert calls == {"prefetch": 0, "freeze": 0} and compiled_with == ["reduce-overhead"]
+    assert (built[1].loss_impl, built[1].ce_kernel) == ("reference", False)

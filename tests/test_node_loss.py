@@ -11,11 +11,11 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
-from raygpt.trainer import run
+from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
@@ -27,9 +27,9 @@ def cluster():
     # the settings below hold for this module's cluster only: the test process's environment
     # is handed back as it was when the module ends (MonkeyPatch undoes them)
     with pytest.MonkeyPatch.context() as env:
-        # the processes the cluster starts inherit these: notice drains fast, poll every step
+        # the processes the cluster starts inherit this: notice drains fast (the workers poll
+        # every step: the preemption test's --preemption-poll-steps 1)
         env.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
-        env.setenv("RAYGPT_PREEMPTION_POLL_STEPS", "1")
         # after a node loss an elastic run first retries its old size until Ray Train's
         # worker-group start times out (60 s by default), then resumes smaller: 30 s keeps that
         # path, faster
@@ -125,7 +125,7 @@ def test_preemption_notice_checkpoints_once_and_the_restart_resumes_there(cluste
         c.add_node(num_cpus=1)
     c.wait_for_nodes()
     cfg = tiny_config(tmp_path, num_workers=2, max_steps=24, checkpoint_every=8, max_failures=2,
-                      max_preemption_failures=2).resolve(0)
+                      max_preemption_failures=2, preemption_poll_steps=1).resolve(0)
     result, error = {}, []
     t = threading.Thread(target=lambda: _run_into(cfg, result, error), daemon=True)
     t.start()

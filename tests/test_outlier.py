@@ -1,4 +1,4 @@
-"""llm.c's OutlierDetector against numpy, and seed 001's spike policy (monitor, rewind target,
+"""llm.c's OutlierDetector against numpy, and raygpt's spike policy (monitor, rewind target,
 rewind ledger), including exact state round trips."""
 
 import json

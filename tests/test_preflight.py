@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import ray
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import cli, preflight
-from raygpt.checkpointer import run_fingerprints
+from raygpt.checkpointing.runtime import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.data import write_shard
+from raygpt.llmc.shards import write_shard
 from raygpt.storage import open_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,11 +235,11 @@ def test_a_sweep_refuses_a_bad_trial_config_before_ray_starts(data, no_ray, caps
 def test_known_trial_points_cross_grids_and_choices_and_take_range_ends():
     from ray import tune
 
-    from raygpt import sweep
+    from raygpt.ray import trials
     space = {"batch_size": tune.grid_search([2, 4]), "scheduler": tune.choice(["wsd", "cosine"]),
              "learning_rate": tune.loguniform(1e-4, 1e-2), "warmup_steps": tune.randint(1, 5),
              "seed": tune.sample_from(lambda spec: 1)}
-    points = sweep.known_trial_points(space)
+    points = trials.known_trial_points(space)
     assert len(points) == 2 * 2 * 2 * 2 and all("seed" not in p for p in points)
     assert {(p["batch_size"], p["scheduler"]) for p in points} == {
         (2, "wsd"), (2, "cosine"), (4, "wsd"), (4, "cosine")}
@@ -247,9 +247,9 @@ def test_known_trial_points_cross_grids_and_choices_and_take_range_ends():
     assert {p["warmup_steps"] for p in points} == {1, 4}  # randint's upper end is exclusive
     big = {f"spike.{k}": tune.grid_search(list(range(1, 11))) for k in ("window", "min_history")}
     big["batch_size"] = tune.grid_search(list(range(1, 51)))  # 5,000 > MAX_PREFLIGHT_POINTS
-    one_at_a_time = sweep.known_trial_points(big)
+    one_at_a_time = trials.known_trial_points(big)
     assert one_at_a_time[0] == {} and len(one_at_a_time) == 1 + 10 + 10 + 50
-    assert sweep.known_trial_points({"seed": tune.sample_from(lambda spec: 1)}) == [{}]
+    assert trials.known_trial_points({"seed": tune.sample_from(lambda spec: 1)}) == [{}]
 
 
 # ---------------------------------------------------------------------- the real command line

@@ -15,12 +15,12 @@ import math
 import numpy as np
 import pytest
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main
-from raygpt.history import LOSS_HISTORY, RunHistory
+from raygpt.runlog.history import LOSS_HISTORY, RunHistory
 from raygpt.report import format_status, load_run, plot_run, run_status
 from raygpt.storage import open_run_dir
-from raygpt.tensorboard import TensorBoardWriter, read_events, read_scalars
+from raygpt.runlog.tensorboard import TensorBoardWriter, read_events, read_scalars
 
 TOKENS_PER_STEP = 256
 DT = 0.5  # seconds per step -> 512 tok/s
@@ -41,9 +41,9 @@ def train_step(h: RunHistory, step: int, loss: float, verdict: str = "ok") -> No
 
 
 def make_checkpoint(run_dir, step: int, *, finished: bool = True) -> None:
-    """A checkpoint in the real layout: llm.c state files from raygpt.checkpoint's writer (tiny
-    optimizer shards), a model file (opaque bytes: verification checks hashes, not contents),
-    then DONE and MANIFEST through the real writers when `finished`."""
+    """A checkpoint in the real layout: llm.c state files from raygpt.checkpointing.protocol's
+    writer (tiny optimizer shards), a model file (opaque bytes: verification checks hashes, not
+    contents), then DONE and MANIFEST through the real writers when `finished`."""
     d = ck.step_dir(step)
     for rank in range(WORLD):
         buf = io.BytesIO()

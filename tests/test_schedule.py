@@ -1,5 +1,5 @@
 """raygpt.schedule against llm.c's float arithmetic: golden values, an independent float32
-transcription, seed 000's hand values, and the errors."""
+transcription, hand-computed values, and the errors."""
 
 import math
 
@@ -63,7 +63,7 @@ def test_golden_values_from_c_float(golden, args):
 
 
 def transcription(kind, peak, warmup, total, frac):
-    """Independent vectorised float32 transcription of seed 000 Part 1 over all steps."""
+    """Independent vectorised float32 transcription of llm.c's llmc/schedulers.h over all steps."""
     f = np.float32
     steps = np.arange(total + 1)
     peak, frac = f(peak), f(frac)

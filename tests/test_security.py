@@ -18,16 +18,17 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.data import DistributedDataLoader, write_shard
+from raygpt.data import DistributedDataLoader
+from raygpt.llmc.shards import write_shard
 from raygpt.faults import RECORD, armed_spec, plan_for
-from raygpt.history import LOSS_HISTORY
+from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
-from raygpt.report import check_checkpoints, quick_check, run_status
+from raygpt.report import check_checkpoints, run_status
 from raygpt.storage import RunDir, open_run_dir
-from raygpt.trainer import claimed_run_dir, prepare_run_dir
+from raygpt.ownership import claimed_run_dir, prepare_run_dir
 from tests.helpers import tiny_config
 
 SECRET = "TOPSECRETkey/with+slash"
@@ -331,16 +332,17 @@ def test_a_claim_refuses_a_second_job_and_releases_on_the_way_out(tmp_path):
 def test_a_run_starts_its_own_ray_unless_an_address_is_given(monkeypatch):
     import ray
 
-    from raygpt import sweep, trainer
+    from raygpt.ray import driver
+    from raygpt.ray import sweep
     seen = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda address=None, **kw: seen.append(address))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    trainer.init_ray()
+    driver.init_ray()
     sweep._ensure_ray(None)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    trainer.init_ray()
-    trainer.init_ray("ray://head:10001")
+    driver.init_ray()
+    driver.init_ray("ray://head:10001")
     assert seen == ["local", "local", "10.0.0.1:6379", "ray://head:10001"]
 
 
@@ -457,7 +459,7 @@ def test_a_malformed_manifest_condemns_its_checkpoint_not_the_reader(tmp_path, e
     warnings = []
     assert ck.find_latest_verified(rd, warn=warnings.append) == 1  # resume falls back
     assert "step 2" in warnings[0]
-    assert quick_check(rd, 2)
+    assert ck.verify_checkpoint(rd, 2, hashes=False)  # the quick check
     rd.write_bytes_atomic(LOSS_HISTORY, b'{"kind":"start","step":0,"time":1}\n')
     text = run_status(rd)
     assert "NOT usable: step 2" in text and "1 verified: step 1" in text
@@ -508,10 +510,11 @@ def test_status_prints_no_terminal_escapes_and_no_credentials(tmp_path):
 
 
 def test_failure_reports_and_sweep_plans_never_hold_credentials(tmp_path, s3):
-    from raygpt import sweep, trainer
+    from raygpt.ray import driver
+    from raygpt.ray import sweep
     fs, uri = s3
     cfg = tiny_config(uri("bucket/failed"))
-    report = trainer._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
+    report = driver._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
     assert SECRET not in report and QUOTED not in report and "AKIATEST" not in report
     assert "s3://***@bucket/failed?endpoint_override" in report and "s3://***@bucket/x" in report
     sweep_dir = uri("bucket/sweep")

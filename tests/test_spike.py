@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import SpikeConfig
 from raygpt.faults import InjectedFault
 from raygpt.loop import TrainingStopped, train
@@ -116,7 +116,7 @@ class FakeClock:
 
 
 def test_a_rewind_waits_for_a_reported_checkpoint_the_driver_has_not_completed_yet():
-    from raygpt.checkpointer import choose_rewind_target
+    from raygpt.checkpointing.runtime import choose_rewind_target
     c = FakeClock([2, 4], lands_at={6: 0.35})  # 6 was reported, its DONE is on its way
     assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=60,
                                 clock=lambda: c.now, sleep=c.sleep) == 6
@@ -124,7 +124,7 @@ def test_a_rewind_waits_for_a_reported_checkpoint_the_driver_has_not_completed_y
 
 
 def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(capsys):
-    from raygpt.checkpointer import choose_rewind_target
+    from raygpt.checkpointing.runtime import choose_rewind_target
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4

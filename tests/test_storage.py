@@ -386,7 +386,7 @@ def test_a_torn_last_line_is_ended_before_the_first_append(run_dir: RunDir):
     fresh.close()
     data = RunDir(run_dir.fs, run_dir.root).read_bytes("loss_history.jsonl")
     assert data == b'{"step":0}\n{"step":1,"lo\n{"step":1}\n{"step":2}\n'
-    from raygpt.history import parse_jsonl
+    from raygpt.runlog.history import parse_jsonl
     assert [r["step"] for r in parse_jsonl(data, "loss_history.jsonl")] == [0, 1, 2]
 
 

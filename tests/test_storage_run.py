@@ -17,9 +17,9 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
-from raygpt.history import read_history
+from raygpt.runlog.history import read_history
 from raygpt.loop import train
 from raygpt.report import load_run, run_status
 from raygpt.session import LocalSession

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from raygpt import tokenizer
-from raygpt.data import read_shard, read_shard_header
+from raygpt.llmc.shards import read_shard, read_shard_header
 from raygpt.tokenizer import EOT, decode, encode, get_encoding, prepare_shards, text_to_tokens
 
 DATA = Path(__file__).resolve().parent.parent / "raygpt" / "data_files"

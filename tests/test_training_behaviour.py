@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt import outlier
 from raygpt.config import SpikeConfig
 from raygpt.faults import InjectedFault
@@ -228,7 +228,7 @@ def test_train_hands_back_the_callers_signal_handlers(tmp_path):
 
 
 def samples(run_dir) -> dict:
-    from raygpt.history import SAMPLES
+    from raygpt.runlog.history import SAMPLES
     path = run_dir / SAMPLES
     return {r["step"]: r["text"] for r in map(json.loads, path.read_text().splitlines())}
 

@@ -7,9 +7,9 @@ import pytest
 import ray
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.storage import open_run_dir
-from raygpt.trainer import run
+from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with grad accum 2
@@ -75,7 +75,7 @@ def test_resume_one_to_two_workers(ddp, tmp_path):
 
 def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     """Load a 2-rank ZeRO-1 checkpoint into a 1-rank run: m, v are the shards, concatenated."""
-    from raygpt.checkpointer import Checkpointer
+    from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.loop import build_model
     from raygpt.optim import AdamW, FlatParameters
     from raygpt.session import LocalSession

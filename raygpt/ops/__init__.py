@@ -8,7 +8,9 @@ CUDA tensors go to the Triton kernels (triton_kernels.py, registered as torch cu
 the specification of the math and of the stochastic-rounding hash. Both paths give bitwise-equal
 bf16 for the same fp32 master weights and seed.
 
-All tensors are flat 1-D buffers in llm.c's parameter order (see the team brief). A `Segments`
+All tensors are flat 1-D buffers in llm.c's parameter order (train_gpt2.cu's
+ParameterTensors: wte, wpe, each per-layer kind for all layers, lnf; raygpt.model's
+llmc_parameter_layout). A `Segments`
 says which model tensors a shard [lo, hi) of that buffer holds; ZeRO-1 updates such a slice,
 without ZeRO lo=0 and hi=total. Build it once per run, on the device of the buffers.
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygpt import tracking
+from raygpt.runlog import tracking
 from raygpt.config import ConfigError
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------- W&B's offline file

@@ -1,9 +1,11 @@
-"""The Ray driver: one raygpt run as a Ray Train `TorchTrainer`, and the checkpoint bridge.
+"""The driver side of the Ray seam: one raygpt run as a Ray Train `TorchTrainer`, and the
+checkpoint bridge. What each worker runs is raygpt.ray.worker's.
 
-- `run(cfg)` checks every input on the driver first (`raygpt.preflight`: shards, model file,
-  resume compatibility, the run directory's filesystem), claims the run directory
-  (`claimed_run_dir`: never overwrite a run silently, never delete what is not a marked run, one
-  writer at a time through the lease of raygpt/ownership.py, armed faults announced), records
+- `run(cfg)` (a `raygpt train`, and each sweep trial) checks every input on the driver first
+  (`raygpt.preflight`: shards, model file, resume compatibility, the run directory's
+  filesystem), claims the run directory (`ownership.claimed_run_dir`: never overwrite a run
+  silently, never delete what is not a marked run, one writer at a time through its lease,
+  armed faults announced), records
   the launch in its `config.json`, starts its own Ray (or joins the one RAY_ADDRESS names; never
   whatever /tmp/ray names), and runs
   `train_func` on `cfg.num_workers` workers (NCCL on GPUs, gloo on CPUs) with
@@ -20,7 +22,7 @@
   barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
   yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds
   alone delete, and Ray's list of checkpoints (its snapshot file) is brought back to what
-  exists after every report and before every fit() (raygpt.ray_snapshot).
+  exists after every report and before every fit() (raygpt.ray.snapshot).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
   actor that rank 0 polls; on the workers the handlers are installed on each actor's main
   thread by the backend hook (Python runs handlers on the main thread only). A first Ctrl-C
@@ -32,13 +34,12 @@
   failure policy, answers RAISE instead of spending the retry budget on them (`RunFailed.final`
   tells a sweep's Tune not to re-run it either).
 - A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
-  Train's State-API PlacementGroupCleaner is replaced by raygpt.pg_cleanup's, and the driver
+  Train's State-API PlacementGroupCleaner is replaced by raygpt.ray.pg_cleanup's, and the driver
   starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -49,10 +50,8 @@ from pathlib import Path
 
 import ray
 import ray.train
-import torch
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.torch.config import _TorchBackend
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -60,181 +59,22 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import preflight, signals, tracking
-from raygpt.checkpointer import finalize_checkpoint
-from raygpt.config import ConfigError, TrainConfig, absolute_output_dir
-from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped, stop_code
-from raygpt.faults import announce as announce_faults
-from raygpt.faults import armed_spec, parse_spec
-from raygpt.history import LOSS_HISTORY, read_history, summarize_run
-from raygpt.pg_cleanup import CleanupOnControllerDeath
-from raygpt.ownership import (Lease, check_overwrite, is_own_file, read_marker,
-                              refused_overwrite_target, write_marker)
-from raygpt.ray_snapshot import SNAPSHOT, reconcile_snapshot
+from raygpt import preflight
+from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.protocol import finalize_checkpoint
+from raygpt.config import TrainConfig, absolute_output_dir
+from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
+from raygpt.faults import parse_spec
+from raygpt.ownership import claimed_run_dir
+from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
+from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
+from raygpt.ray.worker import RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
-from raygpt.session import Session
+from raygpt.runlog import tracking
+from raygpt.runlog.history import LOSS_HISTORY, read_history, summarize_run
 from raygpt.storage import RunDir, open_run_dir, redact
 
-# steps between polls of get_preemption_info, a barrier across workers (step-based, so every
-# rank polls at the same steps)
-PREEMPTION_POLL_EVERY = int(os.environ.get("RAYGPT_PREEMPTION_POLL_STEPS", "10"))
-
-
-# ---------------------------------------------------------------------- worker side
-
-@ray.remote(num_cpus=0)
-class RunControl:
-    """Requests from the driver to the workers: stop (checkpoint, exit) or save (and go on)."""
-
-    def __init__(self):
-        self.stop, self.save_count = False, 0
-
-    def request(self, kind: str) -> None:
-        if kind == "stop":
-            self.stop = True
-        else:
-            self.save_count += 1
-
-    def poll(self) -> tuple[bool, int]:
-        return self.stop, self.save_count
-
-
-class RaySession(Session):
-    def __init__(self, cfg: TrainConfig, control_name: str | None):
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device() if cfg.device == "gpu" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.run_dir = open_run_dir(cfg.output_dir)
-        self._checkpoint = ray.train.get_checkpoint()
-        self._control = None
-        if control_name and self.rank == 0:
-            try:
-                self._control = ray.get_actor(control_name)
-            except ValueError:
-                self._control = None
-        self._control_ref = None
-        self._saves_seen = 0
-        self._polls = 0
-        self._preempt_noticed = False
-        # Ray Train's controller takes one report per health-check poll (2 s unless set), from a
-        # queue of one on each worker: train metrics two polls apart never wait for a poll
-        poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
-        self.metrics_interval_s = 2 * poll_s
-
-    def checkpoint_hint(self) -> int | None:
-        if self._checkpoint is None:
-            return None
-        name = Path(self._checkpoint.path).name
-        return int(name.split("_")[1]) if name.startswith("step_") else -1
-
-    def report_metrics(self, metrics: dict) -> None:
-        ray.train.report(metrics)
-
-    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
-        metrics = {**metrics, "raygpt_files": file_hashes}
-        if manifest_meta is not None:
-            metrics["raygpt_manifest"] = manifest_meta
-        # The files are already written (on our background thread); Ray copies them into
-        # storage on its own upload thread and registers the checkpoint when all ranks are in.
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(local_dir),
-                         checkpoint_dir_name=dir_name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-                         delete_local_checkpoint_after_upload=True)
-
-    def poll_requests(self) -> tuple[bool, bool]:
-        """(stop, save) requested from outside: the driver's control actor (rank 0, without
-        blocking) and Ray's preemption notice (every PREEMPTION_POLL_EVERY calls, all ranks)."""
-        stop = save = False
-        if self._control is not None:
-            if self._control_ref is None:
-                self._control_ref = self._control.poll.remote()
-            ready, _ = ray.wait([self._control_ref], timeout=0)
-            if ready:
-                try:
-                    stop, saves = ray.get(self._control_ref)
-                except ray.exceptions.RayError as e:  # the driver is gone: train on without it
-                    print(f"raygpt | WARNING: lost the driver's control channel ({type(e).__name__})"
-                          f"; signals to the driver no longer reach the workers", flush=True)
-                    self._control, stop, saves = None, False, self._saves_seen
-                self._control_ref = None
-                save = saves > self._saves_seen
-                self._saves_seen = saves
-        self._polls += 1
-        if self._polls % PREEMPTION_POLL_EVERY == 0 and ray.train.get_preemption_info() is not None:
-            if not self._preempt_noticed:  # one checkpoint per notice, then keep training
-                self._preempt_noticed = save = True
-                if self.rank == 0:
-                    print("raygpt | preemption notice from Ray: checkpointing now", flush=True)
-        return stop, save
-
-    def failure_note(self) -> str | None:
-        return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
-
-    def startup_marks(self) -> dict[str, float]:
-        return dict(_STARTUP_MARKS)
-
-
-def train_func(config: dict) -> None:
-    """What each Ray Train worker runs."""
-    from raygpt.loop import train
-
-    cfg = TrainConfig.from_dict(config["cfg"])
-    if cfg.device == "cpu":
-        torch.set_num_threads(config.get("threads_per_worker", 1))
-    _quiet_report_log()
-    try:
-        summary = train(cfg, RaySession(cfg, config.get("control_name")))
-    except Exception as e:
-        code = stop_code(e)  # classified here, where the exception still has its cause
-        if code is None:
-            raise  # a fault a restart may cure: Ray's retry budget is for these
-        raise RunStopped(f"{type(e).__name__}: {e}", code) from e
-    ray.train.report({"final": True, **summary})
-
-
-def _quiet_report_log() -> None:
-    """Ray Train 2.60 logs every ray.train.report at INFO, the checkpoint's whole manifest
-    metadata included, through a logger named by its source file, which LoggingConfig's
-    "ray.train" level does not reach; the console keeps raygpt's own lines instead."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray layout: its own logging applies
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
-# This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
-# _Backend before the train function runs here; RaySession.startup_marks reads them.
-_STARTUP_MARKS: dict[str, float] = {}
-
-
-def _note_startup_marks(marks: dict) -> None:
-    _STARTUP_MARKS.clear()
-    _STARTUP_MARKS.update(marks)
-
-
-class _Backend(_TorchBackend):
-    """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
-    the worker group's start-up for the recovery ledger (raygpt.history.recovery_split)."""
-
-    def on_start(self, worker_group, backend_config):
-        # called once the group's actors are up and ready; the process group forms inside it
-        self._marks = {"group_up": time.time()}
-        super().on_start(worker_group, backend_config)
-        self._marks["process_group"] = time.time()
-
-    def on_training_start(self, worker_group, backend_config):
-        super().on_training_start(worker_group, backend_config)
-        worker_group.execute(signals.install)  # runs on each worker actor's main thread
-        worker_group.execute(_note_startup_marks, getattr(self, "_marks", {}))
-
-
-class RaygptTorchConfig(TorchConfig):
-    @property
-    def backend_cls(self):
-        return _Backend
+log = logging.getLogger(__name__)
 
 
 # Ray Train's switch for its own preemption watcher (propagated from the driver to the controller),
@@ -310,8 +150,7 @@ class FinalizeQueue:
         try:
             finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes, meta)
         except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
-            print(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}",
-                  flush=True)
+            log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted checkpoint is finalized; False if `timeout_s` ran out."""
@@ -353,11 +192,10 @@ class CheckpointFinalizer(UserCallback):
         if checkpoint is None:
             return
         run_dir = open_run_dir(self.output_dir)
-        step = int(Path(checkpoint.path).name.split("_")[1])
+        step = ck.step_of_dir(Path(checkpoint.path).name)
         if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
-            print(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST",
-                  flush=True)
+            log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")
             self.crash_before_done_steps.discard(step)
             self._reconcile(run_dir)
             return
@@ -383,8 +221,8 @@ class CheckpointFinalizer(UserCallback):
         try:
             reconcile_snapshot(run_dir)
         except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
-            print(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
-                  f"{type(e).__name__}: {e}", flush=True)
+            log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
+                        f"{type(e).__name__}: {e}")
 
     def after_exception(self, run_context, worker_exceptions):
         # the restarted workers pick the newest complete checkpoint: let the ones the lost
@@ -397,8 +235,7 @@ class CheckpointFinalizer(UserCallback):
             run_dir.append_text(LOSS_HISTORY, json.dumps(
                 {"kind": "failure", "failure": self.failures, "causes": causes,
                  "time": time.time(), "attempt": None}) + "\n")
-        print(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()),
-              flush=True)
+        log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
 
 
 class FinalizerDrain(ControllerCallback):
@@ -418,8 +255,8 @@ class FinalizerDrain(ControllerCallback):
 
     def before_controller_abort(self) -> None:
         if not drain_finalize_queues(self.ABORT_DRAIN_S):
-            print("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
-                  "stays without DONE/MANIFEST", flush=True)
+            log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
+                        "stays without DONE/MANIFEST")
 
 
 class StopOnRunStopped(DefaultFailurePolicy):
@@ -460,7 +297,7 @@ class RaygptTrainer(TorchTrainer):
     def _create_default_callbacks(self):
         # Ray's PlacementGroupCleaner polls the State API, which needs a dashboard and a
         # single Ray on the machine, and logs a line a second (or a traceback) without them:
-        # raygpt.pg_cleanup does its job through the controller's actor handle instead
+        # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead
         callbacks = [c for c in super()._create_default_callbacks()
                      if not isinstance(c, PlacementGroupCleanerCallback)]
         return [CleanupOnControllerDeath(), FinalizerDrain(), *callbacks]
@@ -502,64 +339,6 @@ class RunAborted(KeyboardInterrupt):
     exit_code = EXIT_ABORTED
 
 
-def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
-    """Never overwrite a run silently, never delete what is not a run. A directory that holds a
-    run needs -y 1 (resume) or --overwrite (start fresh: only over a directory raygpt marked as
-    a run, never `/`, the home or current directory, a bucket root or an empty -o); a directory
-    that holds anything else is refused. `lease` (not yet held) is taken after the checks and
-    before anything is deleted, so a live run is never deleted. A new run directory is marked
-    (`ownership.MARKER`); a pre-marker run resumed with -y 1 is marked then."""
-    if not cfg.output_dir.strip():
-        raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
-                          f"{refused_overwrite_target(cfg.output_dir)}")
-    run_dir = open_run_dir(cfg.output_dir)
-    names = [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
-    holds_run = any(n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in names)
-    marker = read_marker(run_dir)
-    fresh_over_run = holds_run and cfg.resume != 1
-    if fresh_over_run:
-        if not cfg.overwrite:
-            raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new "
-                              f"run directory, found an existing run; pass -y 1 to resume it or "
-                              f"--overwrite to start fresh over it")
-        check_overwrite(run_dir, "run", cfg.output_dir)
-    elif names and not holds_run and marker is None:
-        raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new run "
-                          f"directory, found {len(names)} entries that are not a raygpt run "
-                          f"(e.g. {', '.join(repr(n) for n in names[:3])}); name a new directory")
-    if lease is not None:
-        lease.acquire()  # RunDirBusy (a ConfigError) when another job holds it
-    if fresh_over_run:
-        print(f"raygpt | --overwrite: deleting the run in {redact(run_dir.uri())}", flush=True)
-        run_dir.delete_dir("")
-        marker = None
-        if lease is not None:
-            lease.renew()  # the delete took the lease file with it
-    run_dir.makedirs("")
-    if marker is None:
-        write_marker(run_dir, "run", adopted=holds_run and not fresh_over_run)
-    return run_dir
-
-
-@contextlib.contextmanager
-def claimed_run_dir(cfg: TrainConfig, *, lineage: str | None = None, what: str = "raygpt train",
-                    on_lost=None):
-    """`prepare_run_dir` under this job's lease, renewed by a heartbeat while inside, released
-    on the way out (so `-y 1` right after works at once). Armed faults (--fault, and
-    RAYGPT_FAULT only with --allow-fault-injection) are folded into the config it yields,
-    printed and recorded in the run directory."""
-    spec, sources = armed_spec(cfg.fault, os.environ, cfg.allow_fault_injection)
-    cfg = cfg.with_overrides({"fault": spec})
-    lease = Lease(open_run_dir(cfg.output_dir), lineage=lineage, what=what)
-    try:
-        run_dir = prepare_run_dir(cfg, lease)
-        announce_faults(run_dir, spec, sources)
-        lease.start_heartbeat(on_lost)
-        yield cfg, run_dir
-    finally:
-        lease.release()
-
-
 def _split_storage(output_dir: str) -> tuple[str, str]:
     if "://" in output_dir:
         parent, _, name = output_dir.rstrip("/").rpartition("/")
@@ -592,12 +371,12 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     any extra controller callbacks.
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
-    snapshot is first brought back to the checkpoints that exist (see raygpt.ray_snapshot), or
+    snapshot is first brought back to the checkpoints that exist (see raygpt.ray.snapshot), or
     Ray's controller would refuse the directory after retention or a rewind deleted some."""
     dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
     if dropped:
-        print(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
-              f"no longer in the run directory; dropped: {', '.join(dropped)}", flush=True)
+        log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
+                 f"no longer in the run directory; dropped: {', '.join(dropped)}")
     storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
@@ -625,33 +404,62 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     )
 
 
+class _StopAtStep(UserCallback):
+    """Asks the workers to checkpoint and stop (the driver's SIGTERM path) once a report from
+    step >= `step` arrives (a sweep's WSD stable phase ends at the branches' shared step)."""
+
+    def __init__(self, step: int, control):
+        self.step, self.control, self.sent = step, control, False
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if not self.sent and any(m.get("step", -1) >= self.step for m in metrics):
+            self.control.request.remote("stop")
+            self.sent = True
+
+
 def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] = (),
-        plan: list[str] | None = None) -> dict:
-    """Run one training job under Ray Train and return rank 0's summary. `cfg` is resolved;
-    `adapted` are resolve()'s notes on defaults it fitted to the data (printed and recorded).
-    Every input is checked before Ray starts (`raygpt.preflight`, ConfigError in one line),
-    unless the caller did so already and passes what it found as `plan`."""
+        plan: list[str] | None = None, callbacks: tuple = (), stop_at_step: int | None = None,
+        control_name: str | None = None, lineage: str | None = None,
+        what: str = "raygpt train", argv: list[str] | None = None,
+        cwd: str | None = None) -> dict:
+    """Run one training job under Ray Train and return rank 0's summary: a `raygpt train`, and
+    each sweep trial and WSD stable phase (raygpt.ray.sweep) alike. `cfg` is resolved; `adapted`
+    are resolve()'s notes on defaults it fitted to the data (printed and recorded). Every input
+    is checked before Ray starts (`raygpt.preflight`, ConfigError in one line), unless the caller
+    did so already and passes what it found as `plan`.
+
+    A sweep adds: `callbacks` on the controller, `stop_at_step` (checkpoint and stop once a
+    report from that step arrives), `control_name` (the run's control actor, which a scheduler
+    finds by name), `lineage`/`what` (the run directory's lease: a retry of the same trial takes
+    it over at once, any other job is refused), `argv`/`cwd` (the command config.json records:
+    the sweep driver's). Raises ConfigError for a bad input, RunFailed once the run's own retry
+    budget (cfg.max_failures) is spent or at once when a worker's error would only recur
+    (`final`), RunAborted on a second Ctrl-C."""
     if cfg.output_dir.strip():  # an empty -o is refused by validate(), never made the cwd
         cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
     if plan is None:
         plan = preflight.check(cfg)
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
-    with claimed_run_dir(cfg, on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
+    with claimed_run_dir(cfg, lineage=lineage, what=what,
+                         on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
                          ) as (cfg, run_dir):
-        launch = write_launch(run_dir, cfg, adapted=adapted, plan=plan)
-        print(f"raygpt | launch {launch['launch']} of {redact(run_dir.uri())} ({CONFIG_FILE}) | "
-              f"{cfg.num_workers} x {cfg.device} | {cfg.model} | B={cfg.batch_size} "
-              f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan),
-              flush=True)
+        launch = write_launch(run_dir, cfg, argv=argv, cwd=cwd, adapted=adapted, plan=plan,
+                              cluster=ray.cluster_resources() if ray.is_initialized() else None)
+        log.info(f"raygpt | launch {launch['launch']} of {redact(run_dir.uri())} ({CONFIG_FILE}) | "
+                 f"{cfg.num_workers} x {cfg.device} | {cfg.model} | B={cfg.batch_size} "
+                 f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan))
         for note in adapted:
-            print(f"raygpt | adapted to the data: {note}", flush=True)
+            log.info(f"raygpt | adapted to the data: {note}")
         init_ray(ray_address)
         start_train_helpers()
-        control_name = f"raygpt-control-{os.getpid()}-{time.time_ns()}"
+        control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
         stop_requests.append(control)
-        driver_signals = DriverSignals(control)
-        trainer = build_trainer(cfg, control_name=control_name)
+        driver_signals = DriverSignals(control)  # a no-op in a sweep trial's thread
+        extra = list(callbacks)
+        if stop_at_step is not None:
+            extra.append(_StopAtStep(stop_at_step, control))
+        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
         trainer.on_sigint = driver_signals.on_sigint
         t0 = time.time()
         try:
@@ -668,13 +476,26 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
             ray.kill(control)
     records = read_history(open_run_dir(cfg.output_dir))
     report = summarize_run(records, since=t0)
-    print(f"raygpt | {report['line']}", flush=True)
+    log.info(f"raygpt | {report['line']}")
     # rank 0's own summary is the run's last "end" record (Ray's Result.metrics belong to the
     # newest checkpoint's report, not necessarily the last one)
     ends = [r for r in records if r.get("kind") == "end" and r.get("time", 0) >= t0]
     final = {k: v for k, v in ends[-1].items() if k not in ("kind", "time")} if ends else {}
     final.update(report)
     return final
+
+
+def cluster_gpus(address: str | None = None) -> int | None:
+    """The GPUs of the Ray cluster this process is in or joins (the argument or RAY_ADDRESS:
+    that Ray is up already), counted without starting a Ray of its own; None when there is no
+    cluster to join (count this machine's, as the local Ray will). Under `ray job submit` the
+    driver runs on the head node, which often has no GPU of its own."""
+    if ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
+    if address or os.environ.get("RAY_ADDRESS"):
+        init_ray(address)
+        return int(ray.cluster_resources().get("GPU", 0))
+    return None
 
 
 def init_ray(address: str | None = None) -> None:
@@ -760,8 +581,8 @@ class DriverSignals:
             self._pending.append("ctrl-c")
             self._wake.set()
             return
-        print("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
-              "the last verified checkpoint", flush=True)
+        log.info("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
+                 "the last verified checkpoint")
         self.aborted = True
         try:
             ray.get(controller.abort.remote(), timeout=self.ABORT_WAIT_S)
@@ -777,8 +598,8 @@ class DriverSignals:
                 kind = self._pending.pop(0)
                 what = {"stop": "SIGTERM", "save": "SIGUSR1",
                         "ctrl-c": "Ctrl-C (press it again to abort at once)"}[kind]
-                print(f"raygpt | driver got {what}: asking the workers to checkpoint"
-                      f"{'' if kind == 'save' else ' and stop'}", flush=True)
+                log.info(f"raygpt | driver got {what}: asking the workers to checkpoint"
+                         f"{'' if kind == 'save' else ' and stop'}")
                 self.control.request.remote("save" if kind == "save" else "stop")
 
     def restore(self) -> None:

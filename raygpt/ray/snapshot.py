@@ -33,7 +33,7 @@ from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
     _CheckpointManagerState, _TrainingResultState,
 )
 
-from raygpt import checkpoint as ck
+from raygpt.checkpointing import protocol as ck
 from raygpt.storage import RunDir
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"

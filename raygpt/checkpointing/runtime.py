@@ -1,4 +1,5 @@
-"""Saving and restoring a running job: the runtime side of `raygpt.checkpoint`'s formats.
+"""Saving and restoring a running job (the worker side): async save, restore, resharding
+across world sizes and ZeRO, rewind; the files and their rules are raygpt.checkpointing.protocol's.
 
 Save (every rank, at the same step):
  1. copy the state to host memory at the step boundary (the only training stall),
@@ -11,8 +12,8 @@ Save (every rank, at the same step):
 A checkpoint without DONE and a valid MANIFEST is never resumed from, so a crash anywhere in
 between costs that checkpoint and nothing else.
 
-Restore follows seed 000's order: optimizer state and master weights, working weights
-re-derived from the master weights with `rng_state_last_update`, then `rng_state`, then the data
+Restore follows llm.c's order (train_gpt2.cu: the model file, then load_state): optimizer state
+and master weights, working weights re-derived from the master weights with `rng_state_last_update`, then `rng_state`, then the data
 loader resumed (never reset) at its saved position with its saved permutation.
 """
 
@@ -31,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raygpt import checkpoint as ck
+from raygpt.atomic_file import fsync_directory
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
 from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
@@ -43,71 +45,10 @@ from raygpt.storage import RunDir
 from raygpt.tokenizer import tokenizer_fingerprint
 
 
-class CheckpointCompatibilityError(ck.CheckpointError):
-    pass
-
-
 def run_fingerprints(cfg: TrainConfig) -> dict:
     """The hashes a checkpoint must agree with to be resumed by this config."""
     return {"config_hash": cfg.hash(), "tokenizer_hash": tokenizer_fingerprint(),
             "data_hash": data_fingerprint(cfg.input_bin)}
-
-
-def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
-    """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
-    Called by whoever knows that every rank's files are durably stored: the Ray driver's
-    finalizer (`trainer.CheckpointFinalizer`, off the controller's thread) after Ray registered
-    the checkpoint, or the single process after its own upload.
-
-    `rank_hashes` are what the ranks hashed while writing (every byte once, by its writer). They
-    must cover every rank's files, and storage must hold each of them with the size its rank
-    wrote; MANIFEST takes the ranks' hashes, so nothing is read back here (no cost that grows
-    with the world or the state). A corrupted upload that keeps its size is caught by the rank
-    that loads the file (`Checkpointer.restore_latest` hashes what it reads)."""
-    sdir = ck.step_dir(step)
-    trajectory = (meta.get("extra") or {}).get("trajectory")
-    hit = ck.abandoned_by(step, trajectory, ck.read_abandoned_trajectories(run_dir))
-    if hit is not None:
-        raise ck.CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
-                                 f"spike rewind abandoned back to step {hit['to_step']}; not "
-                                 f"marking DONE")
-    unreported = [n for n in ck.expected_files(step, meta["world_size"]) if n not in rank_hashes]
-    if unreported:
-        raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{unreported[0]}')}: no rank reported "
-                                 f"writing it ({len(unreported)} file(s)); not marking DONE")
-    for name, h in rank_hashes.items():
-        stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
-        if stored != h["size"]:
-            raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
-                                     f"as written by its rank, found {stored}; not marking DONE")
-    # every byte durable before anything declares it complete: the rank files as stored (Ray
-    # copied them without an fsync), then their names in the step directory and the step
-    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
-    run_dir.make_durable([f"{sdir}/{n}" for n in ck.published_files(run_dir, step)] + [sdir, ""])
-    ck.write_done(run_dir, step)
-    ck.write_manifest(run_dir, step, written=rank_hashes,
-                      **{k: v for k, v in meta.items() if k not in ("retention", "step")})
-    apply_retention(run_dir, meta["retention"])
-
-
-def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
-    """Delete the checkpoints the retention policy lets go (-nk / -nm, the last before a WSD
-    decay, never the newest verified one). Returns the deleted steps."""
-    steps = ck.list_checkpoint_steps(run_dir)
-    if not steps:
-        return []
-    newest = ck.find_latest_verified(run_dir, warn=lambda m: None, hashes=False)
-    protect = set()
-    if policy.get("wsd_decay_start") is not None:
-        before = [s for s in steps if s <= policy["wsd_decay_start"]]
-        if before:
-            protect.add(max(before))
-    doomed = ck.checkpoints_to_delete(steps, keep_last=policy["keep_last"],
-                                      keep_every=policy["keep_every"], protect=protect,
-                                      newest_verified=newest)
-    for s in doomed:
-        run_dir.delete_dir(ck.step_dir(s))
-    return doomed
 
 
 def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
@@ -223,10 +164,8 @@ class Checkpointer:
         """Where a rewind goes back to: `choose_rewind_target` over this attempt's published
         steps and the run directory's verified ones. Rank 0's answer is the one the loop uses
         (it broadcasts it)."""
-        def completed(step: int) -> bool:
-            d = ck.step_dir(step)
-            return (self.run_dir.exists(f"{d}/{ck.done_file(step)}")
-                    and self.run_dir.exists(f"{d}/{ck.MANIFEST}"))
+        def completed(step: int) -> bool:  # the protocol's quick check: DONE, MANIFEST, sizes
+            return not ck.verify_checkpoint(self.run_dir, step, hashes=False)
 
         return choose_rewind_target(self.published, self.verified_steps, completed, spike_start,
                                     safety_steps, wait_s)
@@ -328,7 +267,7 @@ class Checkpointer:
                 write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
                 hashes[name] = {"sha256": _sha256_file(stage / name),
                                 "size": (stage / name).stat().st_size}
-            _fsync_dir(stage)  # the staged names too
+            fsync_directory(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
         except BaseException as e:  # reported by the training thread, never swallowed
@@ -627,14 +566,6 @@ class Checkpointer:
         state.ledger.load_state_dict(ledger)
         loader.add_skip_ranges(skips)
         state.spike_samples = []
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:

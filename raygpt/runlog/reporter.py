@@ -1,13 +1,16 @@
-"""One call per event of a run, fanned out to every place a person looks.
+"""The run's one reporter: one call per event, fanned out to every place a person looks.
 
-The loop tells `RunLog` what happened (a validation, a sample, a trained step, a skipped update,
-watch metrics, the end); `RunLog` alone knows which rank writes and where each event goes:
+The loop tells `Reporter` what happened (the start, a validation, a sample, a trained step, a
+skipped update, a rewind, watch metrics, the end); `Reporter` alone knows which rank writes and
+where each event goes:
 
     event         console (rank 0)    main.log  loss_history  TensorBoard  Ray       W&B/MLflow
     validation    "val loss"          tel       val           val/loss     every     val/loss
     train step    line per log_every  trl       train         train/*      gated     train/*
     sample        the text            -         samples.jsonl -            -         -
+    start         the header line     (resume)  start/resume  -            -         -
     skip          "SKIP" on the line  skip:1    skip event    -            -         -
+    rewind        "REWIND" line       rewind:1  rewind event  -            -         -
     watch         one line            watch:1   watch event   -            -         -
     end           summary line        -         end           closed       -         closed
 
@@ -16,32 +19,26 @@ one report per `session.metrics_interval_s`: `ray.train.report` is a barrier of 
 Ray Train's controller takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so a
 report per step would hold every step for the poll. Rank 0 decides from its clock
 (`wants_ray_report`), and the loop agrees on the decision in the step's one collective, so every
-rank reports at the same steps. The rewind path writes its own event through `history` and
-`logger` (loop.rewind).
+rank reports at the same steps.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
-from raygpt.history import RunHistory, read_history
-from raygpt.metrics import Logger, estimate_mfu, format_duration, format_step_line
-from raygpt.tensorboard import TensorBoardWriter
-from raygpt.tracking import Trackers
+from raygpt.runlog.console import format_step_line, printable, val_text
+from raygpt.runlog.history import RunHistory, read_history
+from raygpt.runlog.mainlog import Logger
+from raygpt.runlog.mfu import estimate_mfu
+from raygpt.runlog.tensorboard import TensorBoardWriter
+from raygpt.runlog.tracking import Trackers
+
+log = logging.getLogger(__name__)
 
 
-def printable(text: str) -> str:
-    """Model output for a terminal: newlines and tabs kept, every other control character
-    (an escape sequence, a carriage return) shown as its escape instead of acting."""
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else ascii(ch)[1:-1] for ch in text)
-
-
-def val_text(val_loss: float | None) -> str:
-    return "n/a" if val_loss is None or not math.isfinite(val_loss) else f"{val_loss:.4f}"
-
-
-class RunLog:
+class Reporter:
     def __init__(self, cfg, session, *, max_steps: int, resumed_from: int | None, model_config,
                  n_params: int, startup: dict | None = None):
         self.cfg, self.session, self.max_steps = cfg, session, max_steps
@@ -67,7 +64,7 @@ class RunLog:
         self._eta_from: tuple[int, float] | None = None  # (steps done, time) after the first step
         self._closed = False
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> "Reporter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -77,14 +74,24 @@ class RunLog:
         try:  # the run's own error is the one to see: closing the sinks must not replace it
             self.close("FAILED")
         except Exception as e:  # noqa: BLE001
-            print(f"raygpt | WARNING: closing the run's logs after an error failed: "
-                  f"{type(e).__name__}: {e}", flush=True)
+            log.warning(f"raygpt | WARNING: closing the run's logs after an error failed: "
+                        f"{type(e).__name__}: {e}")
 
     def say(self, line: str) -> None:
         if self.is_main:
-            print(line, flush=True)
+            log.info(line)
 
     # ------------------------------------------------------------------ events
+
+    def start(self, *, world: int, grad_accum: int, tokens_per_step: int,
+              resumed_from: int | None) -> None:
+        """The run's header line (the start or resume record is written on construction)."""
+        cfg = self.cfg
+        self.say(f"raygpt | {cfg.model}: {self.n_params:,} parameters | {world} x "
+                 f"{self.session.device_name} | {cfg.precision} | B={cfg.batch_size} "
+                 f"T={cfg.seq_len} grad_accum={grad_accum} | {tokens_per_step:,} tokens/step | "
+                 f"{self.max_steps} steps | attempt {self.attempt}"
+                 + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""))
 
     def compiling(self) -> None:
         """Before the first forward pass of a compiled model: it takes a while and looks like a
@@ -154,6 +161,17 @@ class RunLog:
         self.logger.log_event(step, "skip", reason=verdict.reason)
         self.history.event(step, "skip", reason=verdict.reason, loss=loss, norm=norm,
                            loss_z=verdict.loss_z)
+
+    def rewind(self, step: int, verdict, *, target: int | None, window, lr_scale: float,
+               rewinds: int) -> None:
+        """A rewind decided at `step` (to checkpoint `target`; None: nothing to go back to and
+        the run escalates), written before it is carried out."""
+        self.history.event(step, "rewind", reason=verdict.reason, to_step=target, window=window,
+                           lr_scale=lr_scale, loss_z=verdict.loss_z, rewinds=rewinds)
+        self.logger.log_event(step, "rewind", to=target, lr_scale=lr_scale)
+        self.say(f"step {step + 1:5d} | REWIND: {verdict.reason}; back to step {target}, "
+                 f"skipping {sum(e - s for _, s, e in window)} samples from now on, lr_scale "
+                 f"{lr_scale:.3f}")
 
     def watch(self, step: int, watch: dict) -> None:
         self.history.event(step, "watch", **watch)

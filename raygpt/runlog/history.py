@@ -2,7 +2,7 @@
 
 `loss_history.jsonl` gets one line per step, validation, event (skip, rewind, resume, failure,
 end) and never loses one: it is appended across restarts and policy changes, never truncated or
-rewritten (seed 002). Each record carries the attempt number. When a resumed attempt passes steps
+rewritten. Each record carries the attempt number. When a resumed attempt passes steps
 an earlier attempt already logged, the audit compares the two losses as floats and says either
 "resume verified bit-exact over K steps" or where and by how much they first differ, so a resume
 that lost state is noticed at once, not a week later.
@@ -16,10 +16,12 @@ flushes at every checkpoint publish.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
-from raygpt.metrics import steps_logged
 from raygpt.storage import RunDir
+
+log = logging.getLogger(__name__)
 
 LOSS_HISTORY = "loss_history.jsonl"
 SAMPLES = "samples.jsonl"
@@ -37,7 +39,7 @@ def iter_records(lines, name: str):
         try:
             rec = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
-            print(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}", flush=True)
+            log.warning(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}")
             continue
         if isinstance(rec, dict):
             yield rec
@@ -87,6 +89,18 @@ class ResumeAudit:
             self.reported = True
             return f"resume verified bit-exact over {self.matched} steps"
         return None
+
+
+def steps_logged(records: list[dict]) -> dict[int, float]:
+    """{step: loss} from loss-history records, the latest attempt of each step winning (the file
+    is in time order, so a step re-run after a resume or rewind overrides its earlier line).
+    Step records carry "step" and "loss"; records with an "event" key (a skip or rewind note,
+    even one that repeats the loss) are ignored."""
+    out: dict[int, float] = {}
+    for rec in records:
+        if "step" in rec and "loss" in rec and "event" not in rec:
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
 
 
 def trajectory_losses(records) -> dict[int, float]:
@@ -141,7 +155,7 @@ class RunHistory:
         if self.enabled:
             line = self.audit.observe(step, fields["loss"])
             if line:
-                print(f"raygpt | {line}", flush=True)
+                log.info(f"raygpt | {line}")
                 self.event(step, "audit", message=line, matched=self.audit.matched)
 
     def val(self, step: int, val_loss: float) -> None:

@@ -8,7 +8,7 @@ Ray (or even Ray Tune and torch, seconds of imports) is loaded.
   single run's driver-side checks (raygpt.preflight), and the sweep directory's filesystem;
 - the command line (`main`, `build_sweep_parser`): the sweep's flags, every other flag a
   `raygpt train` flag of the base config. It checks the known trials first and only then
-  imports raygpt.sweep (Ray Tune) to run them.
+  imports raygpt.ray.sweep (Ray Tune) to run them.
 
 A search-space entry is read by its shape (a {"grid_search": [...]} dict, an object with
 `categories`, or with `lower` and `upper`), so this module needs no Tune import.
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from raygpt import preflight
-from raygpt.config import ConfigError, SpikeConfig, TrainConfig, parse_args
+from raygpt.config import ConfigError, FlagParser, SpikeConfig, TrainConfig, parse_args
 
 # Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
 # best_config.json leaves them out.
@@ -143,11 +143,6 @@ def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str) -> list[Tr
 
 # ====================================================================== command line
 
-class _SweepParser(argparse.ArgumentParser):
-    def error(self, message):  # a usage mistake is a ConfigError, as in raygpt.config
-        raise ConfigError(message)
-
-
 SWEEP_EXIT_CODES = """exit status:
   0  a best trial exists (results.txt, best_config.json)
   1  no trial finished
@@ -156,7 +151,7 @@ SWEEP_EXIT_CODES = """exit status:
 
 
 def build_sweep_parser(prog: str = "raygpt sweep") -> argparse.ArgumentParser:
-    p = _SweepParser(
+    p = FlagParser(
         prog=prog, allow_abbrev=False, add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EXIT_CODES,
         description="Ray Tune sweep over raygpt runs; every other flag is a raygpt train flag "
@@ -239,7 +234,7 @@ def known_space(items: list[tuple[str, str, list]]) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
-    """The sweep's command line (`raygpt sweep`, `python -m raygpt.sweep`,
+    """The sweep's command line (`raygpt sweep`, `python -m raygpt.ray.sweep`,
     experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
     bad input (found before Ray starts, or met by every trial)."""
     from raygpt.errors import EXIT_BAD_INPUT, EXIT_FAILED
@@ -268,8 +263,8 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
                 space = {"scheduler": {"grid_search": list(DEFAULT_SCHEDULERS)}}
             check_space(check, space)
             preflight_sweep(pin_for_trials(check, None), space, base.output_dir)
-        from raygpt import sweep  # Ray Tune, Ray Train and torch: seconds of imports
-        from raygpt.trainer import RunFailed
+        from raygpt.ray import sweep  # Ray Tune, Ray Train and torch: seconds of imports
+        from raygpt.ray.driver import RunFailed
     except ConfigError as e:
         print(f"raygpt sweep: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,4 +1,4 @@
-"""raygpt.sweep: Ray Tune over raygpt runs on 2 CPU cores, 1 gloo worker per trial.
+"""raygpt.ray.sweep: Ray Tune over raygpt runs on 2 CPU cores, 1 gloo worker per trial.
 
 The pure parts (trial configs, search-space checks, the plan file, best config, table) first;
 then the trainer-equivalence check, then four real sweeps of a 1-layer model: scheduler kinds
@@ -23,14 +23,14 @@ import pytest
 import ray
 from ray import tune
 
-from raygpt import checkpoint as ck
-from raygpt import sweep
+from raygpt.checkpointing import protocol as ck
+from raygpt.ray import sweep, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.schedule import learning_rate
 from raygpt.storage import open_run_dir
 from tests.helpers import records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KINDS = ["cosine", "linear", "constant", "wsd"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -79,9 +79,9 @@ def cluster():
 # ====================================================================== pure parts
 
 def test_trial_config_applies_overrides_in_its_own_resumable_run_dir(tmp_path):
-    base = sweep.pin_for_trials(tiny(), gpus_available=0)
+    base = trials.pin_for_trials(tiny(), gpus_available=0)
     assert base.total_batch_size == -1 and base.device == "cpu" and os.path.isabs(base.input_bin)
-    cfg = sweep.trial_config(base, {"batch_size": 8, "scheduler": "wsd",
+    cfg = trials.trial_config(base, {"batch_size": 8, "scheduler": "wsd",
                                     "spike.soft_z": np.float64(4.0), "warmup_steps": np.int64(3)},
                              str(tmp_path / "t"))
     assert (cfg.batch_size, cfg.scheduler, cfg.spike.soft_z, cfg.warmup_steps) == (8, "wsd", 4.0, 3)
@@ -89,22 +89,22 @@ def test_trial_config_applies_overrides_in_its_own_resumable_run_dir(tmp_path):
     assert cfg.total_batch_size == 8 * 32 * 1  # B*T*world of the trial, not of the base
     # validation fitted to the trial's own T: a 512-token sequence fits 63 times in the
     # 32,768-token validation shard, so B=4 reads 15 batches of 4, not the base's 2 of T=32
-    base2 = sweep.pin_for_trials(tiny(val_every=4, val_batches=None), gpus_available=0)
+    base2 = trials.pin_for_trials(tiny(val_every=4, val_batches=None), gpus_available=0)
     assert (base2.val_batch_size, base2.val_batches) == (None, None)
-    long = sweep.trial_config(base2, {"seq_len": 512}, str(tmp_path / "t2"))
+    long = trials.trial_config(base2, {"seq_len": 512}, str(tmp_path / "t2"))
     assert (long.val_batch_size, long.val_batches) == (4, 15)
     assert cfg.output_dir == str(tmp_path / "t") and cfg.resume == 1
 
 
 def test_search_space_keys_must_be_config_fields():
-    sweep.check_space(tiny(), {"scheduler": tune.grid_search(KINDS), "spike.hard_z": 30.0,
+    trials.check_space(tiny(), {"scheduler": tune.grid_search(KINDS), "spike.hard_z": 30.0,
                                "learning_rate": tune.loguniform(1e-4, 1e-2)})
     with pytest.raises(ConfigError, match="lr_peak"):
-        sweep.check_space(tiny(), {"lr_peak": 1e-3})
+        trials.check_space(tiny(), {"lr_peak": 1e-3})
     with pytest.raises(ConfigError, match="spike field 'soft'"):
-        sweep.check_space(tiny(), {"spike.soft": 4.0})
+        trials.check_space(tiny(), {"spike.soft": 4.0})
     with pytest.raises(ConfigError, match="output_dir"):
-        sweep.check_space(tiny(), {"output_dir": "x"})
+        trials.check_space(tiny(), {"output_dir": "x"})
 
 
 def test_wsd_branches_may_differ_only_in_resume_mutable_fields():
@@ -172,7 +172,7 @@ def test_val_curve_keeps_the_latest_record_of_each_step_and_table_format():
 
 
 def test_command_line_space_takes_the_fields_types():
-    ns, rest = sweep.build_sweep_parser().parse_known_args(
+    ns, rest = trials.build_sweep_parser().parse_known_args(
         ["-e", "d1", "--grid", "scheduler=cosine,wsd", "--grid", "spike.soft_z=4,6",
          "--choice", "warmup_steps=2,5", "--loguniform", "learning_rate=1e-4,1e-2", "-x", "-1"])
     base = parse_args(rest)
@@ -183,25 +183,17 @@ def test_command_line_space_takes_the_fields_types():
     assert all(type(v) is float for v in space["spike.soft_z"]["grid_search"])
     assert space["warmup_steps"].categories == [2, 5]
     assert (space["learning_rate"].lower, space["learning_rate"].upper) == (1e-4, 1e-2)
-    bad = sweep.build_sweep_parser().parse_known_args(["--grid", "warmup_steps=two"])[0]
+    bad = trials.build_sweep_parser().parse_known_args(["--grid", "warmup_steps=two"])[0]
     with pytest.raises(ConfigError, match="warmup_steps: expected int, found 'two'"):
         sweep.space_from_args(bad)
-
-
-def test_copy_checkpoint_refuses_an_unverified_source(tmp_path):
-    src, dst = open_run_dir(str(tmp_path / "src")), open_run_dir(str(tmp_path / "dst"))
-    src.write_bytes_atomic(f"{ck.step_dir(8)}/{ck.model_file(8)}", b"x" * 10)  # no DONE, no MANIFEST
-    with pytest.raises(ck.CheckpointError, match="unverified"):
-        sweep.copy_checkpoint(src, dst, 8)
-    assert not dst.exists(ck.step_dir(8))
 
 
 # ====================================================================== the trial's trainer
 
 def test_a_trial_runs_the_single_run_trainer_with_its_callbacks(cluster, tmp_path, monkeypatch):
-    """A trial's run is trainer.build_trainer's TorchTrainer (the one a single run uses) with the
-    trial's controller callbacks appended after the DONE/MANIFEST finalizer."""
-    from raygpt import trainer
+    """A trial's run is the single run's own driver.run, whose TorchTrainer (build_trainer's)
+    gets the trial's controller callbacks appended after the DONE/MANIFEST finalizer."""
+    from raygpt.ray import driver, worker
 
     built = []
 
@@ -214,16 +206,16 @@ def test_a_trial_runs_the_single_run_trainer_with_its_callbacks(cluster, tmp_pat
 
     from ray.train import UserCallback
     marker = UserCallback()
-    monkeypatch.setattr(trainer, "RaygptTrainer", Recorder)  # TorchTrainer with raygpt's failure policy
+    monkeypatch.setattr(driver, "RaygptTrainer", Recorder)  # TorchTrainer with raygpt's failure policy
     cfg = tiny(output_dir=str(tmp_path / "run")).resolve(0)
-    sweep.fit_run(cfg, callbacks=(marker,))
+    driver.run(cfg, callbacks=(marker,))
     (fn, kwargs), = built
-    assert fn is trainer.train_func
+    assert fn is worker.train_func
     assert kwargs["train_loop_config"]["cfg"] == cfg.to_dict()
     callbacks = kwargs["run_config"].callbacks
-    assert isinstance(callbacks[0], trainer.CheckpointFinalizer) and callbacks[-1] is marker
+    assert isinstance(callbacks[0], driver.CheckpointFinalizer) and callbacks[-1] is marker
     # between them raygpt's preemption watcher, in place of Ray Train's own
-    assert [type(c) for c in callbacks[1:-1]] == [trainer.PreemptionWatcherCallback]
+    assert [type(c) for c in callbacks[1:-1]] == [driver.PreemptionWatcherCallback]
     assert kwargs["run_config"].failure_config.max_failures == cfg.max_failures
 
 
@@ -239,7 +231,7 @@ def test_an_existing_sweep_is_never_started_over_silently(cluster, tmp_path):
 
 
 def test_graceful_asha_asks_the_run_to_stop_instead_of_stopping_the_trial(cluster):
-    from raygpt.trainer import RunControl
+    from raygpt.ray.worker import RunControl
 
     class Trial:  # what ASHA reads of a Tune trial
         def __init__(self, trial_id):

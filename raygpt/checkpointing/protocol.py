@@ -1,5 +1,6 @@
-"""Checkpoint files and the pure policies around them: llm.c state files, DONE, MANIFEST,
-verification, resume selection, compatibility checks, retention.
+"""The checkpoint protocol and the pure policies around it: names, llm.c state files, DONE,
+MANIFEST, the one completeness check (quick or with hashes), resume selection, compatibility
+checks, finalize, retention, abandoned trajectories, copy.
 
 A checkpoint at step N is one directory of the run directory (see raygpt/storage.py):
 
@@ -20,8 +21,8 @@ hashes (nothing is read back to write it), "complete" (DONE, MANIFEST, every fil
 `verify_checkpoint(hashes=False)`) is what selection, retention and `raygpt status` check, and
 each rank hashes the bytes it loads (`verify_bytes`).
 
-Ray integration (reporting, the driver callback that writes DONE and MANIFEST) and the training
-loop live elsewhere; they call the formats and policies here.
+The worker side (save, restore, rewind) is raygpt.checkpointing.runtime's; the driver-side
+callback that calls `finalize_checkpoint` once Ray has every rank's files is raygpt.ray.driver's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Callable
 
 import numpy as np
 
-from raygpt.storage import MAX_JSON_BYTES, FileTooLarge, RunDir, read_json_bounded, write_local_atomic
+from raygpt.atomic_file import write_local_atomic
+from raygpt.storage import MAX_JSON_BYTES, FileTooLarge, RunDir, read_json_bounded
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,13 @@ class WorldSizeMismatch(CheckpointError):
 
 
 # ---------------------------------------------------------------------- names (llm.c's)
+def step_of_dir(name: str) -> int | None:
+    """The step of a checkpoint directory's name (`step_XXXXXXXX`), None for any other name:
+    the one place a step is read back from a name."""
+    m = _STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -807,11 +816,6 @@ def checkpoints_to_delete(steps, *, keep_last: int, keep_every: int, protect: se
     return [s for s in steps if s not in keep]
 
 
-def delete_checkpoint(run_dir: RunDir, step: int) -> None:
-    """Remove a whole checkpoint directory (llm.c's delete_checkpoint, all ranks' files at once)."""
-    run_dir.delete_dir(step_dir(step))
-
-
 def private_stage_root(label: str) -> Path:
     """A new local directory, private to this process's user, for one run's staged checkpoint
     files on this machine (every rank writes its files here before Ray uploads them). Created
@@ -852,3 +856,87 @@ def stage_dir(tmp_root: str | os.PathLike, step: int) -> Path:
     carries the temp mark so no scan mistakes it for a checkpoint."""
     check_private_dir(tmp_root)
     return Path(tempfile.mkdtemp(prefix=f"{step_dir(step)}{_TEMP_MARK}", dir=tmp_root))
+
+
+# ---------------------------------------------------------------------- finalize and retention
+
+def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
+    """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
+    Called by whoever knows that every rank's files are durably stored: the Ray driver's
+    finalizer (`trainer.CheckpointFinalizer`, off the controller's thread) after Ray registered
+    the checkpoint, or the single process after its own upload.
+
+    `rank_hashes` are what the ranks hashed while writing (every byte once, by its writer). They
+    must cover every rank's files, and storage must hold each of them with the size its rank
+    wrote; MANIFEST takes the ranks' hashes, so nothing is read back here (no cost that grows
+    with the world or the state). A corrupted upload that keeps its size is caught by the rank
+    that loads the file (`Checkpointer.restore_latest` hashes what it reads)."""
+    sdir = step_dir(step)
+    trajectory = (meta.get("extra") or {}).get("trajectory")
+    hit = abandoned_by(step, trajectory, read_abandoned_trajectories(run_dir))
+    if hit is not None:
+        raise CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
+                                 f"spike rewind abandoned back to step {hit['to_step']}; not "
+                                 f"marking DONE")
+    unreported = [n for n in expected_files(step, meta["world_size"]) if n not in rank_hashes]
+    if unreported:
+        raise CheckpointError(f"{run_dir.uri(f'{sdir}/{unreported[0]}')}: no rank reported "
+                                 f"writing it ({len(unreported)} file(s)); not marking DONE")
+    for name, h in rank_hashes.items():
+        stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
+        if stored != h["size"]:
+            raise CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
+                                     f"as written by its rank, found {stored}; not marking DONE")
+    # every byte durable before anything declares it complete: the rank files as stored (Ray
+    # copied them without an fsync), then their names in the step directory and the step
+    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
+    run_dir.make_durable([f"{sdir}/{n}" for n in published_files(run_dir, step)] + [sdir, ""])
+    write_done(run_dir, step)
+    write_manifest(run_dir, step, written=rank_hashes,
+                      **{k: v for k, v in meta.items() if k not in ("retention", "step")})
+    apply_retention(run_dir, meta["retention"])
+
+
+def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
+    """Delete the checkpoints the retention policy lets go (-nk / -nm, the last before a WSD
+    decay, never the newest verified one). Returns the deleted steps."""
+    steps = list_checkpoint_steps(run_dir)
+    if not steps:
+        return []
+    newest = find_latest_verified(run_dir, warn=lambda m: None, hashes=False)
+    protect = set()
+    if policy.get("wsd_decay_start") is not None:
+        before = [s for s in steps if s <= policy["wsd_decay_start"]]
+        if before:
+            protect.add(max(before))
+    doomed = checkpoints_to_delete(steps, keep_last=policy["keep_last"],
+                                      keep_every=policy["keep_every"], protect=protect,
+                                      newest_verified=newest)
+    for s in doomed:
+        run_dir.delete_dir(step_dir(s))
+    return doomed
+
+
+# ---------------------------------------------------------------------- copy
+
+def copy_checkpoint(src: RunDir, dst: RunDir, step: int) -> None:
+    """Copy a verified checkpoint directory, in the write protocol's order: rank files, then DONE,
+    then MANIFEST (atomically, last), so an interrupted copy is never mistaken for a checkpoint."""
+    sdir = step_dir(step)
+    problems = verify_checkpoint(src, step)
+    if problems:
+        raise CheckpointError(f"{src.uri(sdir)}: cannot branch from an unverified checkpoint: "
+                                 + "; ".join(problems))
+    dst.delete_dir(sdir)  # leftovers of an interrupted copy
+    dst.makedirs(sdir)
+    last = (done_file(step), MANIFEST)
+    names = src.listdir(sdir, files_only=True)
+    for name in [n for n in names if n not in last] + [done_file(step)]:
+        with src.fs.open_input_stream(src.path(f"{sdir}/{name}")) as fin, \
+                dst.fs.open_output_stream(dst.path(f"{sdir}/{name}")) as fout:
+            while chunk := fin.read(8 << 20):
+                fout.write(chunk)
+    dst.write_bytes_atomic(f"{sdir}/{MANIFEST}", src.read_bytes(f"{sdir}/{MANIFEST}"))
+    problems = verify_checkpoint(dst, step)
+    if problems:
+        raise CheckpointError(f"{dst.uri(sdir)}: the copy does not verify: " + "; ".join(problems))

@@ -66,33 +66,29 @@ import dataclasses
 import json
 import math
 import os
+import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-import ray.train
 from ray import tune
-from ray.train import UserCallback
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
-from raygpt import checkpoint as ck
-from raygpt import preflight
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
-from raygpt.history import read_history
+from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
+from raygpt.ray.driver import RunFailed, cluster_gpus, init_ray, run
+from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,
+                               check_space, main, pin_for_trials,
+                               preflight_sweep, space_items, trial_config)
+from raygpt.runlog.history import read_history
 from raygpt.schedule import wsd_decay_start
-from raygpt.ownership import Lease, check_overwrite, read_marker, write_marker
 from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
-from raygpt.run_config import write_launch
-# the configs and the command line, which need no Ray (re-exported: raygpt.sweep is the API)
-from raygpt.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,  # noqa: F401
-                           build_sweep_parser, check_space, known_trial_points, known_values,
-                           main, pin_for_trials, preflight_sweep, space_items, trial_config)
-from raygpt.trainer import (RunFailed, build_trainer, claimed_run_dir, create_control, fit_or_raise,
-                            init_ray, start_train_helpers)
+
+log = logging.getLogger(__name__)
 
 PLAN_FILE = "sweep.json"
 PLAN_FORMAT = "raygpt-sweep"
@@ -174,18 +170,6 @@ def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
 
 # ====================================================================== configs (pure)
 
-def gpus_before_ray(address: str | None) -> int | None:
-    """The GPUs the trials can have, counted without starting a Ray of our own: the cluster's
-    when this process is already in one or joins one (the argument or RAY_ADDRESS: that Ray is
-    up already), else None (resolve() counts this machine's, as the local Ray will)."""
-    if ray.is_initialized():
-        return int(ray.cluster_resources().get("GPU", 0))
-    if address or os.environ.get("RAY_ADDRESS"):
-        init_ray(address)
-        return int(ray.cluster_resources().get("GPU", 0))
-    return None
-
-
 def max_concurrent_trials(cluster: dict, per_trial: TrainConfig) -> int:
     """Trials whose workers fit at once: GPUs (or CPUs, one per CPU worker) // workers per trial."""
     kind = "GPU" if per_trial.device == "gpu" else "CPU"
@@ -241,55 +225,6 @@ class _ValReportsToTune(TuneReportCallback):
         super().after_report(run_context, [{k: m[k] for k in VAL_KEYS if k in m}], None)
 
 
-class _StopAtStep(UserCallback):
-    """Asks the workers to checkpoint and stop (the driver's SIGTERM path) once a report from
-    step >= `step` arrives. Used to end the WSD stable phase at the shared step."""
-
-    def __init__(self, step: int, control):
-        self.step, self.control, self.sent = step, control, False
-
-    def after_report(self, run_context, metrics, checkpoint):
-        if not self.sent and any(m.get("step", -1) >= self.step for m in metrics):
-            self.control.request.remote("stop")
-            self.sent = True
-
-
-def fit_run(cfg: TrainConfig, *, callbacks: tuple = (), stop_at_step: int | None = None,
-            control_name: str | None = None, lineage: str | None = None,
-            command: tuple = (), cwd: str = "", adapted: list[str] = ()):
-    """One raygpt run under Ray Train, from inside a Tune trial (or the sweep driver).
-
-    The run's inputs go through the single run's checks first (`preflight.check`: on a re-run
-    this includes resuming its own checkpoint), and its `config.json` records the launch
-    (`command`/`cwd`: the sweep driver's; `adapted`: what resolving changed).
-    The TorchTrainer is `trainer.build_trainer`'s, the one a single run uses, with `callbacks`
-    added on the controller. The run's control actor (stop and save requests, polled by rank 0)
-    is named `control_name`, so a scheduler can find it.
-    Raises ConfigError for a bad input, RunFailed once the run's own retry budget
-    (cfg.max_failures) is spent or at once when a worker's error would only recur (`final`).
-    The run directory's lease is held under `lineage` (the sweep driver's lease token and the
-    trial id): a retry of the same trial takes it over at once, any other job is refused."""
-    facts = preflight.check(cfg)
-    controls: list = []
-    with claimed_run_dir(cfg, lineage=lineage, what="raygpt sweep trial",
-                         on_lost=lambda why: [c.request.remote("stop") for c in controls]
-                         ) as (cfg, run_dir):
-        write_launch(run_dir, cfg, argv=list(command) or None, cwd=cwd or None,
-                     adapted=adapted, plan=facts)
-        start_train_helpers()
-        control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
-        control = create_control(control_name)
-        controls.append(control)
-        extra = list(callbacks)
-        if stop_at_step is not None:
-            extra.append(_StopAtStep(stop_at_step, control))
-        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
-        try:
-            return fit_or_raise(trainer, cfg, time.time())
-        finally:
-            ray.kill(control)
-
-
 def trial_control_name(trial_id: str) -> str:
     return f"raygpt-sweep-control-{trial_id}"
 
@@ -328,33 +263,10 @@ class GracefulASHA(ASHAScheduler):
             return self.CONTINUE  # ASHA's STOP at max_t: the run is ending on its own
         if request_stop(trial_control_name(trial.trial_id)):
             self.stopping.add(trial.trial_id)
-            print(f"raygpt sweep | early stop: {trial} at step {result.get('step')} "
-                  f"(val loss {result.get('val_loss', float('nan')):.4f}); asked its run to "
-                  f"checkpoint and stop", flush=True)
+            log.info(f"raygpt sweep | early stop: {trial} at step {result.get('step')} "
+                     f"(val loss {result.get('val_loss', float('nan')):.4f}); asked its run to "
+                     f"checkpoint and stop")
         return self.CONTINUE
-
-
-def copy_checkpoint(src: RunDir, dst: RunDir, step: int) -> None:
-    """Copy a verified checkpoint directory, in the write protocol's order: rank files, then DONE,
-    then MANIFEST (atomically, last), so an interrupted copy is never mistaken for a checkpoint."""
-    sdir = ck.step_dir(step)
-    problems = ck.verify_checkpoint(src, step)
-    if problems:
-        raise ck.CheckpointError(f"{src.uri(sdir)}: cannot branch from an unverified checkpoint: "
-                                 + "; ".join(problems))
-    dst.delete_dir(sdir)  # leftovers of an interrupted copy
-    dst.makedirs(sdir)
-    last = (ck.done_file(step), ck.MANIFEST)
-    names = src.listdir(sdir, files_only=True)
-    for name in [n for n in names if n not in last] + [ck.done_file(step)]:
-        with src.fs.open_input_stream(src.path(f"{sdir}/{name}")) as fin, \
-                dst.fs.open_output_stream(dst.path(f"{sdir}/{name}")) as fout:
-            while chunk := fin.read(8 << 20):
-                fout.write(chunk)
-    dst.write_bytes_atomic(f"{sdir}/{ck.MANIFEST}", src.read_bytes(f"{sdir}/{ck.MANIFEST}"))
-    problems = ck.verify_checkpoint(dst, step)
-    if problems:
-        raise ck.CheckpointError(f"{dst.uri(sdir)}: the copy does not verify: " + "; ".join(problems))
 
 
 def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
@@ -364,7 +276,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
         return False
     stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
-    copy_checkpoint(stable, run_dir, plan.shared_step)
+    ck.copy_checkpoint(stable, run_dir, plan.shared_step)
     return True
 
 
@@ -383,9 +295,9 @@ def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
         if plan.mode == "wsd_branch":
             seed_branch(plan, open_run_dir(run_dir))
         trial_id = tune.get_context().get_trial_id()
-        fit_run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
-                lineage=f"{lineage}/{trial_id}" if lineage else None,
-                command=plan.command, cwd=plan.cwd, adapted=adapted)
+        run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
+            lineage=f"{lineage}/{trial_id}" if lineage else None, what="raygpt sweep trial",
+            argv=list(plan.command) or None, cwd=plan.cwd or None, adapted=adapted)
     except (ConfigError, RunFailed) as e:
         code = EXIT_BAD_INPUT if isinstance(e, ConfigError) else e.exit_code if e.final else None
         if code is not None:
@@ -529,7 +441,7 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
     (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
     if settings["early_stop"] not in ("asha", "none"):
         raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
-    pinned = pin_for_trials(base, gpus_before_ray(ray_address))
+    pinned = pin_for_trials(base, cluster_gpus(ray_address))
     upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
     settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
     if settings["early_stop"] == "asha" and settings["max_t"] is None:
@@ -562,14 +474,8 @@ def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str,
     """Refuse to clobber an existing sweep, write sweep.json (`pinned`: the checked base)."""
     sweep = open_run_dir(_abs(sweep_dir))
     if sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR):
-        if not base.overwrite:
-            raise ConfigError(f"-o/--output-dir {sweep.uri()}: expected an empty or new sweep "
-                              f"directory, found an existing sweep; pass -y 1 to resume it or "
-                              f"--overwrite to start fresh over it")
-        check_overwrite(sweep, "sweep", sweep_dir)  # a marked sweep directory, not a bucket root
-        sweep.delete_dir("")
-        if lease is not None:
-            lease.renew()  # the delete took the lease file with it
+        check_fresh_start(sweep, "sweep", sweep_dir, base.overwrite)  # a run's own rule
+        delete_for_fresh_start(sweep, "sweep", lease)
     plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
                      settings=settings, command=list(getattr(sys, "orig_argv", sys.argv)),
                      cwd=os.getcwd(), **wsd)
@@ -610,8 +516,8 @@ def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
                 name=TUNE_DIR, storage_path=plan.sweep_dir,
                 failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
                 callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"])]))
-    print(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "
-          f"trial(s) | early stop {s['early_stop']}" + (" | restored" if restore else ""), flush=True)
+    log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "
+             f"trial(s) | early stop {s['early_stop']}" + (" | restored" if restore else ""))
     tuner.fit()
     return summarize(plan.sweep_dir, max_concurrent=concurrent)
 
@@ -635,10 +541,11 @@ def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
     adapted: list[str] = []
     cfg = trial_config(base, {"max_steps": plan.stable_max_steps, "checkpoint_every": every},
                        stable.uri(), notes=adapted)
-    print(f"raygpt sweep | WSD stable phase: {cfg.max_steps}-step schedule, stopping after the "
-          f"checkpoint at step {S} | {stable.uri()}", flush=True)
-    fit_run(cfg, stop_at_step=S, lineage=f"{lineage}/stable" if lineage else None,
-            command=plan.command, cwd=plan.cwd, adapted=adapted)
+    log.info(f"raygpt sweep | WSD stable phase: {cfg.max_steps}-step schedule, stopping after the "
+             f"checkpoint at step {S} | {stable.uri()}")
+    run(cfg, stop_at_step=S, lineage=f"{lineage}/stable" if lineage else None,
+        what="raygpt sweep trial", argv=list(plan.command) or None, cwd=plan.cwd or None,
+        adapted=adapted)
     problems = ck.verify_checkpoint(stable, S) if stable.exists(ck.step_dir(S)) else ["missing"]
     if problems:
         raise ck.CheckpointError(f"{stable.uri(ck.step_dir(S))}: the stable phase ended without a "
@@ -728,8 +635,7 @@ def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        print("raygpt sweep | matplotlib is not installed (pip install raygpt[plot]); no plot",
-              flush=True)
+        log.info("raygpt sweep | matplotlib is not installed (pip install raygpt[plot]); no plot")
         return None
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend
@@ -773,14 +679,14 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
     if sweep.is_local:
         plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve,
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")
-    print(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}", flush=True)
+    log.info(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}")
     for r in rows:
         if r.stopped is not None:
-            print(f"raygpt sweep | {r.name}: not re-run ({'bad input' if r.stopped == EXIT_BAD_INPUT else 'raygpt stopped it'}): "
-                  f"{r.error}", flush=True)
+            log.info(f"raygpt sweep | {r.name}: not re-run ({'bad input' if r.stopped == EXIT_BAD_INPUT else 'raygpt stopped it'}): "
+                     f"{r.error}")
     if best is not None:
-        print(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); its config: {best_path} "
-              f"(python experiments/shakespeare.py --config {best_path})", flush=True)
+        log.info(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); its config: {best_path} "
+                 f"(python experiments/shakespeare.py --config {best_path})")
     return SweepReport(sweep_dir=plan.sweep_dir, rows=rows, best=best, best_config_path=best_path,
                        plot_path=plot_path, table=table, max_concurrent=max_concurrent)
 

@@ -1,4 +1,4 @@
-"""The run log without Ray: what a person reads on the console, and what reaches Ray's report,
+"""The reporter without Ray: what a person reads on the console, and what reaches Ray's report,
 from the real loop under a LocalSession that records its reports."""
 
 import json
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from raygpt.loop import train
-from raygpt.metrics import format_duration, format_step_line
-from raygpt.runlog import printable, val_text
+from raygpt.runlog.console import printable
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
@@ -30,28 +29,6 @@ def run_recorded(cfg, interval_s=0.0):
     session = RecordingSession(cfg.output_dir, interval_s)
     summary = train(cfg.resolve(0), session)
     return session, summary
-
-
-def test_step_line_carries_an_eta():
-    line = format_step_line(8, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, None, precision="fp32",
-                            eta_s=125.7, note="SKIP: loss z 9.1")
-    assert line.endswith("| 100 tok/s | eta 2m05s | SKIP: loss z 9.1")
-    assert "eta" not in format_step_line(1, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, None)
-
-
-@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.9, "59s"), (60, "1m00s"),
-                                           (3599, "59m59s"), (7620, "2h07m"),
-                                           (3 * 86400 + 4 * 3600 + 5, "3d04h"),
-                                           (float("nan"), "n/a"), (-3, "0s")])
-def test_format_duration(seconds, text):
-    assert format_duration(seconds) == text
-
-
-def test_samples_print_as_text_with_control_characters_escaped():
-    assert printable("To be,\n\tor not") == "To be,\n\tor not"
-    assert printable("a\x1b[2Jb\rc\x00") == "a\\x1b[2Jb\\rc\\x00"
-    assert val_text(float("nan")) == "n/a" and val_text(None) == "n/a"
-    assert val_text(3.14159) == "3.1416"
 
 
 def test_console_reads_like_a_person_would_want(tmp_path, capsys):

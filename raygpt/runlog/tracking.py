@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the config imports this module: keep its import free of pyarrow
     from raygpt.storage import RunDir
@@ -346,15 +349,14 @@ class Trackers:
             try:
                 tracker.close(status)
             except Exception as e:  # noqa: BLE001
-                print(f"raygpt | WARNING: {tracker.name}: closing the tracker run failed: "
-                      f"{type(e).__name__}: {e}", flush=True)
+                log.warning(f"raygpt | WARNING: {tracker.name}: closing the tracker run failed: "
+                            f"{type(e).__name__}: {e}")
         self.active = []
 
     def _drop(self, tracker, step: int, error: Exception) -> None:
         self.active.remove(tracker)
         message = f"{type(error).__name__}: {error}"[:300]
-        print(f"raygpt | WARNING: {tracker.name} logging failed at step {step} ({message}); "
-              f"no more {tracker.name} metrics this attempt (loss_history.jsonl has them all)",
-              flush=True)
+        log.warning(f"raygpt | WARNING: {tracker.name} logging failed at step {step} ({message}); "
+                    f"no more {tracker.name} metrics this attempt (loss_history.jsonl has them all)")
         if self.on_error is not None:
             self.on_error(step, tracker.name, message)

@@ -17,19 +17,19 @@ from pathlib import Path
 import pytest
 import ray
 
-from raygpt import checkpoint as ck
-from raygpt.checkpoint import CheckpointError
+from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
-from raygpt.data import ShardError
+from raygpt.llmc.shards import ShardError
 from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
                            TrainingStopped, stop_code)
 from raygpt.signals import SaveClock
 from raygpt.storage import open_run_dir
-from raygpt.tracking import TrackingError
-from raygpt.trainer import RunFailed, StopOnRunStopped, run
+from raygpt.runlog.tracking import TrackingError
+from raygpt.ray.driver import RunFailed, StopOnRunStopped, run
 from tests.helpers import records, tiny_config, train_losses
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2)
 
 
@@ -84,13 +84,6 @@ def test_failure_policy_raises_on_run_stopped_and_retries_the_rest():
 
 # ---------------------------------------------------------------------- in-process runs
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def go(cfg):
     return run(cfg.resolve(0))
 
@@ -126,13 +119,13 @@ def test_spike_escalation_stops_the_run_without_a_retry(local_ray, tmp_path):
 
 
 def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(local_ray):
-    """raygpt.pg_cleanup's reaper on its own, with a stand-in for Ray Train's controller: killed
+    """raygpt.ray.pg_cleanup's reaper on its own, with a stand-in for Ray Train's controller: killed
     for real, its placement group is removed (no State API involved: this test process's Ray has
     no dashboard); stopped in order first (the controller removes its own group), the reaper
     exits and leaves the group alone even when the controller dies later."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    from raygpt.pg_cleanup import PlacementGroupReaper
+    from raygpt.ray.pg_cleanup import PlacementGroupReaper
 
     @ray.remote(num_cpus=0)
     class Controller:
@@ -165,7 +158,7 @@ def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(loc
 
 
 # A killed worker is still retried under this failure policy and resumes bit-exactly:
-# tests/test_trainer.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
+# tests/ray_seam/test_driver.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
 
 CTRL_C = dict(num_workers=2, max_steps=30, checkpoint_every=10, total_batch_size=4 * 32 * 2)
 

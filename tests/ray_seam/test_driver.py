@@ -7,22 +7,17 @@ import json
 import pytest
 import ray
 
-from raygpt import checkpoint as ck
-from raygpt.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
+from raygpt.checkpointing import protocol as ck
+from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
 from raygpt.report import run_status
 from raygpt.storage import open_run_dir
-from raygpt.trainer import RunFailed, run
+from raygpt.ray.driver import RunFailed, run
 from tests.helpers import records, tiny_config, train_losses
 
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/ray_seam/conftest.py
 
 def go(cfg):
     return run(cfg.resolve(0))
@@ -147,7 +142,7 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
     12 it reads MANIFEST, its own state file and (fp32) the model file, nothing of rank 0's."""
     import torch
 
-    from raygpt.checkpointer import Checkpointer
+    from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.data import DistributedDataLoader
     from raygpt.loop import build_model
     from raygpt.optim import AdamW, FlatParameters
@@ -202,7 +197,7 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
 
 
 def snapshot_names(run_dir) -> list[str]:
-    from raygpt.ray_snapshot import SNAPSHOT
+    from raygpt.ray.snapshot import SNAPSHOT
     snap = json.loads((run_dir / SNAPSHOT).read_text())
     return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
 
@@ -272,7 +267,7 @@ def test_validation_on_fewer_ranks_than_workers(tmp_path):
     import numpy as np
     import torch
 
-    from raygpt.data import read_shard, write_shard
+    from raygpt.llmc.shards import read_shard, write_shard
     from raygpt.loop import build_model, build_val_loader, evaluate
 
     write_shard(tmp_path / "val.bin", np.asarray(read_shard(tiny_config(tmp_path).input_val_bin)[:100]))
@@ -302,8 +297,9 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     from mlflow.tracking import MlflowClient
     from ray.train import UserCallback
 
-    from raygpt.trainer import build_trainer, create_control, prepare_run_dir
-    from tests.test_tracking import latest, wandb_history
+    from raygpt.ownership import prepare_run_dir
+    from raygpt.ray.driver import build_trainer, create_control
+    from tests.runlog.test_tracking import latest, wandb_history
 
     class RecordReports(UserCallback):  # defined here: pickled by value to the controller
         def __init__(self, path):

@@ -1,6 +1,7 @@
 """The run's own memory: append-only records across attempts, the resume audit, goodput."""
 
-from raygpt.history import ResumeAudit, RunHistory, parse_jsonl, read_history, summarize_run
+from raygpt.runlog.history import (ResumeAudit, RunHistory, parse_jsonl, read_history, steps_logged,
+                                   summarize_run)
 from raygpt.storage import open_run_dir
 
 
@@ -115,3 +116,10 @@ def test_a_resume_after_a_rewind_is_audited_against_the_trajectory_it_is_on(tmp_
     resume, audit = [r for r in read_history(rd) if r["kind"] in ("resume", "audit")]
     assert resume["steps_lost"] == 2
     assert audit["message"] == "resume verified bit-exact over 2 steps"
+
+
+def test_steps_logged_keeps_the_latest_attempt():
+    records = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 9.0}, {"event": "rewind", "to": 0},
+               {"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8},
+               {"step": 2, "event": "skip", "loss": 9.9}]
+    assert steps_logged(records) == {0: 3.0, 1: 2.9, 2: 2.8}

@@ -22,6 +22,7 @@ handy for checking a run without TensorBoard.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import struct
 import tempfile
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 
 from raygpt.storage import RunDir, open_run_dir
+
+log = logging.getLogger(__name__)
 
 TB_DIR = "tb"
 EVENT_FILE_MARK = "tfevents"  # every event file's name contains it (events.out.tfevents.<time>...)
@@ -54,8 +57,8 @@ class TensorBoardWriter:
             from tensorboardX.proto.event_pb2 import Event, SessionLog
             from tensorboardX.proto.summary_pb2 import Summary
         except ImportError:
-            print("raygpt | TensorBoard: tensorboardX is not installed, no event files "
-                  "(pip install 'raygpt[tensorboard]')", flush=True)
+            log.info("raygpt | TensorBoard: tensorboardX is not installed, no event files "
+                     "(pip install 'raygpt[tensorboard]')")
             return
         self._EventsWriter, self._Event, self._SessionLog, self._Summary = (
             EventsWriter, Event, SessionLog, Summary)

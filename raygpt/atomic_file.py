@@ -1,0 +1,67 @@
+"""The one atomic write of a local file, used by every writer that replaces a file in place
+(storage's local run directories, llm.c model files, token shards).
+
+The rule: the bytes go to a temporary file in the target's directory; on a clean exit the file
+is fsynced, renamed over the target, and the directory fsynced after the rename (what makes the
+new name durable: without it a power loss can bring the old file back). A reader sees the old
+file or the whole new one, never a mix; on an error the temporary file is removed and the
+target is untouched. Some filesystems (network and FUSE ones) cannot fsync a directory: there
+the rename is as durable as the filesystem makes it, and any other failure of that fsync (an
+I/O error) is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+# what a filesystem answers when it does not fsync directories (not an I/O failure)
+_NO_DIRECTORY_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF,
+                                 errno.EISDIR, errno.EACCES, errno.EPERM})
+
+
+@contextlib.contextmanager
+def atomic_local_file(target: str | os.PathLike):
+    """`with atomic_local_file(path) as f: f.write(...)`: `f` is a binary file in the target's
+    directory that replaces `path` atomically and durably when the block ends without an error."""
+    target = Path(target)
+    # <name>.tmp-<random>: every temporary name raygpt makes carries ".tmp-" (a reader of a run
+    # or stage directory skips such names; see checkpoint's _TEMP_MARK)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_directory(target.parent)
+
+
+def write_local_atomic(target: str | os.PathLike, chunks) -> None:
+    """Write `chunks` (bytes-like) to a local file by `atomic_local_file`'s rule."""
+    with atomic_local_file(target) as f:
+        for c in chunks:
+            f.write(c)
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """fsync a directory by name, so the names in it (a rename, a new file) are durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno in _NO_DIRECTORY_FSYNC:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_DIRECTORY_FSYNC:
+            raise
+    finally:
+        os.close(fd)

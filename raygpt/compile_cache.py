@@ -1,0 +1,115 @@
+"""torch.compile once per node, and once per run for a new node.
+
+torch.compile's caches (Inductor's FX graphs, AOTAutograd's, Triton's kernels) live on the node's
+local disk under NODE_COMPILE_CACHE, shared by every worker process the node runs, so a worker that
+Ray restarts on a surviving node finds its graphs compiled (TORCHINDUCTOR_CACHE_DIR /
+TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
+(torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
+replacement node fills its local caches from them before its first step instead of compiling.
+Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
+another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
+
+`CompileCache` is the loop's one handle on it: `for_run` points the caches at the node and
+fills them from the run's artifacts, `save_if_new` stores the first step's graphs (rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+import torch
+
+from raygpt.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"raygpt_compile_cache_{os.getuid()}")
+COMPILE_ARTIFACTS = "compile_cache"
+
+
+def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
+    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.stat(root)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{root}: the node's compile cache must be private to user "
+                                  f"{os.getuid()} (found owner {st.st_uid}, mode "
+                                  f"{oct(st.st_mode & 0o777)}); remove it or set "
+                                  f"TORCHINDUCTOR_CACHE_DIR")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                                                           "triton_user"))
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:
+    """Where the run keeps its compiled artifacts: one file per (config, torch, device model),
+    since a graph compiled for another GPU or torch version is of no use (and torch's own keys
+    would only miss). The config is its identity plus what a resume may change that changes
+    the graphs (--deterministic picks other kernels)."""
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode  # (the key runs had)
+    key = hashlib.sha256(json.dumps([cfg.hash(), cfg.deterministic, mode,
+                                     torch.__version__, device_name]).encode())
+    return f"{COMPILE_ARTIFACTS}/{key.hexdigest()[:20]}.bin"
+
+
+def load_compile_artifacts(run_dir, name: str, cache_dir: str) -> bool:
+    """Fill this node's caches from the run's artifacts, once per node (a marker in the local
+    cache says they are in); True when the run has artifacts. A damaged file only costs a
+    compilation: torch checks what it loads, and the loop compiles as if there were none."""
+    if not run_dir.exists(name):
+        return False
+    marker = _artifacts_marker(cache_dir, name)
+    if not os.path.exists(marker):
+        try:
+            torch.compiler.load_cache_artifacts(run_dir.read_bytes(name))
+        except Exception as e:  # noqa: BLE001 - a cache: compiling is always a correct fallback
+            log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: compiled artifacts not loaded "
+                        f"({e}); compiling")
+            return True
+        _touch(marker)
+    return True
+
+
+def save_compile_artifacts(run_dir, name: str, cache_dir: str) -> None:
+    """Store what this process compiled (the first step's graphs, validation's) beside the run;
+    this node's cache has them already."""
+    artifacts = torch.compiler.save_cache_artifacts()
+    if artifacts is not None:
+        run_dir.write_bytes_atomic(name, artifacts[0])
+        _touch(_artifacts_marker(cache_dir, name))
+
+
+def _artifacts_marker(cache_dir: str, name: str) -> str:
+    return os.path.join(cache_dir, "raygpt_loaded_" + os.path.basename(name))
+
+
+def _touch(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").close()
+
+
+@dataclasses.dataclass
+class CompileCache:
+    """A compiling run's caches: the run's artifacts file (`name`), this node's cache directory,
+    and whether the run had artifacts when this process started (then there is nothing new)."""
+
+    name: str
+    cache_dir: str
+    had_artifacts: bool
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, session) -> "CompileCache":
+        name = compile_artifacts_name(cfg, session.device_name)
+        cache_dir = use_node_compile_cache()
+        return cls(name, cache_dir, load_compile_artifacts(session.run_dir, name, cache_dir))
+
+    def save_if_new(self, run_dir) -> None:
+        if not self.had_artifacts:
+            save_compile_artifacts(run_dir, self.name, self.cache_dir)

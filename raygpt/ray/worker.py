@@ -1,0 +1,190 @@
+"""The worker side of the Ray seam: what each Ray Train worker runs (`train_func`), the `Session`
+the loop talks to Ray through (`RaySession`), the driver's control actor the workers poll
+(`RunControl`), and the backend hook that installs raygpt's signal handlers on each worker.
+
+The loop (raygpt.loop) knows nothing of Ray: everything it needs (rank, device, the checkpoint
+Ray restored, reporting metrics and checkpoints, requests from the driver, Ray's preemption
+notice) comes through `RaySession`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+from ray.train import Checkpoint
+from ray.train.torch import TorchConfig
+from ray.train.torch.config import _TorchBackend
+
+from raygpt import signals
+from raygpt.checkpointing import protocol as ck
+from raygpt.config import TrainConfig
+from raygpt.errors import RunStopped, stop_code
+from raygpt.session import Session
+from raygpt.storage import open_run_dir
+
+log = logging.getLogger(__name__)
+
+
+
+@ray.remote(num_cpus=0)
+class RunControl:
+    """Requests from the driver to the workers: stop (checkpoint, exit) or save (and go on)."""
+
+    def __init__(self):
+        self.stop, self.save_count = False, 0
+
+    def request(self, kind: str) -> None:
+        if kind == "stop":
+            self.stop = True
+        else:
+            self.save_count += 1
+
+    def poll(self) -> tuple[bool, int]:
+        return self.stop, self.save_count
+
+
+class RaySession(Session):
+    def __init__(self, cfg: TrainConfig, control_name: str | None):
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device() if cfg.device == "gpu" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.run_dir = open_run_dir(cfg.output_dir)
+        self._checkpoint = ray.train.get_checkpoint()
+        self._control = None
+        if control_name and self.rank == 0:
+            try:
+                self._control = ray.get_actor(control_name)
+            except ValueError:
+                self._control = None
+        self._control_ref = None
+        self._saves_seen = 0
+        self._polls = 0
+        self._preempt_noticed = False
+        self._preemption_poll_steps = cfg.preemption_poll_steps
+        # Ray Train's controller takes one report per health-check poll (2 s unless set), from a
+        # queue of one on each worker: train metrics two polls apart never wait for a poll
+        poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+        self.metrics_interval_s = 2 * poll_s
+
+    def checkpoint_hint(self) -> int | None:
+        if self._checkpoint is None:
+            return None
+        step = ck.step_of_dir(Path(self._checkpoint.path).name)
+        return -1 if step is None else step
+
+    def report_metrics(self, metrics: dict) -> None:
+        ray.train.report(metrics)
+
+    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
+        metrics = {**metrics, "raygpt_files": file_hashes}
+        if manifest_meta is not None:
+            metrics["raygpt_manifest"] = manifest_meta
+        # The files are already written (on our background thread); Ray copies them into
+        # storage on its own upload thread and registers the checkpoint when all ranks are in.
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(local_dir),
+                         checkpoint_dir_name=dir_name,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+    def poll_requests(self) -> tuple[bool, bool]:
+        """(stop, save) requested from outside: the driver's control actor (rank 0, without
+        blocking) and Ray's preemption notice (every cfg.preemption_poll_steps calls, all ranks:
+        the poll is a barrier across workers, so it is step-based and every rank polls at the
+        same steps)."""
+        stop = save = False
+        if self._control is not None:
+            if self._control_ref is None:
+                self._control_ref = self._control.poll.remote()
+            ready, _ = ray.wait([self._control_ref], timeout=0)
+            if ready:
+                try:
+                    stop, saves = ray.get(self._control_ref)
+                except ray.exceptions.RayError as e:  # the driver is gone: train on without it
+                    log.warning(f"raygpt | WARNING: lost the driver's control channel ({type(e).__name__})"
+                                f"; signals to the driver no longer reach the workers")
+                    self._control, stop, saves = None, False, self._saves_seen
+                self._control_ref = None
+                save = saves > self._saves_seen
+                self._saves_seen = saves
+        self._polls += 1
+        if self._polls % self._preemption_poll_steps == 0 and ray.train.get_preemption_info() is not None:
+            if not self._preempt_noticed:  # one checkpoint per notice, then keep training
+                self._preempt_noticed = save = True
+                if self.rank == 0:
+                    log.info("raygpt | preemption notice from Ray: checkpointing now")
+        return stop, save
+
+    def failure_note(self) -> str | None:
+        return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
+
+    def startup_marks(self) -> dict[str, float]:
+        return dict(_STARTUP_MARKS)
+
+
+def train_func(config: dict) -> None:
+    """What each Ray Train worker runs."""
+    from raygpt.loop import train
+
+    cfg = TrainConfig.from_dict(config["cfg"])
+    if cfg.device == "cpu":
+        torch.set_num_threads(config.get("threads_per_worker", 1))
+    _quiet_report_log()
+    try:
+        summary = train(cfg, RaySession(cfg, config.get("control_name")))
+    except Exception as e:
+        code = stop_code(e)  # classified here, where the exception still has its cause
+        if code is None:
+            raise  # a fault a restart may cure: Ray's retry budget is for these
+        raise RunStopped(f"{type(e).__name__}: {e}", code) from e
+    ray.train.report({"final": True, **summary})
+
+
+def _quiet_report_log() -> None:
+    """Ray Train 2.60 logs every ray.train.report at INFO, the checkpoint's whole manifest
+    metadata included, through a logger named by its source file, which LoggingConfig's
+    "ray.train" level does not reach; the console keeps raygpt's own lines instead."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: its own logging applies
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+# This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
+# _Backend before the train function runs here; RaySession.startup_marks reads them.
+_STARTUP_MARKS: dict[str, float] = {}
+
+
+def _note_startup_marks(marks: dict) -> None:
+    _STARTUP_MARKS.clear()
+    _STARTUP_MARKS.update(marks)
+
+
+class _Backend(_TorchBackend):
+    """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
+    the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split)."""
+
+    def on_start(self, worker_group, backend_config):
+        # called once the group's actors are up and ready; the process group forms inside it
+        self._marks = {"group_up": time.time()}
+        super().on_start(worker_group, backend_config)
+        self._marks["process_group"] = time.time()
+
+    def on_training_start(self, worker_group, backend_config):
+        super().on_training_start(worker_group, backend_config)
+        worker_group.execute(signals.install)  # runs on each worker actor's main thread
+        worker_group.execute(_note_startup_marks, getattr(self, "_marks", {}))
+
+
+class RaygptTorchConfig(TorchConfig):
+    @property
+    def backend_cls(self):
+        return _Backend

@@ -1,0 +1,11 @@
+"""The run log: everything a run tells a person, and where it keeps it.
+
+    reporter.py     the one object the loop calls once per event; it alone knows which rank
+                    writes and fans each event out to the sinks below (and Ray's report)
+    history.py      loss_history.jsonl and samples.jsonl: schema, writer, the one reader
+    mainlog.py      main.log in llm.c's line format
+    console.py      the step line, and the `raygpt` logger every module's messages go through
+    tensorboard.py  TensorBoard event files, and their reader
+    tracking.py     W&B and MLflow
+    mfu.py          model FLOPs utilisation
+"""
