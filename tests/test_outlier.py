@@ -490,6 +490,7 @@ def test_detector_round_trip_at_every_fill_level(n_values):
     # a checkpoint can be taken at any step: fresh, filling, just full, wrapped many times
     rng = random.Random(n_values)
     a = OutlierDetector()
+    assert a.repair_note is None  # only a repairing load sets it
     for _ in range(n_values):
         a.update(rng.gauss(3.0, 0.2))
     saved = json.loads(json.dumps(a.state_dict()))
