@@ -410,3 +410,339 @@ def test_ledger_state_round_trip():
         b.load_state_dict({**a.state_dict(), "lr_scale": 0.0})
     with pytest.raises(ValueError, match="history\\[0\\]"):
         b.load_state_dict({**a.state_dict(), "history": [{"region_start": 1}]})
+
+
+# ---------------------------------------------------------------------- boundaries and errors
+# (written against the survivors of a mutmut run, bench/results/mutants.md: every decision at its
+# threshold, every value a verdict carries, every field a checkpoint holds)
+
+def bad_state(load, state, owner, field, *fragments):
+    """load(state) must refuse it with a ValueError that says whose state and which field, and
+    what was expected / found (the fragments), so a user can fix the checkpoint."""
+    with pytest.raises(ValueError) as e:
+        load(state)
+    msg = str(e.value)
+    assert msg.startswith(f"{owner} state"), msg
+    assert f"'{field}'" in msg, msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
+def test_a_value_of_exactly_max_window_value_stays_out_of_the_window():
+    from raygpt.outlier import MAX_WINDOW_VALUE, admissible
+    assert admissible(math.nextafter(MAX_WINDOW_VALUE, 0.0))
+    assert not admissible(MAX_WINDOW_VALUE) and not admissible(-MAX_WINDOW_VALUE)
+    det = OutlierDetector()
+    det.update(1.0)
+    det.update(MAX_WINDOW_VALUE)
+    det.update(-MAX_WINDOW_VALUE)
+    assert det.count == 1 and det.window() == [1.0]
+
+
+def test_an_inadmissible_value_gets_its_z_against_the_full_window():
+    # 64 zeros and 64 x 2e149: mean 1e149, std 1e149; 2e150 is too large to enter the window but
+    # is judged as llm.c would judge it: z = (2e150 - 1e149) / 1e149 = 19
+    det = OutlierDetector()
+    for i in range(W):
+        det.update(0.0 if i % 2 else 2e149)
+    before = det.state_dict()
+    assert det.update(2e150) == pytest.approx(19.0, rel=1e-12)
+    assert det.update(-2e150) == pytest.approx(-21.0, rel=1e-12)
+    assert det.update(math.inf) == math.inf
+    assert math.isnan(det.update(math.nan))
+    assert det.state_dict() == before  # judged, never entered
+
+
+def test_an_inadmissible_value_against_a_flat_window_is_nan_not_a_crash():
+    det = OutlierDetector()
+    for _ in range(W):
+        det.update(2.5)  # exact in binary: variance exactly 0
+    for bad in (math.inf, -math.inf, 1e200, math.nan):
+        assert math.isnan(det.update(bad)), bad
+    assert det.update(2.5) == 0.0  # an admissible value against a zero std: z 0
+
+
+def test_a_variance_that_rounds_below_zero_gives_nan_not_a_crash():
+    # 128 x 0.3: sum_sq / 128 - mean^2 rounds to -5.6e-17; C's sqrt gives NaN, so must we
+    det = OutlierDetector()
+    for _ in range(W):
+        det.update(0.3)
+    assert det.sum_sq / W - (det.sum / W) ** 2 < 0.0
+    assert math.isnan(det.update(math.inf))   # judged against the window as it stands
+    assert math.isnan(det.update(0.3))        # entered: the variance is still below zero
+    assert det.count == W and det.is_clean()
+
+
+def test_window_is_oldest_first_once_it_wraps():
+    det = OutlierDetector()
+    for i in range(W + 2):
+        det.update(float(i))
+    assert det.window() == [float(i) for i in range(2, W + 2)]
+    assert det.index == 2
+    det2 = OutlierDetector()
+    for i in range(W):
+        det2.update(float(i))
+    assert det2.window() == [float(i) for i in range(W)] and det2.index == 0
+
+
+@pytest.mark.parametrize("n_values", [0, 1, W - 1, W, W + 1, 3 * W + 17])
+def test_detector_round_trip_at_every_fill_level(n_values):
+    # a checkpoint can be taken at any step: fresh, filling, just full, wrapped many times
+    rng = random.Random(n_values)
+    a = OutlierDetector()
+    assert a.repair_note is None  # only a repairing load sets it
+    for _ in range(n_values):
+        a.update(rng.gauss(3.0, 0.2))
+    saved = json.loads(json.dumps(a.state_dict()))
+    assert saved["window_size"] == W  # so a detector of another window refuses it
+    b = OutlierDetector()
+    b.load_state_dict(saved)
+    assert b.repair_note is None
+    assert (b.count, b.index, b.sum, b.sum_sq) == (a.count, a.index, a.sum, a.sum_sq)
+    assert b.window() == a.window()
+    for _ in range(W + 5):
+        v = rng.gauss(3.0, 0.2)
+        za, zb = a.update(v), b.update(v)
+        assert za == zb or (math.isnan(za) and math.isnan(zb))
+    assert b.state_dict() == a.state_dict()
+
+
+def test_a_detector_state_without_window_size_loads_as_128():
+    a = OutlierDetector()
+    for i in range(5):
+        a.update(float(i))
+    state = a.state_dict()
+    del state["window_size"]
+    b = OutlierDetector()
+    b.load_state_dict(state)
+    assert b.window() == a.window()
+
+
+def test_every_malformed_detector_field_is_named():
+    det = OutlierDetector()
+    for _ in range(W + 3):
+        det.update(1.0)
+    good = det.state_dict()
+    load, o = OutlierDetector().load_state_dict, "OutlierDetector"
+    bad_state(load, {**good, "window_size": 64}, o, "window_size", "expected 128", "found 64")
+    bad_state(load, {**good, "buffer": [0.0] * 64}, o, "buffer", "a list of 128 floats",
+              "a list of 64")
+    bad_state(load, {**good, "buffer": None}, o, "buffer", "found 'NoneType'")
+    bad_state(load, {**good, "buffer": "1,2"}, o, "buffer", "found 'str'")
+    bad_state(load, {**good, "count": 129}, o, "count", "[0, 128]", "found 129")
+    bad_state(load, {**good, "count": -1}, o, "count", "found -1")
+    bad_state(load, {**good, "count": 5.0}, o, "count", "found 5.0")
+    bad_state(load, {**good, "index": W}, o, "index", "[0, 128)", "found 128")
+    bad_state(load, {**good, "index": -1}, o, "index", "found -1")
+    bad_state(load, {**good, "count": 5, "index": 3}, o, "index", "0 while filling", "found 3")
+    for key in ("sum", "sum_sq"):
+        bad_state(load, {**good, key: "1.0"}, o, key, "a float", "found '1.0'")
+        bad_state(load, {k: v for k, v in good.items() if k != key}, o, key, "found None")
+
+
+def test_the_repair_note_says_what_was_poisoned():
+    det = OutlierDetector()
+    for i in range(W):
+        det.update(float(i % 5))
+    state = det.state_dict()
+    state["buffer"][7] = math.inf
+    state["sum"] = math.nan
+    fresh = OutlierDetector()
+    fresh.load_state_dict(state)
+    assert "sum nan" in fresh.repair_note
+    assert "1 of 128 window values not finite" in fresh.repair_note
+    assert fresh.window() == [float(i % 5) for i in range(W) if i != 7]  # order kept
+    fresh.load_state_dict(det.state_dict())  # a clean state clears the note
+    assert fresh.repair_note is None
+
+
+def test_verdict_kind_error_lists_the_kinds():
+    with pytest.raises(ValueError, match="ok \\| skip \\| rewind \\| escalate"):
+        Verdict("fine", 0.0, 1.0, "")
+
+
+def flat(c, n, loss=3.0, gnorm=1.0):
+    """A monitor fed n clean steps of one loss and grad norm (MAD 0: the z denominator is the
+    1e-3 floor)."""
+    m = SpikeMonitor(c)
+    for step in range(n):
+        assert m.check(step, loss, gnorm).kind == "ok"
+    return m, n
+
+
+def test_fresh_monitor_non_finite_first_step_starts_the_spike_there():
+    m = SpikeMonitor(cfg())
+    assert m.repair_note is None and m.consecutive == 0 and m.spike_start is None
+    v = m.check(0, math.nan, 1.0)
+    assert v.kind == "rewind" and v.spike_start == 0 and m.consecutive == 1
+    assert math.isnan(v.loss_z) and math.isnan(v.gnorm_ratio)
+
+
+def test_warming_up_verdict_and_the_first_judged_step():
+    c = cfg(min_history=8)
+    m = SpikeMonitor(c)
+    for step in range(8):
+        v = m.check(step, 3.0, 1.0)
+        assert v.kind == "ok" and math.isnan(v.loss_z) and math.isnan(v.gnorm_ratio)
+        assert f"({step + 1}/8 clean steps)" in v.reason
+    v = m.check(8, 3.5, 1.0)  # exactly min_history clean steps: judged now
+    assert v.kind == "rewind" and v.spike_start == 8 and v.loss_z == pytest.approx(500.0)
+    assert v.gnorm_ratio == 1.0
+
+
+def test_ok_verdict_carries_z_and_grad_norm_ratio():
+    m, step = flat(cfg(), 16, gnorm=0.5)
+    v = m.check(step, 3.001, 0.75)
+    assert v == Verdict("ok", pytest.approx(1.0), 1.5, "")
+    m, step = flat(cfg(), 16, gnorm=2.0)
+    assert m.check(step, 2.999, 3.0).gnorm_ratio == 1.5
+
+
+def test_loss_thresholds_exactly_at_and_just_past():
+    # thresholds set to the z the step will have: z > soft_z / hard_z counts, z == does not
+    base, _ = flat(cfg(), 16)
+    z = robust_z(3.01, base.losses)
+    cases = [(dict(soft_z=z, hard_z=z + 100), "ok"),
+             (dict(soft_z=math.nextafter(z, 0.0), hard_z=z + 100), "skip"),
+             (dict(soft_z=z - 1, hard_z=z), "skip"),
+             (dict(soft_z=z - 1, hard_z=math.nextafter(z, 0.0)), "rewind")]
+    for kw, want in cases:
+        m, step = flat(cfg(**kw), 16)
+        v = m.check(step, 3.01, 1.0)
+        assert v.kind == want and v.loss_z == z, (kw, v)
+        if want != "ok":
+            assert v.spike_start == step and v.gnorm_ratio == 1.0
+
+
+def test_grad_norm_threshold_exactly_at_and_just_past():
+    m, step = flat(cfg(gnorm_mult=10.0), 16, gnorm=2.0)  # threshold 10 x median 2 = 20
+    assert m.check(step, 3.0, 20.0).kind == "ok"
+    v = m.check(step + 1, 3.0, math.nextafter(20.0, 30.0))
+    assert v.kind == "skip" and v.gnorm_ratio == pytest.approx(10.0)
+    assert m.check(step + 2, 3.0, 19.0).kind == "ok"
+    assert m.check(step + 3, 3.0, 10.0).kind == "ok"  # 10 x median, not 10 / median
+    # a multiplier at or below 1 still turns the test on
+    m, step = flat(cfg(gnorm_mult=1.0), 16)
+    assert m.check(step, 3.0, 1.5).kind == "skip"
+
+
+def test_grad_norm_ratio_against_a_window_of_zero_norms():
+    m, step = flat(cfg(), 16, gnorm=0.0)
+    v = m.check(step, 3.0, 0.0)
+    assert v.kind == "ok" and v.gnorm_ratio == 0.0
+    v = m.check(step + 1, 3.0, 0.5)
+    assert v.kind == "skip" and v.gnorm_ratio == math.inf
+    m, step = flat(cfg(), 16, gnorm=0.5)  # a median below 1 divides as any other
+    assert m.check(step, 3.0, 0.75).gnorm_ratio == 1.5
+
+
+def test_a_step_that_is_both_outliers_says_both():
+    m, step = flat(cfg(), 16)
+    v = m.check(step, 3.01, 50.0)
+    assert v.kind == "skip"
+    assert "soft_z 6.0, grad norm" in v.reason
+    m, step = flat(cfg(max_consecutive=0), 16)
+    v = m.check(step, 3.01, 50.0)
+    assert v.kind == "rewind" and "soft_z 6.0, grad norm" in v.reason
+
+
+def test_max_consecutive_zero_rewinds_the_first_outlier_from_its_step():
+    m, step = flat(cfg(max_consecutive=0), 16)
+    v = m.check(step, 3.01, 1.0)
+    assert v.kind == "rewind" and v.spike_start == step
+    assert v.loss_z == pytest.approx(10.0) and v.gnorm_ratio == 1.0
+    assert "1 outliers in a row (> max_consecutive 0)" in v.reason
+
+
+def test_monitor_round_trip_of_a_full_window_with_varying_grad_norms():
+    rng = random.Random(11)
+    a = SpikeMonitor(cfg())
+    for step in range(40):  # a full, wrapped window; the grad norm drifts down
+        assert a.check(step, 3.0 + rng.uniform(-0.01, 0.01), 2.0 - 0.03 * step).kind == "ok"
+    saved = json.loads(json.dumps(a.state_dict()))
+    b = SpikeMonitor(cfg())
+    b.load_state_dict(saved)
+    assert b.repair_note is None
+    assert list(b.losses) == list(a.losses) and list(b.gnorms) == list(a.gnorms)
+    for step in range(40, 80):
+        loss, gnorm = 3.0 + rng.uniform(-0.01, 0.01), 0.8 - 0.005 * (step - 40)
+        assert a.check(step, loss, gnorm) == b.check(step, loss, gnorm)
+        assert len(b.gnorms) == len(b.losses) == 16
+    assert b.state_dict() == a.state_dict()
+
+
+def test_a_fresh_monitor_round_trips():
+    a = SpikeMonitor(cfg())
+    b = SpikeMonitor(cfg())
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # a checkpoint at step 0
+    assert b.state_dict() == a.state_dict() and b.repair_note is None
+
+
+def test_every_malformed_monitor_field_is_named():
+    m, _ = warmed()
+    good = m.state_dict()
+    load, o = SpikeMonitor(cfg()).load_state_dict, "SpikeMonitor"
+    bad_state(load, {**good, "window": 32}, o, "window", "16 (this run's window)", "found 32")
+    bad_state(load, {**good, "losses": [1.0], "gnorms": []}, o, "losses/gnorms",
+              "two lists of equal length <= window 16", "found (1, 0)")
+    bad_state(load, {**good, "losses": None}, o, "losses/gnorms", "found (None, 16)")
+    bad_state(load, {**good, "gnorms": None}, o, "losses/gnorms", "found (16, None)")
+    bad_state(load, {**good, "losses": [1.0] * 17, "gnorms": [1.0] * 17}, o, "losses/gnorms",
+              "found (17, 17)")
+    bad_state(load, {**good, "consecutive": -1, "spike_start": 3}, o, "consecutive",
+              "an integer >= 0", "found -1")
+    bad_state(load, {**good, "consecutive": 1.0, "spike_start": 3}, o, "consecutive",
+              "found 1.0")
+    bad_state(load, {**good, "consecutive": 2, "spike_start": None}, o, "spike_start",
+              "a step when consecutive > 0, else None", "found None")
+    bad_state(load, {**good, "consecutive": 0, "spike_start": 5}, o, "spike_start", "found 5")
+    bad_state(load, {**good, "consecutive": 1, "spike_start": "5"}, o, "spike_start",
+              "found '5'")
+
+
+def test_a_poisoned_monitor_is_never_saved_and_says_why():
+    m, _ = warmed()
+    m.gnorms.append(math.inf)
+    with pytest.raises(ValueError) as e:
+        m.state_dict()
+    assert str(e.value).startswith("SpikeMonitor state: losses/gnorms")
+    assert "refusing to save a poisoned window" in str(e.value)
+
+
+def test_an_inverted_rewind_region_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"region_start <= region_end, found \[12, 10\]"):
+        RewindLedger().record_rewind(12, 10, [], cfg())
+
+
+def test_ledger_escalates_below_the_lr_floor_not_at_it():
+    c = cfg(max_rewinds=10, lr_scale_decay=0.5, min_lr_scale=0.25)
+    ledger = RewindLedger()
+    ledger.record_rewind(10, 12, [], c)
+    assert ledger.record_rewind(10, 12, [], c) == (0.5, None)
+    assert ledger.record_rewind(10, 12, [], c) == (0.25, None)  # at the floor: still runs
+    scale, esc = ledger.record_rewind(10, 12, [], c)
+    assert scale == 0.125 and "lr_scale 0.125 is below --spike-min-lr-scale 0.25" in esc
+
+
+def test_a_fresh_ledger_round_trips():
+    a = RewindLedger()  # a checkpoint before any rewind: rewinds 0, lr_scale 1.0
+    b = RewindLedger()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict() == {"rewinds": 0, "lr_scale": 1.0, "history": []}
+
+
+def test_every_malformed_ledger_field_is_named():
+    c = cfg(max_rewinds=10)
+    a = RewindLedger()
+    a.record_rewind(10, 12, [(1, 5, 9)], c)
+    good = a.state_dict()
+    load, o = RewindLedger().load_state_dict, "RewindLedger"
+    bad_state(load, {**good, "rewinds": -1}, o, "rewinds", "an integer >= 0", "found -1")
+    bad_state(load, {**good, "rewinds": 1.0}, o, "rewinds", "found 1.0")
+    bad_state(load, {**good, "lr_scale": 1.5}, o, "lr_scale", "a value in (0, 1]", "found 1.5")
+    bad_state(load, {**good, "lr_scale": 0.0}, o, "lr_scale", "found 0.0")
+    bad_state(load, {**good, "lr_scale": "1"}, o, "lr_scale", "found '1'")
+    bad_state(load, {**good, "history": "none"}, o, "history", "a list of rewinds",
+              "found 'none'")
+    bad_state(load, {**good, "history": [{"region_start": 1}]}, o, "history[0]",
+              "region_start, region_end and skipped_ranges")
