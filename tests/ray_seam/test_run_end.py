@@ -35,6 +35,17 @@ TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 *
 
 # ---------------------------------------------------------------------- which errors end a run
 
+
+def raised_from(error: BaseException, cause: BaseException) -> BaseException:
+    """`error` as `raise error from cause` leaves it (its __cause__ set, as stop_code reads it)."""
+    try:
+        try:
+            raise cause
+        except BaseException as e:
+            raise error from e
+    except BaseException as raised:
+        return raised
+
 def test_stop_code_tells_bad_input_and_decisions_from_curable_faults():
     assert stop_code(ConfigError("-x: expected ...")) == EXIT_BAD_INPUT
     assert stop_code(CheckpointError("state file: ...")) == EXIT_BAD_INPUT
@@ -43,23 +54,15 @@ def test_stop_code_tells_bad_input_and_decisions_from_curable_faults():
     assert stop_code(RunStopped("x", EXIT_BAD_INPUT)) == EXIT_BAD_INPUT
     for curable in (RuntimeError("gloo: connection reset"), OSError("EIO"), ValueError("x")):
         assert stop_code(curable) is None
-    try:  # a shard read that failed on a flaky mount may succeed on the next attempt
-        try:
-            raise OSError(5, "Input/output error")
-        except OSError as e:
-            raise ShardError("train.bin: cannot read shard") from e
-    except ShardError as e:
-        assert stop_code(e) is None
+    # a shard read that failed on a flaky mount may succeed on the next attempt
+    assert stop_code(raised_from(ShardError("train.bin: cannot read shard"),
+                                 OSError(5, "Input/output error"))) is None
     # a tracker asked for that cannot start (a URI MLflow refuses, a W&B login that is missing,
     # a corrupt tracking.json) is bad input; a tracking server that did not answer may next time
     assert stop_code(TrackingError("--mlflow htp://x: could not start an MLflow run")) == EXIT_BAD_INPUT
-    try:
-        try:
-            raise ConnectionRefusedError(111, "Connection refused")
-        except OSError as e:
-            raise TrackingError("--mlflow http://mlflow:5000: could not start an MLflow run") from e
-    except TrackingError as e:
-        assert stop_code(e) is None
+    assert stop_code(raised_from(
+        TrackingError("--mlflow http://mlflow:5000: could not start an MLflow run"),
+        ConnectionRefusedError(111, "Connection refused"))) is None
 
 
 def test_run_stopped_survives_the_trip_to_the_driver():
