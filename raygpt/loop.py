@@ -35,7 +35,8 @@ from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
-from raygpt.model import GPT, GPTConfig, kernels_for, load_model_file, num_parameters
+from raygpt.llmc.model_file import load_model_file
+from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.runlog.reporter import Reporter
 from raygpt.schedule import learning_rate

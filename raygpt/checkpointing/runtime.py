@@ -36,7 +36,9 @@ from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
-from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
+from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
+from raygpt.llmc.state_file import read_state_file, write_state_file
+from raygpt.model import GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.outlier import rewind_target
 from raygpt.schedule import wsd_decay_start
@@ -251,7 +253,7 @@ class Checkpointer:
             name = ck.state_file(step, self.rank)
             with open(stage / name, "wb") as f:
                 hw = _HashingWriter(f)
-                ck.write_state_file(
+                write_state_file(
                     hw, step=step, num_processes=self.world, process_rank=self.rank,
                     rng_state=snap["rng_state"], rng_state_last_update=snap["rng_state_last_update"],
                     m=snap["m"].numpy(), v=snap["v"].numpy(),
@@ -485,9 +487,9 @@ class Checkpointer:
 
     def _read_own_state(self, step: int, manifest: dict, files: dict):
         opt = self.opt
-        return ck.read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
-                                  num_parameters=opt.hi - opt.lo, expect_processes=self.world,
-                                  expect_rank=self.rank)
+        return read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
+                               num_parameters=opt.hi - opt.lo, expect_processes=self.world,
+                               expect_rank=self.rank)
 
     def _read_resharded_state(self, step: int, manifest: dict, files: dict):
         """A checkpoint of N ranks resumed on this run's M ranks (llm.c refuses this; raygpt
@@ -510,9 +512,9 @@ class Checkpointer:
                 raise ck.CheckpointError(f"{self.run_dir.uri(name)}: expected the state file of "
                                          f"rank {r} of {n_old} to reshard from, found none")
             r_lo, r_hi = shard_range(total, r, n_old, zero_old)
-            sf = ck.read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
-                                    num_parameters=r_hi - r_lo, expect_processes=n_old,
-                                    expect_rank=r)
+            sf = read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
+                                 num_parameters=r_hi - r_lo, expect_processes=n_old,
+                                 expect_rank=r)
             first = first or sf
             if not (r_lo < hi and r_hi > lo):
                 continue  # rank 0's file read for the rank-independent state only

@@ -15,11 +15,12 @@ from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    private_stage_root, read_manifest, read_state_file, stage_dir, state_file, step_dir,
+    private_stage_root, read_manifest, stage_dir, state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
 from raygpt.config import TrainConfig
+from raygpt.llmc.state_file import read_state_file
 from tests.helpers import memory_fs
 from raygpt.storage import RunDir, open_run_dir
 from tests.llmc.test_state_file import P, state_bytes

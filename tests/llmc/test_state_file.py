@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt.checkpointing.protocol import (
-    MT19937_DTYPE, CheckpointError, read_state_file, state_file, write_state_file,
-)
+from raygpt.checkpointing.protocol import state_file
+from raygpt.llmc.state_file import MT19937_DTYPE, StateFileError, read_state_file, write_state_file
 
 P = 37  # shard_num_parameters of a toy model
 
@@ -199,7 +198,7 @@ def test_llmc_fresh_seed_state_maps_to_pos_624():
 def test_truncated_state_file_names_file_and_field(tmp_path, cut, field):
     path = tmp_path / state_file(40, 0)
     path.write_bytes(state_bytes()[:cut])
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(StateFileError) as e:
         read_state_file(path, num_parameters=P)
     assert str(path) in str(e.value) and field in str(e.value)
 
@@ -216,7 +215,7 @@ def test_bad_header_fields_name_file_field_expected_found(tmp_path, index, value
     struct.pack_into("<i", raw, 4 * index, value)
     path = tmp_path / "state_00000040_00001.bin"
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(StateFileError) as e:
         read_state_file(path, num_parameters=P, **kwargs)
     msg = str(e.value)
     assert str(path) in msg and field in msg and f"found {value}" in msg
@@ -230,20 +229,20 @@ def test_expected_rank_and_processes_match_pass():
 
 def test_wrong_num_parameters_and_trailing_bytes_are_errors():
     raw = state_bytes()
-    with pytest.raises(CheckpointError, match="m/v/master.*num_parameters"):
+    with pytest.raises(StateFileError, match="m/v/master.*num_parameters"):
         read_state_file(raw, num_parameters=100 * P)  # the file is far too short for this P
-    with pytest.raises(CheckpointError, match="num_parameters=36"):
+    with pytest.raises(StateFileError, match="num_parameters=36"):
         read_state_file(raw, num_parameters=P - 1)  # misreads the shuffle section's sizes
-    with pytest.raises(CheckpointError, match="trailer magic.*num_parameters=36"):
+    with pytest.raises(StateFileError, match="trailer magic.*num_parameters=36"):
         read_state_file(state_bytes(shuffle=False), num_parameters=P - 1)
-    with pytest.raises(CheckpointError, match="file size: expected"):
+    with pytest.raises(StateFileError, match="file size: expected"):
         read_state_file(raw + b"\0", num_parameters=P)
 
 
 def test_bad_trailer_json_is_an_error():
     raw = bytearray(state_bytes(master=False, shuffle=False))
     raw[-2] = 0xFF  # invalid UTF-8 inside the JSON
-    with pytest.raises(CheckpointError, match="trailer JSON"):
+    with pytest.raises(StateFileError, match="trailer JSON"):
         read_state_file(bytes(raw), num_parameters=P)
 
 
@@ -252,19 +251,19 @@ def test_writer_rejects_bad_inputs_before_writing(tmp_path):
     path = tmp_path / "s.bin"
     common = dict(step=1, num_processes=2, rng_state=1, rng_state_last_update=1, master=None,
                   extras={})
-    with pytest.raises(CheckpointError, match="v: expected 37 floats"):
+    with pytest.raises(StateFileError, match="v: expected 37 floats"):
         write_state_file(path, process_rank=0, m=m, v=v[:5], loader_state=loader_state(False), **common)
-    with pytest.raises(CheckpointError, match="process_rank"):
+    with pytest.raises(StateFileError, match="process_rank"):
         write_state_file(path, process_rank=2, m=m, v=v, loader_state=loader_state(False), **common)
     bad = loader_state(False)
     del bad["sample_pos"]
-    with pytest.raises(CheckpointError, match="sample_pos"):
+    with pytest.raises(StateFileError, match="sample_pos"):
         write_state_file(path, process_rank=0, m=m, v=v, loader_state=bad, **common)
     bad = loader_state(True)
     bad["shard_num_samples"] = 5
-    with pytest.raises(CheckpointError, match="shard_num_samples"):
+    with pytest.raises(StateFileError, match="shard_num_samples"):
         write_state_file(path, process_rank=0, m=m, v=v, loader_state=bad, **common)
-    with pytest.raises(CheckpointError, match="m: expected a CPU float32 tensor"):
+    with pytest.raises(StateFileError, match="m: expected a CPU float32 tensor"):
         write_state_file(path, process_rank=0, m=torch.zeros(P, dtype=torch.bfloat16), v=v,
                          loader_state=loader_state(False), **common)
     assert not path.exists()
@@ -276,5 +275,5 @@ def test_extras_round_trip_converts_numpy_and_rejects_objects():
     sf = read_state_file(state_bytes(extras=extras), num_parameters=P)
     assert sf.extras == {"detector": {"buffer": [0.0, 1.0, 2.0, 3.0], "count": 4},
                          "ledger": [{"step": 10, "reason": "spike"}], "inf": float("inf")}
-    with pytest.raises(CheckpointError, match="JSON"):
+    with pytest.raises(StateFileError, match="JSON"):
         state_bytes(extras={"bad": object()})
