@@ -129,7 +129,8 @@ def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4
-    assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().out
+    # a warning: stderr, like every raygpt warning (raygpt.runlog.console)
+    assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().err
     # nothing newer reported than what is verified: no wait at all
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4], c.verified_steps, c.completed, 7, 1, wait_s=5,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import io
+import logging
 import os
 import shutil
 import threading
@@ -45,6 +46,8 @@ from raygpt.schedule import wsd_decay_start
 from raygpt.state import TrainState
 from raygpt.storage import RunDir
 from raygpt.tokenizer import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 
 def run_fingerprints(cfg: TrainConfig) -> dict:
@@ -124,9 +127,8 @@ def choose_rewind_target(published, verified_steps, completed, spike_start: int,
         deadline = clock() + wait_s
         while not completed(wanted):
             if clock() > deadline:
-                print(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed "
-                      f"within {wait_s:.0f} s; rewinding to the newest verified one",
-                      flush=True)
+                log.warning(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed "
+                            f"within {wait_s:.0f} s; rewinding to the newest verified one")
                 break
             sleep(0.1)
     return rewind_target(verified_steps(), spike_start, safety_steps)
@@ -325,7 +327,7 @@ class Checkpointer:
         hint = self.session.checkpoint_hint()
         if hint is None and self.cfg.resume != 1:
             return None
-        warn = (lambda m: print(f"raygpt | WARNING: {m}", flush=True)) if self.rank == 0 else (lambda m: None)
+        warn = (lambda m: log.warning(f"raygpt | WARNING: {m}")) if self.rank == 0 else (lambda m: None)
         decisions = ck.read_abandoned_trajectories(self.run_dir)
         before = None
         while True:
@@ -338,16 +340,16 @@ class Checkpointer:
                 files, problem = self._fetch_verified(step, manifest, same_sharding)
                 self.load_seconds += time.perf_counter() - t0
                 if problem is not None:
-                    print(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: {problem}",
-                          flush=True)
+                    log.warning(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: "
+                                f"{problem}")
             bad, newest, oldest = self._agree(problem is not None, -1 if step is None else step)
             if newest == -1:  # no rank has a candidate left
                 if hint is not None:
                     warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists "
                          f"in {self.run_dir}; starting from scratch")
                 elif self.rank == 0:
-                    print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
-                          f"fresh", flush=True)
+                    log.info(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
+                             f"fresh")
                 return None
             if not bad and newest == oldest:
                 break
@@ -422,9 +424,9 @@ class Checkpointer:
         state.ledger.load_state_dict(decision["ledger"])
         loader.add_skip_ranges([tuple(r) for r in decision["skip_ranges"]])
         if self.rank == 0:
-            print(f"raygpt | checkpoint {step} predates rewind {state.ledger.rewinds} (back to "
-                  f"step {decision['to_step']}): its skip list and lr_scale "
-                  f"{state.ledger.lr_scale:.3f} apply from here", flush=True)
+            log.info(f"raygpt | checkpoint {step} predates rewind {state.ledger.rewinds} (back to "
+                     f"step {decision['to_step']}): its skip list and lr_scale "
+                     f"{state.ledger.lr_scale:.3f} apply from here")
 
     def load(self, step: int, state: TrainState, loader, files: dict | None = None) -> None:
         """Load checkpoint `step`; `files` are bytes `_fetch_verified` already read and checked
@@ -483,7 +485,7 @@ class Checkpointer:
         loader.load_state_dict(sf.loader_state)
         for note in state.load_extras(sf.extras):
             if self.rank == 0:
-                print(f"raygpt | WARNING: checkpoint {step}: {note}", flush=True)
+                log.warning(f"raygpt | WARNING: checkpoint {step}: {note}")
 
     def _read_own_state(self, step: int, manifest: dict, files: dict):
         opt = self.opt
@@ -528,9 +530,10 @@ class Checkpointer:
             elif getattr(first, key) is not None:  # this rank's shard is empty (padding)
                 setattr(first, key, getattr(first, key)[:0])
         if self.rank == 0:
-            print(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) (ZeRO-{zero_old})"
-                  f" resharded onto {self.world} rank(s) (ZeRO-{self.cfg.zero_stage}); grad "
-                  f"accumulation now {self.cfg.grad_accum_steps(self.world)}", flush=True)
+            log.info(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) "
+                     f"(ZeRO-{zero_old}) resharded onto {self.world} rank(s) "
+                     f"(ZeRO-{self.cfg.zero_stage}); grad accumulation now "
+                     f"{self.cfg.grad_accum_steps(self.world)}")
         return first
 
     def rewind_to(self, step: int, state: TrainState, loader, window) -> None:
