@@ -81,11 +81,12 @@ class GPTConfig:
         return cls(block_size=block_size, n_layer=depth, n_head=heads, n_embd=channels)
 
 
-# ---------------------------------------------------------------------- implementation switches
+# ---------------------------------------------------------------------- implementation choices
 
-# How GPT computes its training loss (see the module docstring). A GPT takes the module default
-# at construction unless told otherwise (`GPT(cfg, loss_impl=...)`), so a caller that builds
-# its model elsewhere (raygpt.loop, bench/throughput.py) can switch by setting these.
+# How GPT computes its loss and which kernels it runs. A GPT built without a choice takes these
+# defaults; a run's choices are TrainConfig's performance fields (--loss-impl, --ce-chunk-rows,
+# --sdpa-backend, --embedding-impl), which raygpt.loop.build_model hands to the GPT, and the
+# benches set those same fields.
 LOSS_IMPLS = ("reference", "fused")
 DEFAULT_LOSS_IMPL = "fused"
 # Rows of the (B*T, Vp) logits the fused loss holds at once. 16384 rows of GPT-2's Vp = 50304
@@ -108,22 +109,25 @@ EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
 
-# On: --deterministic on CUDA (the GPU default) runs raygpt's attention and embedding backward.
-# Measured on one H200, GPT-2 124M, B=64, T=1024, torch.compile, one run side by side
-# (bench/results/h200_det_throughput_2026-11-30.log): 556,492 tok/s against 560,280 / 561,306 for
-# the non-deterministic kernels (-0.7%), where PyTorch's deterministic kernels give 520,408 (-7.1%).
-# bench/throughput.py's `torchdet` variant turns it off to measure that "before".
-RAYGPT_KERNELS_WHEN_DETERMINISTIC = True
+def kernels_for(deterministic: bool, device_type: str, *, sdpa_backend: str = "auto",
+                embedding_impl: str = "auto") -> dict:
+    """The GPT kernel choices (`GPT.use_kernels`' arguments) for a run. "auto" is raygpt's
+    deterministic attention and embedding backward under --deterministic on CUDA, else the
+    defaults above; any other value is taken as given.
+
+    Why raygpt's under --deterministic: measured on one H200, GPT-2 124M, B=64, T=1024,
+    torch.compile, one run side by side (bench/results/h200_det_throughput_2026-11-30.log),
+    556,492 tok/s against 560,280 / 561,306 for the non-deterministic kernels (-0.7%), where
+    PyTorch's deterministic kernels give 520,408 (-7.1%). bench/throughput.py's `torchdet`
+    variant picks PyTorch's (sdpa_backend="default", embedding_impl="torch") to measure that."""
+    ours = deterministic and device_type == "cuda"
+    return dict(
+        sdpa_backend=("raygpt" if ours else DEFAULT_SDPA_BACKEND) if sdpa_backend == "auto"
+        else sdpa_backend,
+        embedding_impl=("raygpt" if ours else DEFAULT_EMBEDDING_IMPL) if embedding_impl == "auto"
+        else embedding_impl)
 
 
-def kernels_for(deterministic: bool, device_type: str) -> dict:
-    """The GPT kernel choices for a run: with --deterministic on CUDA and
-    RAYGPT_KERNELS_WHEN_DETERMINISTIC, raygpt's deterministic attention and embedding backward
-    (PyTorch's deterministic alternatives cost ~9% of a step at d12 B=64 on an H200); otherwise
-    the module defaults."""
-    if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
-        return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
-    return {}
 _SDPA_PRIORITY = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -314,7 +318,7 @@ class GPT(nn.Module):
     every rank and every device starts from the same weights. `init_seed=None` leaves PyTorch's
     default init (for a model whose weights are about to be loaded).
 
-    Implementation choices, each None = the module default at construction: loss_impl
+    Implementation choices, each None = its default above (a run passes TrainConfig's): loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
     (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
     gradient as raygpt's kernel, see fused_classifier_loss). They change speed, memory and
@@ -352,7 +356,7 @@ class GPT(nn.Module):
 
     def use_kernels(self, *, sdpa_backend: str | None = None,
                     embedding_impl: str | None = None) -> "GPT":
-        """Set the attention and embedding kernels (None = the module default)."""
+        """Set the attention and embedding kernels (None = the default above)."""
         sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
         embedding_impl = DEFAULT_EMBEDDING_IMPL if embedding_impl is None else embedding_impl
         if sdpa_backend not in SDPA_BACKENDS:
