@@ -144,7 +144,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
         raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
                           f"resume it: {_one_line(e)}") from None
-    try:  # what checkpointer.run_fingerprints gives the workers, without importing torch
+    try:  # what runtime.run_fingerprints gives the workers, without importing torch
         ck.check_compatible(manifest, config_identity=cfg.identity(),
                             tokenizer_hash=tokenizer_fingerprint(),
                             data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers)

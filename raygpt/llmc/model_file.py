@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from raygpt.atomic_file import atomic_local_file
-from raygpt.model import GPT, GPTConfig, llmc_num_elements, llmc_parameter_layout, llmc_tensor_shapes
+from raygpt.model import (GPT, GPTConfig, llmc_num_elements, llmc_parameter_layout,
+                          llmc_tensor_shapes)
 
 MODEL_MAGIC = 20240326
 MODEL_VERSION_FP32 = 3   # every tensor fp32, padded vocab

@@ -40,7 +40,7 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
     train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
     monkeypatch.undo()
 
-    # private per-run staging roots: <tmp>/raygpt-stage-<label>-<random> (checkpoint.private_stage_root)
+    # private per-run staging roots: <tmp>/raygpt-stage-<label>-<random> (protocol.private_stage_root)
     stage_root = os.path.realpath(os.path.join(__import__("tempfile").gettempdir(), "raygpt-stage-"))
     steps = list_checkpoint_steps(open_run_dir(str(run_dir)))
     assert steps == [2, 4]

@@ -40,7 +40,8 @@ def test_only_a_commands_own_output_is_printed():
     for path in sorted(PACKAGE.rglob("*.py")):
         name = str(path.relative_to(PACKAGE.parent))
         allowed = COMMAND_OUTPUT.get(name, set())
-        hits = [f"{line} (in {fn or 'module'})" for fn, line in print_calls(path) if fn not in allowed]
+        hits = [f"{line} (in {fn or 'module'})" for fn, line in print_calls(path)
+                if fn not in allowed]
         if hits:
             stray[name] = hits
     assert stray == {}, f"print() outside a command's own output (use logging): {stray}"
