@@ -9,8 +9,8 @@ import torch
 
 from raygpt.llmc import model_file
 from raygpt.llmc.model_file import (
-    MODEL_MAGIC, ModelFileError, load_model_file, read_model_file, write_model_file,
-    write_model_file_from_flat,
+    MODEL_MAGIC, ModelFileError, load_model_file, read_model_file, read_model_header,
+    write_model_file, write_model_file_from_flat,
 )
 from raygpt.model import GPT, llmc_parameter_layout, llmc_tensor_shapes, num_parameters
 from tests.test_model import CFG, batch, repoint_to_flat
@@ -33,6 +33,7 @@ def test_model_file_round_trip_fp32(model, tmp_path):
                            CFG.n_head, CFG.n_embd, CFG.padded_vocab_size]
     assert not h[8:].any()
     assert path.stat().st_size == 1024 + num_parameters(model) * 4
+    assert read_model_header(path) == (CFG, torch.float32)  # what preflight checks, no weights read
     cfg, tensors = read_model_file(path)
     assert cfg == CFG
     for (name, params), (_, shape) in zip(llmc_parameter_layout(model), llmc_tensor_shapes(CFG)):
@@ -69,6 +70,7 @@ def test_model_file_round_trip_bf16(model, tmp_path):
     h = read_header_numpy(path)
     assert h[0] == MODEL_MAGIC and h[1] == 5 and h[7] == CFG.padded_vocab_size
     assert path.stat().st_size == 1024 + num_parameters(model) * 2
+    assert read_model_header(path) == (CFG, torch.bfloat16)
     cfg, tensors = read_model_file(path)
     assert cfg == CFG
     for name, params in llmc_parameter_layout(model):
