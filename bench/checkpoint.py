@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.llmc import state_file
 
 
 # ---------------------------------------------------------------------------------- driver mode
@@ -124,7 +125,8 @@ def driver_bench(args) -> list[dict]:
             for r in range(n):
                 files = {}
                 name = ck.state_file(step, r)
-                files[name] = _write_hashed(sdir / name, ck.HEADER_BYTES + 4 * 2 * shard + 64, rng)
+                files[name] = _write_hashed(sdir / name,
+                                            state_file.HEADER_BYTES + 4 * 2 * shard + 64, rng)
                 if r == 0:
                     files[ck.model_file(step)] = _write_hashed(sdir / ck.model_file(step),
                                                                1024 + 4 * P, rng)

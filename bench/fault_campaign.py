@@ -49,7 +49,7 @@ CHECKPOINT_EVERY = 2
 SAFETY_STEPS = 3  # a rewind goes back at least this far: it deletes registered checkpoints
 EXIT_FINISHED, EXIT_STOPPED = 0, 3  # raygpt.errors (not imported: this module loads without torch)
 JOB_TIMEOUT_S = 1800.0
-# node death noticed in about 2 s (Ray's default is much slower), as tests/test_node_loss.py
+# node death noticed in about 2 s (Ray's default is much slower), as tests/ray_seam/test_node_loss.py
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
                           "health_check_initial_delay_ms": 0}
 

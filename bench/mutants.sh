@@ -32,8 +32,8 @@ tests_for() {
     outlier)    echo "tests/test_outlier.py" ;;
     optim)      echo "tests/test_optim.py" ;;
     state)      echo "tests/test_outlier.py $LOOP_TESTS" ;;
-    data)       echo "tests/test_data.py $LOOP_TESTS" ;;
-    checkpoint) echo "tests/test_checkpoint.py $LOOP_TESTS" ;;
+    data)       echo "tests/test_data.py tests/llmc/test_shards.py $LOOP_TESTS" ;;
+    checkpoint) echo "tests/checkpointing/test_protocol.py tests/llmc/test_state_file.py $LOOP_TESTS" ;;
     loop)       echo "$LOOP_TESTS" ;;
     *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint loop)" >&2
        exit 2 ;;

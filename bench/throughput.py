@@ -17,8 +17,8 @@ Then, in this process, the same GPT-2 (raygpt.model.GPT, same init, same data) o
 - raygpt: the real training loop (`raygpt.loop.train` under a LocalSession): bf16 working
   weights over fp32 master weights, raygpt's global-norm and AdamW kernels, data loading,
   logging (loss_history.jsonl, main.log, TensorBoard) and the console line included; and, with
-  --ray, the same run under Ray Train's TorchTrainer with 1 worker (the module defaults of
-  raygpt.model, whatever the variants).
+  --ray, the same run under Ray Train's TorchTrainer with 1 worker (TrainConfig's defaults,
+  whatever the variants).
 Per side: tokens/s and ms/step (median over the steps after warm-up, no syncs between phases),
 the mean ms/step over the same steps (what a checkpoint's stall moves), the first step's time
 (compilation included), then a separate pass with syncs that splits a step into
@@ -43,17 +43,17 @@ Inductor) instead of raygpt.ops.cross_entropy_grad, `autotune` / `coord` turn on
 GEMM autotuning (what mode="max-autotune-no-cudagraphs" does) / coordinate-descent tuning of
 its own kernels, `det` is the loop's deterministic mode (the GPU default: raygpt's deterministic
 attention and embedding backward), `det+torchdet` the same with PyTorch's deterministic kernels
-instead (raygpt.model.RAYGPT_KERNELS_WHEN_DETERMINISTIC off: the "before"), `raygpt` picks
+instead (sdpa_backend="default", embedding_impl="torch": the "before"), `raygpt` picks
 raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
-compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is raygpt.model's
-module defaults. A variant sets the loop's performance fields of TrainConfig (loss_impl,
-ce_kernel, prefetch_batches, compile_mode, deterministic), and raygpt.model's remaining module
-switches (kernel choices, chunk rows) and Inductor's config for its run, restored after.
+compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is TrainConfig's
+defaults with deterministic off. A variant sets the loop's performance fields of TrainConfig (loss_impl, ce_kernel,
+ce_chunk_rows, sdpa_backend, embedding_impl, prefetch_batches, compile_mode, deterministic),
+and Inductor's config for its run, restored after.
 --no-baseline skips the PyTorch baseline (each raygpt row is then compared with the first one,
 e.g. `--variants default,det+torchdet,det+raygpt`: non-deterministic, strict with PyTorch's
-kernels, strict with raygpt's). `default` is raygpt.model's module defaults, which are the
-non-deterministic kernels: a run's own default (deterministic on GPUs) is the `det` row. --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
+kernels, strict with raygpt's). `default` is TrainConfig's defaults with deterministic off,
+which are the non-deterministic kernels: a run's own default (deterministic on GPUs) is the `det` row. --split-only skips the loop (one compile per variant instead of two): forward+backward, norm
 and optimizer times only.
 """
 
@@ -74,11 +74,10 @@ from pathlib import Path
 
 import torch
 
-import raygpt.model
 from raygpt.config import TrainConfig
 from raygpt.data import DistributedDataLoader
 from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
-from raygpt.model import GPT, GPTConfig, num_parameters
+from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 
 import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
@@ -94,7 +93,7 @@ def cuda_time(fn) -> float:
 
 
 VARIANT_TOKENS = {
-    "default": "raygpt.model's module defaults",
+    "default": "TrainConfig's defaults (deterministic off)",
     "ref": 'loss_impl="reference" (full logits, fp32 cross-entropy)',
     "fused": 'loss_impl="fused" (chunked, gradients in forward); fused@ROWS sets ce_chunk_rows',
     "cudnn": 'sdpa_backend="cudnn" (cuDNN attention first)',
@@ -113,11 +112,10 @@ VARIANT_TOKENS = {
 WITH_ARG = {"fused", "ckpt"}
 
 
-def parse_variant(spec: str) -> tuple[dict, dict, dict]:
-    """'fused@8192+cudnn+det' -> (module switches {(module, name): value} of raygpt.model,
-    Inductor config, TrainConfig overrides for the loop: its performance fields) for that run."""
-    model, inductor, loop = {}, {}, {}
-    m = raygpt.model
+def parse_variant(spec: str) -> tuple[dict, dict]:
+    """'fused@8192+cudnn+det' -> (Inductor config, TrainConfig overrides for the loop: its
+    performance fields) for that run."""
+    inductor, loop = {}, {}
     for token in spec.split("+"):
         name, _, arg = token.partition("@")
         if (name not in VARIANT_TOKENS or (arg and name not in WITH_ARG)
@@ -129,9 +127,9 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
         elif name == "fused":
             loop["loss_impl"] = "fused"
             if arg:
-                model[m, "DEFAULT_CE_CHUNK_ROWS"] = int(arg)
+                loop["ce_chunk_rows"] = int(arg)
         elif name in ("cudnn", "flash"):
-            model[m, "DEFAULT_SDPA_BACKEND"] = name
+            loop["sdpa_backend"] = name
         elif name == "autotune":
             inductor.update(max_autotune=True, max_autotune_gemm=True)
         elif name == "coord":
@@ -141,42 +139,35 @@ def parse_variant(spec: str) -> tuple[dict, dict, dict]:
         elif name == "det":
             loop["deterministic"] = True
         elif name == "torchdet":
-            model[m, "RAYGPT_KERNELS_WHEN_DETERMINISTIC"] = False
+            loop.update(sdpa_backend="default", embedding_impl="torch")
         elif name == "raygpt":
-            model[m, "DEFAULT_SDPA_BACKEND"] = "raygpt"
-            model[m, "DEFAULT_EMBEDDING_IMPL"] = "raygpt"
+            loop.update(sdpa_backend="raygpt", embedding_impl="raygpt")
         elif name == "ckpt":
             loop.update(checkpoint_every=int(arg), async_checkpoint=True)
         elif name == "noprefetch":
             loop["prefetch_batches"] = False
         elif name == "cgraph":
             loop["compile_mode"] = "reduce-overhead"
-    return model, inductor, loop
+    return inductor, loop
 
 
 @contextlib.contextmanager
 def variant_settings(spec: str):
-    """raygpt.model's module switches and Inductor's config as the variant says, restored after
-    (the loop's switches are TrainConfig fields: the overrides it yields);
-    Dynamo's caches are reset so each variant compiles afresh (and never hits the recompile
-    limit, past which Dynamo silently runs eager)."""
+    """Inductor's config as the variant says, restored after; yields the TrainConfig overrides
+    (the loop's performance fields). Dynamo's caches are reset so each variant compiles afresh
+    (and never hits the recompile limit, past which Dynamo silently runs eager)."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    model, inductor, loop = parse_variant(spec)
-    saved = {(mod, k): getattr(mod, k) for mod, k in model}
+    inductor, loop = parse_variant(spec)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch._dynamo.reset()
     try:
-        for (mod, k), v in model.items():
-            setattr(mod, k, v)
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
             torch.use_deterministic_algorithms(True)
         with inductor_config.patch(inductor):
             yield loop
     finally:
-        for (mod, k), v in saved.items():
-            setattr(mod, k, v)
         torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
 
@@ -344,10 +335,11 @@ def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 
 def raygpt_split(args, loader, loop_overrides: dict):
     perf = TrainConfig(**loop_overrides)  # the variant's performance fields, as the loop reads them
     model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337, loss_impl=perf.loss_impl,
-                ce_kernel=perf.ce_kernel).cuda()  # and the variant's model-module defaults
+                ce_kernel=perf.ce_kernel, ce_chunk_rows=perf.ce_chunk_rows).cuda()
     # and the kernels the loop's build_model would pick (det turned strict mode on for this)
-    model.use_kernels(**raygpt.model.kernels_for(torch.are_deterministic_algorithms_enabled(),
-                                                 "cuda"))
+    model.use_kernels(**kernels_for(torch.are_deterministic_algorithms_enabled(), "cuda",
+                                    sdpa_backend=perf.sdpa_backend,
+                                    embedding_impl=perf.embedding_impl))
     flat = FlatParameters(model, torch.device("cuda"), torch.bfloat16)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     fwd = torch.compile(model, mode=perf.compile_mode)
@@ -400,7 +392,7 @@ def main():
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         parse_variant(v)  # fail on a typo before minutes of compiling
-    if any(parse_variant(v)[2].get("deterministic") for v in variants):
+    if any(parse_variant(v)[1].get("deterministic") for v in variants):
         # cuBLAS reads it when its first handle is made (the baseline's first matmul), so
         # deterministic mode's fixed workspace holds for every row of this run; the table says so
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

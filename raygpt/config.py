@@ -280,6 +280,23 @@ class TrainConfig:
                            may_change_on_resume=True)
     """The fused loss's softmax gradient as raygpt.ops.cross_entropy_grad (one Triton kernel on
     CUDA), not as PyTorch ops (Inductor's kernel, which reads each row three times)."""
+    ce_chunk_rows: int = knob(16384, section="performance", may_change_on_resume=True)
+    """Rows of the (B*T, Vp) logits the fused loss holds at once: 16384 rows of GPT-2's Vp =
+    50304 are 1.6 GB in bf16; fewer, larger chunks mean fewer read-modify-writes of the weight
+    gradient's fp32 accumulator, smaller ones less memory."""
+    sdpa_backend: str = knob("auto", section="performance",
+                             choices=("auto", "default", "cudnn", "flash", "raygpt"),
+                             may_change_on_resume=True)
+    """Attention kernel: auto = raygpt's under --deterministic on CUDA, else PyTorch's choice;
+    default = PyTorch's choice (flash attention on Hopper); cudnn / flash = cuDNN's fused
+    attention / FlashAttention-2 first; raygpt = raygpt.ops.causal_attention (Triton on CUDA,
+    deterministic forward and backward, no atomics). An explicit choice is taken as given."""
+    embedding_impl: str = knob("auto", section="performance", choices=("auto", "torch", "raygpt"),
+                               may_change_on_resume=True)
+    """Token embedding: auto = raygpt's under --deterministic on CUDA, else torch; torch =
+    nn.Embedding (its deterministic CUDA backward is a sort-based kernel, ~3.6 ms a step at d12
+    B=64 on an H200); raygpt = raygpt.ops.embedding (a Triton backward over sorted ids, no
+    atomics). An explicit choice is taken as given."""
     preemption_poll_steps: int = knob(10, section="performance", may_change_on_resume=True)
     """Steps between polls of Ray's preemption notice (ray.train.get_preemption_info, a barrier
     of every worker)."""
@@ -403,10 +420,13 @@ class TrainConfig:
         need(self.resume in (0, 1), "-y/--resume", "0 or 1", self.resume)
         need(self.zero_stage in (0, 1), "-z/--zero-stage", "0 or 1", self.zero_stage)
         need(self.z_loss >= 0, "--z-loss", "a coefficient >= 0", self.z_loss)
-        for name in ("compile_mode", "loss_impl"):  # (a config file is not argparse-checked)
-            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
-            need(getattr(self, name) in choices, "--" + name.replace("_", "-"),
-                 " | ".join(choices), getattr(self, name))
+        for f in dataclasses.fields(self):  # (a config file is not argparse-checked)
+            choices = f.metadata["choices"]
+            if f.metadata["section"] == "performance" and choices:
+                need(getattr(self, f.name) in choices, "--" + f.name.replace("_", "-"),
+                     " | ".join(choices), getattr(self, f.name))
+        need(isinstance(self.ce_chunk_rows, int) and self.ce_chunk_rows >= 1, "--ce-chunk-rows",
+             "an integer >= 1", self.ce_chunk_rows)
         need(self.preemption_poll_steps >= 1, "--preemption-poll-steps", "an integer >= 1",
              self.preemption_poll_steps)
         s = self.spike

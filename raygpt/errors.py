@@ -20,6 +20,7 @@ from __future__ import annotations
 from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
+from raygpt.llmc.state_file import StateFileError
 from raygpt.runlog.tracking import TrackingError
 
 EXIT_FINISHED = 0
@@ -50,7 +51,8 @@ def stop_code(exc: BaseException) -> int | None:
     None for a fault a restart may cure (the retry budget is for those).
 
     Bad input: ConfigError, CheckpointError (a verified checkpoint that this run cannot use, a
-    corrupt run-dir file), ShardError (a token shard that is wrong or changed under the loader)
+    corrupt run-dir file), StateFileError (a rank's llm.c state file that does not parse),
+    ShardError (a token shard that is wrong or changed under the loader)
     and TrackingError (a --wandb / --mlflow tracker that cannot start: a URI MLflow refuses, a
     W&B login that is missing, a corrupt tracking.json), unless the error was caused by an
     OSError: a read that failed on a flaky mount or object store, or a tracking server that
@@ -59,7 +61,7 @@ def stop_code(exc: BaseException) -> int | None:
         return exc.exit_code
     if isinstance(exc, TrainingStopped):
         return EXIT_FAILED
-    if isinstance(exc, (ConfigError, CheckpointError, ShardError, TrackingError)):
+    if isinstance(exc, (ConfigError, CheckpointError, StateFileError, ShardError, TrackingError)):
         return None if _caused_by_os_error(exc) else EXIT_BAD_INPUT
     return None
 

@@ -35,7 +35,8 @@ from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
-from raygpt.model import GPT, GPTConfig, kernels_for, load_model_file, num_parameters
+from raygpt.llmc.model_file import load_model_file
+from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.runlog.reporter import Reporter
 from raygpt.schedule import learning_rate
@@ -72,8 +73,13 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
     else:
         model = load_model_file(cfg.model)
-    model.loss_impl, model.ce_kernel = cfg.loss_impl, cfg.ce_kernel  # (--loss-impl, --no-ce-kernel)
-    model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type))
+    # the performance fields: --loss-impl, --no-ce-kernel, --ce-chunk-rows, --sdpa-backend,
+    # --embedding-impl (raygpt's deterministic kernels under --deterministic on CUDA: kernels_for)
+    model.loss_impl, model.ce_kernel, model.ce_chunk_rows = (cfg.loss_impl, cfg.ce_kernel,
+                                                             cfg.ce_chunk_rows)
+    model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type,
+                                    sdpa_backend=cfg.sdpa_backend,
+                                    embedding_impl=cfg.embedding_impl))
     return model.to(device)
 
 

@@ -1,4 +1,4 @@
-"""GPT-2 on one device, and llm.c's model file (`model_*.bin`) reader and writer.
+"""GPT-2 on one device (llm.c's model file that holds its weights: raygpt.llmc.model_file).
 
 This module owns the network (GPT-2's module names, so a nanoGPT or llm.c reader finds
 `transformer.wte`, `h[i].attn.c_attn`, `ln_f`, `lm_head` where they expect them), its
@@ -30,10 +30,8 @@ Parameter object shared by `transformer.wte` and `lm_head`, which survives the r
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
@@ -41,7 +39,6 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt import ops
-from raygpt.atomic_file import atomic_local_file
 from raygpt.config import MODEL_SHAPES
 from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
@@ -84,11 +81,12 @@ class GPTConfig:
         return cls(block_size=block_size, n_layer=depth, n_head=heads, n_embd=channels)
 
 
-# ---------------------------------------------------------------------- implementation switches
+# ---------------------------------------------------------------------- implementation choices
 
-# How GPT computes its training loss (see the module docstring). A GPT takes the module default
-# at construction unless told otherwise (`GPT(cfg, loss_impl=...)`), so a caller that builds
-# its model elsewhere (raygpt.loop, bench/throughput.py) can switch by setting these.
+# How GPT computes its loss and which kernels it runs. A GPT built without a choice takes these
+# defaults; a run's choices are TrainConfig's performance fields (--loss-impl, --ce-chunk-rows,
+# --sdpa-backend, --embedding-impl), which raygpt.loop.build_model hands to the GPT, and the
+# benches set those same fields.
 LOSS_IMPLS = ("reference", "fused")
 DEFAULT_LOSS_IMPL = "fused"
 # Rows of the (B*T, Vp) logits the fused loss holds at once. 16384 rows of GPT-2's Vp = 50304
@@ -111,22 +109,25 @@ EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
 
-# On: --deterministic on CUDA (the GPU default) runs raygpt's attention and embedding backward.
-# Measured on one H200, GPT-2 124M, B=64, T=1024, torch.compile, one run side by side
-# (bench/results/h200_det_throughput_2026-11-30.log): 556,492 tok/s against 560,280 / 561,306 for
-# the non-deterministic kernels (-0.7%), where PyTorch's deterministic kernels give 520,408 (-7.1%).
-# bench/throughput.py's `torchdet` variant turns it off to measure that "before".
-RAYGPT_KERNELS_WHEN_DETERMINISTIC = True
+def kernels_for(deterministic: bool, device_type: str, *, sdpa_backend: str = "auto",
+                embedding_impl: str = "auto") -> dict:
+    """The GPT kernel choices (`GPT.use_kernels`' arguments) for a run. "auto" is raygpt's
+    deterministic attention and embedding backward under --deterministic on CUDA, else the
+    defaults above; any other value is taken as given.
+
+    Why raygpt's under --deterministic: measured on one H200, GPT-2 124M, B=64, T=1024,
+    torch.compile, one run side by side (bench/results/h200_det_throughput_2026-11-30.log),
+    556,492 tok/s against 560,280 / 561,306 for the non-deterministic kernels (-0.7%), where
+    PyTorch's deterministic kernels give 520,408 (-7.1%). bench/throughput.py's `torchdet`
+    variant picks PyTorch's (sdpa_backend="default", embedding_impl="torch") to measure that."""
+    ours = deterministic and device_type == "cuda"
+    return dict(
+        sdpa_backend=("raygpt" if ours else DEFAULT_SDPA_BACKEND) if sdpa_backend == "auto"
+        else sdpa_backend,
+        embedding_impl=("raygpt" if ours else DEFAULT_EMBEDDING_IMPL) if embedding_impl == "auto"
+        else embedding_impl)
 
 
-def kernels_for(deterministic: bool, device_type: str) -> dict:
-    """The GPT kernel choices for a run: with --deterministic on CUDA and
-    RAYGPT_KERNELS_WHEN_DETERMINISTIC, raygpt's deterministic attention and embedding backward
-    (PyTorch's deterministic alternatives cost ~9% of a step at d12 B=64 on an H200); otherwise
-    the module defaults."""
-    if deterministic and device_type == "cuda" and RAYGPT_KERNELS_WHEN_DETERMINISTIC:
-        return dict(sdpa_backend="raygpt", embedding_impl="raygpt")
-    return {}
 _SDPA_PRIORITY = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -317,7 +318,7 @@ class GPT(nn.Module):
     every rank and every device starts from the same weights. `init_seed=None` leaves PyTorch's
     default init (for a model whose weights are about to be loaded).
 
-    Implementation choices, each None = the module default at construction: loss_impl
+    Implementation choices, each None = its default above (a run passes TrainConfig's): loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
     (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
     gradient as raygpt's kernel, see fused_classifier_loss). They change speed, memory and
@@ -355,7 +356,7 @@ class GPT(nn.Module):
 
     def use_kernels(self, *, sdpa_backend: str | None = None,
                     embedding_impl: str | None = None) -> "GPT":
-        """Set the attention and embedding kernels (None = the module default)."""
+        """Set the attention and embedding kernels (None = the default above)."""
         sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
         embedding_impl = DEFAULT_EMBEDDING_IMPL if embedding_impl is None else embedding_impl
         if sdpa_backend not in SDPA_BACKENDS:
@@ -543,172 +544,3 @@ def llmc_parameter_layout(model: GPT) -> list[tuple[str, list[nn.Parameter]]]:
             params = [getattr(block.get_submodule(sub), attr) for block in t.h]
         layout.append((name, params))
     return layout
-
-
-# ---------------------------------------------------------------------- llm.c model file
-
-MODEL_MAGIC = 20240326
-MODEL_VERSION_FP32 = 3   # every tensor fp32, padded vocab
-MODEL_VERSION_BF16 = 5   # every tensor bf16 (layernorms too), padded vocab
-MODEL_HEADER_INTS = 256  # int32s, 1024 bytes
-_VERSION_OF_DTYPE = {torch.float32: MODEL_VERSION_FP32, torch.bfloat16: MODEL_VERSION_BF16}
-_DTYPE_OF_VERSION = {v: d for d, v in _VERSION_OF_DTYPE.items()}
-_BYTES_OF_VERSION = {MODEL_VERSION_FP32: 4, MODEL_VERSION_BF16: 2}
-# Header slots (train_gpt2.cu's gpt2_write_to_checkpoint / gpt2_build_from_checkpoint).
-_HEADER_FIELDS = (("max_seq_len", 2, "block_size"), ("vocab_size", 3, "vocab_size"),
-                  ("num_layers", 4, "n_layer"), ("num_heads", 5, "n_head"),
-                  ("channels", 6, "n_embd"), ("padded_vocab_size", 7, "padded_vocab_size"))
-_WRITE_CHUNK = 1 << 22  # elements converted per write: bounds the extra host memory
-
-
-class ModelFileError(ValueError):
-    """An llm.c model file does not match the format; the message names file, field, expected
-    and found."""
-
-    def __init__(self, path, field: str, expected, found):
-        self.path, self.field, self.expected, self.found = str(path), field, expected, found
-        super().__init__(f"{path}: model file field '{field}': expected {expected}, found {found}")
-
-
-def model_header(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> np.ndarray:
-    """The 256-int32 header of a model file for cfg written in dtype (fp32 or bf16)."""
-    header = np.zeros(MODEL_HEADER_INTS, dtype="<i4")
-    header[0] = MODEL_MAGIC
-    header[1] = _version_of(dtype)
-    for _, slot, attr in _HEADER_FIELDS:
-        header[slot] = getattr(cfg, attr)
-    return header
-
-
-def parse_model_header(header: np.ndarray, path="<model file>") -> tuple[GPTConfig, int]:
-    """Check magic and version, return (GPTConfig, version). Raises ModelFileError."""
-    if int(header[0]) != MODEL_MAGIC:
-        raise ModelFileError(path, "magic", MODEL_MAGIC, int(header[0]))
-    version = int(header[1])
-    if version not in _DTYPE_OF_VERSION:
-        raise ModelFileError(path, "version", f"{MODEL_VERSION_FP32} (fp32) or "
-                             f"{MODEL_VERSION_BF16} (bf16)", version)
-    values = {}
-    for field, slot, attr in _HEADER_FIELDS:
-        values[attr] = int(header[slot])
-        if values[attr] < 1:
-            raise ModelFileError(path, field, "an integer >= 1", values[attr])
-    if values["padded_vocab_size"] < values["vocab_size"]:
-        raise ModelFileError(path, "padded_vocab_size", f">= vocab_size {values['vocab_size']}",
-                             values["padded_vocab_size"])
-    if values["n_embd"] % values["n_head"]:
-        raise ModelFileError(path, "channels", f"a multiple of num_heads {values['n_head']}",
-                             values["n_embd"])
-    return GPTConfig(**values), version
-
-
-def model_file_size(cfg: GPTConfig, dtype: torch.dtype) -> int:
-    """Bytes of a model file: 1024 header bytes + every parameter at 4 (fp32) or 2 (bf16) bytes."""
-    return MODEL_HEADER_INTS * 4 + llmc_num_elements(cfg) * _BYTES_OF_VERSION[_version_of(dtype)]
-
-
-def write_model_file(path, model: GPT, dtype: torch.dtype = torch.float32) -> None:
-    """Write model as an llm.c model file (version 3 fp32 or 5 bf16), atomically."""
-    header = model_header(model.config, dtype)
-    with atomic_local_file(path) as f:
-        f.write(header.tobytes())
-        for _, params in llmc_parameter_layout(model):
-            for p in params:
-                _write_values(f, p.detach().reshape(-1), dtype)
-
-
-def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.dtype = torch.float32) -> None:
-    """Write an llm.c model file from a flat parameter buffer already in llm.c order (the
-    checkpointer's host copy): a torch tensor of any float dtype, a float32 numpy array, or a
-    uint16/int16 numpy array holding raw bf16 bits. Atomic like write_model_file."""
-    if isinstance(flat_params, np.ndarray):
-        if flat_params.dtype in (np.uint16, np.int16):  # numpy has no bf16: raw bits
-            flat = torch.from_numpy(np.ascontiguousarray(flat_params).view(np.int16)).view(torch.bfloat16)
-        else:
-            flat = torch.from_numpy(np.ascontiguousarray(flat_params))
-    else:
-        flat = flat_params.detach()
-    flat = flat.reshape(-1)
-    expected = llmc_num_elements(cfg)
-    if flat.numel() != expected:
-        raise ModelFileError(path, "flat_params", f"{expected} elements in llm.c order for {cfg}",
-                             f"{flat.numel()} elements")
-    if not flat.is_floating_point():
-        raise ModelFileError(path, "flat_params", "a floating-point buffer", flat.dtype)
-    header = model_header(cfg, dtype)
-    with atomic_local_file(path) as f:
-        f.write(header.tobytes())
-        _write_values(f, flat, dtype)
-
-
-def read_model_file(path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Read an llm.c model file: (config, {llm.c name: tensor in llm.c's shape}), tensors fp32
-    for version 3 and bf16 for version 5. Raises ModelFileError on a malformed file."""
-    path = str(path)
-    size = os.path.getsize(path)
-    if size < MODEL_HEADER_INTS * 4:
-        raise ModelFileError(path, "header", f"{MODEL_HEADER_INTS * 4} bytes", f"a {size}-byte file")
-    header = np.fromfile(path, dtype="<i4", count=MODEL_HEADER_INTS)
-    cfg, version = parse_model_header(header, path)
-    dtype = _DTYPE_OF_VERSION[version]
-    expected = model_file_size(cfg, dtype)
-    if size != expected:
-        raise ModelFileError(path, "file size", f"{expected} bytes (1024 + {llmc_num_elements(cfg)} "
-                             f"parameters x {_BYTES_OF_VERSION[version]} bytes for {cfg})",
-                             f"{size} bytes")
-    raw = np.fromfile(path, dtype="<f4" if dtype == torch.float32 else "<i2", offset=MODEL_HEADER_INTS * 4)
-    flat = torch.from_numpy(raw)
-    if dtype == torch.bfloat16:
-        flat = flat.view(torch.bfloat16)
-    tensors, offset = {}, 0
-    for name, shape in llmc_tensor_shapes(cfg):
-        n = math.prod(shape)
-        tensors[name] = flat[offset:offset + n].view(shape)
-        offset += n
-    return cfg, tensors
-
-
-def read_model_file_flat(data: bytes, path: str = "<model file>") -> tuple[GPTConfig, torch.Tensor]:
-    """The weights of an llm.c model file held in memory (e.g. read from remote storage), as one
-    flat tensor in llm.c order: fp32 for version 3, bf16 for version 5."""
-    if len(data) < MODEL_HEADER_INTS * 4:
-        raise ModelFileError(path, "header", f"{MODEL_HEADER_INTS * 4} bytes", f"a {len(data)}-byte file")
-    header = np.frombuffer(data, dtype="<i4", count=MODEL_HEADER_INTS)
-    cfg, version = parse_model_header(header, path)
-    dtype = _DTYPE_OF_VERSION[version]
-    expected = model_file_size(cfg, dtype)
-    if len(data) != expected:
-        raise ModelFileError(path, "file size", f"{expected} bytes for {cfg}", f"{len(data)} bytes")
-    raw = np.frombuffer(data, dtype="<f4" if dtype == torch.float32 else "<i2",
-                        offset=MODEL_HEADER_INTS * 4).copy()
-    flat = torch.from_numpy(raw)
-    return cfg, flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat
-
-
-def load_model_file(path, device="cpu") -> GPT:
-    """A GPT (fp32 parameters) holding the weights of an llm.c model file."""
-    cfg, tensors = read_model_file(path)
-    model = GPT(cfg, init_seed=None)
-    with torch.no_grad():
-        for name, params in llmc_parameter_layout(model):
-            pieces = tensors[name].reshape(len(params), -1)  # one row per layer (or the whole)
-            for p, piece in zip(params, pieces):
-                p.copy_(piece.view_as(p))
-    return model.to(device)
-
-
-def _version_of(dtype: torch.dtype) -> int:
-    if dtype not in _VERSION_OF_DTYPE:
-        raise ValueError(f"llm.c model file dtype: expected torch.float32 or torch.bfloat16, "
-                         f"found {dtype}")
-    return _VERSION_OF_DTYPE[dtype]
-
-
-def _write_values(f, flat: torch.Tensor, dtype: torch.dtype) -> None:
-    """Append a 1-D tensor to f as little-endian fp32, or bf16 as raw 16-bit words (round to
-    nearest even when narrowing), chunk by chunk."""
-    for lo in range(0, flat.numel(), _WRITE_CHUNK):
-        chunk = flat[lo:lo + _WRITE_CHUNK].to(device="cpu", dtype=dtype).contiguous()
-        if dtype == torch.bfloat16:
-            chunk = chunk.view(torch.int16)
-        f.write(memoryview(chunk.numpy()).cast("B"))

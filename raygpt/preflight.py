@@ -27,10 +27,7 @@ MANIFEST and checks sizes (the workers verify every hash when they load the chec
 
 from __future__ import annotations
 
-import os
 import uuid
-
-import numpy as np
 
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
@@ -112,18 +109,10 @@ def check_model(cfg: TrainConfig) -> None:
     its max_seq_len. dN names need nothing (validate() checked them)."""
     if cfg.depth is not None:
         return
-    from raygpt.model import ModelFileError, model_file_size, parse_model_header, _DTYPE_OF_VERSION
+    from raygpt.llmc.model_file import ModelFileError, read_model_header
     path = cfg.model
     try:
-        size = os.path.getsize(path)
-        header = np.fromfile(path, dtype="<i4", count=256)
-        if len(header) < 256:
-            raise ModelFileError(path, "header", "1024 bytes (256 int32)", f"a {size}-byte file")
-        gpt, version = parse_model_header(header, path)
-        expected = model_file_size(gpt, _DTYPE_OF_VERSION[version])
-        if size != expected:
-            raise ModelFileError(path, "file size", f"{expected:,} bytes for its header's shape",
-                                 f"{size:,} bytes")
+        gpt, _ = read_model_header(path)
     except (ModelFileError, OSError) as e:
         raise ConfigError(f"-e/--model: {e}") from None
     if cfg.seq_len > gpt.block_size:
@@ -155,7 +144,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
         raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
                           f"resume it: {_one_line(e)}") from None
-    try:  # what checkpointer.run_fingerprints gives the workers, without importing torch
+    try:  # what runtime.run_fingerprints gives the workers, without importing torch
         ck.check_compatible(manifest, config_identity=cfg.identity(),
                             tokenizer_hash=tokenizer_fingerprint(),
                             data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers)

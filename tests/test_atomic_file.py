@@ -37,7 +37,8 @@ def test_file_fsynced_before_the_rename_and_the_directory_after(tmp_path, monkey
 @pytest.mark.parametrize("writer", ["model", "shard"])
 def test_the_model_file_and_shard_writers_follow_the_rule(tmp_path, monkeypatch, writer):
     if writer == "model":
-        from raygpt.model import GPT, GPTConfig, write_model_file
+        from raygpt.llmc.model_file import write_model_file
+        from raygpt.model import GPT, GPTConfig
         model = GPT(GPTConfig.from_depth(1), init_seed=1)
         events = record_order(monkeypatch)
         write_model_file(tmp_path / "model.bin", model)

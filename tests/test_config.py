@@ -236,7 +236,8 @@ def test_every_field_is_in_a_section_and_help_groups_the_flags_by_it():
     groups = {g.title: {a.dest for a in g._group_actions} for g in build_parser()._action_groups}
     perf = groups[SECTION_TITLES["performance"]]
     assert {"prefetch_batches", "gc_freeze", "compile_mode", "loss_impl", "ce_kernel",
-            "preemption_poll_steps", "compile", "deterministic"} <= perf
+            "ce_chunk_rows", "sdpa_backend", "embedding_impl", "preemption_poll_steps", "compile",
+            "deterministic"} <= perf
     assert "spike_soft_z" in groups[SECTION_TITLES["spike"]]
     assert TrainConfig.section_fields("schedule") == ["scheduler", "warmup_steps", "final_lr_frac",
                                                       "max_steps"]
@@ -246,15 +247,25 @@ def test_performance_switches_are_flags_and_may_change_on_resume():
     from raygpt.config import RESUME_MUTABLE_FIELDS
 
     cfg = parse_args(["--no-prefetch", "--no-gc-freeze", "--compile-mode", "reduce-overhead",
-                      "--loss-impl", "reference", "--no-ce-kernel", "--preemption-poll-steps", "1"])
+                      "--loss-impl", "reference", "--no-ce-kernel", "--preemption-poll-steps", "1",
+                      "--ce-chunk-rows", "4096", "--sdpa-backend", "cudnn",
+                      "--embedding-impl", "raygpt"])
     assert (cfg.prefetch_batches, cfg.gc_freeze, cfg.ce_kernel) == (False, False, False)
     assert (cfg.compile_mode, cfg.loss_impl, cfg.preemption_poll_steps) == (
         "reduce-overhead", "reference", 1)
+    assert (cfg.ce_chunk_rows, cfg.sdpa_backend, cfg.embedding_impl) == (4096, "cudnn", "raygpt")
     assert set(TrainConfig.section_fields("performance")) <= RESUME_MUTABLE_FIELDS
     assert TrainConfig().identity() == cfg.identity()  # a checkpoint resumes with any of them
     resolved = TrainConfig(device="cpu").resolve(0)
     with pytest.raises(ConfigError, match=r"--loss-impl: expected fused \| reference, found 'fast'"):
         resolved.with_overrides({"loss_impl": "fast"}).validate()
+    # every performance field with choices is checked (a config file is not argparse-checked)
+    with pytest.raises(ConfigError, match=r"--sdpa-backend: expected auto \| default \| cudnn"):
+        resolved.with_overrides({"sdpa_backend": "xformers"}).validate()
+    with pytest.raises(ConfigError, match=r"--embedding-impl: expected auto \| torch \| raygpt"):
+        resolved.with_overrides({"embedding_impl": "sparse"}).validate()
+    with pytest.raises(ConfigError, match=r"--ce-chunk-rows: expected an integer >= 1, found 0"):
+        resolved.with_overrides({"ce_chunk_rows": 0}).validate()
 
 
 def test_a_config_written_before_the_sections_still_resumes():

@@ -1,4 +1,5 @@
-"""Tests of raygpt.data: the llm.c shard format, the loader's global stream, its state and skips.
+"""Tests of raygpt.data: the loader's global stream, its state and skips (the llm.c shard format
+itself: tests/llmc/test_shards.py).
 
 The test shards carry their own coordinates: token p of shard s is s*1000 + p, so the first token
 of a row of x names the (shard, sample) it came from (sample i starts at token i*T).
@@ -12,8 +13,7 @@ import pytest
 import torch
 
 from raygpt.data import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
-from raygpt.llmc.shards import (HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION, ShardError, read_shard,
-                                 read_shard_header, write_shard)
+from raygpt.llmc.shards import ShardError, read_shard, write_shard
 
 VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "raygpt", "data_files",
                             "tiny_shakespeare_val.bin")
@@ -68,66 +68,8 @@ def all_samples(sizes, T):
     return sorted((s, i) for s, n in enumerate(sizes) for i in range((n - 1) // T))
 
 
-# ------------------------------------------------------------------------ shard format
-
-def test_write_read_round_trip(tmp_path):
-    tokens = np.array([0, 1, 50256, 65535, 7] * 11, dtype=np.int64)
-    path = tmp_path / "a.bin"
-    write_shard(path, tokens)
-    assert read_shard_header(path) == len(tokens)
-    assert os.path.getsize(path) == HEADER_BYTES + 2 * len(tokens)
-    got = read_shard(path)
-    assert got.dtype == np.uint16
-    assert np.array_equal(got, tokens)
-    header = np.fromfile(path, dtype="<i4", count=256)
-    assert header[0] == SHARD_MAGIC and header[1] == SHARD_VERSION and header[2] == len(tokens)
-    assert not header[3:].any()
-    assert os.listdir(tmp_path) == ["a.bin"]  # no temp file left behind
-
-
-def test_write_replaces_atomically_and_rejects_non_uint16(tmp_path):
-    path = tmp_path / "a.bin"
-    write_shard(path, [1, 2, 3])
-    for bad in ([1, 65536], [-1, 2]):
-        with pytest.raises(ShardError, match=r"a\.bin.*tokens.*65535"):
-            write_shard(path, bad)
-    assert np.array_equal(read_shard(path), [1, 2, 3])  # the old shard is untouched
-    assert os.listdir(tmp_path) == ["a.bin"]
-
-
-def _corrupt(path, kind):
-    raw = bytearray(path.read_bytes())
-    header = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4").copy()
-    if kind == "magic":
-        header[0] = 20240326
-    elif kind == "version":
-        header[1] = 2
-    elif kind == "count":
-        header[2] += 5
-    elif kind == "truncated":
-        path.write_bytes(bytes(raw[:100]))
-        return
-    raw[:HEADER_BYTES] = header.tobytes()
-    path.write_bytes(bytes(raw))
-
-
-@pytest.mark.parametrize("kind, field, found", [
-    ("magic", "magic", "20240326"),
-    ("version", "version", "found 2"),
-    ("count", "token count", "found 1224 bytes"),
-    ("truncated", "header", "found a file of 100 bytes"),
-])
-def test_bad_shard_errors_name_file_field_expected_found(tmp_path, kind, field, found):
-    make_shards(tmp_path, [100, 100])
-    bad = tmp_path / "shard_000001.bin"
-    _corrupt(bad, kind)
-    for call in (lambda: read_shard_header(bad), lambda: read_shard(bad),
-                 lambda: DistributedDataLoader(str(tmp_path / "*.bin"), 2, 4, 0, 2)):
-        with pytest.raises(ShardError) as e:
-            call()
-        msg = str(e.value)
-        assert "shard_000001.bin" in msg and field in msg and "expected" in msg and found in msg
-
+# ------------------------------------------------------------------------ shards the loader refuses
+# (the format's own reader and writer: tests/llmc/test_shards.py)
 
 def test_shard_too_small_for_one_global_batch(tmp_path):
     pattern = make_shards(tmp_path, [100, 16])  # B*T*world+1 = 2*4*2+1 = 17

@@ -7,6 +7,7 @@ import torch
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.faults import InjectedFault
+from raygpt.llmc.state_file import read_state_file, write_state_file
 from raygpt.loop import train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
@@ -19,8 +20,8 @@ def run_local(cfg):
 
 def state_arrays(run_dir, step, num_parameters):
     rd = open_run_dir(str(run_dir))
-    sf = ck.read_state_file(rd.read_bytes(f"{ck.step_dir(step)}/{ck.state_file(step, 0)}"),
-                            num_parameters=num_parameters)
+    sf = read_state_file(rd.read_bytes(f"{ck.step_dir(step)}/{ck.state_file(step, 0)}"),
+                         num_parameters=num_parameters)
     model = rd.read_bytes(f"{ck.step_dir(step)}/{ck.model_file(step)}")
     return sf, model
 
@@ -68,12 +69,12 @@ def test_resume_audit_reports_a_difference(uninterrupted, tmp_path):
     rd = open_run_dir(str(run_dir))
     sf_name = f"{ck.step_dir(4)}/{ck.state_file(4, 0)}"
     n = ck.read_manifest(rd, 4)["num_parameters"]
-    sf = ck.read_state_file(rd.read_bytes(sf_name), num_parameters=n)
+    sf = read_state_file(rd.read_bytes(sf_name), num_parameters=n)
     import io
     buf = io.BytesIO()
-    ck.write_state_file(buf, step=sf.step, num_processes=1, process_rank=0, rng_state=sf.rng_state,
-                        rng_state_last_update=sf.rng_state_last_update, m=np.zeros_like(sf.m),
-                        v=sf.v, master=None, loader_state=sf.loader_state, extras=sf.extras)
+    write_state_file(buf, step=sf.step, num_processes=1, process_rank=0, rng_state=sf.rng_state,
+                     rng_state_last_update=sf.rng_state_last_update, m=np.zeros_like(sf.m),
+                     v=sf.v, master=None, loader_state=sf.loader_state, extras=sf.extras)
     rd.write_bytes_atomic(sf_name, buf.getvalue())
     # re-sign the manifest so the file verifies: this simulates a resume that forgets m
     ck.write_manifest(rd, 4, **{k: v for k, v in ck.read_manifest(rd, 4).items()

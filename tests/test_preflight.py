@@ -130,7 +130,8 @@ def test_bad_model_files_are_refused(data, no_ray, capsys):
     # a real model file cut short, and one whose max_seq_len is below -t
     import torch
 
-    from raygpt.model import GPT, GPTConfig, write_model_file
+    from raygpt.llmc.model_file import write_model_file
+    from raygpt.model import GPT, GPTConfig
     model = GPT(GPTConfig(block_size=8, vocab_size=50257, padded_vocab_size=50304, n_layer=1,
                           n_head=1, n_embd=64), init_seed=0)
     write_model_file(data / "model.bin", model, torch.float32)

@@ -17,6 +17,7 @@ import pytest
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main
+from raygpt.llmc.state_file import write_state_file
 from raygpt.runlog.history import LOSS_HISTORY, RunHistory
 from raygpt.report import format_status, load_run, plot_run, run_status
 from raygpt.storage import open_run_dir
@@ -47,12 +48,12 @@ def make_checkpoint(run_dir, step: int, *, finished: bool = True) -> None:
     d = ck.step_dir(step)
     for rank in range(WORLD):
         buf = io.BytesIO()
-        ck.write_state_file(buf, step=step, num_processes=WORLD, process_rank=rank, rng_state=7,
-                            rng_state_last_update=7, m=np.full(8, step, np.float32),
-                            v=np.ones(8, np.float32), master=None,
-                            loader_state={"shard_pos": 0, "sample_pos": step * 8,
-                                          "should_shuffle": False, "skip_ranges": []},
-                            extras={"tokens_seen": TOKENS_PER_STEP * step})
+        write_state_file(buf, step=step, num_processes=WORLD, process_rank=rank, rng_state=7,
+                         rng_state_last_update=7, m=np.full(8, step, np.float32),
+                         v=np.ones(8, np.float32), master=None,
+                         loader_state={"shard_pos": 0, "sample_pos": step * 8,
+                                       "should_shuffle": False, "skip_ranges": []},
+                         extras={"tokens_seen": TOKENS_PER_STEP * step})
         run_dir.write_bytes_atomic(f"{d}/{ck.state_file(step, rank)}", buf.getvalue())
     run_dir.write_bytes_atomic(f"{d}/{ck.model_file(step)}", bytes(range(256)) * 4)
     if finished:

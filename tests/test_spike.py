@@ -10,6 +10,7 @@ import torch
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import SpikeConfig
 from raygpt.faults import InjectedFault
+from raygpt.llmc.state_file import read_state_file
 from raygpt.loop import TrainingStopped, train
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
@@ -39,9 +40,9 @@ def test_one_spike_one_rewind_and_its_window_is_skipped_for_good(tmp_path):
     # every checkpoint written after the rewind carries the window in its skip list
     rd = open_run_dir(str(tmp_path))
     n = ck.read_manifest(rd, 12)["num_parameters"]
-    sf = ck.read_state_file(rd.read_bytes("step_00000012/state_00000012_00000.bin"), num_parameters=n)
+    sf = read_state_file(rd.read_bytes("step_00000012/state_00000012_00000.bin"), num_parameters=n)
     assert set(window) <= {tuple(r) for r in sf.loader_state["skip_ranges"]}
-    sf6 = ck.read_state_file(rd.read_bytes("step_00000006/state_00000006_00000.bin"), num_parameters=n)
+    sf6 = read_state_file(rd.read_bytes("step_00000006/state_00000006_00000.bin"), num_parameters=n)
     assert not sf6.loader_state["skip_ranges"]
     # the rewind abandoned the trajectory checkpoint 6 was saved on, back to step 6: 6 stays
     # valid, and the checkpoints after it belong to the new trajectory
@@ -57,7 +58,7 @@ def test_resume_after_a_rewind_keeps_skipping_the_window(tmp_path):
     # the last checkpoint (10) carries the window in its skip list and the rewind in its ledger
     rd = open_run_dir(str(tmp_path))
     n = ck.read_manifest(rd, 10)["num_parameters"]
-    sf = ck.read_state_file(rd.read_bytes("step_00000010/state_00000010_00000.bin"), num_parameters=n)
+    sf = read_state_file(rd.read_bytes("step_00000010/state_00000010_00000.bin"), num_parameters=n)
     rewinds = [r for r in records(tmp_path) if r["kind"] == "rewind"]
     assert {tuple(w) for w in rewinds[0]["window"]} <= {tuple(r) for r in sf.loader_state["skip_ranges"]}
     assert sf.extras["ledger"]["rewinds"] == 1
@@ -86,8 +87,8 @@ def test_a_nan_step_never_reaches_a_checkpointed_detector(tmp_path):
     assert summary["skips"] == 1
     rd = open_run_dir(str(tmp_path))
     manifest = ck.read_manifest(rd, 8)
-    sf = ck.read_state_file(rd.read_bytes(f"{ck.step_dir(8)}/{ck.state_file(8, 0)}"),
-                            num_parameters=manifest["num_parameters"])
+    sf = read_state_file(rd.read_bytes(f"{ck.step_dir(8)}/{ck.state_file(8, 0)}"),
+                         num_parameters=manifest["num_parameters"])
     for name in ("loss_detector", "grad_detector"):
         det = sf.extras[name]
         assert det["count"] == 7, name  # steps 0-7 less the NaN one
@@ -128,7 +129,8 @@ def test_a_rewind_settles_for_the_newest_verified_when_a_report_never_completes(
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4, 6], c.verified_steps, c.completed, 7, 1, wait_s=5,
                                 clock=lambda: c.now, sleep=c.sleep) == 4
-    assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().out
+    # a warning: stderr, like every raygpt warning (raygpt.runlog.console)
+    assert "checkpoint 6 was reported but not completed within 5 s" in capsys.readouterr().err
     # nothing newer reported than what is verified: no wait at all
     c = FakeClock([2, 4])
     assert choose_rewind_target([2, 4], c.verified_steps, c.completed, 7, 1, wait_s=5,

@@ -20,6 +20,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt import outlier
 from raygpt.config import SpikeConfig
 from raygpt.faults import InjectedFault
+from raygpt.llmc.state_file import read_state_file
 from raygpt.loop import TrainingStopped, build_model, sample_text, train
 from raygpt.model import GPT
 from raygpt.schedule import learning_rate
@@ -36,8 +37,8 @@ def run_local(cfg, resolved=False):
 def state_file(run_dir, step):
     rd = open_run_dir(str(run_dir))
     n = ck.read_manifest(rd, step)["num_parameters"]
-    return ck.read_state_file(rd.read_bytes(f"{ck.step_dir(step)}/{ck.state_file(step, 0)}"),
-                              num_parameters=n)
+    return read_state_file(rd.read_bytes(f"{ck.step_dir(step)}/{ck.state_file(step, 0)}"),
+                           num_parameters=n)
 
 
 def train_records(run_dir):

@@ -8,6 +8,7 @@ import ray
 import torch
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.llmc.state_file import read_state_file
 from raygpt.storage import open_run_dir
 from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses
@@ -94,8 +95,8 @@ def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     rd = open_run_dir(str(tmp_path))
     n = flat.num_parameters
     half = -(-n // 2)
-    shards = [ck.read_state_file(rd.read_bytes(f"step_00000004/{ck.state_file(4, r)}"),
-                                 num_parameters=min(half, n - r * half)) for r in (0, 1)]
+    shards = [read_state_file(rd.read_bytes(f"step_00000004/{ck.state_file(4, r)}"),
+                              num_parameters=min(half, n - r * half)) for r in (0, 1)]
     assert torch.equal(opt.m, torch.from_numpy(np.concatenate([s.m for s in shards])))
     assert torch.equal(opt.v, torch.from_numpy(np.concatenate([s.v for s in shards])))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import io
+import logging
 import os
 import shutil
 import threading
@@ -36,13 +37,17 @@ from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
-from raygpt.model import GPTConfig, read_model_file_flat, write_model_file_from_flat
+from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
+from raygpt.llmc.state_file import read_state_file, write_state_file
+from raygpt.model import GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.outlier import rewind_target
 from raygpt.schedule import wsd_decay_start
 from raygpt.state import TrainState
 from raygpt.storage import RunDir
 from raygpt.tokenizer import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 
 def run_fingerprints(cfg: TrainConfig) -> dict:
@@ -122,9 +127,8 @@ def choose_rewind_target(published, verified_steps, completed, spike_start: int,
         deadline = clock() + wait_s
         while not completed(wanted):
             if clock() > deadline:
-                print(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed "
-                      f"within {wait_s:.0f} s; rewinding to the newest verified one",
-                      flush=True)
+                log.warning(f"raygpt | WARNING: checkpoint {wanted} was reported but not completed "
+                            f"within {wait_s:.0f} s; rewinding to the newest verified one")
                 break
             sleep(0.1)
     return rewind_target(verified_steps(), spike_start, safety_steps)
@@ -251,7 +255,7 @@ class Checkpointer:
             name = ck.state_file(step, self.rank)
             with open(stage / name, "wb") as f:
                 hw = _HashingWriter(f)
-                ck.write_state_file(
+                write_state_file(
                     hw, step=step, num_processes=self.world, process_rank=self.rank,
                     rng_state=snap["rng_state"], rng_state_last_update=snap["rng_state_last_update"],
                     m=snap["m"].numpy(), v=snap["v"].numpy(),
@@ -323,7 +327,7 @@ class Checkpointer:
         hint = self.session.checkpoint_hint()
         if hint is None and self.cfg.resume != 1:
             return None
-        warn = (lambda m: print(f"raygpt | WARNING: {m}", flush=True)) if self.rank == 0 else (lambda m: None)
+        warn = (lambda m: log.warning(f"raygpt | WARNING: {m}")) if self.rank == 0 else (lambda m: None)
         decisions = ck.read_abandoned_trajectories(self.run_dir)
         before = None
         while True:
@@ -336,16 +340,16 @@ class Checkpointer:
                 files, problem = self._fetch_verified(step, manifest, same_sharding)
                 self.load_seconds += time.perf_counter() - t0
                 if problem is not None:
-                    print(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: {problem}",
-                          flush=True)
+                    log.warning(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: "
+                                f"{problem}")
             bad, newest, oldest = self._agree(problem is not None, -1 if step is None else step)
             if newest == -1:  # no rank has a candidate left
                 if hint is not None:
                     warn(f"Ray restored checkpoint step {hint} but no verified checkpoint exists "
                          f"in {self.run_dir}; starting from scratch")
                 elif self.rank == 0:
-                    print(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
-                          f"fresh", flush=True)
+                    log.info(f"raygpt | -y 1: no verified checkpoint in {self.run_dir}; starting "
+                             f"fresh")
                 return None
             if not bad and newest == oldest:
                 break
@@ -420,9 +424,9 @@ class Checkpointer:
         state.ledger.load_state_dict(decision["ledger"])
         loader.add_skip_ranges([tuple(r) for r in decision["skip_ranges"]])
         if self.rank == 0:
-            print(f"raygpt | checkpoint {step} predates rewind {state.ledger.rewinds} (back to "
-                  f"step {decision['to_step']}): its skip list and lr_scale "
-                  f"{state.ledger.lr_scale:.3f} apply from here", flush=True)
+            log.info(f"raygpt | checkpoint {step} predates rewind {state.ledger.rewinds} (back to "
+                     f"step {decision['to_step']}): its skip list and lr_scale "
+                     f"{state.ledger.lr_scale:.3f} apply from here")
 
     def load(self, step: int, state: TrainState, loader, files: dict | None = None) -> None:
         """Load checkpoint `step`; `files` are bytes `_fetch_verified` already read and checked
@@ -481,13 +485,13 @@ class Checkpointer:
         loader.load_state_dict(sf.loader_state)
         for note in state.load_extras(sf.extras):
             if self.rank == 0:
-                print(f"raygpt | WARNING: checkpoint {step}: {note}", flush=True)
+                log.warning(f"raygpt | WARNING: checkpoint {step}: {note}")
 
     def _read_own_state(self, step: int, manifest: dict, files: dict):
         opt = self.opt
-        return ck.read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
-                                  num_parameters=opt.hi - opt.lo, expect_processes=self.world,
-                                  expect_rank=self.rank)
+        return read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
+                               num_parameters=opt.hi - opt.lo, expect_processes=self.world,
+                               expect_rank=self.rank)
 
     def _read_resharded_state(self, step: int, manifest: dict, files: dict):
         """A checkpoint of N ranks resumed on this run's M ranks (llm.c refuses this; raygpt
@@ -510,9 +514,9 @@ class Checkpointer:
                 raise ck.CheckpointError(f"{self.run_dir.uri(name)}: expected the state file of "
                                          f"rank {r} of {n_old} to reshard from, found none")
             r_lo, r_hi = shard_range(total, r, n_old, zero_old)
-            sf = ck.read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
-                                    num_parameters=r_hi - r_lo, expect_processes=n_old,
-                                    expect_rank=r)
+            sf = read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
+                                 num_parameters=r_hi - r_lo, expect_processes=n_old,
+                                 expect_rank=r)
             first = first or sf
             if not (r_lo < hi and r_hi > lo):
                 continue  # rank 0's file read for the rank-independent state only
@@ -526,9 +530,10 @@ class Checkpointer:
             elif getattr(first, key) is not None:  # this rank's shard is empty (padding)
                 setattr(first, key, getattr(first, key)[:0])
         if self.rank == 0:
-            print(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) (ZeRO-{zero_old})"
-                  f" resharded onto {self.world} rank(s) (ZeRO-{self.cfg.zero_stage}); grad "
-                  f"accumulation now {self.cfg.grad_accum_steps(self.world)}", flush=True)
+            log.info(f"raygpt | elastic resume: checkpoint {step} of {n_old} rank(s) "
+                     f"(ZeRO-{zero_old}) resharded onto {self.world} rank(s) "
+                     f"(ZeRO-{self.cfg.zero_stage}); grad accumulation now "
+                     f"{self.cfg.grad_accum_steps(self.world)}")
         return first
 
     def rewind_to(self, step: int, state: TrainState, loader, window) -> None:

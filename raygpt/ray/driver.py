@@ -286,7 +286,7 @@ class RaygptTrainer(TorchTrainer):
     (`_initialize_and_run_controller` receives the failure policy it ships to the controller;
     `_register_sigint_handler` installs Ctrl-C's handler once the controller exists;
     `_create_default_callbacks` lists the controller's callbacks); test_run_end.py and
-    test_console.py fail if one stops being called."""
+    tests/ray_seam/test_command_output.py fail if one stops being called."""
 
     on_sigint = None  # callable(controller) installed as the SIGINT handler during fit()
 

@@ -195,14 +195,41 @@ def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function(monkeypatch):
         GPT(cfg, embedding_impl="sparse")
 
 
-def test_deterministic_runs_pick_raygpt_kernels_on_cuda_only(monkeypatch):
-    from raygpt import model
+def test_deterministic_runs_pick_raygpt_kernels_on_cuda_only():
     from raygpt.model import kernels_for
 
-    assert kernels_for(True, "cuda") == dict(sdpa_backend="raygpt", embedding_impl="raygpt")
-    assert kernels_for(False, "cuda") == {} and kernels_for(True, "cpu") == {}
-    monkeypatch.setattr(model, "RAYGPT_KERNELS_WHEN_DETERMINISTIC", False)  # the bench's "before"
-    assert kernels_for(True, "cuda") == {}
+    ours, torchs = (dict(sdpa_backend="raygpt", embedding_impl="raygpt"),
+                    dict(sdpa_backend="default", embedding_impl="torch"))
+    assert kernels_for(True, "cuda") == ours
+    assert kernels_for(False, "cuda") == torchs and kernels_for(True, "cpu") == torchs
+    # an explicit choice (TrainConfig's --sdpa-backend / --embedding-impl) is taken as given:
+    # PyTorch's deterministic kernels, the bench's "before"; raygpt's on the CPU
+    assert kernels_for(True, "cuda", sdpa_backend="default", embedding_impl="torch") == torchs
+    assert kernels_for(False, "cpu", sdpa_backend="raygpt", embedding_impl="raygpt") == ours
+    assert kernels_for(True, "cuda", sdpa_backend="cudnn") == dict(sdpa_backend="cudnn",
+                                                                   embedding_impl="raygpt")
+
+
+def test_a_runs_kernel_fields_reach_the_model_and_name_the_models_choices():
+    """TrainConfig's performance fields are what build_model hands the GPT, and their choices
+    are the model's own (plus "auto")."""
+    import dataclasses
+
+    from raygpt.config import TrainConfig
+    from raygpt.loop import build_model
+    from raygpt.model import EMBEDDING_IMPLS, SDPA_BACKENDS
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainConfig)}
+    assert choices["sdpa_backend"] == ("auto",) + SDPA_BACKENDS
+    assert choices["embedding_impl"] == ("auto",) + EMBEDDING_IMPLS
+    cfg = TrainConfig(device="cpu", model="d1", sdpa_backend="cudnn", embedding_impl="raygpt",
+                      ce_chunk_rows=96, loss_impl="reference", ce_kernel=False).resolve(0)
+    model = build_model(cfg, torch.device("cpu"))
+    assert {b.attn.sdpa_backend for b in model.transformer.h} == {"cudnn"}
+    assert (model.embedding_impl, model.ce_chunk_rows) == ("raygpt", 96)
+    assert (model.loss_impl, model.ce_kernel) == ("reference", False)
+    auto = build_model(TrainConfig(device="cpu", model="d1").resolve(0), torch.device("cpu"))
+    assert (auto.transformer.h[0].attn.sdpa_backend, auto.embedding_impl) == ("default", "torch")
 
 
 # ---------------------------------------------------------------------------------------------

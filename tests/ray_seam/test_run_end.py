@@ -21,6 +21,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
 from raygpt.llmc.shards import ShardError
+from raygpt.llmc.state_file import StateFileError
 from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
                            TrainingStopped, stop_code)
 from raygpt.signals import SaveClock
@@ -48,7 +49,9 @@ def raised_from(error: BaseException, cause: BaseException) -> BaseException:
 
 def test_stop_code_tells_bad_input_and_decisions_from_curable_faults():
     assert stop_code(ConfigError("-x: expected ...")) == EXIT_BAD_INPUT
-    assert stop_code(CheckpointError("state file: ...")) == EXIT_BAD_INPUT
+    assert stop_code(CheckpointError("step_00000008/MANIFEST.json: ...")) == EXIT_BAD_INPUT
+    # a rank's state file that does not parse: the next attempt would read the same bytes
+    assert stop_code(StateFileError("state_00000008_00000.bin: header[0] magic: ...")) == EXIT_BAD_INPUT
     assert stop_code(ShardError("train.bin: magic ...")) == EXIT_BAD_INPUT
     assert stop_code(TrainingStopped("spike policy: ...")) == EXIT_FAILED
     assert stop_code(RunStopped("x", EXIT_BAD_INPUT)) == EXIT_BAD_INPUT

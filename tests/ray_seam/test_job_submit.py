@@ -40,7 +40,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.runlog.history import read_history
 from raygpt.storage import open_run_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "experiments" / "shakespeare.py")
 TINY = ["-e", "d2", "-b", "4", "-t", "32", "-v", "6", "-m", "2", "-s", "0", "-n", "4"]
 STOP_WAIT = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # a C++ log line of any Ray process at ERROR or FATAL level ("[time E pid tid] file.cc:N: ...")
 RAY_CORE_ERROR = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ [EF] \d+ \d+\]")
 
