@@ -72,6 +72,7 @@ class RunView:
     goodput: dict | None = None                                # summarize_run over the history
     faults: tuple[int, list] = (0, [])                         # faults.read_armed
     fired: tuple[int, list] = (0, [])                          # faults.read_fired
+    checkpoint_check: str = "full"     # how `checkpoints` were checked: "full" hashed, "quick" not
 
 
 # ---------------------------------------------------------------------- reading a run
@@ -185,6 +186,7 @@ def load_run(run_dir, *, verify: str = "quick", progress: Progress | None = None
                              recent=recent)
     view.faults = read_armed(run_dir)
     view.fired = read_fired(run_dir, keep=STATUS_FAULTS)
+    view.checkpoint_check = verify
     return view
 
 
@@ -285,9 +287,15 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
 
     good = [c for c in view.checkpoints if c.ok]
     bad = [c for c in view.checkpoints if not c.ok]
-    ckpt = f"{len(good)} verified" + (": step " + ", ".join(str(c.step) for c in good) if good else "")
+    # "verified" only when every byte was hashed: the quick check sees missing and short files
+    # (DONE, MANIFEST, each listed size), not a flipped byte, and says so
+    hashed = view.checkpoint_check == "full"
+    ckpt = (f"{len(good)} {'verified' if hashed else 'complete'}"
+            + (": step " + ", ".join(str(c.step) for c in good) if good else ""))
     if good:
         ckpt += f" | newest resumable: step {good[-1].step} ({_human_bytes(good[-1].size)})"
+    if not hashed and view.checkpoints:
+        ckpt += " | sizes checked, not hashed (--verify hashes)"
     lines.append(f"ckpts     {ckpt}")
     for c in bad:
         more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""

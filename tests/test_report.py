@@ -159,14 +159,17 @@ def test_status_of_a_run_that_has_not_trained_yet(tmp_path):
     RunHistory(rd, cfg=None, enabled=True).begin_attempt(None, None)
     text = format_status(load_run(rd))
     assert "progress  no step trained yet" in text
-    assert "ckpts     0 verified" in text
+    assert "ckpts     0 complete" in text and "not hashed" not in text  # nothing to check
 
 
 def test_status_and_plot_commands(run_dir, tmp_path, capsys):
     assert main(["status", run_dir.root]) == 0
     out = capsys.readouterr()
     assert "1 rewind(s) (step 8 -> 4)" in out.out
-    # quick by default: nothing hashed, so checkpoint 10's flipped byte goes unseen
+    # quick by default: nothing hashed, so checkpoint 10's flipped byte goes unseen, and the
+    # checkpoints are called complete, not verified
+    assert "ckpts     3 complete: step 4, 8, 10 | newest resumable: step 10" in out.out
+    assert "sizes checked, not hashed (--verify hashes)" in out.out and " verified:" not in out.out
     assert "checking checkpoint 4/4" in out.err and "verifying" not in out.err
     assert "NOT usable: step 10" not in out.out and "NOT usable: step 12" in out.out
     assert main(["status", run_dir.root, "--verify"]) == 0

@@ -462,6 +462,8 @@ def test_a_malformed_manifest_condemns_its_checkpoint_not_the_reader(tmp_path, e
     assert ck.verify_checkpoint(rd, 2, hashes=False)  # the quick check
     rd.write_bytes_atomic(LOSS_HISTORY, b'{"kind":"start","step":0,"time":1}\n')
     text = run_status(rd)
+    assert "NOT usable: step 2" in text and "1 complete: step 1" in text  # quick: sizes only
+    text = run_status(rd, verify="full")
     assert "NOT usable: step 2" in text and "1 verified: step 1" in text
 
 
