@@ -8,13 +8,18 @@
   new    the node's compile cache is emptied but the run's artifacts stay: the new workers fill
          their cache from <run dir>/compile_cache/ (what a replacement node does)
 
-The kill is the loop's own fault injection (`kill:rank=R,step=S`, raygpt.faults: a real SIGKILL
-of the worker process); the bench empties the cache when that fault's record appears, which is
-written just before the kill and seconds before Ray has a new worker group compiling.
+The kill comes from outside the run, as a crash or the OOM killer would strike: once
+checkpoint --kill-after is complete (its DONE is in the run directory), the bench SIGKILLs one
+Ray Train worker process of this machine (a real SIGKILL; recorded under <run dir>/faults/ first,
+as `kill_worker`, so `raygpt status` lists it) and, for `cold` and `new`, empties the cache. A
+kill at a fixed step instead would land before that checkpoint is complete on a fast GPU (an
+async save and Ray's registration take seconds, dozens of steps), and the replacement workers
+would start from an older checkpoint or from scratch: the table would then measure the
+cadence, not the recovery.
 
-    python bench/recovery.py                      # 2 GPUs, GPT-2 124M, B=16 T=1024, ckpt every 10
+    python bench/recovery.py                      # 2 GPUs, GPT-2 124M, B=16 T=1024, ckpt every 20
     python bench/recovery.py --tiny               # 2 CPU workers, d2 T=64 compiled: a dry run
-    python bench/recovery.py --scenarios warm,new --kill-step 25
+    python bench/recovery.py --scenarios warm,new --kill-after 40
 
 The node's compile cache for the bench lives under --root (TORCHINDUCTOR_CACHE_DIR is pointed
 there before Ray starts, so the workers inherit it), not in the machine's usual one.
@@ -26,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -47,11 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--kill-step", type=int, default=25, help="rank --kill-rank is SIGKILLed before "
-                   "this step's update (25: 5 steps after checkpoint 20 are lost)")
-    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--max-steps", type=int, default=400,
+                   help="long enough that the run is still training when --kill-after is DONE")
+    p.add_argument("--kill-after", type=int, default=20,
+                   help="SIGKILL a worker once this checkpoint's DONE exists (a multiple of "
+                        "--checkpoint-every)")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--root", default=None, help="where the runs and the bench's node cache go "
@@ -60,7 +67,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.depth, args.batch_size, args.seq_len = 2, 4, 64
-        args.checkpoint_every, args.max_steps, args.kill_step = 4, 12, 9
+        args.checkpoint_every, args.max_steps, args.kill_after = 4, 60, 4
+    if args.kill_after <= 0 or args.kill_after % args.checkpoint_every or args.kill_after >= args.max_steps:
+        p.error(f"--kill-after: expected a checkpoint step (a multiple of --checkpoint-every "
+                f"{args.checkpoint_every}) below --max-steps {args.max_steps}, found {args.kill_after}")
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
@@ -68,28 +78,67 @@ def parse_args(argv=None):
     return args
 
 
-class AfterKill(threading.Thread):
-    """Waits for the kill's record under <run dir>/faults/ and then empties the node's compile
-    cache (and, for `cold`, moves the run's compiled artifacts away)."""
+def train_worker_pids() -> list[int]:
+    """The pids of this bench's Ray Train worker processes: the processes titled
+    ray::RayTrainWorker whose parent is the raylet this process's `ray.init` started (other Ray
+    instances on the machine have workers of their own)."""
+    import ray._private.worker as ray_worker
 
-    def __init__(self, run_dir: Path, cache_dir: Path, scenario: str):
+    raylet = ray_worker._global_node.all_processes["raylet"][0].process.pid
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    title = f.read().split(b"\0")[0]
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if title.startswith(b"ray::RayTrainWorker") and parent == raylet:
+                pids.append(int(entry))
+    return sorted(pids)
+
+
+class Killer(threading.Thread):
+    """Waits for checkpoint `after`'s DONE, records the fault, SIGKILLs one Ray Train worker, and
+    then empties the node's compile cache (and, for `cold`, moves the run's compiled artifacts
+    away) before Ray has a new worker group compiling."""
+
+    def __init__(self, run_dir: Path, cache_dir: Path, scenario: str, after: int,
+                 deadline_s: float = 600):
         super().__init__(daemon=True)
-        self.run_dir, self.cache_dir, self.scenario = run_dir, cache_dir, scenario
+        self.run_dir, self.cache_dir, self.scenario, self.after = run_dir, cache_dir, scenario, after
+        self.deadline = time.monotonic() + deadline_s
         self.done = threading.Event()
         self.stopped = threading.Event()
+        self.error: str | None = None
 
     def run(self):
-        from raygpt.faults import FIRED
+        from raygpt.checkpointing import protocol as ck
         from raygpt.compile_cache import COMPILE_ARTIFACTS
+        from raygpt.faults import record_external
+        from raygpt.runlog.history import read_history
+        from raygpt.storage import open_run_dir
 
-        fired = self.run_dir / FIRED
-        while not self.stopped.wait(0.02):
-            if fired.is_dir() and any(p.name.startswith("kill_") for p in fired.iterdir()):
-                shutil.rmtree(self.cache_dir, ignore_errors=True)
-                if self.scenario == "cold" and (self.run_dir / COMPILE_ARTIFACTS).exists():
-                    (self.run_dir / COMPILE_ARTIFACTS).rename(self.run_dir / "compile_cache.hidden")
-                self.done.set()
+        done = self.run_dir / ck.step_dir(self.after) / ck.done_file(self.after)
+        while not done.exists():
+            if self.stopped.wait(0.02) or time.monotonic() > self.deadline:
+                self.error = f"{done} never appeared"
                 return
+        pids = train_worker_pids()
+        if not pids:
+            self.error = "no Ray Train worker process to kill"
+            return
+        rd = open_run_dir(str(self.run_dir))
+        steps = [r["step"] for r in read_history(rd) if r.get("kind") == "train"]
+        record_external(rd, "kill_worker", steps[-1] if steps else 0, pid=pids[-1])
+        os.kill(pids[-1], signal.SIGKILL)
+        if self.scenario != "warm":
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            if self.scenario == "cold" and (self.run_dir / COMPILE_ARTIFACTS).exists():
+                (self.run_dir / COMPILE_ARTIFACTS).rename(self.run_dir / "compile_cache.hidden")
+        self.done.set()
 
 
 def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
@@ -105,22 +154,17 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
                       max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
                       num_workers=args.workers, output_dir=str(run_dir), val_every=0,
                       sample_every=0, warmup_steps=2, compile=True,
-                      device="cpu" if args.tiny else "gpu", deterministic=args.deterministic,
-                      fault=f"kill:rank={args.kill_rank},step={args.kill_step}",
-                      allow_fault_injection=True)
+                      device="cpu" if args.tiny else "gpu", deterministic=args.deterministic)
     cfg = cfg.resolve(0 if args.tiny else args.workers)
-    after = None
-    if scenario != "warm":
-        after = AfterKill(run_dir, cache_dir, scenario)
-        after.start()
+    killer = Killer(run_dir, cache_dir, scenario, args.kill_after)
+    killer.start()
     t0 = time.time()
     summary = run(cfg)
     wall = time.time() - t0
-    if after is not None:
-        after.stopped.set()
-        after.join()
-        if not after.done.is_set():
-            raise SystemExit(f"{scenario}: the kill's record never appeared under {run_dir}")
+    killer.stopped.set()
+    killer.join()
+    if not killer.done.is_set():
+        raise SystemExit(f"{scenario}: no worker was killed: {killer.error or 'the run ended first'}")
     records = read_history(open_run_dir(str(run_dir)))
     ledger = summarize_run(records)
     if len(ledger["recoveries"]) != 1:
@@ -129,7 +173,7 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
     first = [r for r in records if r.get("kind") == "train" and r.get("attempt") == 1]
     failure = next(r for r in records if r.get("kind") == "failure")
     _, fired = read_fired(open_run_dir(str(run_dir)))
-    kill = next(r for r in fired if r.get("kind") == "kill")
+    kill = next(r for r in fired if r.get("kind") == "kill_worker")
     rec = ledger["recoveries"][0]
     return {"scenario": scenario, "parts": rec["parts"], "steps_retrained": rec["steps_retrained"],
             "kill_to_failure_record": failure["time"] - kill["time"],
@@ -174,7 +218,7 @@ def main(argv=None) -> None:
         ray.init(address="local", include_dashboard=False)
     print(f"recovery bench | {args.workers} x {'cpu' if args.tiny else 'gpu'} | d{args.depth} "
           f"B={args.batch_size} T={args.seq_len} | checkpoint every {args.checkpoint_every} | "
-          f"kill rank {args.kill_rank} before step {args.kill_step}'s update | torch "
+          f"a worker SIGKILLed once checkpoint {args.kill_after} is DONE | torch "
           f"{torch.__version__} | runs under {root}", flush=True)
     results = []
     try:

@@ -30,8 +30,9 @@ retry-budget tests).
 Every fault that fires leaves a record, written before it strikes: `<run dir>/faults/<name>`,
 one small JSON file each (`record_fired`; a file per fault, so ranks never write the same file
 and no append races on an object store). Faults from outside the run, which no spec can arm
-(`EXTERNAL_KINDS`: a Ctrl-C to the driver's process group, a Ray node removed under the run,
-as bench/fault_campaign.py injects them), are recorded by whoever injects them
+(`EXTERNAL_KINDS`: a Ctrl-C to the driver's process group and a Ray node removed under the run,
+as bench/fault_campaign.py injects them; a worker process SIGKILLed from outside, as
+bench/recovery.py does), are recorded by whoever injects them
 (`record_external`). `raygpt status` lists them all (`read_fired`).
 """
 
@@ -51,7 +52,7 @@ from raygpt.llmc.shards import ShardError
 log = logging.getLogger(__name__)
 
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
-EXTERNAL_KINDS = ("ctrl_c", "remove_node")
+EXTERNAL_KINDS = ("ctrl_c", "remove_node", "kill_worker")
 
 # what each kind does, as `raygpt status` says it
 WHAT = {
@@ -65,6 +66,7 @@ WHAT = {
     "crash_before_done": "checkpoint left without DONE/MANIFEST, the worker SIGKILLed 2 steps later",
     "ctrl_c": "SIGINT to the driver's process group (a terminal's Ctrl-C)",
     "remove_node": "a Ray node removed under the run (its processes killed)",
+    "kill_worker": "SIGKILL to a worker process from outside the run",
 }
 
 
