@@ -59,9 +59,27 @@ def test_training_step_compiles_once_on_cpu(tmp_path):
     no validation, so the first compiled call is step 1's one forward: a second micro-step or
     validation at step 0 would call the forward before step 2 and hide a cause such as an
     attribute the forward reads and sets (set by its first call, read changed by its second).
-    Then the run resumed on a new node starts from its compiled artifacts
-    (check_new_node_starts_warm)."""
-    print(check_new_node_starts_warm(tmp_path, "cpu"))
+    The run stores its compiled artifacts beside it for a new node. (The whole new-node resume
+    runs in the GPU test: on the CPU it would compile every C++ kernel again with g++, which
+    Inductor does not bundle, a minute of CI for what the artifacts test below checks.)"""
+    from raygpt.compile_cache import COMPILE_ARTIFACTS
+
+    run_dir = tmp_path / "run"
+    out = _run_check("loop", "cpu", str(run_dir), str(tmp_path / "node_a"))
+    assert "compile check passed" in out, out
+    assert [p.suffix for p in (run_dir / COMPILE_ARTIFACTS).iterdir()] == [".bin"]
+
+
+def test_compiled_artifacts_fill_a_new_nodes_cache(tmp_path):
+    """compile_cache's round trip in two fresh processes: node A compiles a small function and
+    stores the artifacts in the run directory; node B, with an empty cache, loads them and
+    compiles the same function from cache hits only, and loads them once per node."""
+    run_dir = str(tmp_path / "run")
+    a = _json_line(_run_check("artifacts-unit", "save", run_dir, str(tmp_path / "node_a")))
+    assert a["loaded"] is False and a["miss"] >= 1, a  # nothing stored yet: compiled afresh
+    b = _json_line(_run_check("artifacts-unit", "load", run_dir, str(tmp_path / "node_b")))
+    assert b["loaded"] is True and b["miss"] == 0 and b["hit"] >= 1, b
+    assert b["marker"] is True  # a second worker on node B does not load them again
 
 
 @pytest.mark.gpu
@@ -188,6 +206,27 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
 
 
 
+def _check_artifacts_unit(mode: str, run_dir: str, cache_dir: str) -> None:
+    """One node of test_compiled_artifacts_fill_a_new_nodes_cache: `save` compiles and stores
+    the artifacts, `load` fills its empty cache from them first; prints the cache counters."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    from raygpt.compile_cache import (_artifacts_marker, load_compile_artifacts,
+                                      save_compile_artifacts, use_node_compile_cache)
+    from raygpt.storage import open_run_dir
+
+    torch.set_num_threads(1)
+    rd, name = open_run_dir(run_dir), "compile_cache/unit.bin"
+    use_node_compile_cache()
+    loaded = load_compile_artifacts(rd, name, cache_dir) if mode == "load" else False
+    compiled = torch.compile(lambda x: torch.relu(x @ x.T).sum(0) * 2 + 1)
+    compiled(torch.randn(8, 4))
+    if mode == "save":
+        save_compile_artifacts(rd, name, cache_dir)
+    c = torch._dynamo.utils.counters["inductor"]
+    print(json.dumps({"loaded": loaded, "hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"],
+                      "marker": os.path.exists(_artifacts_marker(cache_dir, name))}))
+
+
 def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None = None) -> None:
     if cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -253,5 +292,7 @@ if __name__ == "__main__":
         _check_loop(*sys.argv[2:])
     elif sys.argv[1] == "artifacts":
         _check_artifacts(*sys.argv[2:])
+    elif sys.argv[1] == "artifacts-unit":
+        _check_artifacts_unit(*sys.argv[2:])
     else:
         _check_kernel_lookup()
