@@ -223,6 +223,8 @@ def ray_bench(args) -> list[dict]:
             n_saves = max(1, summary.get("checkpoints_written", len(lat)))
             stall = summary.get("checkpoint_stall_s", float("nan")) / n_saves
             dts = sorted(r["dt"] for r in recs if r["kind"] == "train")
+            # rank 0's peak tensor memory (the end record; None on CPUs): ZeRO-1's saving
+            peak = next((r.get("peak_memory_gib") for r in reversed(recs) if r["kind"] == "end"), None)
             t0 = time.time()
             run(TrainConfig(**{**base, "max_steps": args.steps + 2, "resume": 1}).resolve(0))
             recs2 = _records(root)
@@ -232,7 +234,7 @@ def ray_bench(args) -> list[dict]:
                          "step_to_done_s": statistics.mean(lat) if lat else float("nan"),
                          "max_step_to_done_s": max(lat) if lat else float("nan"),
                          "resume_to_first_step_s": first - t0,
-                         "load_s": summary.get("checkpoint_load_s")})
+                         "load_s": summary.get("checkpoint_load_s"), "peak_gib": peak})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -247,10 +249,11 @@ def print_ray(rows, args):
     print(f"\nRay runs: {args.model} T={args.seq_len} B={args.batch} on {args.device}, "
           f"checkpoint every {args.every} of {args.steps} steps")
     print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'step->DONE s':>12} "
-          f"{'max step->DONE s':>16} {'resume->1st step s':>18}")
+          f"{'max step->DONE s':>16} {'resume->1st step s':>18} {'peak GiB':>8}")
     for r in rows:
         print(f"{r['world']:>5} {r['step_s']:>13.3f} {r['stall_s']:>8.4f} {r['step_to_done_s']:>12.2f}"
-              f" {r['max_step_to_done_s']:>16.2f} {r['resume_to_first_step_s']:>18.2f}")
+              f" {r['max_step_to_done_s']:>16.2f} {r['resume_to_first_step_s']:>18.2f}"
+              f" {r['peak_gib'] if r['peak_gib'] is not None else '-':>8}")
 
 
 # ---------------------------------------------------------------------------------- gpu1 mode
