@@ -551,7 +551,8 @@ def with_endpoint(uri: str, endpoint: str = "", environ=None) -> str:
     AWS_ENDPOINT_URL_S3, or of AWS_ENDPOINT_URL (the precedence of the AWS CLI and SDKs) added
     as pyarrow's `endpoint_override` and `scheme` options; unchanged when none is set. In the
     URI because Ray's workers and controller (on other machines, with other environments) open
-    the run directory from the same string as the driver. ValueError, naming the setting, for an
+    the run directory from the same string as the driver (pyarrow reads the two variables too,
+    but only where they are set). ValueError, naming the setting, for an
     endpoint that is not an http(s)://host[:port] URL."""
     if not uri.startswith("s3://"):
         return uri
