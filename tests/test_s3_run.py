@@ -61,7 +61,7 @@ def s3():
 
 
 def config(name: str, **overrides):
-    return tiny_config(f"s3://bucket/runs/{name}", **TWO, **overrides).resolve(0)
+    return tiny_config(f"s3://bucket/runs/{name}", **{**TWO, **overrides}).resolve(0)
 
 
 def train_losses(uri) -> dict[int, float]:
@@ -120,7 +120,10 @@ def test_a_killed_worker_and_a_resume_from_the_bucket_give_the_same_losses(runs)
     assert code == 0  # the -y 1 driver finished the run
     records = read_history(open_run_dir(killed))
     resumes = [(r["attempt"], r["resumed_from"]) for r in records if r["kind"] == "resume"]
-    assert resumes == [(2, 4), (3, 9)], resumes
+    # Ray's restart after the kill (attempt 2, from checkpoint 4), then the -y 1 driver's
+    # (attempt 3, from checkpoint 9); a busy machine may add restarts after those (a worker
+    # lost to memory pressure), which resume from 9 again and change no loss
+    assert resumes[:2] == [(2, 4), (3, 9)] and all(r == 9 for _, r in resumes[2:]), resumes
     want = train_losses(full)
     assert sorted(want) == list(range(10))
     assert train_losses(killed) == want  # floats equal, step by step
@@ -143,3 +146,16 @@ def test_status_and_plot_read_the_bucket(s3, runs, tmp_path):
     out = tmp_path / "killed.png"
     code = cli_main(["plot", "s3://bucket/runs/killed", "-o", str(out)])
     assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ray_gets_the_run_directorys_filesystem_and_a_plain_path():
+    """RunConfig(storage_filesystem=, storage_path=, name=): the URI's options (the endpoint)
+    must reach Ray as the filesystem, not stay in the run's name (no server needed)."""
+    import pyarrow.fs as pafs
+
+    from raygpt.ray.driver import _split_storage
+    fs, path, name = _split_storage("s3://bucket/runs/x?endpoint_override=h:1&scheme=http")
+    assert isinstance(fs, pafs.S3FileSystem) and (path, name) == ("bucket/runs", "x")
+    assert fs.__reduce__()[1][0]["endpoint_override"] == "h:1"
+    assert fs.__reduce__()[1][0]["connect_timeout"] > 0  # the bounded filesystem
+    assert _split_storage("/a/b/run") == (None, "/a/b", "run")
