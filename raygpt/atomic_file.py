@@ -8,6 +8,11 @@ file or the whole new one, never a mix; on an error the temporary file is remove
 target is untouched. Some filesystems (network and FUSE ones) cannot fsync a directory: there
 the rename is as durable as the filesystem makes it, and any other failure of that fsync (an
 I/O error) is raised.
+
+Permissions: the temporary file is created with mode 0666 and the process's umask (and a
+directory's default ACL) narrows it, as for any file a program creates; `tempfile.mkstemp`'s
+0600 would make DONE, MANIFEST, shards and model files unreadable to the other users of a shared
+run directory whatever their umask says.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 # what a filesystem answers when it does not fsync directories (not an I/O failure)
@@ -30,7 +35,7 @@ def atomic_local_file(target: str | os.PathLike):
     target = Path(target)
     # <name>.tmp-<random>: every temporary name raygpt makes carries ".tmp-" (a reader of a run
     # or stage directory skips such names; see checkpoint's _TEMP_MARK)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.tmp-")
+    fd, tmp = _create_new(target.parent, f"{target.name}.tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -41,6 +46,19 @@ def atomic_local_file(target: str | os.PathLike):
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_directory(target.parent)
+
+
+def _create_new(directory: Path, prefix: str) -> tuple[int, str]:
+    """Create and open a new file `<prefix><random>` in `directory` (O_EXCL: never an existing
+    file or a planted symlink), mode 0666 less the umask; (fd, path)."""
+    for _ in range(100):
+        path = str(directory / f"{prefix}{secrets.token_hex(6)}")
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                           | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"{directory}: no free temporary name {prefix}*")
 
 
 def write_local_atomic(target: str | os.PathLike, chunks) -> None:

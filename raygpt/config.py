@@ -220,6 +220,10 @@ class TrainConfig:
     output_dir: str = knob("runs/shakespeare", section="run", short="-o", metavar="DIR|URI",
                            may_change_on_resume=True)
     """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
+    storage_endpoint: str = knob("", section="run", metavar="URL", may_change_on_resume=True)
+    """S3-compatible endpoint of an s3:// run directory (MinIO, Ceph...), e.g.
+    http://minio:9000; default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own.
+    An endpoint in the URI itself (?endpoint_override=host:port&scheme=http) wins."""
     log_every: int = knob(1, section="run", may_change_on_resume=True)
     """Console line every N steps."""
     record_samples: bool = knob(False, section="run", may_change_on_resume=True)
@@ -368,6 +372,7 @@ class TrainConfig:
             c.zero_stage = 1 if on_gpu and c.num_workers > 1 else 0
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
+        c.output_dir = _output_dir_with_endpoint(c.output_dir, c.storage_endpoint)
         c.validate()
         return c
 
@@ -582,6 +587,21 @@ def read_config_file(path: str) -> dict:
                           f"it overwrites or resumes, and fault injection are given on the "
                           f"command line: -o, --overwrite, -y, --fault)")
     return d
+
+
+def _output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
+    """An s3:// run directory carrying its endpoint (--storage-endpoint or the AWS variables),
+    so that Ray's workers, elsewhere, open the same store (`storage.with_endpoint`)."""
+    if not output_dir.startswith("s3://"):
+        if endpoint:
+            raise ConfigError(f"--storage-endpoint: expected with an s3:// -o/--output-dir, "
+                              f"found -o {output_dir!r}")
+        return output_dir
+    from raygpt.storage import with_endpoint  # pyarrow: only for object-store run directories
+    try:
+        return with_endpoint(output_dir, endpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def absolute_output_dir(output_dir: str) -> str:

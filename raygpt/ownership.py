@@ -238,7 +238,8 @@ class Lease:
             return
         import fcntl
         self.run_dir.makedirs("")
-        fd = os.open(self.run_dir.local_path(_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # 0666 less the umask, as every file raygpt writes (a shared run directory stays usable)
+        fd = os.open(self.run_dir.local_path(_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -162,12 +162,19 @@ def check_resume(cfg: TrainConfig) -> list[str]:
 # ---------------------------------------------------------------------- run directory
 
 def _open(cfg: TrainConfig):
-    from raygpt.storage import open_run_dir
+    """The run directory, its store answering (bucket, credentials, endpoint: within
+    storage.REACHABLE_DEADLINE_S, whatever the client's own retries), or one line why not."""
+    from raygpt.storage import StorageError, check_reachable, open_run_dir, redact
     try:
-        return open_run_dir(cfg.output_dir)
+        run_dir = open_run_dir(cfg.output_dir)
     except Exception as e:  # noqa: BLE001 - pyarrow's URI and filesystem errors vary by backend
-        raise ConfigError(f"-o/--output-dir {cfg.output_dir}: expected a local path or a "
+        raise ConfigError(f"-o/--output-dir {redact(cfg.output_dir)}: expected a local path or a "
                           f"filesystem URI raygpt can open, found: {_one_line(e)}") from None
+    try:
+        check_reachable(run_dir)
+    except StorageError as e:
+        raise ConfigError(f"-o/--output-dir {redact(cfg.output_dir)}: {e.cause}") from None
+    return run_dir
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -181,8 +188,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
         run_dir.write_bytes_atomic(probe, b"raygpt preflight: may be deleted\n")
         run_dir.delete_file(probe)
     except Exception as e:  # noqa: BLE001 - OSError locally, pyarrow's errors on object stores
-        raise ConfigError(f"-o/--output-dir {cfg.output_dir}: expected a run directory this "
-                          f"process can create and write, found: {_one_line(e)}") from None
+        from raygpt.storage import redact, storage_cause
+        raise ConfigError(f"-o/--output-dir {redact(cfg.output_dir)}: expected a run directory "
+                          f"this process can create and write, found: {storage_cause(e)}") from None
 
 
 def _one_line(e: BaseException, every_line: bool = False) -> str:

@@ -547,15 +547,34 @@ def _verify_flags(p: argparse.ArgumentParser) -> None:
                    help="the default (kept for scripts that pass it): no hashing")
 
 
+def _storage_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-endpoint", default="", metavar="URL",
+                   help="S3-compatible endpoint of an s3:// run directory, e.g. http://minio:9000 "
+                        "(default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL)")
+
+
+def _open_checked(run_dir: str, endpoint: str) -> str:
+    """The run directory's URI with its endpoint, once its store answered (within
+    storage.REACHABLE_DEADLINE_S); ValueError in one line (the URI and the cause) if not."""
+    from raygpt.storage import check_reachable, with_endpoint
+    if endpoint and not run_dir.startswith("s3://"):
+        raise ValueError(f"--storage-endpoint: expected with an s3:// run directory, found {run_dir}")
+    uri = with_endpoint(run_dir, endpoint)
+    check_reachable(open_run_dir(uri))
+    return uri
+
+
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (complete? --verify: hashed), "
         "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput."))
     p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
     _verify_flags(p)
+    _storage_flags(p)
     args = p.parse_args(argv)
     try:
-        print(run_status(args.run_dir, verify="full" if args.verify else "quick",
+        run_dir = _open_checked(args.run_dir, args.storage_endpoint)
+        print(run_status(run_dir, verify="full" if args.verify else "quick",
                          progress=_stderr_progress))
     except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
@@ -572,14 +591,20 @@ def plot_main(argv: list[str]) -> int:
                    help="the PNG to write (default: plot.png in a local run directory, "
                         "<run name>_plot.png here for a remote one)")
     _verify_flags(p)
+    _storage_flags(p)
     args = p.parse_args(argv)
+    try:
+        uri = _open_checked(args.run_dir, args.storage_endpoint)
+    except ValueError as e:
+        print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
+        return 2
     out = args.out
     if out is None:
-        run_dir = open_run_dir(args.run_dir)
+        run_dir = open_run_dir(uri)
         out = (str(run_dir.local_path("plot.png")) if run_dir.is_local
                else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
     try:
-        series = plot_run(args.run_dir, out, verify="full" if args.verify else "quick",
+        series = plot_run(uri, out, verify="full" if args.verify else "quick",
                           progress=_stderr_progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)

@@ -12,11 +12,22 @@ Object stores have no append: appends go to a local mirror of the file that is u
 (one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
 The training loop's rank 0 moves its appends onto a writer thread (`RunDir.background_appends`)
 so that a training step never waits for an fsync or an upload.
+
+Object stores are opened bounded and where the user points (`open_run_dir`):
+- an S3-compatible endpoint (MinIO, Ceph, moto in the tests) comes, as for the AWS tools, from
+  the URI's own `?endpoint_override=`, else `--storage-endpoint`, else AWS_ENDPOINT_URL_S3, else
+  AWS_ENDPOINT_URL (`with_endpoint` writes it into the URI, so every process of a run opens the
+  same store from the same string);
+- every remote call is bounded: S3 connects within CONNECT_TIMEOUT_S, a request that stalls
+  REQUEST_TIMEOUT_S fails, S3_MAX_ATTEMPTS tries in all; GCS retries for GCS_RETRY_LIMIT_S at most;
+- `check_reachable` answers within a deadline whether the store is there (bucket, credentials,
+  endpoint), as one line naming the URI and the cause (`StorageError`), before Ray starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import itertools
 import json
@@ -30,6 +41,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
@@ -485,7 +497,9 @@ def redact(text: str) -> str:
 def open_run_dir(uri, *, flush_interval_s: float | None = None) -> RunDir:
     """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir
     (returned as it is, mirrors and interval included). `flush_interval_s` (default
-    DEFAULT_FLUSH_INTERVAL_S) bounds how long an append to an object store stays local only."""
+    DEFAULT_FLUSH_INTERVAL_S) bounds how long an append to an object store stays local only.
+    An s3:// URI without an endpoint takes AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+    (`with_endpoint`); s3:// and gs:// filesystems get bounded timeouts (`bounded_filesystem`)."""
     if isinstance(uri, RunDir):
         return uri
     opts = {} if flush_interval_s is None else {"flush_interval_s": flush_interval_s}
@@ -498,8 +512,170 @@ def open_run_dir(uri, *, flush_interval_s: float | None = None) -> RunDir:
     uri = os.fspath(uri)
     if "://" not in uri:
         return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri), **opts)
-    fs, path = pafs.FileSystem.from_uri(uri)
-    return RunDir(fs, path, **opts)
+    fs, path = pafs.FileSystem.from_uri(with_endpoint(uri))
+    return RunDir(bounded_filesystem(fs), path, **opts)
+
+
+# ---------------------------------------------------------------------- object stores: endpoint,
+# timeouts, reachability
+
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the AWS tools' order
+CONNECT_TIMEOUT_S = 5.0    # a TCP/TLS connection to the store
+REQUEST_TIMEOUT_S = 30.0   # a request with no byte moving this long fails (curl's low-speed rule)
+S3_MAX_ATTEMPTS = 3        # tries of one S3 call in all (AWS standard retries: backoff + jitter)
+GCS_RETRY_LIMIT_S = 60.0   # pyarrow's GCS client retries transient errors this long (default 15 min)
+REACHABLE_DEADLINE_S = 10.0  # how long `check_reachable` waits for the store's first answer
+
+
+class StorageError(ValueError):
+    """A run directory's store cannot be used: one line naming the URI and the cause."""
+
+    def __init__(self, uri: str, cause: str):
+        super().__init__(f"{uri}: {cause}")
+        self.uri, self.cause = uri, cause
+
+
+def _endpoint_query(endpoint: str, source: str) -> str:
+    """`http://host:port` -> `endpoint_override=host:port&scheme=http` (pyarrow's URI options)."""
+    parts = urlsplit(endpoint.strip())
+    if (parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/")
+            or parts.query or parts.fragment or "@" in parts.netloc):
+        raise ValueError(f"{source}: expected an endpoint URL such as http://minio:9000 or "
+                         f"https://s3.example.com, found {endpoint!r}")
+    return f"endpoint_override={parts.netloc}&scheme={parts.scheme}"
+
+
+def with_endpoint(uri: str, endpoint: str = "", environ=None) -> str:
+    """An s3:// URI that names its endpoint: unchanged when it is not s3:// or already has
+    `endpoint_override=`; else with the endpoint of `endpoint` (--storage-endpoint), or of
+    AWS_ENDPOINT_URL_S3, or of AWS_ENDPOINT_URL (the precedence of the AWS CLI and SDKs) added
+    as pyarrow's `endpoint_override` and `scheme` options; unchanged when none is set. In the
+    URI because Ray's workers and controller (on other machines, with other environments) open
+    the run directory from the same string as the driver (pyarrow reads the two variables too,
+    but only where they are set). ValueError, naming the setting, for an
+    endpoint that is not an http(s)://host[:port] URL."""
+    if not uri.startswith("s3://"):
+        return uri
+    query = urlsplit(uri).query
+    if "endpoint_override" in parse_qs(query):
+        return uri
+    environ = os.environ if environ is None else environ
+    source, value = "--storage-endpoint", endpoint
+    for name in ENDPOINT_VARIABLES:
+        if value:
+            break
+        source, value = name, environ.get(name, "")
+    if not value:
+        return uri
+    return f"{uri}{'&' if query else '?'}{_endpoint_query(value, source)}"
+
+
+def bounded_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """`fs` with every remote call bounded in time, options the URI set kept: S3 (pyarrow's
+    default is no connect or request timeout) gets CONNECT_TIMEOUT_S / REQUEST_TIMEOUT_S and
+    S3_MAX_ATTEMPTS standard retries; GCS (default: retries for 15 minutes) GCS_RETRY_LIMIT_S.
+    Other filesystems are returned as they are."""
+    if isinstance(fs, pafs.S3FileSystem):
+        options = fs.__reduce__()[1][0]  # what pyarrow parsed from the URI (its pickle state)
+        if options["connect_timeout"] <= 0:
+            options["connect_timeout"] = CONNECT_TIMEOUT_S
+        if options["request_timeout"] <= 0:
+            options["request_timeout"] = REQUEST_TIMEOUT_S
+        return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
+            max_attempts=S3_MAX_ATTEMPTS))
+    if isinstance(fs, pafs.GcsFileSystem):
+        options = fs.__reduce__()[1][0]
+        if options["retry_time_limit"] is None:
+            options["retry_time_limit"] = datetime.timedelta(seconds=GCS_RETRY_LIMIT_S)
+            return pafs.GcsFileSystem(**options)
+    return fs
+
+
+_NO_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+
+
+def storage_cause(e: BaseException, environ=None) -> str:
+    """What a store's error means, in one line (pyarrow's S3 errors span lines and name the
+    SDK's codes; a user needs to know which of endpoint, bucket and credentials to fix)."""
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+    environ = os.environ if environ is None else environ
+    if "NETWORK_CONNECTION" in text or "Could not connect" in text or "curlCode: 28" in text:
+        return f"the endpoint does not answer (unreachable, or it timed out): {text}"
+    if "NO_SUCH_BUCKET" in text or re.search(r"[Bb]ucket .* not found|NoSuchBucket", text):
+        return f"the bucket does not exist: {text}"
+    if any(code in text for code in ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH",
+                                     "HTTP status 403", "HTTP status 401", "EXPIRED_TOKEN")):
+        found = any(environ.get(v) for v in _NO_CREDENTIALS) or Path(
+            environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")).expanduser().exists()
+        hint = ("credentials refused" if found else
+                "no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "AWS_PROFILE, or use an instance role)")
+        return f"access denied, {hint}: {text}"
+    return text
+
+
+def _probe_filesystem(fs: pafs.FileSystem, deadline_s: float) -> pafs.FileSystem:
+    """`fs` with its timeouts cut so that a probe gives up before `deadline_s` by itself (two
+    tries of at most deadline_s/2.5 each): no call is left running when the probe answers, so
+    a command that then exits does not wait for the normal timeouts of a call in flight."""
+    step = max(1.0, deadline_s / 2.5)
+    if isinstance(fs, pafs.S3FileSystem):
+        options = fs.__reduce__()[1][0]
+        options["connect_timeout"] = min(options["connect_timeout"], step)
+        options["request_timeout"] = min(options["request_timeout"], step)
+        return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
+            max_attempts=2))
+    if isinstance(fs, pafs.GcsFileSystem):
+        options = fs.__reduce__()[1][0]
+        options["retry_time_limit"] = datetime.timedelta(seconds=step)
+        return pafs.GcsFileSystem(**options)
+    return fs
+
+
+def check_reachable(run_dir: RunDir, *, deadline_s: float = REACHABLE_DEADLINE_S) -> None:
+    """Raise StorageError (one line: the URI and the cause) unless the run directory's store
+    answers within `deadline_s`: its bucket exists (s3:// and gs://: the root's first path
+    element) and a look at the root succeeds. Local directories pass at once. The look uses
+    timeouts that end it before the deadline (`_probe_filesystem`) and runs on a daemon thread,
+    so even a store that hangs in a way no timeout covers (a credentials lookup) costs
+    `deadline_s`, not the client's retries."""
+    if run_dir.is_local:
+        return
+    fs, root = _probe_filesystem(run_dir.fs, deadline_s), run_dir.root.strip("/")
+    bucket = root.split("/", 1)[0]
+    outcome: list = []
+
+    def look() -> None:
+        try:
+            if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)) and bucket:
+                if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+                    outcome.append(f"the bucket does not exist: Bucket '{bucket}' not found")
+                    return
+            fs.get_file_info(run_dir.path())
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported on the caller's thread
+            outcome.append(storage_cause(e))
+
+    thread = threading.Thread(target=look, name=f"raygpt-reach {redact(run_dir.uri())}", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if not outcome:
+        raise StorageError(_store_name(run_dir), f"the store did not answer within {deadline_s:g} s "
+                           f"(an endpoint that is unreachable or not an object store, or a "
+                           f"credentials lookup that hangs)")
+    if outcome[0] is not None:
+        raise StorageError(_store_name(run_dir), outcome[0])
+
+
+def _store_name(run_dir: RunDir) -> str:
+    """The run directory's URI, with the S3 endpoint it goes to when not AWS's own."""
+    name = redact(run_dir.uri())
+    if isinstance(run_dir.fs, pafs.S3FileSystem):
+        options = run_dir.fs.__reduce__()[1][0]
+        if options["endpoint_override"]:
+            name += f" (endpoint {options['scheme']}://{options['endpoint_override']})"
+    return name
 
 
 def _rebuild_run_dir(fs, root, flush_interval_s) -> RunDir:

@@ -49,3 +49,74 @@ def memory_fs():
     import pyarrow.fs as pafs
 
     return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+
+
+class S3Server:
+    """moto's S3 server (the S3 HTTP API, in this process) on 127.0.0.1 and a port the kernel
+    picked while binding (port 0: no free port is looked up first and reused, so no other
+    process can take it in between). `with S3Server() as s3:` starts it and stops it; `s3.fs()`
+    is a pyarrow S3FileSystem on it, `s3.endpoint` its URL (what AWS_ENDPOINT_URL takes)."""
+
+    KEY, SECRET = "AKIATEST", "moto-secret"
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+
+    def __enter__(self) -> "S3Server":
+        _fix_moto_complete_multipart()
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.address = f"{host}:{port}"
+        self.endpoint = f"http://{self.address}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
+
+    def fs(self, **options):
+        import pyarrow.fs as pafs
+        return pafs.S3FileSystem(**{"access_key": self.KEY, "secret_key": self.SECRET,
+                                    "region": "us-east-1", "endpoint_override": self.address,
+                                    "scheme": "http", "allow_bucket_creation": True,
+                                    "allow_delayed_open": True, **options})
+
+    def uri(self, path: str) -> str:
+        """s3://path with this server's endpoint and moto's region in the URI."""
+        return (f"s3://{path}?endpoint_override={self.address}&scheme=http&region=us-east-1"
+                f"&allow_delayed_open=true")
+
+    def require_auth(self) -> None:
+        """From now on refuse requests whose credentials IAM does not know (moto's auth)."""
+        from moto import settings
+        from moto.core.responses import ActionAuthenticatorMixin
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+        ActionAuthenticatorMixin.request_count = 0
+
+    def allow_all(self) -> None:
+        from moto import settings
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = float("inf")
+
+
+def _fix_moto_complete_multipart() -> None:
+    """moto 5.2 answers CompleteMultipartUpload with the root element
+    <CompleteMultipartUploadResponse>, where S3 sends <CompleteMultipartUploadResult>; pyarrow 26
+    then finds no ETag and takes the answer for "an error embedded in a 200 OK response", so no
+    file over one part (pyarrow's multipart writes: every file unless allow_delayed_open, and a
+    model file of a few MB) could be stored. The answer is renamed to S3's (once per process)."""
+    from moto.s3.responses import S3Response
+
+    post = S3Response._key_response_post
+    if getattr(post, "raygpt_fixed", False):
+        return
+
+    def fixed(self, *args, **kwargs):
+        status, headers, body = post(self, *args, **kwargs)
+        if isinstance(body, (str, bytes)) and "CompleteMultipartUploadResponse" in str(body[:200]):
+            old, new = "CompleteMultipartUploadResponse", "CompleteMultipartUploadResult"
+            body = body.replace(old, new) if isinstance(body, str) else body.replace(
+                old.encode(), new.encode())
+        return status, headers, body
+
+    fixed.raygpt_fixed = True
+    S3Response._key_response_post = fixed

@@ -75,3 +75,56 @@ def test_a_filesystem_without_directory_fsync_is_tolerated_an_io_error_is_not(tm
     monkeypatch.setattr(os, "fsync", fsync_failing_on_dirs(errno.EIO))
     with pytest.raises(OSError, match="Input/output error"):
         atomic_file.fsync_directory(tmp_path)
+
+
+@pytest.fixture()
+def umask():
+    """Set the process's umask for one test (it is process-wide: handed back at the end)."""
+    saved = os.umask(0o022)
+    yield os.umask
+    os.umask(saved)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_the_written_file_follows_the_umask(tmp_path, umask, mask, mode):
+    umask(mask)
+    write_local_atomic(tmp_path / "f.bin", [b"x"])
+    assert stat.S_IMODE(os.stat(tmp_path / "f.bin").st_mode) == mode
+
+
+def test_a_temporary_name_is_never_an_existing_file_or_a_planted_link(tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").write_bytes(b"keep")
+    taken = iter(["aaaaaaaaaaaa", "aaaaaaaaaaaa", "bbbbbbbbbbbb"])
+    monkeypatch.setattr(atomic_file.secrets, "token_hex", lambda n: next(taken))
+    os.symlink(tmp_path / "elsewhere", tmp_path / "f.bin.tmp-aaaaaaaaaaaa")
+    write_local_atomic(tmp_path / "f.bin", [b"new"])  # the link's name is passed over
+    assert (tmp_path / "f.bin").read_bytes() == b"new"
+    assert (tmp_path / "elsewhere").read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_every_file_of_a_real_run_directory_follows_the_umask(tmp_path, umask, mask):
+    """A real run (the driver's claim and config.json, 4 steps with a checkpoint, its DONE and
+    MANIFEST, main.log and the loss history) under a real umask: every file is 0666 and every
+    directory 0777 less the umask (mkstemp's 0600 made DONE and MANIFEST private)."""
+    import torch
+
+    from raygpt.loop import train
+    from raygpt.ownership import claimed_run_dir
+    from raygpt.run_config import write_launch
+    from raygpt.session import LocalSession
+    from tests.helpers import tiny_config
+
+    umask(mask)
+    cfg = tiny_config(tmp_path / "run", max_steps=4, checkpoint_every=2).resolve(0)
+    with claimed_run_dir(cfg) as (cfg, run_dir):
+        write_launch(run_dir, cfg)
+        train(cfg, LocalSession(run_dir, torch.device("cpu")))
+    files = {p: stat.S_IMODE(p.lstat().st_mode) for p in (tmp_path / "run").rglob("*")}
+    names = {p.name for p in files}
+    assert {"DONE_00000002", "DONE_00000004", "config.json", "main.log",
+            "loss_history.jsonl"} <= names
+    assert len([p for p in files if p.name == "MANIFEST.json"]) == 2  # steps 2 and 4
+    wrong = {str(p.relative_to(tmp_path)): oct(m) for p, m in files.items()
+             if m != (0o777 if p.is_dir() else 0o666) & ~mask}
+    assert not wrong, wrong

@@ -5,8 +5,10 @@ real checkpoint the config cannot resume."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from raygpt.checkpointing.runtime import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
 from raygpt.storage import open_run_dir
+from tests.helpers import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--cpu", "--num-workers", "1", "-e", "d1", "-b", "2", "-t", "16", "-x", "2"]
@@ -151,21 +154,112 @@ def test_run_directory_that_cannot_be_created(data, no_ray, capsys):
                           "run directory this process can create and write")
 
 
-def test_missing_bucket_is_one_line(data, no_ray, capsys, monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        uri = f"s3://no-such-bucket/runs/x?endpoint_override={host}:{port}&scheme=http&region=us-east-1"
-        err = refused([*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"),
-                       "-o", uri], capsys)
-    finally:
-        server.stop()
-    assert err.startswith(f"raygpt: error: -o/--output-dir {uri}: expected a run directory")
+@pytest.fixture()
+def s3(monkeypatch):
+    """moto's S3 server with one bucket; credentials in the environment, no instance metadata."""
+    pytest.importorskip("moto.server")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3Server.KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3Server.SECRET)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with S3Server() as server:
+        server.fs().create_dir("bucket")
+        try:
+            yield server
+        finally:
+            server.allow_all()
+
+
+@contextlib.contextmanager
+def silent_endpoint():
+    """An endpoint that accepts TCP connections and never answers (a hung proxy or server):
+    what only a request timeout or a deadline ends. 'host:port'."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)  # connections complete in the backlog; nothing is ever read or sent
+        yield "%s:%d" % sock.getsockname()
+
+
+def closed_endpoint() -> str:
+    """'host:port' where nothing listens (the port was bound, then released: a connection is
+    refused; were it taken meanwhile, the test would see a non-S3 answer and fail loudly)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return "%s:%d" % sock.getsockname()
+
+
+def test_missing_bucket_is_one_line(data, no_ray, capsys, s3):
+    uri = s3.uri("no-such-bucket/runs/x")
+    err = refused([*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"),
+                   "-o", uri], capsys)
+    assert err.startswith(f"raygpt: error: -o/--output-dir {uri}: the bucket does not exist")
     assert "Bucket 'no-such-bucket' not found" in err
+
+
+def test_refused_credentials_are_one_line(data, no_ray, capsys, s3):
+    s3.require_auth()  # moto's IAM knows no user: the environment's key is refused
+    err = refused([*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"),
+                   "-o", s3.uri("bucket/runs/x")], capsys)
+    assert f"-o/--output-dir {s3.uri('bucket/runs/x')}: access denied, credentials refused" in err
+
+
+def _no_store_credentials(monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIATEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.parametrize("command", ["train", "status", "plot"])
+def test_an_endpoint_where_nothing_listens_is_one_line(data, no_ray, capsys, monkeypatch, command):
+    """Through AWS_ENDPOINT_URL, as a user of MinIO points raygpt at a store that is down."""
+    _no_store_credentials(monkeypatch)
+    where = closed_endpoint()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{where}")
+    argv = ([*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin"), "-o",
+             "s3://bucket/runs/x"] if command == "train" else ["s3://bucket/runs/x"])
+    err = refused(argv, capsys, command)
+    named = (f"-o/--output-dir s3://bucket/runs/x?endpoint_override={where}&scheme=http"
+             if command == "train" else f"s3://bucket/runs/x (endpoint http://{where})")
+    assert f"{named}: the endpoint does not answer" in err, err
+    assert "Could not connect" in err, err
+
+
+def test_status_on_a_store_that_never_answers_ends_within_15_s(monkeypatch):
+    """`raygpt status` (its own process, as a user runs it) against an endpoint that accepts
+    connections and never answers: one line and exit 2, the whole process done within 15 s (a
+    call left in flight would hold the process at exit for the client's full retries)."""
+    _no_store_credentials(monkeypatch)
+    with silent_endpoint() as where:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "raygpt", "status", "s3://bucket/runs/x",
+                               "--storage-endpoint", f"http://{where}"], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        elapsed = time.monotonic() - t0
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"raygpt status: error: s3://bucket/runs/x (endpoint http://{where}): "
+                           f"the endpoint does not answer"), line
+    assert elapsed < 15, elapsed
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_status_and_plot_name_a_missing_bucket_in_one_line(no_ray, capsys, s3, command):
+    err = refused(["s3://no-such-bucket/runs/x", "--storage-endpoint", s3.endpoint], capsys,
+                  command)
+    assert err == (f"raygpt {command}: error: s3://no-such-bucket/runs/x (endpoint "
+                   f"{s3.endpoint}): the bucket does not exist: Bucket 'no-such-bucket' not found")
+
+
+def test_a_bad_endpoint_setting_is_refused_naming_it(data, no_ray, capsys, monkeypatch):
+    base = [*SMALL, "-i", str(data / "train.bin"), "-j", str(data / "val.bin")]
+    err = refused([*base, "-o", "s3://bucket/x", "--storage-endpoint", "minio:9000"], capsys)
+    assert err == ("raygpt: error: --storage-endpoint: expected an endpoint URL such as "
+                   "http://minio:9000 or https://s3.example.com, found 'minio:9000'")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "ftp://minio")
+    err = refused([*base, "-o", "s3://bucket/x"], capsys)
+    assert err.startswith("raygpt: error: AWS_ENDPOINT_URL: expected an endpoint URL"), err
+    err = refused([*base, "-o", str(data / "run"), "--storage-endpoint", "http://minio:9000"],
+                  capsys)
+    assert err.startswith("raygpt: error: --storage-endpoint: expected with an s3:// "), err
 
 
 # ---------------------------------------------------------------------- resume compatibility

@@ -29,7 +29,7 @@ from raygpt.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite
 from raygpt.report import check_checkpoints, run_status
 from raygpt.storage import RunDir, open_run_dir
 from raygpt.ownership import claimed_run_dir, prepare_run_dir
-from tests.helpers import tiny_config
+from tests.helpers import S3Server, tiny_config
 
 SECRET = "TOPSECRETkey/with+slash"
 QUOTED = quote(SECRET, safe="")
@@ -40,26 +40,17 @@ QUOTED = quote(SECRET, safe="")
 @pytest.fixture(scope="module")
 def s3():
     """(filesystem, uri(path) -> an s3:// URI carrying the endpoint and the credentials)."""
-    from moto.server import ThreadedMotoServer
-
     env = pytest.MonkeyPatch()  # the variable is handed back as it was when the module ends
     if "AWS_EC2_METADATA_DISABLED" not in os.environ:
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    # allow_delayed_open: a small write is one PutObject (moto 5.2 answers pyarrow 26's
-    # CompleteMultipartUpload in a way pyarrow takes for an error)
-    fs = pafs.S3FileSystem(access_key="AKIATEST", secret_key=SECRET, region="us-east-1",
-                           endpoint_override=f"{host}:{port}", scheme="http",
-                           allow_bucket_creation=True, allow_delayed_open=True)
-    fs.create_dir("bucket")
+    with S3Server() as server:
+        fs = server.fs(secret_key=SECRET)
+        fs.create_dir("bucket")
 
-    def uri(path: str) -> str:  # credentials in the URI: what must never be printed or stored
-        return (f"s3://AKIATEST:{QUOTED}@{path}?endpoint_override={host}:{port}&scheme=http"
-                f"&region=us-east-1&allow_delayed_open=true")
-    yield fs, uri
-    server.stop()
+        def uri(path: str) -> str:  # credentials in the URI: what must never be printed or stored
+            return (f"s3://AKIATEST:{QUOTED}@{path}?endpoint_override={server.address}"
+                    f"&scheme=http&region=us-east-1")
+        yield fs, uri
     env.undo()
 
 

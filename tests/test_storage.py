@@ -423,3 +423,58 @@ def test_bounded_reads_refuse_more_than_asked(run_dir: RunDir):
     with pytest.raises(FileTooLarge):
         run_dir.sha256_of("x.json", max_bytes=10)
     assert run_dir.sha256_of("x.json", max_bytes=109) == run_dir.sha256_of("x.json")
+
+
+# ---------------------------------------------------------------------- object stores: endpoint,
+# timeouts, causes
+
+def test_the_endpoint_comes_from_the_uri_the_flag_or_the_aws_variables_in_that_order():
+    from raygpt.storage import with_endpoint
+    both = {"AWS_ENDPOINT_URL_S3": "http://s3only:1", "AWS_ENDPOINT_URL": "https://all:2/"}
+    assert with_endpoint("s3://b/r", "", both) == "s3://b/r?endpoint_override=s3only:1&scheme=http"
+    assert with_endpoint("s3://b/r", "", {"AWS_ENDPOINT_URL": "https://all:2/"}) == (
+        "s3://b/r?endpoint_override=all:2&scheme=https")
+    assert with_endpoint("s3://b/r?region=x", "http://flag:3", both) == (
+        "s3://b/r?region=x&endpoint_override=flag:3&scheme=http")
+    own = "s3://b/r?endpoint_override=mine:4&scheme=http"
+    assert with_endpoint(own, "http://flag:3", both) == own  # the URI's own wins
+    assert with_endpoint("s3://b/r", "", {}) == "s3://b/r"  # AWS's own endpoint
+    assert with_endpoint("gs://b/r", "", both) == "gs://b/r"  # S3 variables are S3's
+    for bad in ("minio:9000", "http://", "http://h:1/path", "http://u:p@h:1"):
+        with pytest.raises(ValueError, match="^AWS_ENDPOINT_URL: expected an endpoint URL"):
+            with_endpoint("s3://b/r", "", {"AWS_ENDPOINT_URL": bad})
+
+
+def test_object_store_filesystems_are_opened_with_bounded_timeouts_keeping_the_uris_options():
+    from raygpt import storage
+    rd = open_run_dir("s3://AK:SE@b/r?endpoint_override=h:1&scheme=http&region=eu-west-3")
+    options = rd.fs.__reduce__()[1][0]
+    assert (options["connect_timeout"], options["request_timeout"]) == (
+        storage.CONNECT_TIMEOUT_S, storage.REQUEST_TIMEOUT_S)
+    assert (options["access_key"], options["secret_key"], options["region"],
+            options["endpoint_override"], options["scheme"]) == ("AK", "SE", "eu-west-3", "h:1", "http")
+    # what Ray's workers get (the filesystem pickled) keeps the timeouts
+    assert pickle.loads(pickle.dumps(rd.fs)).__reduce__()[1][0]["connect_timeout"] == 5.0
+    gs = open_run_dir("gs://b/r?endpoint_override=127.0.0.1:1&scheme=http")
+    assert gs.fs.__reduce__()[1][0]["retry_time_limit"].total_seconds() == storage.GCS_RETRY_LIMIT_S
+    assert gs.fs.__reduce__()[1][0]["endpoint_override"] == "127.0.0.1:1"
+
+
+def test_a_refused_request_names_missing_credentials_or_refused_ones(tmp_path):
+    from raygpt.storage import storage_cause
+    e = OSError("When getting information for key 'r' in bucket 'b': AWS Error ACCESS_DENIED "
+                "during HeadObject operation: No response body.")
+    nothing = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    assert storage_cause(e, nothing).startswith("access denied, no credentials found (set "
+                                                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    assert storage_cause(e, {**nothing, "AWS_PROFILE": "p"}).startswith(
+        "access denied, credentials refused: When getting")
+    (tmp_path / "credentials").write_text("[default]\n")
+    assert storage_cause(e, {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")}
+                         ).startswith("access denied, credentials refused")
+    multi = OSError("When listing objects under key 'r' in bucket 'b': AWS Error NETWORK_CONNECTION"
+                    "\nduring ListObjectsV2 operation: curlCode: 7, Could not connect to server")
+    assert storage_cause(multi, nothing) == (
+        "the endpoint does not answer (unreachable, or it timed out): When listing objects under key "
+        "'r' in bucket 'b': AWS Error NETWORK_CONNECTION during ListObjectsV2 operation: curlCode: "
+        "7, Could not connect to server")

@@ -48,6 +48,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
@@ -339,12 +340,18 @@ class RunAborted(KeyboardInterrupt):
     exit_code = EXIT_ABORTED
 
 
-def _split_storage(output_dir: str) -> tuple[str, str]:
+def _split_storage(output_dir: str) -> tuple[pafs.FileSystem | None, str, str]:
+    """(filesystem, storage path, name) for Ray's RunConfig: the run directory is Ray's
+    experiment directory. A URI's filesystem is the one raygpt opens (its endpoint and bounded
+    timeouts: `storage.open_run_dir`) and Ray gets it as `storage_filesystem` with the plain
+    path; splitting the URI string instead would leave its ?endpoint_override=... options in
+    the name and give Ray the store's default endpoint."""
     if "://" in output_dir:
-        parent, _, name = output_dir.rstrip("/").rpartition("/")
-        return parent, name
+        run_dir = open_run_dir(output_dir)
+        parent, _, name = run_dir.root.rstrip("/").rpartition("/")
+        return run_dir.fs, parent, name
     p = Path(output_dir).resolve()
-    return str(p.parent), p.name
+    return None, str(p.parent), p.name
 
 
 def create_control(name: str, timeout_s: float = 60.0):
@@ -377,7 +384,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     if dropped:
         log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
                  f"no longer in the run directory; dropped: {', '.join(dropped)}")
-    storage_path, name = _split_storage(cfg.output_dir)
+    storage_fs, storage_path, name = _split_storage(cfg.output_dir)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
     return RaygptTrainer(
@@ -389,7 +396,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
                                      use_gpu=use_gpu,
                                      resources_per_worker=None if use_gpu else {"CPU": 1}),
         run_config=RunConfig(
-            name=name, storage_path=storage_path,
+            name=name, storage_path=storage_path, storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          max_preemption_failures=cfg.max_preemption_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
