@@ -136,9 +136,8 @@ def read_lines(run_dir: RunDir, layout: LogLayout):
                     f"missing from the middle of {layout.legacy}")
             log.warning(f"raygpt | WARNING: {run_dir.uri(rel)}: the newest segment ends in a "
                         f"cut line (its writer was killed while storing it); skipping that line")
-            data = data[:data.rfind(b"\n") + 1]
-        lines = data.split(b"\n")
-        yield from lines[:-1]  # the last element is the empty string after the final newline
+        # what follows the last newline is dropped: b"" in a whole part, the cut line otherwise
+        yield from data.split(b"\n")[:-1]
 
 
 def read_bytes(run_dir: RunDir, layout: LogLayout) -> bytes:

@@ -183,6 +183,9 @@ def test_a_cut_newest_part_loses_only_its_cut_line(rd, capsys):
     rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(1, "aaaaaaaa"), (line(2) + line(3)[:9]).encode())
     assert steps(read_history(rd)) == [0, 1, 2]
     assert "part-00000001-aaaaaaaa.jsonl: the newest segment ends in a cut line" in capsys.readouterr().err
+    # main.log's lines are not JSON: the cut line is dropped by the segment reader itself
+    rd.write_bytes_atomic(MAIN_LOG_LAYOUT.part(0, "aaaaaaaa"), b"s:0 tel:3.0000\ns:1 te")
+    assert read_main_log(rd) == b"s:0 tel:3.0000\n"
 
 
 def test_a_cut_part_with_newer_parts_after_it_is_an_error_naming_it(rd):
@@ -241,14 +244,17 @@ def test_compaction_deletes_nothing_until_the_merged_object_is_stored(rd):
 
 
 def test_leftover_parts_below_a_base_are_not_read_twice(rd):
-    # compaction stored the base, then died before deleting the parts it merged
+    # compaction stored the base, then died before deleting the parts it merged and the old
+    # single file it folded in
+    rd.write_bytes_atomic("loss_history.jsonl", line(0).encode())
     rd.write_bytes_atomic(LOSS_HISTORY_LOG.base(1), (line(0) + line(1)).encode())
     rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(0, "aaaaaaaa"), line(0).encode())
     rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(1, "aaaaaaaa"), line(1).encode())
     rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(2, "aaaaaaaa"), line(2).encode())
     assert steps(read_history(rd)) == [0, 1, 2]
     segments.compact(rd, LOSS_HISTORY_LOG)
-    assert rd.listdir("loss_history") == ["base-00000002.jsonl"]
+    assert rd.listdir("loss_history") == ["base-00000002.jsonl"] and not rd.exists("loss_history.jsonl")
+    assert steps(read_history(rd)) == [0, 1, 2]
 
 
 def test_raygpt_compact_on_a_local_run_directory_has_nothing_to_do(tmp_path, capsys):
