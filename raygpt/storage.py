@@ -44,7 +44,8 @@ DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an appen
 class RunDir:
     """A run directory: `fs` + `root`; every method takes a path relative to the root.
 
-    Appends (`append_text`: loss_history.jsonl, samples.jsonl, main.log) and their durability:
+    Appends (`append_text`: local run logs, fault_injection.jsonl; on object stores the run logs
+    are immutable segments instead, raygpt.runlog.segments) and their durability:
     - local / NFS: every append is written and fsynced before it returns; nothing is buffered.
     - object stores: there is no append, and rewriting a 100 MB loss history per step is not an
       option, so each appended file has a local mirror (a private temp file, seeded on first use
