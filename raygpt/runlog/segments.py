@@ -215,7 +215,9 @@ class SegmentWriter:
             self._lines.append(text)
             if len(self._lines) >= self.max_lines:
                 self._seal()
-            self._cond.notify_all()
+                self._cond.notify_all()
+            elif len(self._lines) == 1:  # the thread starts this part's clock; later lines
+                self._cond.notify_all()  # need not wake it (one wake-up per part, not per step)
 
     def seal(self) -> None:
         """Make the collected lines a part now (stored by the thread, without waiting)."""
