@@ -27,8 +27,12 @@ Writing (`SegmentWriter`): lines collect in memory and are sealed into a part wh
 also does the put, so the training thread only appends to a list. At most `max_queued` sealed
 parts wait for upload; past that, an append waits (a store that cannot keep up slows the run
 rather than filling memory). `flush()` seals and waits until everything is stored (checkpoint
-publishes, the end of an attempt). A process killed outright loses the lines not yet stored: at
-most `interval_s` plus one upload's worth, or `max_lines` lines, whichever comes first.
+publishes, the end of an attempt). A process killed outright loses the lines not yet stored:
+those collected since the last seal (less than `interval_s` old, fewer than `max_lines`) and
+any sealed part whose put had not finished (normally the one in flight, if any; up to
+`max_queued` when the store falls behind). Compaction is for a run that is not writing: a
+part stored by a live writer while `compact` runs, numbered at or below the new base, would be
+hidden by it.
 
 Reading (`read_lines`): a part that does not end with a newline was cut short (a writer killed
 during a non-atomic write, e.g. on a filesystem seen through fsspec). When it is the newest
@@ -93,9 +97,9 @@ def _listing(run_dir: RunDir, layout: LogLayout):
     return sorted(bases), sorted(parts), others
 
 
-def _plan(run_dir: RunDir, layout: LogLayout):
+def _plan(run_dir: RunDir, layout: LogLayout, listing=None):
     """What a reader reads, in order: [(rel, kind)] with kind "legacy", "base" or "part"."""
-    bases, parts, others = _listing(run_dir, layout)
+    bases, parts, others = listing or _listing(run_dir, layout)
     for name in others:
         log.warning(f"raygpt | WARNING: {run_dir.uri(f'{layout.folder}/{name}')}: not a segment "
                     f"of {layout.legacy} (expected part-<8 digits>-<8 hex>.{layout.ext}); ignored")
@@ -122,7 +126,10 @@ def stored_bytes(run_dir: RunDir, layout: LogLayout) -> int:
 def read_lines(run_dir: RunDir, layout: LogLayout):
     """The log's lines (bytes, without newlines) in order: the single file or the newest base,
     then each part above it. A torn part is handled as the module docstring says."""
-    plan = _plan(run_dir, layout)
+    yield from _read_plan(run_dir, layout, _plan(run_dir, layout))
+
+
+def _read_plan(run_dir: RunDir, layout: LogLayout, plan):
     for i, (rel, kind) in enumerate(plan):
         if kind != "part":
             yield from run_dir.iter_lines(rel)  # streamed: a base may be a week's history
@@ -365,14 +372,14 @@ def compact(run_dir: RunDir, layout: LogLayout) -> dict:
     unless its number is at or below the base's."""
     if run_dir.is_local:
         return {"parts": 0, "bytes": 0, "base": None}  # a local log is one file already
-    bases, parts, _ = _listing(run_dir, layout)
-    plan = _plan(run_dir, layout)
+    listing = _listing(run_dir, layout)  # one listing: what is merged is what is deleted
+    bases, parts, _ = listing
+    plan = _plan(run_dir, layout, listing)
     merged_parts = [p for p in plan if p[1] == "part"]
     if not merged_parts:
         return {"parts": 0, "bytes": 0, "base": None}
-    top = max(seq for seq, _, name in parts if f"{layout.folder}/{name}" in
-              {rel for rel, _ in merged_parts})
-    data = read_bytes(run_dir, layout)
+    top = parts[-1][0]
+    data = b"".join(line + b"\n" for line in _read_plan(run_dir, layout, plan))
     base = layout.base(top)
     run_dir.write_bytes_atomic(base, data)
     if run_dir.read_bytes(base) != data:  # stored, and stored whole, before anything goes

@@ -417,3 +417,26 @@ def test_status_and_plot_in_another_process_see_a_live_run_within_the_interval(t
     finally:
         p.kill()
         p.wait(30)
+
+
+def test_a_part_stored_while_compaction_runs_is_neither_merged_nor_read_twice(rd):
+    for i in range(3):
+        rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(i, "aaaaaaaa"), line(i).encode())
+    mem = rd.fs.handler.fs
+
+    class LiveWriter(pafs.FSSpecHandler):
+        """A writer stores part 3 right after compaction's first listing of the folder."""
+        listed = 0
+
+        def get_file_info_selector(self, selector):
+            infos = super().get_file_info_selector(selector)
+            LiveWriter.listed += 1
+            if LiveWriter.listed == 1:
+                with mem.open(f"{rd.root}/{LOSS_HISTORY_LOG.part(3, 'bbbbbbbb')}", "wb") as f:
+                    f.write(line(3).encode())
+            return infos
+
+    racing = open_run_dir((pafs.PyFileSystem(LiveWriter(mem)), rd.root))
+    assert segments.compact(racing, LOSS_HISTORY_LOG)["base"] == "loss_history/base-00000002.jsonl"
+    assert steps(read_history(rd)) == [0, 1, 2, 3]
+    assert rd.listdir("loss_history") == ["base-00000002.jsonl", "part-00000003-bbbbbbbb.jsonl"]
