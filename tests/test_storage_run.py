@@ -14,6 +14,7 @@ from the segments in order.
 from __future__ import annotations
 
 import json
+import math
 
 import pyarrow.fs as pafs
 import pytest
@@ -22,7 +23,7 @@ import torch
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import SpikeConfig, TrainConfig
 from raygpt.faults import InjectedFault
-from raygpt.runlog.history import read_history
+from raygpt.runlog.history import read_history, trajectory_losses
 from raygpt.runlog.mainlog import read_main_log
 from raygpt.loop import train
 from raygpt.report import load_run, run_status
@@ -195,12 +196,11 @@ def test_a_resume_after_a_rewind_reads_its_trajectory_from_the_segments(mem, tmp
     step 7 of the re-run, and -y 1 resumes from 6. The resume reads the history back from its
     segments (the rewind record sealed a segment of its own, between the abandoned steps and
     the re-run): its audit must compare only with the trajectory the run is on (the re-run
-    step 6), say bit-exact, and the final losses must equal the same run without the crash."""
+    step 6, not the abandoned one) and say bit-exact. (That the whole curve then equals the run
+    without the crash is test_spike's, on the local layout: the losses do not depend on it.)"""
     nowhere = tmp_path / "never-written"
     spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
     kw = dict(max_steps=12, checkpoint_every=2, val_every=0, spike=spike)
-    ref = run_dir_on(mem, "rewind-ref")
-    train(config(nowhere, **kw, fault="nan:rank=0,step=9"), LocalSession(ref, torch.device("cpu")))
     crash_cfg = config(nowhere, **kw, fault="nan:rank=0,step=9;raise:rank=0,step=7,visit=2")
     with pytest.raises(InjectedFault):
         train(crash_cfg, LocalSession(run_dir_on(mem, "rewind-crash"), torch.device("cpu")))
@@ -215,5 +215,6 @@ def test_a_resume_after_a_rewind_reads_its_trajectory_from_the_segments(mem, tmp
     assert resume["resumed_from"] == 6
     audits = [r["message"] for r in kinds(got, "audit")]
     assert audits == ["resume verified bit-exact over 1 steps"], audits
-    latest = {r["step"]: r["loss"] for r in kinds(got, "train")}
-    assert latest == {r["step"]: r["loss"] for r in kinds(read_history(ref), "train")}
+    trajectory = trajectory_losses(got)
+    assert sorted(trajectory) == list(range(12))
+    assert all(math.isfinite(loss) for loss in trajectory.values())  # the NaN step was abandoned

@@ -24,7 +24,7 @@ import pytest
 
 from raygpt.runlog import segments
 from raygpt.runlog.history import (LOSS_HISTORY_LOG, RunHistory, append_record, read_history,
-                                   read_samples, trajectory_losses)
+                                   read_samples)
 from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT, Logger, read_main_log
 from raygpt.runlog.segments import CorruptSegment, SegmentWriter
 from raygpt.storage import open_run_dir
