@@ -12,8 +12,9 @@ driver, one failure record at a time: `append_record`). On a local or NFS run di
 is one file appended line by line; on an object store it is a folder of immutable segments
 (`raygpt.runlog.segments`: loss_history/part-*.jsonl, samples/part-*.jsonl) stored by a
 background thread every `TrainConfig.log_segment_s` seconds or `log_segment_lines` lines. The
-history seals a segment after the rare events a reader should see soon (FLUSH_AFTER) and waits
-for it at the end; the checkpointer's flush at every checkpoint publish stores the rest. Readers
+history stores what it has at once after the rare events a reader must see even if the process
+dies next (FLUSH_AFTER: a rewind's record is what tells a resume which steps were abandoned); the
+checkpointer's flush at every checkpoint publish stores the rest. Readers
 (`iter_history`) read either layout, and an old single file followed by segments, as one log.
 """
 
@@ -205,7 +206,7 @@ class RunHistory:
         self._append(LOSS_HISTORY, {"kind": kind, "step": step, **fields, "time": time.time(),
                                     "attempt": self.attempt})
         if self.enabled and kind in FLUSH_AFTER:
-            self.flush(wait=kind == "end")  # the end: stored before the process may exit
+            self.flush()  # stored before the next step: a crash right after must not lose it
 
     def sample(self, step: int, text: str) -> None:
         self._append(SAMPLES, {"step": step, "text": text, "time": time.time(),

@@ -125,6 +125,16 @@ def test_the_end_record_is_stored_before_end_returns(rd):
     h.close()
 
 
+def test_a_rewind_record_is_stored_before_the_next_step(rd):
+    # a crash right after a rewind must not lose the record that tells a resume which steps
+    # the rewind abandoned (trajectory_losses), whatever the segment interval
+    h = RunHistory(rd, Cfg(), enabled=True)
+    h.train(5, loss=float("nan"), norm=1.0)
+    h.event(5, "rewind", to_step=4)
+    assert [r["kind"] for r in read_history(open_run_dir((rd.fs, rd.root)))] == ["train", "rewind"]
+    h.close()
+
+
 def test_samples_and_main_log_are_segments_too(rd):
     h = RunHistory(rd, Cfg(), enabled=True)
     h.sample(0, "hello")
