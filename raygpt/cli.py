@@ -5,6 +5,7 @@
     raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
     raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
+    raygpt compact RUN_DIR                       merge a run's log segments (object stores)
 
 Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in raygpt.config.
 """
@@ -23,6 +24,7 @@ COMMANDS = {
     "prepare": "tokenize a UTF-8 text file into llm.c token shards (GPT-2 BPE, offline)",
     "status": "a run at a glance from its run directory: what ran, progress, checkpoints",
     "plot": "a PNG of a run's loss, lr, grad norm and tok/s with its events marked",
+    "compact": "merge the log segments of a run on an object store into one object per log",
 }
 
 
@@ -87,6 +89,11 @@ def _plot(argv: list[str]) -> int:
     return report.plot_main(argv)
 
 
+def _compact(argv: list[str]) -> int:
+    from raygpt.runlog.segments import compact_main
+    return compact_main(argv)
+
+
 def build_main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raygpt", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -102,7 +109,7 @@ def build_main_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handlers = {"train": _train, "sweep": _sweep, "prepare": _prepare, "status": _status,
-                "plot": _plot}
+                "plot": _plot, "compact": _compact}
     if argv and argv[0] in handlers:
         return handlers[argv[0]](argv[1:])
     parser = build_main_parser()

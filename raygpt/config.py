@@ -226,6 +226,12 @@ class TrainConfig:
     An endpoint in the URI itself (?endpoint_override=host:port&scheme=http) wins."""
     log_every: int = knob(1, section="run", may_change_on_resume=True)
     """Console line every N steps."""
+    log_segment_s: float = knob(30.0, section="run", metavar="SECONDS", may_change_on_resume=True)
+    """On an object store (s3://, gs://), how long rank 0 keeps the lines of loss_history,
+    main.log and samples before storing them as a new segment (a part object); a killed rank 0
+    loses at most this much (plus one upload). Local and NFS run directories append each line."""
+    log_segment_lines: int = knob(10000, section="run", metavar="N", may_change_on_resume=True)
+    """... or this many lines, whichever comes first (a segment never holds more)."""
     record_samples: bool = knob(False, section="run", may_change_on_resume=True)
     """Record each step's global sample ranges in loss_history.jsonl (audits data coverage)."""
     wandb: str = knob("", section="run", may_change_on_resume=True)
@@ -413,6 +419,11 @@ class TrainConfig:
                             ("--max-failures", self.max_failures), ("--watch-every", self.watch_every)):
             need(value >= 0, flag, "an integer >= 0", value)
         need(self.log_every >= 1, "--log-every", "an integer >= 1", self.log_every)
+        need(isinstance(self.log_segment_s, (int, float)) and math.isfinite(self.log_segment_s)
+             and self.log_segment_s > 0, "--log-segment-s", "a number of seconds > 0",
+             self.log_segment_s)
+        need(isinstance(self.log_segment_lines, int) and self.log_segment_lines >= 1,
+             "--log-segment-lines", "an integer >= 1", self.log_segment_lines)
         need(isinstance(self.checkpoint_minutes, (int, float)) and math.isfinite(self.checkpoint_minutes)
              and self.checkpoint_minutes >= 0, "--checkpoint-minutes",
              "a number of minutes >= 0 (0 is off)", self.checkpoint_minutes)

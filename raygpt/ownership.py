@@ -46,10 +46,15 @@ import uuid
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.faults import announce as announce_faults
 from raygpt.faults import armed_spec
-from raygpt.runlog.history import LOSS_HISTORY
+from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG
+from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
 from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
 
 log = logging.getLogger(__name__)
+
+# names only a raygpt run leaves in its directory: its logs, in either layout (runlog.segments)
+RUN_LOGS = frozenset({LOSS_HISTORY, LOSS_HISTORY_LOG.folder, MAIN_LOG_LAYOUT.legacy,
+                      MAIN_LOG_LAYOUT.folder})
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
@@ -358,7 +363,7 @@ def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
                           f"{refused_overwrite_target(cfg.output_dir)}")
     run_dir = open_run_dir(cfg.output_dir)
     names = [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
-    holds_run = any(n == LOSS_HISTORY or n.startswith("step_") or n == "main.log" for n in names)
+    holds_run = any(n in RUN_LOGS or n.startswith("step_") for n in names)
     marker = read_marker(run_dir)
     fresh_over_run = holds_run and cfg.resume != 1
     if fresh_over_run:

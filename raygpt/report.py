@@ -28,7 +28,8 @@ from typing import Callable
 from raygpt.checkpointing import protocol as ck
 from raygpt.faults import WHAT as FAULT_WHAT
 from raygpt.faults import read_armed, read_fired
-from raygpt.runlog.history import LOSS_HISTORY, GoodputTally, iter_history
+from raygpt.runlog import segments
+from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG, GoodputTally, iter_history
 from raygpt.storage import RunDir, open_run_dir, redact
 
 Progress = Callable[[str], None]
@@ -176,11 +177,13 @@ def load_run(run_dir, *, verify: str = "quick", progress: Progress | None = None
     """Read a run directory (anything `open_run_dir` takes) into a RunView; the history is
     streamed, and with `recent` (see RunView) never held whole."""
     run_dir = open_run_dir(run_dir)
-    if not run_dir.exists(LOSS_HISTORY):
-        raise FileNotFoundError(f"{run_dir.uri(LOSS_HISTORY)}: no such file (is {run_dir.uri()} "
+    if not segments.exists(run_dir, LOSS_HISTORY_LOG):
+        raise FileNotFoundError(f"{run_dir.uri(LOSS_HISTORY)}: no such file, nor segments in "
+                                f"{run_dir.uri(LOSS_HISTORY_LOG.folder)}/ (is {run_dir.uri()} "
                                 f"a raygpt run directory?)")
     if progress is not None:
-        progress(f"reading {run_dir.uri(LOSS_HISTORY)} ({_human_bytes(run_dir.size_of(LOSS_HISTORY))})")
+        progress(f"reading {run_dir.uri(LOSS_HISTORY)} "
+                 f"({_human_bytes(segments.stored_bytes(run_dir, LOSS_HISTORY_LOG))})")
     view = view_from_records(run_dir.uri(), iter_history(run_dir),
                              check_checkpoints(run_dir, verify=verify, progress=progress),
                              recent=recent)

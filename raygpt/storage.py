@@ -56,7 +56,8 @@ DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an appen
 class RunDir:
     """A run directory: `fs` + `root`; every method takes a path relative to the root.
 
-    Appends (`append_text`: loss_history.jsonl, samples.jsonl, main.log) and their durability:
+    Appends (`append_text`: local run logs, fault_injection.jsonl; on object stores the run logs
+    are immutable segments instead, raygpt.runlog.segments) and their durability:
     - local / NFS: every append is written and fsynced before it returns; nothing is buffered.
     - object stores: there is no append, and rewriting a 100 MB loss history per step is not an
       option, so each appended file has a local mirror (a private temp file, seeded on first use
@@ -93,6 +94,7 @@ class RunDir:
         if self._appends is not None:  # flush what is buffered when this RunDir goes away
             weakref.finalize(self, self._appends.close_quietly)
         self._writer: _Writer | None = None  # set while appends run in the background
+        self._flush_hooks: list = []  # see add_flush_hook
         self._line_checked: set[str] = set()  # files whose last line this RunDir has checked
 
     def __repr__(self) -> str:
@@ -342,11 +344,25 @@ class RunDir:
         self._drain()
         if self._appends is not None:
             self._appends.flush_all()
+        for hook in list(self._flush_hooks):
+            hook()
+
+    def add_flush_hook(self, hook) -> None:
+        """Call `hook()` at every `flush()` and `close()`: how a log stored outside this RunDir's
+        mirrors (raygpt.runlog.segments on object stores) is stored whenever the run directory
+        is flushed (each checkpoint publish, the end of an attempt)."""
+        self._flush_hooks.append(hook)
+
+    def remove_flush_hook(self, hook) -> None:
+        if hook in self._flush_hooks:
+            self._flush_hooks.remove(hook)
 
     def close(self) -> None:
         """`flush()`, then remove the local mirrors. The RunDir stays usable: a later append
         seeds a new mirror from the stored file."""
         self._drain()
+        for hook in list(self._flush_hooks):
+            hook()
         if self._appends is not None:
             self._appends.close()
 

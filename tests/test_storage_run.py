@@ -3,23 +3,28 @@
 renames of directories). The training loop runs without Ray (LocalSession); one run goes straight
 to step 10, another is stopped at step 5 and resumed with -y 1, and the two must agree bit for
 bit: losses as floats, val losses, and the sha256 of the final model file. Checkpoints, main.log
-and loss_history.jsonl must all be in the in-memory run directory and nothing on local disk.
-Appends are buffered (the flush interval is set to an hour so only the loop's flushes count):
-loss_history.jsonl is uploaded at the attempt's start, each checkpoint publish and the end, not
-per line, and a fresh RunDir (another process) then reads everything the run wrote.
+and the loss history must all be in the in-memory run directory and nothing on local disk. The
+logs are segments (raygpt.runlog.segments; the segment interval is set to an hour so only the
+loop's flushes count): a loss_history/ part is stored at the attempt's start, each checkpoint
+publish and the end, not per line, and a fresh RunDir (another process) then reads everything
+the run wrote. A spike rewind followed by a crash and a -y 1 resume reads its trajectory back
+from the segments in order.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pyarrow.fs as pafs
 import pytest
 import torch
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.config import TrainConfig
-from raygpt.runlog.history import read_history
+from raygpt.config import SpikeConfig, TrainConfig
+from raygpt.faults import InjectedFault
+from raygpt.runlog.history import read_history, trajectory_losses
+from raygpt.runlog.mainlog import read_main_log
 from raygpt.loop import train
 from raygpt.report import load_run, run_status
 from raygpt.session import LocalSession
@@ -67,7 +72,7 @@ def run_dir_on(mem, name: str, flush_interval_s: float = 3600):
 def config(output_dir, **overrides) -> TrainConfig:
     base = dict(model="d2", batch_size=4, seq_len=32, max_steps=10, checkpoint_every=5,
                 val_every=5, val_batches=2, sample_every=0, device="cpu", num_workers=1,
-                compile=False, output_dir=str(output_dir))
+                compile=False, output_dir=str(output_dir), log_segment_s=3600)
     return TrainConfig(**{**base, **overrides}).resolve(0)
 
 
@@ -76,7 +81,7 @@ def kinds(records, kind):
 
 
 def main_log(run_dir) -> list[str]:
-    return run_dir.read_bytes("main.log").decode().splitlines()
+    return read_main_log(run_dir).decode().splitlines()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +104,9 @@ def test_the_run_directory_is_complete_on_the_memory_filesystem(runs):
     assert not straight.is_local
     for rd in (straight, resumed):
         names = set(rd.listdir())
-        assert {"main.log", "loss_history.jsonl", "step_00000005", "step_00000010"} <= names
+        # segments on an object store, never the single files a local run directory keeps
+        assert {"main_log", "loss_history", "step_00000005", "step_00000010"} <= names
+        assert not names & {"main.log", "loss_history.jsonl", "samples.jsonl"}
         assert ck.list_checkpoint_steps(rd) == [5, 10]
         for step in (5, 10):
             assert ck.verify_checkpoint(rd, step) == [], (rd, step)
@@ -150,26 +157,64 @@ def test_status_reads_the_remote_run(runs):
 
 
 def test_appends_to_the_object_store_keep_every_record(runs):
-    # RunDir emulates append by rewriting via a temp object; no temp object may be left behind
+    # every segment is whole lines; no temp object is left behind
     straight, resumed, _, _ = runs
     for rd in (straight, resumed):
         assert [n for n in rd.listdir() if ".tmp-" in n] == []
-        lines = rd.read_bytes("loss_history.jsonl").splitlines()
-        assert all(json.loads(line)["kind"] for line in lines)  # every line whole
+        for folder in ("loss_history", "main_log"):
+            parts = rd.listdir(folder)
+            assert parts and all(n.startswith("part-") for n in parts)
+            for name in parts:
+                data = rd.read_bytes(f"{folder}/{name}")
+                assert data.endswith(b"\n"), name
+                if folder == "loss_history":
+                    assert all(json.loads(line)["kind"] for line in data.splitlines())
 
 
 def test_history_is_uploaded_at_the_flush_points_not_per_line(runs):
     straight, _, _, _ = runs
-    path = straight.path("loss_history.jsonl")
+    folder = straight.path("loss_history") + "/"
     records = read_history(straight)
     assert len(records) == 15  # start, 10 train, 3 val, end: 15 appends
-    # start event, checkpoint 5's publish, checkpoint 10's publish, the end event
-    assert CountingHandler.puts.count(path) == 4
+    # start event, checkpoint 5's publish, checkpoint 10's publish, the end event: one new
+    # part object each, nothing rewritten
+    puts = [p for p in CountingHandler.puts if p.startswith(folder)]
+    assert len(puts) == 4 and len(set(puts)) == 4
+    assert sorted(p.rpartition("/")[2] for p in puts) == straight.listdir("loss_history")
 
 
 def test_another_process_reads_everything_the_run_wrote(mem, runs):
     for rd in runs[:2]:
         fresh = run_dir_on(mem, rd.root.rpartition("/")[2])
-        for name in ("loss_history.jsonl", "main.log"):
-            assert fresh.read_bytes(name) == rd.read_bytes(name), name
+        assert read_history(fresh) == read_history(rd)
+        assert read_main_log(fresh) == read_main_log(rd)
         assert read_history(fresh)[-1]["kind"] == "end"
+
+
+def test_a_resume_after_a_rewind_reads_its_trajectory_from_the_segments(mem, tmp_path):
+    """A NaN at step 9 rewinds to checkpoint 6 (abandoning 6..9 as logged), the process dies at
+    step 7 of the re-run, and -y 1 resumes from 6. The resume reads the history back from its
+    segments (the rewind record sealed a segment of its own, between the abandoned steps and
+    the re-run): its audit must compare only with the trajectory the run is on (the re-run
+    step 6, not the abandoned one) and say bit-exact. (That the whole curve then equals the run
+    without the crash is test_spike's, on the local layout: the losses do not depend on it.)"""
+    nowhere = tmp_path / "never-written"
+    spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
+    kw = dict(max_steps=12, checkpoint_every=2, val_every=0, spike=spike)
+    crash_cfg = config(nowhere, **kw, fault="nan:rank=0,step=9;raise:rank=0,step=7,visit=2")
+    with pytest.raises(InjectedFault):
+        train(crash_cfg, LocalSession(run_dir_on(mem, "rewind-crash"), torch.device("cpu")))
+    crashed = run_dir_on(mem, "rewind-crash")  # a new process: only what was stored
+    assert len(crashed.listdir("loss_history")) >= 3  # start, checkpoints, rewind: segments
+    kinds_before = [r["kind"] for r in read_history(crashed)]
+    assert kinds_before.index("rewind") < len(kinds_before) - 1  # the re-run's step 6 is there
+    summary = train(crash_cfg.with_overrides({"resume": 1}), LocalSession(crashed, torch.device("cpu")))
+    assert summary["rewinds"] == 1 and summary["step"] == 12
+    got = read_history(run_dir_on(mem, "rewind-crash"))
+    (resume,) = kinds(got, "resume")
+    assert resume["resumed_from"] == 6
+    audits = [r["message"] for r in kinds(got, "audit")]
+    assert audits == ["resume verified bit-exact over 1 steps"], audits
+    trajectory = trajectory_losses(got)
+    assert sorted(trajectory) == list(range(12))
+    assert all(math.isfinite(loss) for loss in trajectory.values())  # the NaN step was abandoned

@@ -40,7 +40,6 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -72,7 +71,7 @@ from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.worker import RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
-from raygpt.runlog.history import LOSS_HISTORY, read_history, summarize_run
+from raygpt.runlog.history import append_record, read_history, summarize_run
 from raygpt.storage import RunDir, open_run_dir, redact
 
 log = logging.getLogger(__name__)
@@ -232,10 +231,9 @@ class CheckpointFinalizer(UserCallback):
         finalize_queue(self.output_dir).drain()
         self.failures += 1
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
-        with open_run_dir(self.output_dir) as run_dir:  # uploaded at once on object stores
-            run_dir.append_text(LOSS_HISTORY, json.dumps(
-                {"kind": "failure", "failure": self.failures, "causes": causes,
-                 "time": time.time(), "attempt": None}) + "\n")
+        with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
+            append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
+                                    "time": time.time(), "attempt": None})
         log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
 
 

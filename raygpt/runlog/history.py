@@ -7,10 +7,15 @@ an earlier attempt already logged, the audit compares the two losses as floats a
 "resume verified bit-exact over K steps" or where and by how much they first differ, so a resume
 that lost state is noticed at once, not a week later.
 
-All I/O goes through `RunDir` (local, NFS or object storage). Only rank 0 writes. On an object
-store the appends are buffered in a local mirror (see `RunDir`); the history flushes it after the
-rare events a reader must see even if the process dies next (FLUSH_AFTER), and the checkpointer
-flushes at every checkpoint publish.
+All I/O goes through `RunDir` (local, NFS or object storage). Only rank 0 writes (and the Ray
+driver, one failure record at a time: `append_record`). On a local or NFS run directory each log
+is one file appended line by line; on an object store it is a folder of immutable segments
+(`raygpt.runlog.segments`: loss_history/part-*.jsonl, samples/part-*.jsonl) stored by a
+background thread every `TrainConfig.log_segment_s` seconds or `log_segment_lines` lines. The
+history stores what it has at once after the rare events a reader must see even if the process
+dies next (FLUSH_AFTER: a rewind's record is what tells a resume which steps were abandoned); the
+checkpointer's flush at every checkpoint publish stores the rest. Readers
+(`iter_history`) read either layout, and an old single file followed by segments, as one log.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ import json
 import logging
 import time
 
+from raygpt.runlog import segments
+from raygpt.runlog.segments import LogFile, LogLayout
 from raygpt.storage import RunDir
 
 log = logging.getLogger(__name__)
 
 LOSS_HISTORY = "loss_history.jsonl"
 SAMPLES = "samples.jsonl"
+LOSS_HISTORY_LOG = LogLayout(LOSS_HISTORY, "loss_history", "jsonl")
+SAMPLES_LOG = LogLayout(SAMPLES, "samples", "jsonl")
 # an attempt's start, a rewind (perhaps escalated: the process stops right after) and the end
 # (also a stop by signal): stored at once on an object store, not at the next flush interval
 FLUSH_AFTER = frozenset({"start", "resume", "rewind", "end"})
@@ -50,16 +59,32 @@ def parse_jsonl(data: bytes, name: str) -> list[dict]:
     return list(iter_records(data.split(b"\n"), name))
 
 
-def iter_history(run_dir: RunDir):
-    """The records of loss_history.jsonl, streamed (memory bounded by one chunk and one line,
-    whatever the file's size); nothing when there is no history."""
-    if not run_dir.exists(LOSS_HISTORY):
-        return
-    yield from iter_records(run_dir.iter_lines(LOSS_HISTORY), run_dir.uri(LOSS_HISTORY))
+def iter_history(run_dir: RunDir, layout: LogLayout = LOSS_HISTORY_LOG):
+    """The records of the loss history (single file, segments or both, in order), streamed
+    (memory bounded by one chunk and one line, or one segment); nothing when there is none."""
+    yield from iter_records(segments.read_lines(run_dir, layout), run_dir.uri(layout.legacy))
 
 
 def read_history(run_dir: RunDir) -> list[dict]:
     return list(iter_history(run_dir))
+
+
+def read_samples(run_dir: RunDir) -> list[dict]:
+    return list(iter_history(run_dir, SAMPLES_LOG))
+
+
+def history_exists(run_dir: RunDir) -> bool:
+    return segments.exists(run_dir, LOSS_HISTORY_LOG)
+
+
+def append_record(run_dir: RunDir, record: dict) -> None:
+    """One record from a process other than rank 0 (the Ray driver's failure record), stored
+    on return: appended locally, a segment of its own on an object store."""
+    segments.append_once(run_dir, LOSS_HISTORY_LOG, _line(record))
+
+
+def _line(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
 
 
 class ResumeAudit:
@@ -125,10 +150,25 @@ class RunHistory:
         self.run_dir, self.cfg, self.enabled = run_dir, cfg, enabled
         self.attempt = 1
         self.audit = ResumeAudit({})
+        bound = dict(interval_s=getattr(cfg, "log_segment_s", segments.DEFAULT_INTERVAL_S),
+                     max_lines=getattr(cfg, "log_segment_lines", segments.DEFAULT_MAX_LINES))
+        self.logs = {LOSS_HISTORY: LogFile(run_dir, LOSS_HISTORY_LOG, **bound),
+                     SAMPLES: LogFile(run_dir, SAMPLES_LOG, **bound)} if enabled else {}
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
-            self.run_dir.append_text(name, json.dumps(record, separators=(",", ":")) + "\n")
+            self.logs[name].append(_line(record))
+
+    def flush(self, wait: bool = True) -> None:
+        """Store what was appended (wait=False on an object store: seal the segment now and let
+        the writer thread store it)."""
+        for f in self.logs.values():
+            f.flush(wait)
+
+    def close(self) -> None:
+        """Store everything and stop the segment writers (a later append starts them again)."""
+        for f in self.logs.values():
+            f.close()
 
     def begin_attempt(self, resumed_from: int | None, note: str | None, max_steps: int | None = None,
                       startup: dict | None = None) -> int:
@@ -166,7 +206,7 @@ class RunHistory:
         self._append(LOSS_HISTORY, {"kind": kind, "step": step, **fields, "time": time.time(),
                                     "attempt": self.attempt})
         if self.enabled and kind in FLUSH_AFTER:
-            self.run_dir.flush()
+            self.flush()  # stored before the next step: a crash right after must not lose it
 
     def sample(self, step: int, text: str) -> None:
         self._append(SAMPLES, {"step": step, "text": text, "time": time.time(),

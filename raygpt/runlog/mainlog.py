@@ -1,4 +1,4 @@
-"""main.log, llm.c's llmc/logger.h: one line per call, rank 0 only, each append durable.
+"""main.log, llm.c's llmc/logger.h: one line per call, rank 0 only.
 
     s:<step> trl:<loss %.4f> lr:<%.6f> norm:<%.2f>     train step
     s:<step> tel:<val loss %.4f>                       validation
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import re
 
-from raygpt.storage import RunDir, open_run_dir
+from raygpt.runlog import segments
+from raygpt.runlog.segments import LogFile, LogLayout
+from raygpt.storage import open_run_dir
 
 MAIN_LOG = "main.log"
+# a local / NFS run directory keeps llm.c's one main.log file (llm.c's tools read it); an object
+# store gets main_log/part-*.log segments (raygpt.runlog.segments), assembled by `read_main_log`
+MAIN_LOG_LAYOUT = LogLayout(MAIN_LOG, "main_log", "log")
 
 
-def _append_text(run_dir: RunDir, rel: str, text: str) -> None:
-    """The one place main.log is written: one durable append through the run directory's
-    filesystem (local and NFS append + fsync; object stores emulate it, see RunDir.append_text)."""
-    run_dir.append_text(rel, text)
-
-
-def _truncate(run_dir: RunDir, rel: str) -> None:
-    run_dir.write_bytes_atomic(rel, b"")
+def read_main_log(run_dir) -> bytes:
+    """The whole main.log, from either layout (anything `open_run_dir` takes)."""
+    return segments.read_bytes(open_run_dir(run_dir), MAIN_LOG_LAYOUT)
 
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -34,21 +34,36 @@ _LLMC_STREAMS = frozenset({"trl", "tel", "eval"})
 
 
 class Logger:
-    """llm.c's Logger: active only on rank 0 with a log_dir; every call appends one line to the
-    file and makes it durable, so a crash loses no buffered lines. A fresh start (resume false)
-    truncates `{log_dir}/main.log`; a resume appends to it. log_dir is anything `open_run_dir`
-    takes (a local path, an s3:// / gs:// URI, an (fs, path) pair, a RunDir)."""
+    """llm.c's Logger: active only on rank 0 with a log_dir; every call appends one line. A
+    local or NFS run directory gets llm.c's main.log, each line durable before the call returns
+    (fsynced; on the loop's background writer thread, queued); an object store gets segments,
+    each stored within `segment_s` seconds or `segment_lines` lines. A fresh start (resume
+    false) wipes `{log_dir}/main.log` (both layouts); a resume appends to it. log_dir is
+    anything `open_run_dir` takes (a local path, an s3:// / gs:// URI, an (fs, path) pair, a
+    RunDir)."""
 
-    def __init__(self, log_dir, process_rank: int, resume: bool | int) -> None:
+    def __init__(self, log_dir, process_rank: int, resume: bool | int, *,
+                 segment_s: float = segments.DEFAULT_INTERVAL_S,
+                 segment_lines: int = segments.DEFAULT_MAX_LINES) -> None:
         self.active = log_dir is not None and process_rank == 0
         self.run_dir = open_run_dir(log_dir) if self.active else None
         self.output_log_file = self.run_dir.uri(MAIN_LOG) if self.active else None
-        if self.active and not resume:
-            _truncate(self.run_dir, MAIN_LOG)  # wipe a previous run's log on a fresh start
+        self.file = (LogFile(self.run_dir, MAIN_LOG_LAYOUT, interval_s=segment_s,
+                             max_lines=segment_lines) if self.active else None)
+        if self.active and not resume:  # wipe a previous run's log on a fresh start
+            if self.run_dir.is_local:
+                self.run_dir.write_bytes_atomic(MAIN_LOG, b"")  # llm.c's fopen("w")
+            else:
+                segments.delete(self.run_dir, MAIN_LOG_LAYOUT)
+
+    def close(self) -> None:
+        """Store every line logged (object stores: the last segment)."""
+        if self.file is not None:
+            self.file.close()
 
     def _write(self, line: str) -> None:
         if self.active:
-            _append_text(self.run_dir, MAIN_LOG, line + "\n")
+            self.file.append(line + "\n")
 
     def log_train(self, step: int, loss: float, lr: float, norm: float) -> None:
         self._write("s:%d trl:%.4f lr:%.6f norm:%.2f" % (step, loss, lr, norm))

@@ -49,7 +49,8 @@ class Reporter:
         self.attempt = self.history.begin_attempt(resumed_from, session.failure_note(),
                                                   max_steps=max_steps, startup=startup)
         self.logger = Logger(session.run_dir if self.is_main else None, self.rank,
-                             resume=resumed_from is not None or self.attempt > 1)
+                             resume=resumed_from is not None or self.attempt > 1,
+                             segment_s=cfg.log_segment_s, segment_lines=cfg.log_segment_lines)
         self.tb = TensorBoardWriter(session.run_dir, enabled=self.is_main, purge_step=resumed_from)
         self.trackers = Trackers(cfg, session.run_dir, enabled=self.is_main, attempt=self.attempt,
                                  on_error=self._tracker_failed)
@@ -195,12 +196,17 @@ class Reporter:
         self.close("KILLED" if summary["stopped_early"] else "FINISHED")
 
     def close(self, status: str = "FINISHED") -> None:
-        """TensorBoard's last upload and the tracker runs' end (FINISHED, KILLED or FAILED)."""
+        """TensorBoard's last upload, the tracker runs' end (FINISHED, KILLED or FAILED), and
+        the last lines of main.log and the history stored (an object store's last segments)."""
         if self._closed:
             return
         self._closed = True
-        self.tb.close()
-        self.trackers.close(status)
+        try:
+            self.tb.close()
+            self.trackers.close(status)
+        finally:
+            self.logger.close()
+            self.history.close()
 
     def _tracker_failed(self, step: int, name: str, message: str) -> None:
         self.history.event(step, "tracker_error", tracker=name, message=message)
