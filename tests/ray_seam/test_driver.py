@@ -173,17 +173,6 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
     assert read.count(f"{d}/{ck.state_file(12, 1)}") == 1  # read once: hashed from those bytes
 
 
-def test_nan_on_one_rank_rewinds_both_without_a_hang(tmp_path):
-    from raygpt.config import SpikeConfig
-    spike = SpikeConfig(enabled=True, min_history=4, window=8, max_rewinds=2)
-    cfg = tiny_config(tmp_path, num_workers=2, max_steps=10, checkpoint_every=2, spike=spike,
-                      fault="nan:rank=1,step=7")
-    summary = go(cfg)
-    assert summary["rewinds"] == 1 and summary["step"] == 10 and summary["failures"] == 0
-    rw = [r for r in records(tmp_path) if r["kind"] == "rewind"]
-    assert len(rw) == 1 and rw[0]["step"] == 7 and rw[0]["to_step"] <= 6
-
-
 def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
     cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1,
                       fault="raise:rank=0,step=2,every=1")
@@ -224,10 +213,11 @@ def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
     assert snapshot_names(run_dir) == [ck.step_dir(10), ck.step_dir(12)]
 
 
-def test_a_worker_killed_right_after_a_rewind_resumes_with_the_rewinds_decision(tmp_path):
-    """2 workers, spike monitor on: NaN at step 9 rewinds to checkpoint 6 (safety 3), deleting
-    checkpoint 8, the newest one Ray registered. Rank 1 is then SIGKILLed at step 7 of the
-    re-run, before a checkpoint carries the rewind. Ray restarts the group inside the same fit()
+def test_nan_on_one_rank_rewinds_both_and_a_kill_after_the_rewind_keeps_its_decision(tmp_path):
+    """2 workers, spike monitor on: NaN on rank 1 only at step 9 makes both ranks rewind to
+    checkpoint 6 (safety 3) without a hang (the reference run), deleting checkpoint 8, the
+    newest one Ray registered. Rank 1 is then SIGKILLed at step 7 of the re-run, before a
+    checkpoint carries the rewind. Ray restarts the group inside the same fit()
     (its latest registered checkpoint is gone: a hint only), the workers resume from 6 and
     apply the recorded decision: the final losses equal, as floats, the same run without the
     kill. Ray's checkpoint list names only what exists, once each, and -y 1 accepts it."""
@@ -236,7 +226,9 @@ def test_a_worker_killed_right_after_a_rewind_resumes_with_the_rewinds_decision(
     base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike)
     ref = tiny_config(tmp_path / "ref", **base, fault="nan:rank=1,step=9")
     summary = go(ref)
-    assert summary["rewinds"] == 1 and summary["failures"] == 0
+    assert summary["rewinds"] == 1 and summary["failures"] == 0 and summary["step"] == 12
+    (rw,) = [r for r in records(tmp_path / "ref") if r["kind"] == "rewind"]
+    assert rw["step"] == 9 and rw["to_step"] == 6
     crash = tiny_config(tmp_path / "crash", **base,
                         fault="nan:rank=1,step=9;kill:rank=1,step=7,visit=2")
     summary = go(crash)
