@@ -100,7 +100,12 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
         rd = open_run_dir(uri)
         assert not rd.is_local and rd.root.startswith("bucket/runs/")
         names = set(rd.listdir())
-        assert {"main.log", "loss_history.jsonl", "config.json"} <= names, names
+        # on an object store the logs are append-only parts (raygpt.runlog.segments), never a
+        # whole file re-uploaded
+        assert {"main_log", "loss_history", "config.json"} <= names, names
+        assert not {"main.log", "loss_history.jsonl"} & names, names
+        parts = rd.listdir("loss_history")
+        assert parts and all(p.startswith("part-") and p.endswith(".jsonl") for p in parts), parts
         steps = ck.list_checkpoint_steps(rd)
         assert steps == ([4, 8, 10] if uri == full else [4, 8, 9, 10]), (uri, steps)
         for step in steps:  # DONE, MANIFEST, every file's size (and sha256 of the final one)
