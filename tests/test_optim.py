@@ -300,3 +300,52 @@ def test_without_zero_there_is_nothing_to_gather(monkeypatch):
     flat, before, world, opt = fake_world_optimizer(monkeypatch, "nccl", 0, "params")
     opt.gather_params()
     assert world.calls == [] and torch.equal(flat.params, before)
+
+
+def test_by_default_the_buffers_are_not_padded():
+    """An odd parameter count (n_embd 3) stays unpadded without pad_multiple."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=60, padded_vocab_size=64, n_layer=1, n_head=1,
+                          n_embd=3), init_seed=3)
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32)
+    assert flat.num_parameters % 2 == 1 and flat.padded_size == flat.num_parameters
+    assert flat.params.numel() == flat.grads.numel() == flat.num_parameters
+
+
+@pytest.mark.parametrize("world, zero_stage", [(2, 0), (1, 1)])
+def test_without_zero_or_with_one_rank_the_optimizer_owns_everything_alone(world, zero_stage):
+    """ZeRO off on 2 ranks, or ZeRO-1 on 1 rank: every parameter is this rank's, and
+    gathering the weights needs no process group (none exists here)."""
+    flat = FlatParameters(tiny_model(), torch.device("cpu"), torch.float32, pad_multiple=world)
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, rank=world - 1,
+                world=world, zero_stage=zero_stage)
+    assert (opt.lo, opt.hi) == (0, flat.num_parameters)
+    assert opt.m.numel() == opt.v.numel() == flat.num_parameters
+    if world == 1:
+        before = flat.params.clone()
+        opt.gather_params()
+        opt.reduce_gradients()
+        assert torch.equal(flat.params, before)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_zero1_shards_update_is_the_unsharded_update_of_its_slice(monkeypatch, rank):
+    """Each ZeRO-1 rank's AdamW step over its shard equals, bit for bit, the single-process step
+    on that slice (the shard's segments must cover exactly [lo, hi) of the right tensors)."""
+    import raygpt.optim as optim
+    models = [tiny_model(), tiny_model()]
+    x = torch.randint(0, 60, (2, 8))
+    flats = [FlatParameters(m, torch.device("cpu"), torch.float32, pad_multiple=2) for m in models]
+    for m in models:
+        m(x, x)[0].backward()
+    kw = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    whole = AdamW(flats[0], **kw)
+    monkeypatch.setattr(optim, "dist", FakeWorld("gloo", rank, [None, None]))
+    shard = AdamW(flats[1], **kw, rank=rank, world=2, zero_stage=1)
+    monkeypatch.setattr(AdamW, "gather_params", lambda self: None)  # no other rank here
+    for t in (1, 2):
+        whole.step(lr=1e-2, grad_scale=0.5, t=t, seed=t)
+        shard.step(lr=1e-2, grad_scale=0.5, t=t, seed=t)
+    lo, hi = shard.lo, shard.hi
+    assert 0 < hi - lo < flats[0].num_parameters
+    assert torch.equal(flats[1].params[lo:hi], flats[0].params[lo:hi])
+    assert torch.equal(shard.m, whole.m[lo:hi]) and torch.equal(shard.v, whole.v[lo:hi])
