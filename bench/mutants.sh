@@ -11,6 +11,7 @@
 #   MUTANTS_REV=HEAD bench/mutants.sh     # a commit's tree instead of the working tree
 #   MUTANTS_ONLY='raygpt.data.x_merge_ranges__mutmut_*' bench/mutants.sh data
 #                                         # only the mutants matching these fnmatch patterns
+#   MUTANTS_TESTS='tests/test_x.py' bench/mutants.sh data   # another test selection
 #
 # `loop` is narrowed: only the step's decision functions (agree, update, act_on, rewind,
 # sampling_step, watch_metrics, broadcast_step, all_reduce_sum, Run.validating, the
@@ -93,7 +94,7 @@ for mod in "${MODULES[@]}"; do
     (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
       (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
   fi
-  tests=$(tests_for "$mod" "$work")
+  tests=${MUTANTS_TESTS:-$(tests_for "$mod" "$work")}
   python3 - "$work/pyproject.toml" "$(path_for "$mod")" $tests <<'PY'
 import json, re, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -597,3 +597,31 @@ def test_copy_checkpoint_names_the_unverified_source(tmp_path):
                             f"finished writing); step_00000008/DONE_00000008: listed in "
                             f"MANIFEST.json but missing")
     assert not dst.exists(step_dir(8))
+
+
+def test_a_step_is_read_back_only_from_a_step_directory_name():
+    assert ck.step_of_dir("step_00000012") == 12 and ck.step_of_dir("step_123456789") == 123456789
+    for other in ("step_12", "step_0000001x", "step_00000012.tmp-ab", "model_00000012", ""):
+        assert ck.step_of_dir(other) is None, other
+
+
+def test_identity_values_compare_as_stored_in_json():
+    """numpy scalars and sets in the run's identity compare as the manifest stored them."""
+    import numpy as np
+    man = {**MAN, "config_identity": {"n": 3, "s": [1, 2], "t": [4, 5]}}
+    ck.check_compatible(man, config_identity={"n": np.int64(3), "s": {2, 1}, "t": (4, 5)},
+                        tokenizer_hash="tok", data_hash="data", world_size=2)
+
+
+def test_a_field_missing_on_either_side_or_changing_shape_is_named():
+    man = {**MAN, "config_identity": {"gone": 1, "model": {"depth": 2}}}
+    with pytest.raises(CheckpointError) as e:
+        ck.check_compatible(man, config_identity={"model": 3}, tokenizer_hash="tok",
+                            data_hash="data", world_size=2)
+    assert str(e.value).splitlines()[1:] == ["  gone: checkpoint 1, this run '<absent>'",
+                                             "  model: checkpoint {'depth': 2}, this run 3"]
+    with pytest.raises(CheckpointError) as e:
+        ck.check_compatible({**MAN, "config_identity": {"model": 3}},
+                            config_identity={"model": {"depth": 2}}, tokenizer_hash="tok",
+                            data_hash="data", world_size=2)
+    assert str(e.value).splitlines()[1:] == ["  model: checkpoint 3, this run {'depth': 2}"]

@@ -102,10 +102,14 @@ def test_the_norm_counts_rank_0s_full_norm_or_every_zero1_shard(monkeypatch, zer
     assert a.checkpoint_ready  # both ranks' checkpoints are written
 
 
-def test_a_rank_beyond_0_adds_no_unsharded_norm(monkeypatch):
+def test_a_rank_beyond_0_adds_no_unsharded_norm_but_its_zero1_shard(monkeypatch):
     two_ranks(monkeypatch, [0.0, 4.0, 0, 0, 0, 0])  # rank 0's full squared norm
     a = loop.agree(agree_run(rank=1, world=2), 0, torch.tensor(0.0), torch.tensor(9.0))
     assert a.norm == 2.0
+    two_ranks(monkeypatch, [0.0, 16.0, 0, 0, 0, 0])  # rank 0's shard
+    a = loop.agree(agree_run(rank=1, world=2, zero_stage=1), 0, torch.tensor(0.0),
+                   torch.tensor(9.0))
+    assert a.norm == 5.0
 
 
 def test_a_checkpoint_is_ready_only_when_every_rank_says_so(monkeypatch):
