@@ -625,3 +625,12 @@ def test_a_field_missing_on_either_side_or_changing_shape_is_named():
                             config_identity={"model": {"depth": 2}}, tokenizer_hash="tok",
                             data_hash="data", world_size=2)
     assert str(e.value).splitlines()[1:] == ["  model: checkpoint 3, this run {'depth': 2}"]
+
+
+def test_the_config_hash_of_an_old_manifest_is_over_sorted_keys():
+    identity = {"z": 1, "a": 2}  # insertion order is not sorted order
+    mine = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    assert mine != hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+    ck.check_compatible({**MAN, "config_identity": None, "config_hash": mine},
+                        config_identity=identity, tokenizer_hash="tok", data_hash="data",
+                        world_size=2)
