@@ -634,3 +634,24 @@ def test_the_config_hash_of_an_old_manifest_is_over_sorted_keys():
     ck.check_compatible({**MAN, "config_identity": None, "config_hash": mine},
                         config_identity=identity, tokenizer_hash="tok", data_hash="data",
                         world_size=2)
+
+
+def test_a_decisions_skip_ranges_are_stored_as_plain_integers(rd):
+    import numpy as np
+    ck.record_abandoned_trajectory(rd, "a", 10, ledger={"rewinds": 1},
+                                   skip_ranges=[(np.int64(0), np.int32(8), 12)])
+    assert ck.read_abandoned_trajectories(rd)[0]["skip_ranges"] == [[0, 8, 12]]
+
+
+def test_copy_checkpoint_copies_files_only_and_checks_the_copy(tmp_path, monkeypatch):
+    src, dst = open_run_dir(tmp_path / "src"), open_run_dir(tmp_path / "dst")
+    make_checkpoint(src, 8)
+    src.makedirs(f"{step_dir(8)}/stray")  # a directory in the step directory is not copied
+    ck.copy_checkpoint(src, dst, 8)
+    assert not dst.exists(f"{step_dir(8)}/stray") and ck.verify_checkpoint(dst, 8) == []
+    real = ck.verify_checkpoint
+    monkeypatch.setattr(ck, "verify_checkpoint",
+                        lambda rd, step, **kw: ["bad copy"] if rd is dst else real(rd, step, **kw))
+    with pytest.raises(CheckpointError) as e:
+        ck.copy_checkpoint(src, dst, 8)
+    assert str(e.value) == f"{dst.uri('step_00000008')}: the copy does not verify: bad copy"
