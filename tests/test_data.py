@@ -564,9 +564,10 @@ def test_every_refused_loader_field_is_named_with_expected_and_found(tmp_path):
         f"{where}: sample_pos: expected an integer in [0, {n}], found {n + 1}")
     assert load_error(mk(), dict(st, sample_pos=-1)) == (
         f"{where}: sample_pos: expected an integer in [0, {n}], found -1")
-    msg = load_error(mk(), dict(st, shard_indices=np.roll(st["shard_indices"], 1)))
-    assert msg.startswith(f"{where}: shard_indices: expected the shard order recomputed for "
-                          f"seed 5, epoch 0, found ")
+    rolled = np.roll(st["shard_indices"], 1)
+    assert load_error(mk(), dict(st, shard_indices=rolled)) == (
+        f"{where}: shard_indices: expected the shard order recomputed for seed 5, epoch 0, "
+        f"found {rolled}")
     msg = load_error(mk(), dict(st, intra_shard_indices=st["intra_shard_indices"][::-1].copy()))
     assert msg == (f"{where}: intra_shard_indices: expected the sample order recomputed for seed 5, "
                    f"epoch 0, shard {shard}, found a different permutation")
