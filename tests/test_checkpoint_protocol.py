@@ -655,3 +655,72 @@ def test_copy_checkpoint_copies_files_only_and_checks_the_copy(tmp_path, monkeyp
     with pytest.raises(CheckpointError) as e:
         ck.copy_checkpoint(src, dst, 8)
     assert str(e.value) == f"{dst.uri('step_00000008')}: the copy does not verify: bad copy"
+
+
+def test_the_rewinds_target_itself_is_not_abandoned():
+    entries = [{"trajectory": "a", "to_step": 10}]
+    assert ck.abandoned_by(10, "a", entries) is None and ck.abandoned_by(11, "a", entries)
+
+
+def test_the_manifest_lists_files_only_and_stores_numpy_values_as_json(rd):
+    import numpy as np
+    upload(rd, 10)
+    rd.makedirs(f"{step_dir(10)}/stray")
+    ck.write_done(rd, 10)
+    m = ck.write_manifest(rd, 10, **{**META, "extra": {"n": np.int64(3)}})
+    assert "stray" not in m["files"] and "stray" not in ck.published_files(rd, 10)
+    assert ck.read_manifest(rd, 10)["extra"] == {"n": 3}
+
+
+def test_verify_checks_every_listed_file_past_a_bad_one(rd):
+    make_checkpoint(rd, 10)
+    d = step_dir(10)
+    for r in (0, 1):
+        rel = f"{d}/{state_file(10, r)}"
+        rd.write_bytes_atomic(rel, rd.read_bytes(rel) + b"x")
+    problems = ck.verify_checkpoint(rd, 10)
+    assert [p.split(":")[0] for p in problems] == [f"{d}/{state_file(10, 0)}", f"{d}/{state_file(10, 1)}"]
+    rewrite_manifest(rd, 10, lambda m: m["files"].update(
+        {n: {"size": 0, "sha256": "0" * 64} for n in ("sub1", "sub2")}))
+    rd.makedirs(f"{d}/sub1")
+    rd.makedirs(f"{d}/sub2")
+    problems = ck.verify_checkpoint(rd, 10, hashes=False)
+    assert sum("not a readable file" in p for p in problems) == 2
+
+
+def test_an_invalid_world_size_expects_no_rank_files(rd):
+    make_checkpoint(rd, 10)
+    rewrite_manifest(rd, 10, lambda m: (m.update(world_size=0),
+                                        m["files"].pop(state_file(10, 0))))
+    assert ck.verify_checkpoint(rd, 10) == [
+        "step_00000010/MANIFEST.json: world_size: expected an integer >= 1, found 0"]
+
+
+def test_keep_every_1_keeps_every_step():
+    assert ck.checkpoints_to_delete([1, 2, 3], keep_last=1, keep_every=1, protect=set(),
+                                    newest_verified=None) == []
+
+
+def test_finalize_manifests_the_ranks_hashes_not_the_stored_bytes(rd):
+    hashes = upload(rd, 30)
+    rel = f"{step_dir(30)}/{state_file(30, 0)}"
+    data = bytearray(rd.read_bytes(rel))
+    data[3] ^= 1  # storage corrupted it after its rank hashed it; the size is unchanged
+    rd.write_bytes_atomic(rel, bytes(data))
+    ck.finalize_checkpoint(rd, 30, hashes, finalize_meta())
+    assert ck.read_manifest(rd, 30)["files"][state_file(30, 0)] == hashes[state_file(30, 0)]
+    assert ck.verify_checkpoint(rd, 30)[0].startswith(f"{rel}: sha256: expected")
+
+
+def test_retention_keeps_the_newest_complete_one_without_hashing_or_warning(rd, monkeypatch):
+    for s in (10, 20):
+        make_checkpoint(rd, s)
+    rel = f"{step_dir(20)}/{model_file(20)}"
+    data = bytearray(rd.read_bytes(rel))
+    data[0] ^= 1  # complete, but a hashing check would condemn it
+    rd.write_bytes_atomic(rel, bytes(data))
+    rd.makedirs(step_dir(30))  # newer, incomplete
+    logged = []
+    monkeypatch.setattr(ck.log, "warning", logged.append)
+    assert ck.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert logged == []
