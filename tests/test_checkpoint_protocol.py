@@ -651,10 +651,10 @@ def test_copy_checkpoint_copies_files_only_and_checks_the_copy(tmp_path, monkeyp
     assert not dst.exists(f"{step_dir(8)}/stray") and ck.verify_checkpoint(dst, 8) == []
     real = ck.verify_checkpoint
     monkeypatch.setattr(ck, "verify_checkpoint",
-                        lambda rd, step, **kw: ["bad copy"] if rd is dst else real(rd, step, **kw))
+                        lambda rd, step, **kw: ["bad copy", "worse"] if rd is dst else real(rd, step, **kw))
     with pytest.raises(CheckpointError) as e:
         ck.copy_checkpoint(src, dst, 8)
-    assert str(e.value) == f"{dst.uri('step_00000008')}: the copy does not verify: bad copy"
+    assert str(e.value) == f"{dst.uri('step_00000008')}: the copy does not verify: bad copy; worse"
 
 
 def test_the_rewinds_target_itself_is_not_abandoned():
