@@ -52,8 +52,8 @@ def agree_run(*, rank=0, world=1, zero_stage=0, tokens=64, stop=0.0, save=0.0, o
               cfg=NS(zero_stage=zero_stage), tokens_per_step=tokens,
               session=NS(rank=rank, world=world, poll_requests=lambda: outside),
               flags=NS(stop_requested=lambda: stop, take_save_request=lambda: save),
-              faults=NS(preempt_now=lambda step: preempt), save_clock=NS(due=lambda: clock_due),
-              ckpt=NS(ready=lambda: ready), runlog=NS(wants_ray_report=lambda step: report))
+              faults=NS(preempt_now=lambda step: preempt and step == 5), save_clock=NS(due=lambda: clock_due),
+              ckpt=NS(ready=lambda: ready), runlog=NS(wants_ray_report=lambda step: report and step == 5))
 
 
 def test_one_rank_agrees_on_its_own_loss_and_norm():
@@ -66,6 +66,11 @@ def test_one_rank_agrees_on_its_own_loss_and_norm():
 def test_a_non_finite_squared_norm_agrees_on_nan(norm_sq):
     a = loop.agree(agree_run(), 0, torch.tensor(1.0), torch.tensor(norm_sq))
     assert math.isnan(a.norm)
+
+
+@pytest.mark.parametrize("norm_sq, norm", [(0.0, 0.0), (0.25, 0.5)])
+def test_a_zero_or_small_squared_norm_is_its_root(norm_sq, norm):
+    assert loop.agree(agree_run(), 0, torch.tensor(1.0), torch.tensor(norm_sq)).norm == norm
 
 
 def test_an_infinite_squared_norm_is_an_infinite_norm():
@@ -173,8 +178,9 @@ def test_a_skipped_update_counts_keeps_the_rng_and_remembers_its_samples():
                          ray_report=False)
     verdict = Verdict("skip", 7.0, 1.0, "loss z")
     samples = [np.array([[1, 2]]), np.array([[1, 3]])]
+    r.state.skips = 4
     loop.update(r, 9, verdict, 3e-4, agreed, samples)
-    assert r.opt.calls == [] and r.state.skips == 1
+    assert r.opt.calls == [] and r.state.skips == 5
     assert (r.state.rng_state, r.state.rng_state_last_update) == (12345, 999)
     assert [s.tolist() for s in r.state.spike_samples] == [[[0, 1]], [[1, 2]], [[1, 3]]]
     assert r.runlog.calls == [("skip", (9, verdict), dict(loss=2.0, norm=9.0))]
