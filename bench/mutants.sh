@@ -9,6 +9,16 @@
 #   bench/mutants.sh schedule outlier     # some of them
 #   MUTANTS_DIR=/tmp/x bench/mutants.sh   # scratch directory (default /tmp/raygpt-mutants)
 #   MUTANTS_REV=HEAD bench/mutants.sh     # a commit's tree instead of the working tree
+#   MUTANTS_ONLY='raygpt.data.x_merge_ranges__mutmut_*' bench/mutants.sh data
+#                                         # only the mutants matching these fnmatch patterns
+#   MUTANTS_TESTS='tests/test_x.py' bench/mutants.sh data   # another test selection
+#
+# `loop` is narrowed: only the step's decision functions (agree, update, act_on, rewind,
+# sampling_step, watch_metrics, broadcast_step, all_reduce_sum, Run.validating, the
+# deterministic-op error) are mutated, against tests/test_loop_steps.py (stand-ins for the run's
+# components, milliseconds a test). build_run, _train, forward_backward, evaluate, finish and the
+# torch switches are wiring that only a training run exercises: `loop-all` mutates the whole
+# file against the loop tests (minutes per mutant: many hours on 2 cores).
 #
 # mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
 # the working tree (tracked and untracked-but-not-ignored files), never in the checkout. Each
@@ -23,33 +33,59 @@ SCRATCH=${MUTANTS_DIR:-/tmp/raygpt-mutants}
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=(schedule outlier optim state data checkpoint loop)
 
-# the fast, Ray-free tests that exercise each module: the pure modules against their own unit
-# tests (seconds), the rest against the loop tests too (they reach every core module; minutes)
+# the fast, Ray-free tests that exercise each module: each module against its own unit tests
+# (seconds per mutant). The loop tests reach every core module but cost minutes per mutant, so
+# only `loop` uses them; a mutant the unit tests miss but the loop tests would catch is
+# counted as survived here, and must get a unit test (or an equivalence reason) of its own.
+# Candidate paths that do not exist are dropped (tests move into packages: tests/checkpointing/,
+# tests/llmc/), so the selection follows the tree that is being mutated.
 LOOP_TESTS="tests/test_loop.py tests/test_spike.py tests/test_training_behaviour.py"
-tests_for() {
+candidates_for() {
   case "$1" in
     schedule)   echo "tests/test_schedule.py" ;;
     outlier)    echo "tests/test_outlier.py" ;;
     optim)      echo "tests/test_optim.py" ;;
-    state)      echo "tests/test_outlier.py $LOOP_TESTS" ;;
-    data)       echo "tests/test_data.py tests/llmc/test_shards.py $LOOP_TESTS" ;;
-    checkpoint) echo "tests/checkpointing/test_protocol.py tests/llmc/test_state_file.py $LOOP_TESTS" ;;
-    loop)       echo "$LOOP_TESTS" ;;
-    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint loop)" >&2
+    state)      echo "tests/test_state.py" ;;
+    data)       echo "tests/test_data.py tests/llmc/test_shards.py" ;;
+    checkpoint) echo "tests/checkpointing/test_protocol_messages.py tests/checkpointing/test_protocol.py
+                      tests/llmc/test_state_file.py" ;;
+    loop)       echo "tests/test_loop_steps.py" ;;
+    loop-all)   echo "$LOOP_TESTS" ;;
+    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint loop loop-all)" >&2
        exit 2 ;;
   esac
+}
+tests_for() {
+  local found=()
+  for t in $(candidates_for "$1"); do
+    [ -e "$2/$t" ] && found+=("$t")
+  done
+  [ ${#found[@]} -gt 0 ] || { echo "bench/mutants.sh: no tests found for '$1' in $2" >&2; exit 2; }
+  echo "${found[@]}"
 }
 # the file each module name stands for
 path_for() {
   case "$1" in
     checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
+    loop-all)   echo "raygpt/loop.py" ;;
     *)          echo "raygpt/$1.py" ;;
   esac
+}
+# the mutants to run (fnmatch patterns over mutmut's names; none: every mutant of the file)
+only_for() {
+  if [ -n "${MUTANTS_ONLY:-}" ]; then
+    echo "$MUTANTS_ONLY"
+  elif [ "$1" = loop ]; then
+    for f in agree update act_on rewind sampling_step watch_metrics broadcast_step \
+             all_reduce_sum _op_named_in; do
+      printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
+    done
+    echo "raygpt.loop.xǁRunǁvalidating__mutmut_* raygpt.loop.xǁNonDeterministicOpǁ__init____mutmut_*"
+  fi
 }
 
 summary=()
 for mod in "${MODULES[@]}"; do
-  tests=$(tests_for "$mod")
   work="$SCRATCH/$mod"
   rm -rf "$work" && mkdir -p "$work"
   if [ -n "${MUTANTS_REV:-}" ]; then  # a commit instead of the working tree
@@ -58,6 +94,7 @@ for mod in "${MODULES[@]}"; do
     (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) |
       (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read) | (cd "$work" && tar -xf -)
   fi
+  tests=${MUTANTS_TESTS:-$(tests_for "$mod" "$work")}
   python3 - "$work/pyproject.toml" "$(path_for "$mod")" $tests <<'PY'
 import json, re, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -67,9 +104,11 @@ text = re.sub(r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
               "pytest_add_cli_args_test_selection = " + json.dumps(tests), text)
 open(path, "w").write(text)
 PY
-  echo "== $mod: mutating $(path_for "$mod") against: $tests"
+  only=$(only_for "$mod")
+  echo "== $mod: mutating $(path_for "$mod")${only:+ (only $only)} against: $tests"
+  read -r -a patterns <<< "$only"  # one argument per pattern, never glob-expanded by the shell
   (cd "$work" && PYTHONPATH="$work" nice -n 19 mutmut run --max-children "${MUTANTS_JOBS:-1}" \
-     > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
+     ${patterns[@]+"${patterns[@]}"} > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
   (cd "$work" && mutmut results --all true > "$work/results.txt" 2>&1) || true
   line=$(python3 - "$work/results.txt" "$mod" <<'PY'
 import collections, sys
@@ -79,11 +118,16 @@ for raw in open(path):
     name, sep, status = raw.strip().rpartition(": ")
     if sep and name.startswith("raygpt."):
         counts[status.strip()] += 1
+# mutants left out by MUTANTS_ONLY (or the loop's narrowing) stay "not checked": not counted
+unchecked = counts.pop("not checked", 0)
 total = sum(counts.values())
 killed = counts["killed"]
 # a mutant the tests never reach ("no tests") or that hangs past mutmut's limit ("timeout": the
 # tests noticed, by not finishing) is counted as mutmut counts it: not survived, not killed
 detail = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+if unchecked:
+    detail += f"; {unchecked} not run"
+
 rate = f"{100 * killed / total:5.1f}%" if total else "  n/a"
 print(f"{mod:<11} {killed:4d}/{total:<4d} killed {rate}   ({detail})")
 PY

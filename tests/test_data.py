@@ -5,6 +5,7 @@ The test shards carry their own coordinates: token p of shard s is s*1000 + p, s
 of a row of x names the (shard, sample) it came from (sample i starts at token i*T).
 """
 
+import hashlib
 import os
 import pickle
 
@@ -447,3 +448,236 @@ def test_a_prefetched_batch_goes_stale_when_the_cursor_or_skip_list_moves(tmp_pa
     ld.reset(), ref.reset()
     assert torch.equal(ld.next_batch("cpu")[0], ref.next_batch()[0])
     assert ld.state_dict()["sample_pos"] == ref.state_dict()["sample_pos"]
+
+
+# ------------------------------------------------------------------------ sizes and loader state
+# (bench/mutants.sh survivors of raygpt/data.py)
+
+def test_tokens_needed_and_ranks_with_data():
+    from raygpt.data import ranks_with_data, tokens_needed
+    assert tokens_needed(2, 4, 3) == 25  # llm.c: B*T*world + 1
+    # (min - 1) // (B*T) ranks at most, capped at the world size, never below 0
+    assert ranks_with_data([25, 100], 2, 4, 8) == 3
+    assert ranks_with_data([24, 100], 2, 4, 8) == 2
+    assert ranks_with_data([100, 1000], 2, 4, 3) == 3
+    assert ranks_with_data([9], 2, 4, 3) == 1 and ranks_with_data([8], 2, 4, 3) == 0
+    assert ranks_with_data([0], 2, 4, 3) == 0
+
+
+def test_shard_token_counts_reads_headers_in_glob_order(tmp_path):
+    from raygpt.data import shard_token_counts
+    pattern = make_shards(tmp_path, [30, 12, 50])
+    got = shard_token_counts(pattern)
+    assert [os.path.basename(p) for p, _ in got] == ["shard_000000.bin", "shard_000001.bin",
+                                                     "shard_000002.bin"]
+    assert [n for _, n in got] == [30, 12, 50]
+
+
+def load_error(ld, state):
+    with pytest.raises(ValueError) as e:
+        ld.load_state_dict(state)
+    return str(e.value)
+
+
+def test_every_refused_loader_field_is_named_with_expected_and_found(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    mk = lambda **kw: DistributedDataLoader(pattern, 2, 4, 0, 2, **{"shuffle": True, "seed": 5, **kw})
+    ld = mk()
+    ld.next_batch()
+    st = ld.state_dict()
+    where = f"loader state for {pattern!r}"
+    assert load_error(mk(seed=6), st) == f"{where}: seed: expected 6 (this run), found 5"
+    assert load_error(mk(shuffle=False), st) == (f"{where}: should_shuffle: expected False (this "
+                                                 f"run), found True")
+    assert load_error(mk(), dict(st, num_shards=4)) == (
+        f"{where}: num_shards: expected 3 (files matching the pattern), found 4")
+    assert load_error(mk(), dict(st, epoch=-1)) == f"{where}: epoch: expected an integer >= 0, found -1"
+    assert load_error(mk(), dict(st, shard_pos=3)) == (
+        f"{where}: shard_pos: expected an integer in [0, 3), found 3")
+    assert load_error(mk(), dict(st, shard_pos=-1)) == (
+        f"{where}: shard_pos: expected an integer in [0, 3), found -1")
+    shard = int(st["shard_indices"][st["shard_pos"]])
+    n = (SIZES[shard] - 1) // 4
+    path = ld.paths[shard]
+    assert load_error(mk(), dict(st, shard_num_samples=n + 1)) == (
+        f"{where}: shard_num_samples: expected {n} (samples of {path} at T=4; was the state saved "
+        f"with another seq_len or other shards?), found {n + 1}")
+    assert load_error(mk(), dict(st, sample_pos=n + 1)) == (
+        f"{where}: sample_pos: expected an integer in [0, {n}], found {n + 1}")
+    assert load_error(mk(), dict(st, sample_pos=-1)) == (
+        f"{where}: sample_pos: expected an integer in [0, {n}], found -1")
+    rolled = np.roll(st["shard_indices"], 1)
+    assert load_error(mk(), dict(st, shard_indices=rolled)) == (
+        f"{where}: shard_indices: expected the shard order recomputed for seed 5, epoch 0, "
+        f"found {rolled}")
+    msg = load_error(mk(), dict(st, intra_shard_indices=st["intra_shard_indices"][::-1].copy()))
+    assert msg == (f"{where}: intra_shard_indices: expected the sample order recomputed for seed 5, "
+                   f"epoch 0, shard {shard}, found a different permutation")
+    key = st["shuffle_rng"]["key"].copy()
+    key[0] ^= 1
+    for rng in ({"key": key, "pos": st["shuffle_rng"]["pos"]},
+                {"key": st["shuffle_rng"]["key"], "pos": st["shuffle_rng"]["pos"] - 1}):
+        assert load_error(mk(), dict(st, shuffle_rng=rng)) == (
+            f"{where}: shuffle_rng: expected the MT19937 state recomputed for seed 5, epoch 0, "
+            f"shard {shard}, found a different state")
+    missing = {k: v for k, v in st.items() if k not in ("epoch", "seed")}
+    assert load_error(mk(), missing) == (f"loader state: missing field(s) ['epoch', 'seed']; "
+                                         f"expected {list(st)}")
+
+
+def test_the_cursor_at_each_edge_of_a_shard_loads(tmp_path):
+    """sample_pos 0 and sample_pos == the shard's sample count (the shard used up, the next
+    batch starts the next one) are both valid cursors; the last shard position too."""
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 1, 4, 0, 1)
+    n0 = (SIZES[0] - 1) // 4
+    for _ in range(n0):
+        ld.next_batch()
+    st = ld.state_dict()
+    assert (st["shard_pos"], st["sample_pos"]) == (0, n0)
+    fresh = DistributedDataLoader(pattern, 1, 4, 0, 1)
+    fresh.load_state_dict(st)
+    assert np.array_equal(rows_to_samples(fresh.next_batch()[0], 4), [[1, 0]])
+    st = dict(fresh.state_dict(), shard_pos=2, sample_pos=0, shard_num_samples=(SIZES[2] - 1) // 4,
+              intra_shard_indices=np.arange((SIZES[2] - 1) // 4, dtype=np.int32))
+    again = DistributedDataLoader(pattern, 1, 4, 0, 1)
+    again.load_state_dict(st)
+    assert np.array_equal(rows_to_samples(again.next_batch()[0], 4), [[2, 0]])
+    assert again.last_global_samples.tolist() == [[2, 0]]
+
+
+def test_constructor_errors_name_the_values(tmp_path):
+    pattern = make_shards(tmp_path, [100])
+    for args, msg in [((0, 4, 0, 1), "B and T: expected integers >= 1, found B=0, T=4"),
+                      ((2, 0, 0, 1), "B and T: expected integers >= 1, found B=2, T=0"),
+                      ((2, 4, 2, 2), "rank/world: expected 0 <= rank < world, found rank=2, world=2"),
+                      ((2, 4, -1, 2), "rank/world: expected 0 <= rank < world, found rank=-1, world=2"),
+                      ((2, 4, 0, 0), "rank/world: expected 0 <= rank < world, found rank=0, world=0")]:
+        with pytest.raises(ValueError) as e:
+            DistributedDataLoader(pattern, *args)
+        assert str(e.value) == f"DistributedDataLoader: {msg}"
+    with pytest.raises(ValueError) as e:
+        DistributedDataLoader(pattern, 2, 4, 0, 1, max_open_shards=-1)
+    assert str(e.value) == ("DistributedDataLoader: max_open_shards: expected an integer >= 1, "
+                            "found -1")
+    small = make_shards(tmp_path, [100, 16], prefix="small")
+    with pytest.raises(ShardError) as e:
+        DistributedDataLoader(small, 2, 4, 0, 2)
+    assert str(e.value) == (f"{tmp_path / 'small_000001.bin'}: token count (header[2]): expected "
+                            f"at least B*T*world+1 = 2*4*2+1 = 17, found 16")
+    DistributedDataLoader(make_shards(tmp_path, [17], prefix="exact"), 2, 4, 0, 2)  # just enough
+
+
+def test_at_most_max_open_shards_stay_mapped_least_recently_used_first(tmp_path):
+    pattern = make_shards(tmp_path, [9, 9, 9, 9])  # T=4: 2 samples a shard
+    assert DistributedDataLoader.MAX_OPEN_SHARDS == 16
+    assert DistributedDataLoader(pattern, 1, 4, 0, 1).max_open_shards == 16
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, max_open_shards=2)
+    assert ld.open_shards == 0  # opened on demand
+    seen = []
+    for _ in range(4):
+        seen += rows_to_samples(ld.next_batch()[0], 4).tolist()
+        assert ld.open_shards <= 2
+    assert seen == [[s, i] for s in range(4) for i in range(2)]
+    assert list(ld._tokens) == [2, 3] and ld.open_shards == 2
+    ld._shard_tokens(2)  # a hit moves it to the young end: 3 is evicted next
+    ld._shard_tokens(0)
+    assert list(ld._tokens) == [2, 0]
+
+
+def test_a_shard_that_changed_under_the_loader_is_an_error(tmp_path):
+    pattern = make_shards(tmp_path, [41, 33])
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1)
+    write_shard(tmp_path / "shard_000000.bin", np.arange(30))
+    with pytest.raises(ShardError) as e:
+        ld.next_batch()
+    assert str(e.value) == (f"{tmp_path / 'shard_000000.bin'}: token count (header[2]): expected "
+                            f"41 (as validated at start), found 30 -- the file changed under the "
+                            f"loader")
+
+
+def test_a_loaded_state_has_no_last_samples_yet(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True, seed=3)
+    ld.next_batch()
+    st = ld.state_dict()
+    ld.next_batch()
+    ld.load_state_dict(st)
+    assert ld.last_global_samples.shape == (0, 2) and ld.last_global_samples.dtype == np.int64
+
+
+def test_the_shuffle_key_compares_as_uint32_whatever_integer_type_it_comes_in(tmp_path):
+    """A key read back as signed 32-bit words (llm.c's state file holds raw 32-bit words) is
+    the same MT19937 state: compared as uint32, not refused."""
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True, seed=3)
+    ld.next_batch()
+    st = ld.state_dict()
+    signed = st["shuffle_rng"]["key"].view(np.int32)
+    assert (signed < 0).any()
+    fresh = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True, seed=3)
+    fresh.load_state_dict(dict(st, shuffle_rng={"key": signed, "pos": st["shuffle_rng"]["pos"]}))
+    assert torch.equal(fresh.next_batch()[0], ld.next_batch()[0])
+
+
+def test_skip_ranges_must_be_non_empty_and_may_leave_exactly_one_global_batch(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)  # T=4: 10 + 8 + 14 samples; world*B = 4
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 2)
+    with pytest.raises(ValueError) as e:
+        ld.add_skip_ranges([(0, 5, 5)])
+    assert str(e.value) == (f"skip range (0, 5, 5) of {ld.paths[0]}: expected 0 <= start < end <= 10 "
+                            f"(samples in the shard at T=4), found start=5, end=5")
+    with pytest.raises(ValueError) as e:
+        ld.add_skip_ranges([(3, 0, 1)])
+    assert str(e.value) == (f"skip range (3, 0, 1): shard: expected an id in [0, 3) for pattern "
+                            f"{pattern!r}, found 3")
+    ld.add_skip_ranges([(0, 1, 10), (1, 0, 8), (2, 0, 11)])  # 28 of 32: 4 left, one batch
+    assert ld.samples_per_epoch == 4 and ld.tokens_per_epoch == 16
+    assert sorted(map(tuple, global_stream_of(ld, 2).tolist())) == [(0, 0), (0, 0), (2, 11),
+                                                                     (2, 11), (2, 12), (2, 12),
+                                                                     (2, 13), (2, 13)]
+    with pytest.raises(ValueError) as e:
+        ld.add_skip_ranges([(0, 0, 1)])
+    assert str(e.value) == (f"skip list: would leave 3 samples per epoch of {pattern!r}, expected "
+                            f"at least world*B = 2*2 = 4")
+
+
+def global_stream_of(ld, n_batches):
+    out = []
+    for _ in range(n_batches):
+        ld.next_batch()
+        out.append(ld.last_global_samples)
+    return np.concatenate(out)
+
+
+def test_a_prefetched_batch_is_built_on_the_device_asked_for(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    ld = DistributedDataLoader(pattern, 2, 4, 0, 1)
+    ld.prefetch("meta")  # a device other than the CPU that any machine has
+    x, y = ld.next_batch("meta")
+    assert x.device.type == y.device.type == "meta" and x.shape == y.shape == (2, 4)
+
+
+def fingerprint_by_the_spec(paths):
+    mib = 1 << 20
+    outer = hashlib.sha256()
+    for path in paths:
+        data = open(path, "rb").read()
+        inner = hashlib.sha256(data[:mib])
+        if len(data) > mib:
+            inner.update(data[-mib:])
+        outer.update(f"{os.path.basename(path)}\t{len(data)}\t{inner.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+def test_data_fingerprint_is_the_documented_hash(tmp_path):
+    """sha256 over (basename, size, sha256 of the first MiB + the last MiB) per shard, at the
+    sizes where the rule changes: under a MiB, exactly one, and between one and two."""
+    header = 1024  # llm.c's 256 int32 header
+    for i, ntok in enumerate([100, ((1 << 20) - header) // 2, ((3 << 19) - header) // 2]):
+        write_shard(tmp_path / f"fp_{i}.bin", np.arange(ntok) % 50000)
+    paths = sorted(str(p) for p in tmp_path.glob("fp_*.bin"))
+    assert os.path.getsize(paths[1]) == 1 << 20
+    assert data_fingerprint(str(tmp_path / "fp_*.bin")) == fingerprint_by_the_spec(paths)
+    for p in paths:
+        assert data_fingerprint(p) == fingerprint_by_the_spec([p])
