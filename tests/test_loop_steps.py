@@ -229,7 +229,10 @@ def test_watch_metrics_are_the_update_to_weight_ratio_per_tensor():
     ("index_add_cuda_ does not have a deterministic implementation, but you set ...",
      "index_add_cuda_"),
     ("scatter_add_cuda_kernel, does not have a deterministic implementation", "scatter_add_cuda_kernel"),
-    ("does not have a deterministic implementation", "an op")])
+    ("does not have a deterministic implementation", "an op"),
+    # a name ending in the letters of a separator keeps them (only a trailing comma goes)
+    ("upsample_bilinear2d_backward_out_X, does not have a deterministic implementation",
+     "upsample_bilinear2d_backward_out_X")])
 def test_the_non_deterministic_op_is_named_from_torchs_message(message, op):
     assert loop._op_named_in(message) == op
     err = loop.NonDeterministicOp(op)

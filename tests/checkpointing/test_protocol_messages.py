@@ -724,3 +724,33 @@ def test_retention_keeps_the_newest_complete_one_without_hashing_or_warning(rd, 
     monkeypatch.setattr(ck.log, "warning", logged.append)
     assert ck.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
     assert logged == []
+
+
+def test_write_manifest_hashes_an_unwritten_file_no_further_than_its_size(rd, monkeypatch):
+    """A file in the step directory that no rank reported is hashed from storage up to the
+    size MANIFEST lists for it and no further: a file still growing after its size was taken
+    (here: storage answers one byte less than the file holds) is refused, naming it, instead of
+    being listed with the hash of more bytes than its size (a listing no reader could match)."""
+    hashes = upload(rd, 10)
+    rd.write_bytes_atomic(f"{step_dir(10)}/extra.bin", b"0123456789")
+    real_size_of = rd.size_of
+    monkeypatch.setattr(rd, "size_of", lambda rel: real_size_of(rel) - rel.endswith("extra.bin"))
+    with pytest.raises(ValueError, match="extra.bin: expected at most 9 bytes"):
+        ck.write_manifest(rd, 10, **META, written=hashes)
+
+
+def test_verify_hashes_a_listed_file_no_further_than_its_listed_size(rd, monkeypatch):
+    """verify_checkpoint reads a listed file up to its listed size and no further: a file that
+    storage reports at the listed size but that streams more (still being written, or a store
+    whose listing lags) is called unreadable at the bound, not hashed to its end."""
+    hashes = upload(rd, 10)
+    ck.write_done(rd, 10)
+    ck.write_manifest(rd, 10, **META, written=hashes)
+    name = state_file(10, 1)
+    rel = f"{step_dir(10)}/{name}"
+    rd.write_bytes_atomic(rel, rd.read_bytes(rel) + b"more")
+    real_size_of = rd.size_of
+    monkeypatch.setattr(rd, "size_of", lambda r: real_size_of(r) - 4 * (r == rel))
+    size = hashes[name]["size"]
+    assert ck.verify_checkpoint(rd, 10) == [
+        f"{rel}: unreadable ({rd.uri(rel)}: expected at most {size:,} bytes, found more)"]
