@@ -681,3 +681,28 @@ def test_data_fingerprint_is_the_documented_hash(tmp_path):
     assert data_fingerprint(str(tmp_path / "fp_*.bin")) == fingerprint_by_the_spec(paths)
     for p in paths:
         assert data_fingerprint(p) == fingerprint_by_the_spec([p])
+
+
+def test_the_smallest_legal_shapes_and_cache_are_accepted(tmp_path):
+    """T=1 (one next-token target per sample) and a cache of one open shard are legal: the
+    checks refuse below 1, not at 1. A shard of n tokens holds (n-1)//T samples: the last
+    token is only ever a target, and a partial window is dropped."""
+    pattern = make_shards(tmp_path, [44, 9])
+    ld = DistributedDataLoader(pattern, 2, 1, 0, 1, max_open_shards=1)
+    x, y = ld.next_batch()
+    assert x.shape == y.shape == (2, 1) and ld.max_open_shards == 1
+    ld4 = DistributedDataLoader(pattern, 1, 4, 0, 1)
+    assert ld4.num_samples.tolist() == [10, 2] and ld4.num_samples.dtype.kind == "i"
+
+
+def test_the_default_seed_is_llmcs(tmp_path):
+    pattern = make_shards(tmp_path, SIZES)
+    default = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True)
+    stated = DistributedDataLoader(pattern, 2, 4, 0, 1, shuffle=True, seed=1337)
+    assert np.array_equal(global_stream_of(default, 8), global_stream_of(stated, 8))
+
+
+def test_a_batch_gathered_without_prefetch_is_on_the_device_asked_for(tmp_path):
+    ld = DistributedDataLoader(make_shards(tmp_path, SIZES), 2, 4, 0, 1)
+    x, y = ld.next_batch("meta")  # no prefetch: the gather itself puts it there
+    assert x.device.type == y.device.type == "meta" and x.shape == y.shape == (2, 4)
