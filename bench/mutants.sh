@@ -31,7 +31,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SCRATCH=${MUTANTS_DIR:-/tmp/raygpt-mutants}
 MODULES=("$@")
-[ ${#MODULES[@]} -gt 0 ] || MODULES=(schedule outlier optim state data checkpoint loop)
+[ ${#MODULES[@]} -gt 0 ] || MODULES=(schedule outlier optim state data checkpoint state_file loop)
 
 # the fast, Ray-free tests that exercise each module: each module against its own unit tests
 # (seconds per mutant). The loop tests reach every core module but cost minutes per mutant, so
@@ -51,7 +51,8 @@ candidates_for() {
                       tests/llmc/test_state_file.py" ;;
     loop)       echo "tests/test_loop_steps.py" ;;
     loop-all)   echo "$LOOP_TESTS" ;;
-    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint loop loop-all)" >&2
+    state_file) echo "tests/llmc/test_state_file.py" ;;
+    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file loop loop-all)" >&2
        exit 2 ;;
   esac
 }
@@ -68,6 +69,7 @@ path_for() {
   case "$1" in
     checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
     loop-all)   echo "raygpt/loop.py" ;;
+    state_file) echo "raygpt/llmc/state_file.py" ;;
     *)          echo "raygpt/$1.py" ;;
   esac
 }
