@@ -277,3 +277,154 @@ def test_extras_round_trip_converts_numpy_and_rejects_objects():
                          "ledger": [{"step": 10, "reason": "spike"}], "inf": float("inf")}
     with pytest.raises(StateFileError, match="JSON"):
         state_bytes(extras={"bad": object()})
+
+
+# ---------------------------------------------------------------------- the writer's refusals
+def _refusal(tmp_path, **change) -> str:
+    """The message write_state_file gives for the valid arguments with `change` applied (a
+    loader_state entry changes one key of the shuffled loader state); no file is left."""
+    m, v, w = arrays(True)
+    kw = dict(step=40, num_processes=2, process_rank=1, rng_state=7, rng_state_last_update=8,
+              m=m, v=v, master=w, loader_state=loader_state(True), extras={})
+    for key, value in change.items():
+        if key.startswith("loader_state."):
+            kw["loader_state"] = {**kw["loader_state"], key.split(".", 1)[1]: value}
+        else:
+            kw[key] = value
+    path = tmp_path / "s.bin"
+    with pytest.raises(StateFileError) as e:
+        write_state_file(path, **kw)
+    assert not path.exists() and os.listdir(tmp_path) == []
+    return str(e.value)
+
+
+U64 = "[0, 18446744073709551615]"
+I32 = "2147483647"
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"m": np.zeros(P, np.float64)}, "m: expected a 1-D float32 array, found float64 with shape (37,)"),
+    ({"v": np.zeros((P, 1), np.float32)}, "v: expected a 1-D float32 array, found float32 with shape (37, 1)"),
+    ({"v": np.zeros(P + 1, np.float32)}, "v: expected 37 floats (the size of m), found 38"),
+    ({"master": torch.zeros(P, dtype=torch.bfloat16)},
+     "master: expected a CPU float32 tensor, found torch.bfloat16 on cpu"),
+    ({"master": np.zeros(P - 1, np.float32)}, "master: expected 37 floats (the size of m), found 36"),
+    ({"num_processes": 0}, f"num_processes: expected an integer in [1, {I32}], found 0"),
+    ({"process_rank": 2}, "process_rank: expected an integer in [0, 1], found 2"),
+    ({"step": -1}, f"step: expected an integer in [0, {I32}], found -1"),
+    ({"step": 1.5}, f"step: expected an integer in [0, {I32}], found 1.5"),
+    ({"rng_state": -1}, f"rng_state: expected an integer in {U64}, found -1"),
+    ({"rng_state_last_update": 2**64}, f"rng_state_last_update: expected an integer in {U64}, "
+                                       f"found 18446744073709551616"),
+    ({"loader_state.shard_pos": "x"}, f"loader_state.shard_pos: expected an integer in {U64}, found 'x'"),
+    ({"loader_state.sample_pos": -2}, f"loader_state.sample_pos: expected an integer in {U64}, found -2"),
+    ({"loader_state.shard_indices": None},
+     "loader_state.shard_indices: expected a value when should_shuffle is true, found None"),
+    ({"loader_state.shard_indices": [2**31]},
+     "loader_state.shard_indices: expected int32 values, found range [2147483648, 2147483648]"),
+    ({"loader_state.intra_shard_indices": [-2**31 - 1, 0]},
+     "loader_state.intra_shard_indices: expected int32 values, found range [-2147483649, 0]"),
+    ({"loader_state.shard_num_samples": 5},
+     "loader_state.shard_num_samples: expected len(intra_shard_indices) = 6, found 5"),
+    ({"loader_state.shuffle_rng": {"key": [0]}},
+     "loader_state.shuffle_rng: expected {'key': uint32[624], 'pos': int}, found ['key']"),
+    ({"loader_state.shuffle_rng": [1, 2]},
+     "loader_state.shuffle_rng: expected {'key': uint32[624], 'pos': int}, found list"),
+    ({"loader_state.shuffle_rng": {"key": [0] * 623, "pos": 0}},
+     "loader_state.shuffle_rng.key: expected 624 uint32 values, found shape (623,)"),
+    ({"loader_state.shuffle_rng": {"key": [2**32] * 624, "pos": 0}},
+     "loader_state.shuffle_rng.key: expected 624 uint32 values, found shape (624,)"),
+    ({"loader_state.shuffle_rng": {"key": [0] * 624, "pos": 625}},
+     "loader_state.shuffle_rng.pos: expected an integer in [0, 624], found 625"),
+    ({"extras": {"x": object}}, "extras/loader_state: expected JSON-serialisable values"),
+])
+def test_the_writer_names_the_file_and_each_refused_field(tmp_path, change, says):
+    assert _refusal(tmp_path, **change).startswith(f"{tmp_path / 's.bin'}: {says}")
+
+
+def test_the_writer_names_a_missing_loader_field_and_a_stream_without_a_name(tmp_path):
+    state = loader_state(False)
+    del state["sample_pos"]
+    assert _refusal(tmp_path, loader_state=state) == (
+        f"{tmp_path / 's.bin'}: loader_state: missing field 'sample_pos' (expected the keys "
+        f"{list(__import__('raygpt.llmc.state_file', fromlist=['LOADER_KEYS']).LOADER_KEYS)})")
+    m, v, _ = arrays(False)
+    with pytest.raises(StateFileError, match=r"^<stream>: step: "):
+        write_state_file(io.BytesIO(), step=-1, num_processes=1, process_rank=0, rng_state=0,
+                         rng_state_last_update=0, m=m, v=v, master=None,
+                         loader_state=loader_state(False), extras={})
+
+
+# ---------------------------------------------------------------------- the reader's refusals
+# llm.c's layout for P parameters with master weights and a shuffled loader (3 shards, 6 samples)
+M_AT = 1024
+SHUFFLE_AT = M_AT + 12 * P                     # gl_pathc (u64), then 3 int32 shard indices
+NUM_SAMPLES_AT = SHUFFLE_AT + 8 + 4 * 3        # shard_num_samples (u64), then 6 int32
+MT_AT = NUM_SAMPLES_AT + 8 + 4 * 6             # mt19937_state, 2520 bytes
+TRAILER_AT = MT_AT + 2520
+HINT = f", or num_parameters={P} is wrong"
+
+
+@pytest.mark.parametrize("cut, field, need, at, hint", [
+    (100, "header", 1024, 0, ""),
+    (M_AT + 5, f"m/v/master ({P} floats each)", 12 * P, M_AT, HINT),
+    (SHUFFLE_AT + 2, "gl_pathc", 8, SHUFFLE_AT, HINT),
+    (SHUFFLE_AT + 12, "shard_indices", 12, SHUFFLE_AT + 8, HINT),
+    (NUM_SAMPLES_AT + 2, "shard_num_samples", 8, NUM_SAMPLES_AT, HINT),
+    (NUM_SAMPLES_AT + 12, "intra_shard_indices", 24, NUM_SAMPLES_AT + 8, HINT),
+    (MT_AT + 10, "shuffle_rng (mt19937_state)", 2520, MT_AT, HINT),
+])
+def test_a_truncated_file_names_the_field_that_did_not_fit(cut, field, need, at, hint):
+    data = state_bytes()[:cut]
+    with pytest.raises(StateFileError) as e:
+        read_state_file(data, num_parameters=P)
+    assert str(e.value) == (f"<bytes>: {field}: expected {need} bytes at byte {at}, found "
+                            f"{cut - at} (file of {cut} bytes truncated{hint})")
+
+
+def test_a_file_cut_where_the_trailer_begins_says_so():
+    data = state_bytes()
+    assert struct.unpack_from("<i", data, TRAILER_AT)[0] == 20250704  # the layout above holds
+    with pytest.raises(StateFileError) as e:
+        read_state_file(data[:TRAILER_AT], num_parameters=P)
+    assert str(e.value) == (f"<bytes>: raygpt trailer: expected it at byte {TRAILER_AT}, found end "
+                            f"of file (truncated, or an llm.c state file without raygpt's extra "
+                            f"state)")
+
+
+def _with_int32(data: bytes, at: int, value: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into("<i", b, at, value)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("at, value, kw, says", [
+    (0, 1, {}, "header[0] magic: expected 20240527, found 1"),
+    (4, 9, {}, "header[1] version: expected 1, found 9"),
+    (8, 3, {"expect_processes": 2}, "header[2] num_processes: expected 2, found 3 (state files are "
+                                    "per rank: resume with the world size that wrote them)"),
+    (12, 1, {"expect_rank": 0}, "header[3] process_rank: expected 0, found 1"),
+    (16, 2, {}, "header[4] use_master_weights: expected 0 or 1, found 2"),
+    (20, -1, {}, "header[5] should_shuffle: expected 0 or 1, found -1"),
+    (MT_AT + 8, 0, {}, "shuffle_rng.left_: expected 1..625, found 0"),
+    (MT_AT + 8, 626, {}, "shuffle_rng.left_: expected 1..625, found 626"),
+])
+def test_a_bad_header_field_is_named_with_what_was_expected(at, value, kw, says):
+    with pytest.raises(StateFileError) as e:
+        read_state_file(_with_int32(state_bytes(), at, value), num_parameters=P, **kw)
+    assert str(e.value) == f"<bytes>: {says}"
+
+
+def test_the_shuffle_rngs_position_spans_llmcs_whole_range():
+    """llm.c's left_ runs 1..625 (625: a fresh generator, nothing drawn yet): both ends read
+    back as positions 624 and 0."""
+    for left, pos in ((1, 624), (625, 0)):
+        sf = read_state_file(_with_int32(state_bytes(), MT_AT + 8, left), num_parameters=P)
+        assert sf.loader_state["shuffle_rng"]["pos"] == pos
+
+
+def test_loader_fields_raygpt_does_not_know_are_kept():
+    state = {**loader_state(True), "custom_field": [1, 2]}
+    sf = read_state_file(state_bytes(loader=state), num_parameters=P)
+    assert sf.loader_state["custom_field"] == [1, 2]
+    assert list(sf.loader_state)[-1] == "custom_field"  # after llm.c's and raygpt's known keys
