@@ -428,3 +428,64 @@ def test_loader_fields_raygpt_does_not_know_are_kept():
     sf = read_state_file(state_bytes(loader=state), num_parameters=P)
     assert sf.loader_state["custom_field"] == [1, 2]
     assert list(sf.loader_state)[-1] == "custom_field"  # after llm.c's and raygpt's known keys
+
+
+def test_the_trailers_refusals_name_what_was_expected():
+    data = state_bytes()
+    head = struct.Struct("<iiQ")
+    length = head.unpack_from(data, TRAILER_AT)[2]
+    end = TRAILER_AT + head.size + length
+    assert len(data) == end
+
+    def says(blob):
+        with pytest.raises(StateFileError) as e:
+            read_state_file(blob, num_parameters=P)
+        return str(e.value)
+
+    assert says(data[:TRAILER_AT + 5]) == (
+        f"<bytes>: raygpt trailer header: expected 16 bytes at byte {TRAILER_AT}, found 5 (file of "
+        f"{TRAILER_AT + 5} bytes truncated{HINT})")
+    assert says(_with_int32(data, TRAILER_AT, 7)) == (
+        f"<bytes>: raygpt trailer magic at byte {TRAILER_AT}: expected 20250704, found 7 (file is "
+        f"{len(data)} bytes: is num_parameters={P} right?)")
+    assert says(_with_int32(data, TRAILER_AT + 4, 2)) == (
+        "<bytes>: raygpt trailer version: expected 1, found 2")
+    assert says(data[:-3]) == (
+        f"<bytes>: raygpt trailer JSON: expected {length} bytes at byte {TRAILER_AT + 16}, found "
+        f"{length - 3} (file of {len(data) - 3} bytes truncated{HINT})")
+    assert says(data + b"\n") == (
+        f"<bytes>: file size: expected {end} bytes (end of the trailer), found {end + 1}")
+    bad = bytearray(data)
+    bad[TRAILER_AT + 16] = 0xFF  # not UTF-8
+    assert says(bytes(bad)).startswith("<bytes>: raygpt trailer JSON: expected UTF-8 JSON, found an "
+                                       "unreadable payload (")
+    for payload, found in ((b"[1]", "list"), (b'{"loader": {}, "extras": 1}', "dict"),
+                           (b'{"extras": {}}', "dict")):
+        blob = data[:TRAILER_AT] + head.pack(20250704, 1, len(payload)) + payload
+        assert says(blob) == ("<bytes>: raygpt trailer JSON: expected an object with 'loader' and "
+                              f"'extras' objects, found {found}")
+
+
+def test_a_stream_is_named_by_its_path_or_name(tmp_path):
+    """Errors name the file: a path, a stream's `path` (an fsspec/pyarrow file) or `name` (an
+    open file), else <stream>."""
+    class Named(io.BytesIO):
+        def __init__(self, data=b"", **attrs):
+            super().__init__(data)
+            self.__dict__.update(attrs)
+
+    cut = state_bytes()[:100]
+    for stream, named in ((Named(cut, path="s3://b/x.bin"), "s3://b/x.bin"),
+                          (Named(cut, name="/d/y.bin"), "/d/y.bin"), (Named(cut), "<stream>")):
+        with pytest.raises(StateFileError, match=f"^{named}: header: "):
+            read_state_file(stream, num_parameters=P)
+    (tmp_path / "z.bin").write_bytes(cut)
+    with pytest.raises(StateFileError, match=f"^{tmp_path / 'z.bin'}: header: "):
+        read_state_file(tmp_path / "z.bin", num_parameters=P)
+    m, v, _ = arrays(False)
+    for stream, named in ((Named(path="s3://b/w.bin"), "s3://b/w.bin"),
+                          (Named(name="/d/w.bin"), "/d/w.bin")):
+        with pytest.raises(StateFileError, match=f"^{named}: step: "):
+            write_state_file(stream, step=-1, num_processes=1, process_rank=0, rng_state=0,
+                             rng_state_last_update=0, m=m, v=v, master=None,
+                             loader_state=loader_state(False), extras={})
