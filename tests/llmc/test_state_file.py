@@ -336,7 +336,10 @@ I32 = "2147483647"
      "loader_state.shuffle_rng.key: expected 624 uint32 values, found shape (624,)"),
     ({"loader_state.shuffle_rng": {"key": [0] * 624, "pos": 625}},
      "loader_state.shuffle_rng.pos: expected an integer in [0, 624], found 625"),
-    ({"extras": {"x": object}}, "extras/loader_state: expected JSON-serialisable values"),
+    ({"loader_state.shuffle_rng": {"pos": 0}},
+     "loader_state.shuffle_rng: expected {'key': uint32[624], 'pos': int}, found ['pos']"),
+    ({"extras": {"x": object}},
+     "extras/loader_state: expected JSON-serialisable values (type is not JSON serialisable)"),
 ])
 def test_the_writer_names_the_file_and_each_refused_field(tmp_path, change, says):
     assert _refusal(tmp_path, **change).startswith(f"{tmp_path / 's.bin'}: {says}")
@@ -489,3 +492,23 @@ def test_a_stream_is_named_by_its_path_or_name(tmp_path):
             write_state_file(stream, step=-1, num_processes=1, process_rank=0, rng_state=0,
                              rng_state_last_update=0, m=m, v=v, master=None,
                              loader_state=loader_state(False), extras={})
+
+
+def test_the_writer_takes_every_value_at_the_edges_of_its_types():
+    """int32 indices at both ends of their range, a Mersenne key word of 2**32-1, a loader
+    without a seed (llm.c's seed_ field is then 0), a set among the extras (stored sorted), and
+    a state without master weights whose m/v region is cut short (named without master)."""
+    state = {**loader_state(True), "shard_indices": [2**31 - 1, 0, -2**31], "seed": None,
+             "shuffle_rng": {"key": [2**32 - 1] * 624, "pos": 3}}
+    data = state_bytes(loader=state, extras={"seen": {3, 1, 2}})
+    sf = read_state_file(data, num_parameters=P)
+    assert sf.loader_state["shard_indices"] == [2**31 - 1, 0, -2**31]
+    assert sf.loader_state["shuffle_rng"] == {"key": [2**32 - 1] * 624, "pos": 3}
+    assert sf.extras == {"seen": [1, 2, 3]}
+    assert struct.unpack_from("<Q", data, MT_AT)[0] == 0  # seed_: none given
+    plain = state_bytes(master=False, shuffle=False)
+    assert read_state_file(plain, num_parameters=P).master is None
+    with pytest.raises(StateFileError) as e:
+        read_state_file(plain[:M_AT + 5], num_parameters=P)
+    assert str(e.value) == (f"<bytes>: m/v ({P} floats each): expected {8 * P} bytes at byte "
+                            f"{M_AT}, found 5 (file of {M_AT + 5} bytes truncated{HINT})")
