@@ -591,19 +591,27 @@ def bounded_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
     default is no connect or request timeout) gets CONNECT_TIMEOUT_S / REQUEST_TIMEOUT_S and
     S3_MAX_ATTEMPTS standard retries; GCS (default: retries for 15 minutes) GCS_RETRY_LIMIT_S.
     Other filesystems are returned as they are."""
+    return _rebuilt(fs, connect=lambda t: t if t > 0 else CONNECT_TIMEOUT_S,
+                    request=lambda t: t if t > 0 else REQUEST_TIMEOUT_S,
+                    s3_attempts=S3_MAX_ATTEMPTS,
+                    gcs_limit=lambda t: t or datetime.timedelta(seconds=GCS_RETRY_LIMIT_S))
+
+
+def _rebuilt(fs: pafs.FileSystem, *, connect, request, s3_attempts: int, gcs_limit) -> pafs.FileSystem:
+    """`fs` made again from the options pyarrow parsed from its URI (its pickle state: the one
+    place raygpt reads it), each limit replaced by its function of the current one: S3's
+    `connect` and `request` timeouts (<= 0: none) with `s3_attempts` standard retries, GCS's
+    retry time limit (None: pyarrow's 15 minutes). Other filesystems are returned unchanged."""
     if isinstance(fs, pafs.S3FileSystem):
-        options = fs.__reduce__()[1][0]  # what pyarrow parsed from the URI (its pickle state)
-        if options["connect_timeout"] <= 0:
-            options["connect_timeout"] = CONNECT_TIMEOUT_S
-        if options["request_timeout"] <= 0:
-            options["request_timeout"] = REQUEST_TIMEOUT_S
+        options = fs.__reduce__()[1][0]
+        options["connect_timeout"] = connect(options["connect_timeout"])
+        options["request_timeout"] = request(options["request_timeout"])
         return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=S3_MAX_ATTEMPTS))
+            max_attempts=s3_attempts))
     if isinstance(fs, pafs.GcsFileSystem):
         options = fs.__reduce__()[1][0]
-        if options["retry_time_limit"] is None:
-            options["retry_time_limit"] = datetime.timedelta(seconds=GCS_RETRY_LIMIT_S)
-            return pafs.GcsFileSystem(**options)
+        options["retry_time_limit"] = gcs_limit(options["retry_time_limit"])
+        return pafs.GcsFileSystem(**options)
     return fs
 
 
@@ -636,17 +644,8 @@ def _probe_filesystem(fs: pafs.FileSystem, deadline_s: float) -> pafs.FileSystem
     tries of at most deadline_s/2.5 each): no call is left running when the probe answers, so
     a command that then exits does not wait for the normal timeouts of a call in flight."""
     step = max(1.0, deadline_s / 2.5)
-    if isinstance(fs, pafs.S3FileSystem):
-        options = fs.__reduce__()[1][0]
-        options["connect_timeout"] = min(options["connect_timeout"], step)
-        options["request_timeout"] = min(options["request_timeout"], step)
-        return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=2))
-    if isinstance(fs, pafs.GcsFileSystem):
-        options = fs.__reduce__()[1][0]
-        options["retry_time_limit"] = datetime.timedelta(seconds=step)
-        return pafs.GcsFileSystem(**options)
-    return fs
+    return _rebuilt(fs, connect=lambda t: min(t, step), request=lambda t: min(t, step),
+                    s3_attempts=2, gcs_limit=lambda t: datetime.timedelta(seconds=step))
 
 
 def check_reachable(run_dir: RunDir, *, deadline_s: float = REACHABLE_DEADLINE_S) -> None:
