@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
+from raygpt.runlog import segments
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,9 @@ def plan_for(spec: str, rank: int, run_dir=None) -> FaultPlan:
 
 ENV = "RAYGPT_FAULT"
 RECORD = "fault_injection.jsonl"
+# the record of armed faults: the single file locally, immutable parts on an object store (one per
+# announce: a run arms faults once per attempt), read back in order like the other logs
+RECORD_LOG = segments.LogLayout(RECORD, "fault_injection", "jsonl")
 
 
 def armed_spec(cfg_fault: str, environ, allow: bool) -> tuple[str, list[str]]:
@@ -198,9 +202,8 @@ def announce(run_dir, spec: str, sources: list[str]) -> None:
     if not spec:
         return
     log.info(f"raygpt | FAULT INJECTION ARMED: {spec} (from {' and '.join(sources)})")
-    run_dir.append_text(RECORD, json.dumps({"spec": spec, "sources": sources,
-                                            "time": time.time()}) + "\n")
-    run_dir.flush()
+    segments.append_once(run_dir, RECORD_LOG, json.dumps(
+        {"spec": spec, "sources": sources, "time": time.time()}) + "\n")
 
 
 FIRED = "faults"
@@ -254,10 +257,8 @@ def read_fired(run_dir, *, keep: int = 50) -> tuple[int, list[dict]]:
 def read_armed(run_dir, *, keep: int = 5) -> tuple[int, list[dict]]:
     """(how many times faults were armed in this run directory, the last `keep` records),
     streamed from the record (bounded memory whatever its size)."""
-    if not run_dir.exists(RECORD):
-        return 0, []
     count, last = 0, []
-    for raw in run_dir.iter_lines(RECORD):
+    for raw in segments.read_lines(run_dir, RECORD_LOG):
         try:
             rec = json.loads(raw)
         except ValueError:

@@ -8,10 +8,10 @@ Durability differs by backend and is handled here so callers never think about i
 - local: an atomic write is raygpt.atomic_file's (temp file in the same directory, fsync,
   rename, fsync of the directory), so a crash leaves the old file or the new one, never a torn one;
 - object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
-Object stores have no append: appends go to a local mirror of the file that is uploaded whole
-(one put) every `flush_interval_s` and on `flush()` (see `RunDir` for what that trades away).
-The training loop's rank 0 moves its appends onto a writer thread (`RunDir.background_appends`)
-so that a training step never waits for an fsync or an upload.
+Object stores have no append, so `append_text` is for local / NFS run directories only: the run's
+logs on an object store are immutable segments (raygpt.runlog.segments), the one way raygpt
+appends there. The training loop's rank 0 moves its appends onto a writer thread
+(`RunDir.background_appends`) so that a training step never waits for an fsync.
 
 Object stores are opened bounded and where the user points (`open_run_dir`):
 - an S3-compatible endpoint (MinIO, Ceph, moto in the tests) comes, as for the AWS tools, from
@@ -29,17 +29,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import itertools
 import json
 import logging
 import os
 import queue
 import re
-import shutil
-import tempfile
 import threading
-import time
-import weakref
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -50,49 +45,21 @@ from raygpt.atomic_file import write_local_atomic
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20  # 8 MiB: streaming unit for hashing and copying (state files can be GBs)
-DEFAULT_FLUSH_INTERVAL_S = 30.0  # how old an appended line gets before an append uploads it
 
 
 class RunDir:
     """A run directory: `fs` + `root`; every method takes a path relative to the root.
 
-    Appends (`append_text`: local run logs, fault_injection.jsonl; on object stores the run logs
-    are immutable segments instead, raygpt.runlog.segments) and their durability:
-    - local / NFS: every append is written and fsynced before it returns; nothing is buffered.
-    - object stores: there is no append, and rewriting a 100 MB loss history per step is not an
-      option, so each appended file has a local mirror (a private temp file, seeded on first use
-      from the stored object, so an existing file is continued, never truncated). Appends go to
-      the mirror; the whole mirror is uploaded in one put (all-or-nothing) by the first append
-      that finds its oldest un-uploaded line `flush_interval_s` old (0: every append), and by
-      `flush()` (no timer thread: the interval is checked at each append). The loop flushes at
-      every checkpoint publish (so the stored history is at least as new as the newest
-      checkpoint), at the start, rewinds and the end of an attempt (a stop by signal included),
-      and `close()` / garbage collection / interpreter exit flush too, like a Python file. The
-      trade-off: a process killed outright (SIGKILL, node loss) loses the lines appended since
-      the last upload (about one interval while steps keep coming); a resumed attempt re-trains
-      those steps anyway and logs them again. Each upload is the whole file, synchronous on the
-      appending thread (~100 MB every 30 s for a week-long run: ~3 MB/s from rank 0).
-    - readers: reads through this RunDir (`read_bytes`, `exists`, `size_of`, `sha256_of`,
-      `listdir`) see the mirror, i.e. every line appended so far; any other RunDir or process
-      (`raygpt status`, a resumed attempt) sees what was last flushed.
-    - in the background (`background_appends()`, what the training loop's rank 0 uses): the
-      appends above are queued to one writer thread and done there in order; see that method.
-    One process owns the appends to a file (rank 0). The Ray driver's failure record is the one
-    foreign append: when an upload finds the stored object grown past what this process last
-    stored, the foreign bytes are kept (spliced in before this process's new lines).
+    Appends (`append_text`: the run logs and fault_injection.jsonl of a local / NFS run
+    directory) are written and fsynced before they return, nothing buffered; `background_appends`
+    moves them onto a writer thread. An object store has no append: `append_text` refuses it,
+    and the logs there are immutable segments (raygpt.runlog.segments) stored at the `flush()`
+    points through `add_flush_hook`.
     """
 
-    def __init__(self, fs: pafs.FileSystem, root: str, *,
-                 flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S, clock=time.monotonic):
-        if not flush_interval_s >= 0:  # also refuses NaN
-            raise ValueError(f"RunDir flush_interval_s: expected seconds >= 0, "
-                             f"found {flush_interval_s!r}")
+    def __init__(self, fs: pafs.FileSystem, root: str):
         self.fs = fs
         self.root = root.rstrip("/") or root  # keep "/" itself
-        self.flush_interval_s = float(flush_interval_s)
-        self._appends = None if self.is_local else _Appends(fs, self.flush_interval_s, clock)
-        if self._appends is not None:  # flush what is buffered when this RunDir goes away
-            weakref.finalize(self, self._appends.close_quietly)
         self._writer: _Writer | None = None  # set while appends run in the background
         self._flush_hooks: list = []  # see add_flush_hook
         self._line_checked: set[str] = set()  # files whose last line this RunDir has checked
@@ -101,8 +68,8 @@ class RunDir:
         return f"RunDir({self.uri()})"
 
     def __reduce__(self):
-        # a pickled RunDir (sent to another process) arrives without this one's mirrors
-        return _rebuild_run_dir, (self.fs, self.root, self.flush_interval_s)
+        # a pickled RunDir (sent to another process) arrives without this one's writer or hooks
+        return RunDir, (self.fs, self.root)
 
     def __enter__(self) -> "RunDir":
         return self
@@ -136,12 +103,9 @@ class RunDir:
         return self.fs.get_file_info(self.path(rel))
 
     # ------------------------------------------------------------------ queries
-    def _mirror(self, rel: str) -> "_Mirror | None":
-        return self._appends.mirrors.get(self.path(rel)) if self._appends is not None else None
-
     def exists(self, rel: str = "") -> bool:
         self._drain()
-        return self._mirror(rel) is not None or self._info(rel).type != pafs.FileType.NotFound
+        return self._info(rel).type != pafs.FileType.NotFound
 
     def is_dir(self, rel: str = "") -> bool:
         self._drain()
@@ -151,17 +115,11 @@ class RunDir:
         """Sorted names directly under `rel`; [] when `rel` does not exist."""
         self._drain()
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
-        names = {i.base_name for i in infos if not files_only or i.type == pafs.FileType.File}
-        if self._appends is not None:  # appended files not uploaded yet are here all the same
-            here = self.path(rel).rstrip("/")
-            names.update(p.rpartition("/")[2] for p in self._appends.mirrors
-                         if p.rpartition("/")[0].rstrip("/") == here)
-        return sorted(names)
+        return sorted({i.base_name for i in infos
+                       if not files_only or i.type == pafs.FileType.File})
 
     def size_of(self, rel: str) -> int:
         self._drain()
-        if (m := self._mirror(rel)) is not None:
-            return m.local.stat().st_size
         info = self._info(rel)
         if info.type != pafs.FileType.File:
             raise FileNotFoundError(f"{self.uri(rel)}: expected a file, found {info.type.name}")
@@ -172,9 +130,6 @@ class RunDir:
         bytes (a file in a run directory is untrusted: a MANIFEST that is a link to /dev/zero
         must not be read until memory runs out)."""
         self._drain()
-        if (m := self._mirror(rel)) is not None:
-            with self._appends.lock, open(m.local, "rb") as f:
-                return _read_at_most(f, max_bytes, self.uri(rel))
         if not self.exists(rel):
             raise FileNotFoundError(f"{self.uri(rel)}: no such file")
         with self.fs.open_input_stream(self.path(rel)) as f:
@@ -186,11 +141,6 @@ class RunDir:
         `max_line` bytes is yielded as its first `max_line` bytes followed by b"..." (never a
         valid JSON record), so a hostile file cannot make a reader hold it whole."""
         self._drain()
-        if (m := self._mirror(rel)) is not None:
-            with self._appends.lock:
-                data = m.local.read_bytes()  # this process's own appends (bounded by its run)
-            yield from data.split(b"\n")
-            return
         with self.fs.open_input_stream(self.path(rel)) as f:
             pending, overlong = b"", False
             while chunk := f.read(chunk_bytes):
@@ -210,12 +160,7 @@ class RunDir:
         /dev/zero does not stream forever)."""
         self._drain()
         h = hashlib.sha256()
-        with contextlib.ExitStack() as stack:
-            if (m := self._mirror(rel)) is not None:
-                stack.enter_context(self._appends.lock)
-                f = stack.enter_context(open(m.local, "rb"))
-            else:
-                f = stack.enter_context(self.fs.open_input_stream(self.path(rel)))
+        with self.fs.open_input_stream(self.path(rel)) as f:
             seen = 0
             while chunk := f.read(_CHUNK):
                 seen += len(chunk)
@@ -236,7 +181,6 @@ class RunDir:
         parent = rel.strip("/").rpartition("/")[0]
         self.makedirs(parent)
         if not self.is_local:
-            self._appends.forget(self.path(rel))  # the new content replaces what was appended
             with self.fs.open_output_stream(self.path(rel)) as f:  # one PUT: atomic on object stores
                 f.write(data)
             return
@@ -253,13 +197,17 @@ class RunDir:
             _fsync_path(self.local_path(rel))
 
     def append_text(self, rel: str, text: str) -> None:
-        """Append `text` (UTF-8), whole lines. Local: append + flush + fsync, durable on return.
-        Object stores: appended to the local mirror, stored by the next due upload or `flush()`
-        (see the class docstring). In the background (`background_appends`): queued, done in
-        order by the writer thread. One process (rank 0) owns the appends to a file. Nothing is
-        ever rewritten: when a crash tore a file's last line, this RunDir's first append to it
-        starts with a newline, so the fragment stays a line of its own (readers skip it) and
-        the new line is whole."""
+        """Append `text` (UTF-8), whole lines, to a file of a local / NFS run directory: append
+        + flush + fsync, durable on return (in the background, `background_appends`: queued,
+        done in order by the writer thread). One process (rank 0) owns the appends to a file.
+        Nothing is ever rewritten: when a crash tore a file's last line, this RunDir's first
+        append to it starts with a newline, so the fragment stays a line of its own (readers
+        skip it) and the new line is whole. An object store has no append: ValueError, naming
+        the file (its logs are raygpt.runlog.segments' immutable parts)."""
+        if not self.is_local:
+            raise ValueError(f"{self.uri(rel)}: an object store has no append (expected a local "
+                             f"or NFS run directory; logs on object stores are written as "
+                             f"segments, raygpt.runlog.segments)")
         if self._writer is not None:
             self._writer.put(self._append_now, rel, text)
         else:
@@ -270,49 +218,36 @@ class RunDir:
             self._line_checked.add(rel)
             if self._ends_torn(rel):
                 text = "\n" + text  # the fragment stays a line of its own, which readers skip
-        if self.is_local:
-            target = self.local_path(rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "a", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            return
-        self._appends.append(self.path(rel), text.encode("utf-8"))
+        target = self.local_path(rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _ends_torn(self, rel: str) -> bool:
         """True when the file is non-empty and its last byte is not a newline."""
-        if self.is_local:
-            try:
-                with open(self.local_path(rel), "rb") as f:
-                    f.seek(0, os.SEEK_END)
-                    if f.tell() == 0:
-                        return False
-                    f.seek(-1, os.SEEK_END)
-                    return f.read(1) != b"\n"
-            except FileNotFoundError:
-                return False
-        if self._mirror(rel) is not None:
-            return False  # continued from what this process already checked or wrote
-        info = self._info(rel)
-        if info.type != pafs.FileType.File or info.size == 0:
+        try:
+            with open(self.local_path(rel), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() == 0:
+                    return False
+                f.seek(-1, os.SEEK_END)
+                return f.read(1) != b"\n"
+        except FileNotFoundError:
             return False
-        with self.fs.open_input_file(self.path(rel)) as f:
-            f.seek(info.size - 1)
-            return f.read(1) != b"\n"
 
     @contextlib.contextmanager
     def background_appends(self, enabled: bool = True):
         """While inside, `append_text` only queues its line and returns: one writer thread does
-        the appends in order (local: write + fsync; object stores: the mirror and its due
-        uploads). Why: a step that waits for two fsyncs (loss_history.jsonl and main.log) leaves
-        the GPU idle for milliseconds per step, several percent of a GPT-2 step on an H200
-        (bench/throughput.py's "other" column), and an upload of a long history far more.
+        the appends in order (write + fsync). Why: a step that waits for two fsyncs
+        (loss_history.jsonl and main.log) leaves the GPU idle for milliseconds per step, several
+        percent of a GPT-2 step on an H200 (bench/throughput.py's "other" column).
         What changes for callers:
         - every other method of this RunDir first waits for the queued appends, so a read
           through it sees every line, and a delete or an overwrite never races a queued append;
-        - `flush()` waits for the queue, then stores as before: after it, everything appended
-          is durable (the loop flushes at every checkpoint publish and at the end);
+        - `flush()` waits for the queue: after it, everything appended is durable (the loop
+          flushes at every checkpoint publish and at the end);
         - a failed append is raised by the next `append_text`, `flush()` or the exit of this
           block, with the file's name; the appends queued after it are dropped, so the file
           never has a gap in the middle;
@@ -338,19 +273,17 @@ class RunDir:
             self._writer.wait()
 
     def flush(self) -> None:
-        """Store every appended line: wait for the queued appends (`background_appends`), then
-        upload each mirror with lines not yet stored (one put each). Local appends are durable
-        once written, so a local flush only waits for the queue."""
+        """Store every appended line: wait for the queued appends (`background_appends`; each
+        is durable once written), then run the flush hooks (the logs' segments on an object
+        store)."""
         self._drain()
-        if self._appends is not None:
-            self._appends.flush_all()
         for hook in list(self._flush_hooks):
             hook()
 
     def add_flush_hook(self, hook) -> None:
-        """Call `hook()` at every `flush()` and `close()`: how a log stored outside this RunDir's
-        mirrors (raygpt.runlog.segments on object stores) is stored whenever the run directory
-        is flushed (each checkpoint publish, the end of an attempt)."""
+        """Call `hook()` at every `flush()` and `close()`: how the logs' segments on an object
+        store (raygpt.runlog.segments) are stored whenever the run directory is flushed (each
+        checkpoint publish, the end of an attempt)."""
         self._flush_hooks.append(hook)
 
     def remove_flush_hook(self, hook) -> None:
@@ -358,27 +291,18 @@ class RunDir:
             self._flush_hooks.remove(hook)
 
     def close(self) -> None:
-        """`flush()`, then remove the local mirrors. The RunDir stays usable: a later append
-        seeds a new mirror from the stored file."""
-        self._drain()
-        for hook in list(self._flush_hooks):
-            hook()
-        if self._appends is not None:
-            self._appends.close()
+        """`flush()`; the RunDir stays usable."""
+        self.flush()
 
     def delete_file(self, rel: str) -> None:
         """Remove a file; a file that is already gone is not an error (deletes are retried)."""
         self._drain()
-        if self._appends is not None:
-            self._appends.forget(self.path(rel))
         if self._info(rel).type == pafs.FileType.File:
             self.fs.delete_file(self.path(rel))
 
     def delete_dir(self, rel: str) -> None:
         """Remove a directory and everything in it; a missing directory is not an error."""
         self._drain()
-        if self._appends is not None:
-            self._appends.forget(self.path(rel), under=True)
         if self.is_dir(rel):
             self.fs.delete_dir(self.path(rel))
 
@@ -510,26 +434,23 @@ def redact(text: str) -> str:
     return _URI_SECRET_PARAM.sub(r"\1***", text)
 
 
-def open_run_dir(uri, *, flush_interval_s: float | None = None) -> RunDir:
+def open_run_dir(uri) -> RunDir:
     """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir
-    (returned as it is, mirrors and interval included). `flush_interval_s` (default
-    DEFAULT_FLUSH_INTERVAL_S) bounds how long an append to an object store stays local only.
-    An s3:// URI without an endpoint takes AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+    (returned as it is). An s3:// URI without an endpoint takes AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
     (`with_endpoint`); s3:// and gs:// filesystems get bounded timeouts (`bounded_filesystem`)."""
     if isinstance(uri, RunDir):
         return uri
-    opts = {} if flush_interval_s is None else {"flush_interval_s": flush_interval_s}
     if isinstance(uri, tuple):
         fs, path = uri
         if not isinstance(fs, pafs.FileSystem):
             raise TypeError(f"run dir: expected (pyarrow.fs.FileSystem, path), "
                             f"found ({type(fs).__name__}, ...)")
-        return RunDir(fs, str(path), **opts)
+        return RunDir(fs, str(path))
     uri = os.fspath(uri)
     if "://" not in uri:
-        return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri), **opts)
+        return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri))
     fs, path = pafs.FileSystem.from_uri(with_endpoint(uri))
-    return RunDir(bounded_filesystem(fs), path, **opts)
+    return RunDir(bounded_filesystem(fs), path)
 
 
 # ---------------------------------------------------------------------- object stores: endpoint,
@@ -691,132 +612,3 @@ def _store_name(run_dir: RunDir) -> str:
         if options["endpoint_override"]:
             name += f" (endpoint {options['scheme']}://{options['endpoint_override']})"
     return name
-
-
-def _rebuild_run_dir(fs, root, flush_interval_s) -> RunDir:
-    return RunDir(fs, root, flush_interval_s=flush_interval_s)
-
-
-# ---------------------------------------------------------------------- appends on object stores
-
-class _Mirror:
-    """The local copy of one appended object. The whole local file is the object's content as
-    this process knows it; its first `synced` bytes are what storage held when this process
-    last looked (the seeding download or its own last upload). `dirty_since`: clock time of the
-    oldest append not yet uploaded (None: nothing to upload)."""
-
-    def __init__(self, remote: str, local: Path, synced: int):
-        self.remote, self.local, self.synced = remote, local, synced
-        self.dirty_since: float | None = None
-
-
-class _Appends:
-    """The mirrors of one non-local RunDir, keyed by the object's full path. Kept apart from the
-    RunDir so that a finalizer can flush them without keeping the RunDir alive. One lock guards
-    them: an append, a read and an upload of a mirror never interleave."""
-
-    def __init__(self, fs: pafs.FileSystem, interval_s: float, clock):
-        self.fs, self.interval_s, self.clock = fs, interval_s, clock
-        self.mirrors: dict[str, _Mirror] = {}
-        self.tmpdir: Path | None = None
-        self.lock = threading.RLock()
-        self._names = itertools.count()
-
-    def append(self, remote: str, data: bytes) -> None:
-        with self.lock:
-            m = self.mirrors.get(remote) or self._seed(remote)
-            with open(m.local, "ab") as f:  # a temp copy: no fsync, storage is the durable one
-                f.write(data)
-            now = self.clock()
-            if m.dirty_since is None:
-                m.dirty_since = now
-            if now - m.dirty_since >= self.interval_s:
-                self._upload(m)
-
-    def _seed(self, remote: str) -> _Mirror:
-        """Start a mirror with the stored object's content, so appends continue it."""
-        if self.tmpdir is None:
-            self.tmpdir = Path(tempfile.mkdtemp(prefix="raygpt-appends-"))
-        local = self.tmpdir / f"{next(self._names)}-{remote.rpartition('/')[2]}"
-        synced = 0
-        with open(local, "wb") as fout:
-            if self.fs.get_file_info(remote).type == pafs.FileType.File:
-                with self.fs.open_input_stream(remote) as fin:
-                    while chunk := fin.read(_CHUNK):
-                        fout.write(chunk)
-                        synced += len(chunk)
-        m = self.mirrors[remote] = _Mirror(remote, local, synced)
-        return m
-
-    def _upload(self, m: _Mirror) -> None:
-        """Store the whole mirror in one put (all-or-nothing on object stores)."""
-        info = self.fs.get_file_info(m.remote)
-        stored = info.size if info.type == pafs.FileType.File else None
-        if stored is not None and stored > m.synced:
-            self._splice_foreign(m, stored)
-        elif stored != m.synced and not (stored is None and m.synced == 0):
-            log.warning(f"raygpt | WARNING: {m.remote}: expected the stored object to hold {m.synced} "
-                        f"bytes as last seen, found {'none' if stored is None else f'{stored} bytes'}; "
-                        f"uploading this process's copy")
-        parent = m.remote.rpartition("/")[0]
-        if stored is None and parent:
-            self.fs.create_dir(parent, recursive=True)
-        size = m.local.stat().st_size
-        with open(m.local, "rb") as fin, self.fs.open_output_stream(m.remote) as fout:
-            while chunk := fin.read(_CHUNK):
-                fout.write(chunk)
-        m.synced, m.dirty_since = size, None
-
-    def _splice_foreign(self, m: _Mirror, stored: int) -> None:
-        """Another process appended to the object since this one last stored it (the Ray
-        driver's failure record): keep its bytes, after what was stored and before this
-        process's own new lines, so neither writer's lines are lost."""
-        with self.fs.open_input_file(m.remote) as f:
-            f.seek(m.synced)
-            foreign = f.read(stored - m.synced)
-        spliced = m.local.with_name(m.local.name + ".splice")
-        with open(m.local, "rb") as src, open(spliced, "wb") as dst:
-            _copy_exactly(src, dst, m.synced)
-            dst.write(foreign)
-            shutil.copyfileobj(src, dst, _CHUNK)
-        os.replace(spliced, m.local)
-        m.synced = stored  # the stored object is now a prefix of the mirror again
-
-    def flush_all(self) -> None:
-        with self.lock:
-            for m in list(self.mirrors.values()):
-                if m.dirty_since is not None:
-                    self._upload(m)
-
-    def forget(self, remote: str, *, under: bool = False) -> None:
-        """Drop the mirror of `remote` (or of every file under it) whose object is being
-        replaced or deleted through the RunDir; a later append seeds afresh."""
-        prefix = remote.rstrip("/") + "/"
-        with self.lock:
-            for p in [p for p in self.mirrors if p == remote or (under and p.startswith(prefix))]:
-                self.mirrors.pop(p).local.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        with self.lock:
-            self.flush_all()  # raises before anything local is removed
-            if self.tmpdir is not None:
-                shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.mirrors.clear()
-            self.tmpdir = None
-
-    def close_quietly(self) -> None:
-        """close() for a finalizer: on failure say where the unstored lines are, keep them."""
-        try:
-            self.close()
-        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
-            log.warning(f"raygpt | WARNING: could not store appended lines ({type(e).__name__}: {e}); "
-                        f"their local copies stay in {self.tmpdir}")
-
-
-def _copy_exactly(src, dst, n: int) -> None:
-    while n > 0:
-        chunk = src.read(min(n, _CHUNK))
-        if not chunk:
-            raise EOFError(f"{src.name}: expected {n} more bytes, found the end of the file")
-        dst.write(chunk)
-        n -= len(chunk)

@@ -1,6 +1,8 @@
 """Fault injection specs: parsed strictly, fired once per run directory unless every=1; every
 fault that fires leaves its record, and `raygpt status` lists them with each resume's audit."""
 
+import json
+
 import pytest
 
 from raygpt.cli import main
@@ -137,3 +139,29 @@ def test_status_lists_every_fault_and_every_resumes_audit(tmp_path, capsys):
     assert "attempt 4 from step 10: 2 step(s) to re-do: no audit (the attempt ended" in resumes[2]
     assert "attempt 5 from step 10: 2 step(s) to re-do: audit pending" in resumes[3]
     assert len(resumes) == 4
+
+
+@pytest.mark.parametrize("where", ["local", "object store"])
+def test_armed_faults_are_recorded_once_per_announce_and_read_back_in_order(tmp_path, where):
+    # locally the single fault_injection.jsonl; on an object store, which has no append, one
+    # immutable segment per announce (one per attempt), after an older single-file record
+    from raygpt.faults import RECORD, RECORD_LOG, announce, read_armed
+    from raygpt.runlog import segments
+    from tests.helpers import memory_fs
+    import uuid
+    rd = (open_run_dir(tmp_path / "run") if where == "local"
+          else open_run_dir((memory_fs(), f"/raygpt-faults-{uuid.uuid4().hex}")))
+    if where == "object store":  # a run directory an older raygpt wrote as one object
+        rd.write_bytes_atomic(RECORD, b'{"spec":"kill:rank=0,step=1","sources":["--fault"],"time":1}\n')
+    announce(rd, "", [])  # nothing armed: nothing recorded
+    for step in (3, 5):
+        announce(rd, f"nan:rank=0,step={step}", ["--fault"])
+    count, last = read_armed(rd, keep=2)
+    want = ["nan:rank=0,step=3", "nan:rank=0,step=5"]
+    assert (count, [r["spec"] for r in last]) == (len(want) + (where != "local"), want)
+    if where == "local":
+        assert rd.listdir() == [RECORD] and len(rd.read_bytes(RECORD).splitlines()) == 2
+    else:
+        assert len(rd.listdir(RECORD_LOG.folder)) == 2  # a part per announce, the old object kept
+        assert [json.loads(x)["spec"] for x in segments.read_lines(rd, RECORD_LOG)][0] == \
+            "kill:rank=0,step=1"

@@ -1,12 +1,10 @@
 """raygpt.storage on a local directory and on fsspec's in-memory filesystem through pyarrow.fs."""
 
-import gc
 import hashlib
 import os
 import pickle
 import uuid
 
-import fsspec
 import pyarrow.fs as pafs
 import pytest
 
@@ -26,6 +24,12 @@ def run_dir(request, tmp_path):
     rd.close()  # store what the test appended before the root goes
     if fs.get_file_info(root).type != pafs.FileType.NotFound:
         fs.delete_dir(root)
+
+
+@pytest.fixture
+def local_run_dir(tmp_path):
+    """Appends are for local / NFS run directories (an object store refuses them)."""
+    return open_run_dir(tmp_path / "run")
 
 
 def test_open_run_dir_kinds(tmp_path):
@@ -62,11 +66,11 @@ def test_sha256_matches_hashlib(run_dir: RunDir):
     assert run_dir.sha256_of("blob") == hashlib.sha256(data).hexdigest()
 
 
-def test_append_text_accumulates_and_leaves_no_temp(run_dir: RunDir):
-    run_dir.append_text("logs/loss.jsonl", '{"step": 1}\n')
-    run_dir.append_text("logs/loss.jsonl", '{"step": 2}\n')
-    assert run_dir.read_bytes("logs/loss.jsonl") == b'{"step": 1}\n{"step": 2}\n'
-    assert run_dir.listdir("logs") == ["loss.jsonl"]
+def test_append_text_accumulates_and_leaves_no_temp(local_run_dir: RunDir):
+    local_run_dir.append_text("logs/loss.jsonl", '{"step": 1}\n')
+    local_run_dir.append_text("logs/loss.jsonl", '{"step": 2}\n')
+    assert local_run_dir.read_bytes("logs/loss.jsonl") == b'{"step": 1}\n{"step": 2}\n'
+    assert local_run_dir.listdir("logs") == ["loss.jsonl"]
 
 
 def test_missing_file_errors_name_the_path(run_dir: RunDir):
@@ -110,190 +114,50 @@ def test_local_atomic_write_failure_keeps_old_content(tmp_path):
     assert rd.listdir() == ["f"]  # the temp file was cleaned up
 
 
-# ---------------------------------------------------------------------- appends on object stores
-
-class CountingHandler(pafs.FSSpecHandler):
-    """fsspec's memory filesystem that records every object written (a PUT on an object store)."""
-
-    def __init__(self):
-        super().__init__(fsspec.filesystem("memory"))
-        self.puts: list[str] = []
-
-    def open_output_stream(self, path, metadata):
-        self.puts.append(path)
-        return super().open_output_stream(path, metadata)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
+# ---------------------------------------------------------------------- appends
 
 @pytest.fixture
 def remote():
-    """(handler counting puts, pyarrow fs over it, a fresh root); cleaned up afterwards."""
-    handler = CountingHandler()
-    fs = pafs.PyFileSystem(handler)
+    """(pyarrow fs over fsspec's memory store, a fresh root); cleaned up afterwards."""
+    fs = memory_fs()
     root = f"/raygpt-appends-{uuid.uuid4().hex}"
-    yield handler, fs, root
-    gc.collect()  # finalizers of the test's RunDirs run (and upload) before the root goes
+    yield fs, root
     if fs.get_file_info(root).type != pafs.FileType.NotFound:
         fs.delete_dir(root)
-
-
-def stored(fs, path) -> bytes | None:
-    """What a different process would read: the object itself, bypassing any RunDir."""
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return None
-    with fs.open_input_stream(path) as f:
-        return f.read()
 
 
 def lines(first: int, last: int) -> bytes:
     return b"".join(b'{"step":%d}\n' % i for i in range(first, last))
 
 
-def test_appends_stay_local_until_the_interval_then_upload_whole(remote):
-    handler, fs, root = remote
-    clock = FakeClock()
-    rd = RunDir(fs, root, flush_interval_s=30, clock=clock)
-    for i in range(200):
-        rd.append_text("loss_history.jsonl", '{"step":%d}\n' % i)
-        clock.now += 0.1  # 200 appends over 19.9 s: inside one interval
-    assert handler.puts == [] and stored(fs, f"{root}/loss_history.jsonl") is None
-    # this RunDir reads its own appends (read_history, begin_attempt's audit)
-    assert rd.read_bytes("loss_history.jsonl") == lines(0, 200)
-    assert rd.exists("loss_history.jsonl")
-    assert rd.size_of("loss_history.jsonl") == len(lines(0, 200))
-    assert rd.listdir() == ["loss_history.jsonl"]
-    assert rd.sha256_of("loss_history.jsonl") == hashlib.sha256(lines(0, 200)).hexdigest()
-    clock.now += 10.0  # the oldest un-uploaded line is now 30 s old: the next append uploads
-    rd.append_text("loss_history.jsonl", '{"step":200}\n')
-    assert handler.puts == [f"{root}/loss_history.jsonl"]
-    assert stored(fs, f"{root}/loss_history.jsonl") == lines(0, 201)
-    # the interval restarts at the next append, not at the upload
-    clock.now += 100.0
-    rd.append_text("loss_history.jsonl", '{"step":201}\n')
-    assert len(handler.puts) == 1 and stored(fs, f"{root}/loss_history.jsonl") == lines(0, 201)
-    rd.close()
+def test_an_object_store_refuses_appends_naming_the_file_and_writes_nothing(remote):
+    # an object store has no append: its logs are immutable segments (raygpt.runlog.segments),
+    # the one mechanism; an append here would have to rewrite the whole object
+    fs, root = remote
+    rd = RunDir(fs, root)
+    with pytest.raises(ValueError, match=r"h\.jsonl: an object store has no append"):
+        rd.append_text("h.jsonl", "x\n")
+    with rd.background_appends():  # refused on the caller's thread, not later on the writer's
+        with pytest.raises(ValueError, match="no append"):
+            rd.append_text("h.jsonl", "x\n")
+    assert rd.listdir() == [] and not rd.exists("h.jsonl")
 
 
-def test_flush_uploads_every_file_once_and_a_new_run_dir_sees_it(remote):
-    handler, fs, root = remote
-    rd = RunDir(fs, root, flush_interval_s=3600, clock=FakeClock())
-    for i in range(50):
-        rd.append_text("loss_history.jsonl", '{"step":%d}\n' % i)
-        rd.append_text("logs/main.log", f"s:{i} trl:1.0\n")
-    other = RunDir(fs, root)  # another process: sees only what was flushed
-    assert not other.exists("loss_history.jsonl") and other.listdir() == []
-    rd.flush()
-    assert sorted(handler.puts) == [f"{root}/logs/main.log", f"{root}/loss_history.jsonl"]
-    rd.flush()  # nothing new: nothing uploaded
-    assert len(handler.puts) == 2
-    assert other.read_bytes("loss_history.jsonl") == lines(0, 50)
-    assert other.read_bytes("logs/main.log").splitlines()[-1] == b"s:49 trl:1.0"
-    rd.append_text("loss_history.jsonl", '{"step":50}\n')
-    assert other.read_bytes("loss_history.jsonl") == lines(0, 50)  # not flushed yet
-    rd.close()
-    assert other.read_bytes("loss_history.jsonl") == lines(0, 51)
-
-
-def test_an_existing_remote_file_is_continued_never_truncated(remote):
-    handler, fs, root = remote
-    RunDir(fs, root).write_bytes_atomic("loss_history.jsonl", lines(0, 3))  # attempt 1's record
-    rd = RunDir(fs, root, flush_interval_s=3600)
-    assert rd.read_bytes("loss_history.jsonl") == lines(0, 3)
-    rd.append_text("loss_history.jsonl", '{"step":3}\n')
-    assert rd.read_bytes("loss_history.jsonl") == lines(0, 4)
-    rd.flush()
-    assert stored(fs, f"{root}/loss_history.jsonl") == lines(0, 4)
-
-
-def test_a_foreign_append_between_flushes_is_kept(remote, capsys):
-    # rank 0 buffers its lines while the Ray driver appends a failure record to the same object
-    handler, fs, root = remote
-    rank0 = RunDir(fs, root, flush_interval_s=3600)
-    rank0.append_text("h.jsonl", "a\n")
-    rank0.flush()
-    rank0.append_text("h.jsonl", "b\n")
-    driver = RunDir(fs, root)
-    driver.append_text("h.jsonl", "failure\n")
-    driver.close()
-    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\n"
-    rank0.flush()
-    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\nb\n"
-    assert rank0.read_bytes("h.jsonl") == b"a\nfailure\nb\n"
-    rank0.append_text("h.jsonl", "c\n")
-    rank0.flush()  # the splice left storage a prefix of the mirror: no second splice
-    assert stored(fs, f"{root}/h.jsonl") == b"a\nfailure\nb\nc\n"
-    assert "WARNING" not in capsys.readouterr().err
-
-
-def test_a_run_dir_that_goes_away_stores_its_lines_and_removes_its_mirror(remote):
-    handler, fs, root = remote
-    rd = RunDir(fs, root, flush_interval_s=3600)
-    rd.append_text("h.jsonl", "x\n")
-    tmpdir = rd._appends.tmpdir
-    assert tmpdir.is_dir()
-    del rd
-    gc.collect()
-    assert stored(fs, f"{root}/h.jsonl") == b"x\n"
-    assert not tmpdir.exists()
-    with RunDir(fs, root, flush_interval_s=3600) as rd:  # a with block closes it
-        rd.append_text("h.jsonl", "y\n")
-    assert stored(fs, f"{root}/h.jsonl") == b"x\ny\n"
-
-
-def test_writes_and_deletes_through_the_run_dir_replace_its_mirror(remote):
-    # Logger truncates main.log on a fresh start with an atomic write of b""
-    handler, fs, root = remote
-    rd = RunDir(fs, root, flush_interval_s=3600)
-    rd.append_text("main.log", "old run\n")
-    rd.write_bytes_atomic("main.log", b"")
-    rd.append_text("main.log", "new run\n")
-    assert rd.read_bytes("main.log") == b"new run\n"
-    rd.flush()
-    assert stored(fs, f"{root}/main.log") == b"new run\n"
-    rd.append_text("d/f", "1\n")
-    rd.delete_dir("d")
-    rd.append_text("g", "2\n")
-    rd.delete_file("g")
-    rd.flush()
-    assert not rd.exists("d/f") and not rd.exists("g") and rd.listdir() == ["main.log"]
-    assert stored(fs, f"{root}/g") is None and stored(fs, f"{root}/d/f") is None
-
-
-def test_interval_zero_uploads_every_append_and_bad_intervals_are_refused(remote):
-    handler, fs, root = remote
-    rd = open_run_dir((fs, root), flush_interval_s=0)
-    assert rd.flush_interval_s == 0
-    for i in range(3):
-        rd.append_text("h.jsonl", '{"step":%d}\n' % i)
-        assert stored(fs, f"{root}/h.jsonl") == lines(0, i + 1)
-    assert handler.puts == [f"{root}/h.jsonl"] * 3
-    for bad in (-1, float("nan")):
-        with pytest.raises(ValueError, match="flush_interval_s"):
-            open_run_dir((fs, root), flush_interval_s=bad)
-
-
-def test_a_pickled_run_dir_keeps_its_place_and_interval(remote):
-    handler, fs, root = remote
-    rd = open_run_dir((fs, root), flush_interval_s=5)
-    rd.append_text("h.jsonl", "x\n")
+def test_a_pickled_run_dir_keeps_its_place(remote, tmp_path):
+    fs, root = remote
+    rd = RunDir(fs, root)
+    rd.write_bytes_atomic("f", b"1")
     copy = pickle.loads(pickle.dumps(rd))
-    assert (copy.root, copy.flush_interval_s, copy.is_local) == (root, 5.0, False)
-    assert not copy.exists("h.jsonl")  # a copy is another process: it sees what was flushed
-    rd.close()
+    assert (copy.root, copy.is_local, copy.read_bytes("f")) == (root, False, b"1")
+    local = pickle.loads(pickle.dumps(open_run_dir(tmp_path)))
+    assert local.is_local and local.local_path() == tmp_path
 
 
-def test_local_appends_are_durable_at_once_as_before(tmp_path, monkeypatch):
+def test_local_appends_are_durable_at_once(tmp_path, monkeypatch):
     fsyncs = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
-    rd = open_run_dir(tmp_path, flush_interval_s=3600)
+    rd = open_run_dir(tmp_path)
     for i in range(3):
         rd.append_text("h.jsonl", '{"step":%d}\n' % i)
         # on disk before append_text returns, and fsynced once per append
@@ -301,23 +165,23 @@ def test_local_appends_are_durable_at_once_as_before(tmp_path, monkeypatch):
         assert len(fsyncs) == i + 1
     rd.flush()
     rd.close()  # no-ops: nothing is buffered
-    assert rd._appends is None and len(fsyncs) == 3
+    assert len(fsyncs) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.jsonl"]
 
 
 # ---------------------------------------------------------------------- background appends
 
 
-def test_background_appends_keep_order_and_reads_see_every_line(run_dir: RunDir):
+def test_background_appends_keep_order_and_reads_see_every_line(local_run_dir: RunDir):
     lines = [f'{{"step":{i}}}\n' for i in range(500)]
-    with run_dir.background_appends():
+    with local_run_dir.background_appends():
         for line in lines:
-            run_dir.append_text("loss_history.jsonl", line)
+            local_run_dir.append_text("loss_history.jsonl", line)
         # a read through the same RunDir waits for what is queued
-        assert run_dir.read_bytes("loss_history.jsonl") == "".join(lines).encode()
-        run_dir.append_text("main.log", "s:1 trl:1.0\n")
-        assert run_dir.size_of("main.log") == len("s:1 trl:1.0\n")
-    assert run_dir._writer is None  # back to appends on the caller's thread
+        assert local_run_dir.read_bytes("loss_history.jsonl") == "".join(lines).encode()
+        local_run_dir.append_text("main.log", "s:1 trl:1.0\n")
+        assert local_run_dir.size_of("main.log") == len("s:1 trl:1.0\n")
+    assert local_run_dir._writer is None  # back to appends on the caller's thread
 
 
 def test_background_appends_are_on_disk_after_flush(tmp_path):
@@ -328,19 +192,6 @@ def test_background_appends_are_on_disk_after_flush(tmp_path):
         rd.flush()
         # another reader (a resumed attempt, `raygpt status`) sees the file itself
         assert (tmp_path / "run" / "h.jsonl").read_text() == "".join(f"{i}\n" for i in range(50))
-
-
-def test_background_appends_on_an_object_store_are_stored_by_flush():
-    fs = memory_fs()
-    root = f"/raygpt-test-{uuid.uuid4().hex}"
-    rd = open_run_dir((fs, root), flush_interval_s=3600)
-    with rd.background_appends():
-        rd.append_text("h.jsonl", "a\n")
-        rd.append_text("h.jsonl", "b\n")
-        rd.flush()
-        assert RunDir(fs, root).read_bytes("h.jsonl") == b"a\nb\n"  # a fresh reader: stored
-    rd.close()
-    fs.delete_dir(root)
 
 
 def test_background_append_failure_is_raised_with_the_file_and_later_lines_dropped(tmp_path):
@@ -356,46 +207,46 @@ def test_background_append_failure_is_raised_with_the_file_and_later_lines_dropp
     assert not (tmp_path / "run" / "h.jsonl").exists()  # never a line past a lost one
 
 
-def test_background_appends_drain_before_delete_and_overwrite(run_dir: RunDir):
-    with run_dir.background_appends():
+def test_background_appends_drain_before_delete_and_overwrite(local_run_dir: RunDir):
+    with local_run_dir.background_appends():
         for i in range(100):
-            run_dir.append_text("main.log", f"old {i}\n")
-        run_dir.write_bytes_atomic("main.log", b"")  # a fresh start truncates the old log
-        run_dir.append_text("main.log", "new\n")
-        assert run_dir.read_bytes("main.log") == b"new\n"
-        run_dir.append_text("d/x", "1\n")
-        run_dir.delete_dir("d")
-        assert not run_dir.exists("d/x")
+            local_run_dir.append_text("main.log", f"old {i}\n")
+        local_run_dir.write_bytes_atomic("main.log", b"")  # a fresh start truncates the old log
+        local_run_dir.append_text("main.log", "new\n")
+        assert local_run_dir.read_bytes("main.log") == b"new\n"
+        local_run_dir.append_text("d/x", "1\n")
+        local_run_dir.delete_dir("d")
+        assert not local_run_dir.exists("d/x")
 
 
-def test_background_appends_disabled_is_a_no_op(run_dir: RunDir):
-    with run_dir.background_appends(enabled=False):
-        assert run_dir._writer is None
-        run_dir.append_text("h", "1\n")
-    assert run_dir.read_bytes("h") == b"1\n"
+def test_background_appends_disabled_is_a_no_op(local_run_dir: RunDir):
+    with local_run_dir.background_appends(enabled=False):
+        assert local_run_dir._writer is None
+        local_run_dir.append_text("h", "1\n")
+    assert local_run_dir.read_bytes("h") == b"1\n"
 
 
-def test_a_torn_last_line_is_ended_before_the_first_append(run_dir: RunDir):
+def test_a_torn_last_line_is_ended_before_the_first_append(local_run_dir: RunDir):
     """A crash tore the file's last line: the next process's first append starts with a newline,
     so the fragment is a line of its own (readers skip it) and nothing is rewritten."""
-    run_dir.write_bytes_atomic("loss_history.jsonl", b'{"step":0}\n{"step":1,"lo')
-    fresh = RunDir(run_dir.fs, run_dir.root)  # the restarted process
+    local_run_dir.write_bytes_atomic("loss_history.jsonl", b'{"step":0}\n{"step":1,"lo')
+    fresh = RunDir(local_run_dir.fs, local_run_dir.root)  # the restarted process
     with fresh.background_appends():
         fresh.append_text("loss_history.jsonl", '{"step":1}\n')
         fresh.append_text("loss_history.jsonl", '{"step":2}\n')
     fresh.close()
-    data = RunDir(run_dir.fs, run_dir.root).read_bytes("loss_history.jsonl")
+    data = RunDir(local_run_dir.fs, local_run_dir.root).read_bytes("loss_history.jsonl")
     assert data == b'{"step":0}\n{"step":1,"lo\n{"step":1}\n{"step":2}\n'
     from raygpt.runlog.history import parse_jsonl
     assert [r["step"] for r in parse_jsonl(data, "loss_history.jsonl")] == [0, 1, 2]
 
 
-def test_a_whole_last_line_gets_no_extra_newline(run_dir: RunDir):
-    run_dir.write_bytes_atomic("h.jsonl", b"a\n")
-    fresh = RunDir(run_dir.fs, run_dir.root)
+def test_a_whole_last_line_gets_no_extra_newline(local_run_dir: RunDir):
+    local_run_dir.write_bytes_atomic("h.jsonl", b"a\n")
+    fresh = RunDir(local_run_dir.fs, local_run_dir.root)
     fresh.append_text("h.jsonl", "b\n")
     fresh.close()
-    assert RunDir(run_dir.fs, run_dir.root).read_bytes("h.jsonl") == b"a\nb\n"
+    assert RunDir(local_run_dir.fs, local_run_dir.root).read_bytes("h.jsonl") == b"a\nb\n"
 
 
 def test_iter_lines_streams_across_chunks_and_cuts_overlong_lines(run_dir: RunDir):

@@ -64,9 +64,8 @@ def mem():
         fs.rm("/raygpt-storage-run", recursive=True)
 
 
-def run_dir_on(mem, name: str, flush_interval_s: float = 3600):
-    return open_run_dir((pafs.PyFileSystem(CountingHandler(mem)), f"/raygpt-storage-run/{name}"),
-                        flush_interval_s=flush_interval_s)
+def run_dir_on(mem, name: str):
+    return open_run_dir((pafs.PyFileSystem(CountingHandler(mem)), f"/raygpt-storage-run/{name}"))
 
 
 def config(output_dir, **overrides) -> TrainConfig:

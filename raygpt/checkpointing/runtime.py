@@ -300,8 +300,8 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint at step {step} failed on rank {self.rank} while "
                                f"writing {stage}: {result['error']!r}") from result["error"]
         meta = self.manifest_meta(step, result["trajectory"]) if self.rank == 0 else None
-        # store the appended history first (object stores buffer it, see RunDir): the stored
-        # loss_history.jsonl is then at least as new as any checkpoint a resume can pick
+        # store the appended history first (an object store's segments are buffered, see
+        # runlog.segments): the stored history is then as new as any checkpoint a resume can pick
         self.run_dir.flush()
         self.session.report_checkpoint({**metrics, "checkpoint_step": step}, str(stage),
                                        ck.step_dir(step), result["hashes"], meta)

@@ -7,7 +7,7 @@ that is not a local (or NFS) path, each log is a folder of small immutable objec
     <run dir>/loss_history/part-00000007-3f9a1c2e.jsonl   lines written in one interval
     <run dir>/loss_history/base-00000006.jsonl            optional: `compact`'s merge of
                                                           every part numbered <= 6
-    (likewise samples/part-*.jsonl and main_log/part-*.log)
+    (likewise samples/part-*.jsonl, main_log/part-*.log and fault_injection/part-*.jsonl)
 
 - `part-<seq:08d>-<writer:8 hex>.<ext>`: whole lines (every part ends with a newline), written in
   one put and never changed. `seq` orders the parts; `writer` (random per writing process) keeps
