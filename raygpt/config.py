@@ -378,7 +378,7 @@ class TrainConfig:
             c.zero_stage = 1 if on_gpu and c.num_workers > 1 else 0
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
-        c.output_dir = _output_dir_with_endpoint(c.output_dir, c.storage_endpoint)
+        c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint)
         c.validate()
         return c
 
@@ -600,9 +600,9 @@ def read_config_file(path: str) -> dict:
     return d
 
 
-def _output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
-    """An s3:// run directory carrying its endpoint (--storage-endpoint or the AWS variables),
-    so that Ray's workers, elsewhere, open the same store (`storage.with_endpoint`)."""
+def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
+    """An s3:// run (or sweep) directory carrying its endpoint (--storage-endpoint or the AWS
+    variables), so that Ray's workers, elsewhere, open the same store (`storage.with_endpoint`)."""
     if not output_dir.startswith("s3://"):
         if endpoint:
             raise ConfigError(f"--storage-endpoint: expected with an s3:// -o/--output-dir, "

@@ -434,6 +434,13 @@ def redact(text: str) -> str:
     return _URI_SECRET_PARAM.sub(r"\1***", text)
 
 
+def join_uri(uri: str, rel: str) -> str:
+    """`rel` under a directory given as a local path or a URI, the URI's options
+    (`?endpoint_override=...`) kept at its end, where pyarrow reads them."""
+    head, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    return f"{head.rstrip('/')}/{rel.strip('/')}{sep}{query}"
+
+
 def open_run_dir(uri) -> RunDir:
     """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir
     (returned as it is). An s3:// URI without an endpoint takes AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL

@@ -164,3 +164,40 @@ def test_ray_gets_the_run_directorys_filesystem_and_a_plain_path():
     assert fs.__reduce__()[1][0]["endpoint_override"] == "h:1"
     assert fs.__reduce__()[1][0]["connect_timeout"] > 0  # the bounded filesystem
     assert _split_storage("/a/b/run") == (None, "/a/b", "run")
+
+
+def test_a_sweep_in_the_bucket_takes_its_endpoint_from_the_flag(s3, monkeypatch, tmp_path):
+    """`raygpt sweep -o s3://... --storage-endpoint URL` with no AWS endpoint variable in the
+    driver: the sweep directory, Tune's experiment and the trial's run all go to the flag's
+    store (the sweep once opened its directory with the store's default endpoint)."""
+    from raygpt.ray import trials
+    from raygpt.storage import join_uri
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.chdir(tmp_path)  # a relative path written by mistake would land here
+    code = trials.main(["-o", "s3://bucket/sweeps/one", "--storage-endpoint", s3.endpoint,
+                        "--grid", "scheduler=cosine", "--early-stop", "none", "--cpu",
+                        "--num-workers", "1", "--no-compile", "-e", "d1", "-b", "4", "-t", "32",
+                        "-x", "4", "-u", "1", "-v", "4", "--val-batches", "1", "-s", "0",
+                        "-n", "4"])
+    assert code == 0
+    sweep_dir = open_run_dir(s3.uri("bucket/sweeps/one"))
+    assert {"sweep.json", "results.json", "best_config.json", "tune", "trials"} <= set(sweep_dir.listdir())
+    (trial,) = sweep_dir.listdir("trials")
+    run_dir = open_run_dir(join_uri(s3.uri("bucket/sweeps/one"), f"trials/{trial}"))
+    assert run_dir.exists(f"{ck.step_dir(4)}/DONE_00000004")
+    assert [r["step"] for r in read_history(run_dir) if r["kind"] == "train"] == [0, 1, 2, 3]
+    assert list(tmp_path.iterdir()) == []
+    assert join_uri("s3://b/s?endpoint_override=h:1", "trials/t") == "s3://b/s/trials/t?endpoint_override=h:1"
+    assert join_uri("/a/s/", "t") == "/a/s/t"
+
+
+def test_tune_gets_the_sweep_directorys_bounded_filesystem_and_a_plain_path():
+    """As for a run: Tune opening the URI string itself would get pyarrow's unbounded timeouts."""
+    import pyarrow.fs as pafs
+
+    from raygpt.ray.sweep import _tune_storage
+    fs, path = _tune_storage("s3://bucket/sweeps/x?endpoint_override=h:1&scheme=http")
+    assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/sweeps/x"
+    options = fs.__reduce__()[1][0]
+    assert options["endpoint_override"] == "h:1" and options["connect_timeout"] > 0
+    assert _tune_storage("/a/sweep") == (None, "/a/sweep")

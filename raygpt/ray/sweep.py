@@ -86,7 +86,7 @@ from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_tot
                                preflight_sweep, space_items, trial_config)
 from raygpt.runlog.history import read_history
 from raygpt.schedule import wsd_decay_start
-from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
+from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact
 
 log = logging.getLogger(__name__)
 
@@ -324,8 +324,17 @@ class _NoRetryOfStoppedTrials(tune.Callback):
             trial.max_failures = 0
 
 
-def _join(root: str, rel: str) -> str:
-    return f"{root.rstrip('/')}/{rel}"
+_join = join_uri  # a sweep on an object store keeps its endpoint in every path under it
+
+
+def _tune_storage(sweep_dir: str) -> tuple:
+    """(storage_filesystem, storage_path) for Tune: for a URI, the filesystem raygpt opens (its
+    endpoint and bounded timeouts) and the plain path, as the single-run driver gives Ray Train
+    (`driver._split_storage`); Tune would open a URI string with the store's defaults."""
+    if "://" not in sweep_dir:
+        return None, sweep_dir
+    rd = open_run_dir(sweep_dir)
+    return rd.fs, rd.root
 
 
 # ====================================================================== the sweep driver
@@ -496,10 +505,11 @@ def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
     trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict(),
                                                          lineage=lineage),
                                     TRIAL_DRIVER_RESOURCES)
-    tune_path = _join(plan.sweep_dir, TUNE_DIR)
+    tune_fs, tune_root = _tune_storage(plan.sweep_dir)
     if restore:
-        tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True,
-                                   resume_errored=retry_errored)
+        tuner = tune.Tuner.restore(f"{tune_root.rstrip('/')}/{TUNE_DIR}", trainable=trainable,
+                                   resume_unfinished=True, resume_errored=retry_errored,
+                                   storage_filesystem=tune_fs)
     else:
         scheduler = None
         if s["early_stop"] == "asha":
@@ -513,7 +523,7 @@ def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
                                         num_samples=s["num_samples"],
                                         max_concurrent_trials=concurrent),
             run_config=tune.RunConfig(
-                name=TUNE_DIR, storage_path=plan.sweep_dir,
+                name=TUNE_DIR, storage_path=tune_root, storage_filesystem=tune_fs,
                 failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
                 callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"])]))
     log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "

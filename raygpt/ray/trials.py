@@ -25,7 +25,8 @@ import sys
 import numpy as np
 
 from raygpt import preflight
-from raygpt.config import ConfigError, FlagParser, SpikeConfig, TrainConfig, parse_args
+from raygpt.config import (ConfigError, FlagParser, SpikeConfig, TrainConfig,
+                           output_dir_with_endpoint, parse_args)
 
 # Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
 # best_config.json leaves them out.
@@ -251,6 +252,10 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
     try:
         ns, rest = build_sweep_parser().parse_known_args(argv)
         base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
+        # the sweep directory names its store's endpoint (--storage-endpoint or the AWS
+        # variables) like a run's: the driver, Tune and every trial then open the same store
+        base = base.with_overrides({"output_dir": output_dir_with_endpoint(
+            base.output_dir, base.storage_endpoint)})
         items = space_items(ns)
         if base.resume != 1 and not (ns.address or os.environ.get("RAY_ADDRESS")):
             # this machine's Ray, not started yet: every known trial checked before importing it
