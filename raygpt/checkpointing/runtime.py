@@ -2,7 +2,8 @@
 across world sizes and ZeRO, rewind; the files and their rules are raygpt.checkpointing.protocol's.
 
 Save (every rank, at the same step):
- 1. copy the state to host memory at the step boundary (the only training stall),
+ 1. copy the state at the step boundary (`snapshot.StateSnapshot`: on a GPU one device-side
+    copy the training thread does not wait for; the writer thread brings it to the host),
  2. write this rank's files (state file; rank 0 also the model file) into a private local staging
     directory on a background thread, hashing them as they are written,
  3. once every rank's write has finished (agreed through the loop's per-step collective), every
@@ -35,6 +36,7 @@ import torch
 
 from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
@@ -149,7 +151,11 @@ class Checkpointer:
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
         self._stage_root: Path | None = None  # private to this user and run (made at first save)
-        self._host_buffers: dict[str, torch.Tensor] = {}
+        self._snapshot = StateSnapshot()  # the tensors' copy at a checkpoint's step (reused)
+        # per checkpoint, wall times: saved (captured), written (files staged), published
+        # (reported), and what the session adds (e.g. stored: in storage, Ray's upload done)
+        self.timeline: list[dict] = []
+        self.waits: list[tuple[int, float]] = []  # (step, training time waiting on the last one)
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
         self.trajectory = uuid.uuid4().hex
 
@@ -202,7 +208,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, loader, *, blocking: bool) -> None:
-        self.wait_and_publish()  # at most one checkpoint in flight
+        t0 = time.perf_counter()
+        self.wait_and_publish()  # at most one checkpoint in flight (its buffers are reused)
+        waited = time.perf_counter() - t0
+        if waited > 0.001:
+            self.waits.append((state.step, waited))
+            if len(self.waits) == 1 and self.rank == 0:
+                log.warning(f"raygpt | WARNING: checkpoint {state.step}: the previous checkpoint "
+                            f"was still being written; training waited {waited:.2f} s for it "
+                            f"(checkpoints come faster than they are written: raise "
+                            f"--checkpoint-every)")
         t0 = time.perf_counter()
         snap = self._host_snapshot(state, loader)
         self.stalls.append((state.step, time.perf_counter() - t0))
@@ -212,6 +227,7 @@ class Checkpointer:
             atexit.register(shutil.rmtree, self._stage_root, True)
         stage = ck.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
+        result["times"] = {"step": state.step, "saved": time.time()}  # checkpoint_timeline's row
         if blocking or not self.cfg.async_checkpoint:
             self._write_files(snap, stage, result)
             self._pending = (state.step, stage, None, result)
@@ -223,33 +239,23 @@ class Checkpointer:
             self._pending = (state.step, stage, thread, result)
 
     def _host_snapshot(self, state: TrainState, loader) -> dict:
-        """Copy everything a checkpoint holds to host memory; training may go on afterwards.
-        On a GPU the copies go into pinned buffers allocated once (reused: at most one save is
-        in flight) and run asynchronously; one stream sync ends the stall."""
+        """The state at this step: the small values copied here, the tensors captured by
+        `StateSnapshot` (on a GPU a device-side copy the training thread does not wait for;
+        the writer thread brings it to the host, `_write_files`)."""
         opt = self.opt
-        tensors = {"m": opt.m, "v": opt.v, "master": opt.master,
-                   "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None}
-        snap = {"step": state.step, "rng_state": state.rng_state,
+        self._snapshot.capture({
+            "m": opt.m, "v": opt.v, "master": opt.master,
+            "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None})
+        return {"step": state.step, "rng_state": state.rng_state,
                 "rng_state_last_update": state.rng_state_last_update,
                 "loader_state": loader.state_dict(), "extras": state.extras()}
-        for name, t in tensors.items():
-            if t is None:
-                snap[name] = None
-                continue
-            buf = self._host_buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                self._host_buffers[name] = buf
-            buf.copy_(t.detach(), non_blocking=t.is_cuda)
-            snap[name] = buf
-        if self.flat.params.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        return snap
 
     def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
         """Background thread: serialise this rank's files into `stage`, hashing them."""
         t0 = time.perf_counter()
         try:
+            snap = {**snap, **self._snapshot.to_host()}  # the tensors as of the step
+            result["host_copy_s"] = time.perf_counter() - t0
             step = snap["step"]
             hashes = {}
             name = ck.state_file(step, self.rank)
@@ -274,6 +280,7 @@ class Checkpointer:
             fsync_directory(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
+            result["times"]["written"] = time.time()
         except BaseException as e:  # reported by the training thread, never swallowed
             result["error"] = e
 
@@ -303,9 +310,13 @@ class Checkpointer:
         # store the appended history first (object stores buffer it, see RunDir): the stored
         # loss_history.jsonl is then at least as new as any checkpoint a resume can pick
         self.run_dir.flush()
+        times = result["times"]
+        times["published"] = time.time()
         self.session.report_checkpoint({**metrics, "checkpoint_step": step}, str(stage),
-                                       ck.step_dir(step), result["hashes"], meta)
+                                       ck.step_dir(step), result["hashes"], meta, times)
+        times["publish_s"] = time.time() - times["published"]
         self.published.append(step)
+        self.timeline.append(times)
 
     def wait_and_publish(self, metrics: dict | None = None) -> None:
         if self._pending is not None:
