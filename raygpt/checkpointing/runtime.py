@@ -274,9 +274,10 @@ class Checkpointer:
             if snap["params"] is not None:
                 name = ck.model_file(step)
                 dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
-                write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
-                hashes[name] = {"sha256": _sha256_file(stage / name),
-                                "size": (stage / name).stat().st_size}
+                h = hashlib.sha256()  # fed while writing: the file is never read back
+                write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype,
+                                           hasher=h)
+                hashes[name] = {"sha256": h.hexdigest(), "size": (stage / name).stat().st_size}
             fsync_directory(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
@@ -583,10 +584,3 @@ class Checkpointer:
         loader.add_skip_ranges(skips)
         state.spike_samples = []
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

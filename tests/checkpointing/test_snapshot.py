@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raygpt.checkpointing import snapshot
-from raygpt.checkpointing.protocol import model_file, state_file, step_dir
+from raygpt.checkpointing.protocol import model_file, state_file, step_dir, verify_checkpoint
 from raygpt.checkpointing.snapshot import StateSnapshot, fits_on_device
 from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
@@ -73,6 +73,8 @@ def test_a_checkpoint_saves_the_state_at_its_step_while_training_overwrites_it(t
     assert sf.rng_state == rng_at_step
     _, weights = read_model_file_flat((sdir / model_file(4)).read_bytes(), "model")
     assert torch.equal(weights.to(at_step["params"].dtype), at_step["params"])
+    # the sha256 the writer fed while writing (nothing read back) is the stored files' own
+    assert verify_checkpoint(open_run_dir(str(run_dir)), 4, hashes=True) == []
 
 
 def test_the_snapshot_buffers_are_allocated_once_and_reused():
