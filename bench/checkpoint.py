@@ -234,6 +234,9 @@ def ray_bench(args) -> list[dict]:
             # rank 0's peak tensor memory (the end record; None on CPUs): ZeRO-1's saving
             peak = next((r.get("peak_memory_gib") for r in reversed(recs) if r["kind"] == "end"), None)
             parts = _done_breakdown(root, summary.get("checkpoint_timeline", []), t_step, args)
+            # the training thread's time in ray.train.report (a barrier of the ranks) per checkpoint
+            reports = [t["publish_s"] for t in summary.get("checkpoint_timeline", []) if "publish_s" in t]
+            parts["report_s"] = statistics.mean(reports) if reports else float("nan")
             t0 = time.time()
             run(TrainConfig(**{**base, "max_steps": args.steps + 2, "resume": 1}).resolve(0))
             recs2 = _records(root)
@@ -284,10 +287,11 @@ def _records(root: Path) -> list[dict]:
 def print_ray(rows, args):
     print(f"\nRay runs: {args.model} T={args.seq_len} B={args.batch} on {args.device}, "
           f"checkpoint every {args.every} of {args.steps} steps")
-    print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'waited s':>8} {'step->DONE s':>12} "
+    print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'waited s':>8} {'report s':>8} {'step->DONE s':>12} "
           f"{'max step->DONE s':>16} {'resume->1st step s':>18} {'peak GiB':>8}")
     for r in rows:
         print(f"{r['world']:>5} {r['step_s']:>13.3f} {r['stall_s']:>8.4f} {r.get('wait_s', 0):>8.3f}"
+              f" {r.get('report_s', float('nan')):>8.3f}"
               f" {r['step_to_done_s']:>12.2f}"
               f" {r['max_step_to_done_s']:>16.2f} {r['resume_to_first_step_s']:>18.2f}"
               f" {r['peak_gib'] if r['peak_gib'] is not None else '-':>8}")

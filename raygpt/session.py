@@ -40,6 +40,8 @@ class Session:
 
     # the least time between two reports of train metrics (raygpt.runlog.reporter); 0: at every log step
     metrics_interval_s: float = 0.0
+    # time.monotonic() of this rank's last checkpoint report (a metrics report waits behind it)
+    last_checkpoint_report: float = float("-inf")
 
     def report_metrics(self, metrics: dict) -> None:
         """Publish metrics (every rank calls this at the same steps)."""

@@ -96,6 +96,7 @@ class RaySession(Session):
         # run directory is on this machine's filesystem with the staging directory (the files
         # were fsynced where they were written: nothing is copied or flushed again), else by
         # Ray's copy (pyarrow; the finalizer makes the copies durable before DONE).
+        self.last_checkpoint_report = time.monotonic()  # train metrics keep their distance
         dest = rename_destination(self.run_dir, local_dir, dir_name)
         upload = None if dest is None else functools.partial(store_by_rename, dest=dest, times=times)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(local_dir),
