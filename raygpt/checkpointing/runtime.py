@@ -222,10 +222,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, loader, *, blocking: bool) -> None:
+        writing = self._pending is not None and self.ready() == 0.0
         t0 = time.perf_counter()
         self.wait_and_publish()  # at most one checkpoint in flight (its buffers are reused)
         waited = time.perf_counter() - t0
-        if waited > 0.001:
+        if writing:  # the previous checkpoint's writer was still busy: training waited for it
             self.waits.append((state.step, waited))
             if len(self.waits) == 1 and self.rank == 0:
                 log.warning(f"raygpt | WARNING: checkpoint {state.step}: the previous checkpoint "
@@ -269,7 +270,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             snap = {**snap, **self._snapshot.to_host()}  # the tensors as of the step
-            result["host_copy_s"] = time.perf_counter() - t0
+            result["times"]["host_copy_s"] = time.perf_counter() - t0
             step = snap["step"]
             # rank 0's model file is written on a helper thread while the state file is written
             # here, and the state file is hashed on the other helper while it is written

@@ -15,7 +15,7 @@ only. The device buffers are reused at the next `capture` only, which the checkp
 after the previous writer finished (at most one checkpoint in flight).
 
 The device buffers cost the size of this rank's checkpointed tensors in GPU memory. When the
-GPU's free memory cannot hold them with `HEADROOM` to spare, the snapshot copies straight into
+GPU's free memory cannot hold them with `HEADROOM_BYTES` to spare, the snapshot copies straight into
 pinned host memory on the training thread and waits for it (the stall of a device-to-host copy),
 and says so once in the log. On a CPU the "device" buffers are host memory: `capture` is the
 copy, `to_host` hands the buffers over, and the same two halves run.

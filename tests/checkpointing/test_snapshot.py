@@ -27,7 +27,8 @@ def test_a_checkpoint_saves_the_state_at_its_step_while_training_overwrites_it(t
     """A real async save through the checkpointer (LocalSession): the writer thread is held
     before it takes the tensors to the host, the training thread meanwhile overwrites m, v and
     the weights in place (as the next optimizer step does) and moves the RNG on; the files then
-    hold the values of the step saved, not the later ones."""
+    hold the values of the step saved, not the later ones. The next checkpoint, due meanwhile,
+    waits for the writer before it reuses the buffers, and the wait is recorded."""
     from raygpt.loop import build_run
     from raygpt.session import LocalSession
     from tests.helpers import tiny_config
@@ -60,21 +61,32 @@ def test_a_checkpoint_saves_the_state_at_its_step_while_training_overwrites_it(t
                 if t is not None:
                     t.mul_(-3.0).add_(1.0)
         r.state.rng_state += 12345
-        held.set()
+        # the next checkpoint comes due while the writer still holds the first one's buffers:
+        # it must wait (the buffers are reused), and it says how long
+        r.state.step = 5
+        at_5 = {k: (None if t is None else t.clone()) for k, t in _live(r).items()}
+        threading.Timer(0.5, held.set).start()
+        ck.save(r.state, r.train_loader, blocking=False)
+        with torch.no_grad():
+            for t in _live(r).values():
+                if t is not None:
+                    t.add_(7.0)
         ck.finish()  # join, publish, finalize (LocalSession)
+    assert [s for s, _ in ck.waits] == [5] and ck.waits[0][1] >= 0.3
 
-    sdir = run_dir / step_dir(4)
-    sf = read_state_file((sdir / state_file(4, 0)).read_bytes(), num_parameters=r.opt.hi - r.opt.lo,
-                         expect_processes=1, expect_rank=0)
-    assert torch.equal(torch.from_numpy(sf.m), at_step["m"])
-    assert torch.equal(torch.from_numpy(sf.v), at_step["v"])
-    if at_step["master"] is not None:
-        assert torch.equal(torch.from_numpy(sf.master), at_step["master"])
-    assert sf.rng_state == rng_at_step
-    _, weights = read_model_file_flat((sdir / model_file(4)).read_bytes(), "model")
-    assert torch.equal(weights.to(at_step["params"].dtype), at_step["params"])
-    # the sha256 the writer fed while writing (nothing read back) is the stored files' own
-    assert verify_checkpoint(open_run_dir(str(run_dir)), 4, hashes=True) == []
+    for step, expected, rng in ((4, at_step, rng_at_step), (5, at_5, rng_at_step + 12345)):
+        sdir = run_dir / step_dir(step)
+        sf = read_state_file((sdir / state_file(step, 0)).read_bytes(),
+                             num_parameters=r.opt.hi - r.opt.lo, expect_processes=1, expect_rank=0)
+        assert torch.equal(torch.from_numpy(sf.m), expected["m"]), step
+        assert torch.equal(torch.from_numpy(sf.v), expected["v"]), step
+        if expected["master"] is not None:
+            assert torch.equal(torch.from_numpy(sf.master), expected["master"])
+        assert sf.rng_state == rng
+        _, weights = read_model_file_flat((sdir / model_file(step)).read_bytes(), "model")
+        assert torch.equal(weights.to(expected["params"].dtype), expected["params"]), step
+        # the sha256 the writer fed while writing (nothing read back) is the stored files' own
+        assert verify_checkpoint(open_run_dir(str(run_dir)), step, hashes=True) == []
 
 
 def test_the_snapshot_buffers_are_allocated_once_and_reused():
