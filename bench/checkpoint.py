@@ -17,7 +17,14 @@ checkout has it; else `find_latest_verified` + its own state file, as the old re
 checkpointing every `--every` steps. Per world size: the training stall per checkpoint (host
 copies, from the summary), the time from the step a checkpoint was taken (its train record) to
 its DONE file, and the resume time to the first step (a second run with -y 1: from the call to
-the first train record of the resumed attempt).
+the first train record of the resumed attempt). The stall is the training thread's time in the
+checkpoint's capture (on a GPU the device-side copy's GPU time lands in the next step instead);
+"waited" is its time waiting for the previous checkpoint when checkpoints come faster than they
+are written. step -> DONE is broken down from rank 0's checkpoint timeline: the end of the step
+to the capture, the capture to the files written (background thread), written to reported (the
+ranks agree at the next step), reported to stored in the run directory (Ray's upload thread: a
+rename on one filesystem, else a copy), stored to DONE (the other ranks, Ray's controller poll,
+the finalizer).
 
     python bench/checkpoint.py --mode ray --world-sizes 1,2,4 [--model d2 --seq-len 64]
     python bench/checkpoint.py --mode ray --world-sizes 2 --device gpu --model d12 --seq-len 1024 \
@@ -222,9 +229,14 @@ def ray_bench(args) -> list[dict]:
                     lat.append(done.stat().st_mtime - t_step[s - 1])
             n_saves = max(1, summary.get("checkpoints_written", len(lat)))
             stall = summary.get("checkpoint_stall_s", float("nan")) / n_saves
+            waited = sum(w for _, w in summary.get("checkpoint_waits", [])) / n_saves
             dts = sorted(r["dt"] for r in recs if r["kind"] == "train")
             # rank 0's peak tensor memory (the end record; None on CPUs): ZeRO-1's saving
             peak = next((r.get("peak_memory_gib") for r in reversed(recs) if r["kind"] == "end"), None)
+            parts = _done_breakdown(root, summary.get("checkpoint_timeline", []), t_step, args)
+            # the training thread's time in ray.train.report (a barrier of the ranks) per checkpoint
+            reports = [t["publish_s"] for t in summary.get("checkpoint_timeline", []) if "publish_s" in t]
+            parts["report_s"] = statistics.mean(reports) if reports else float("nan")
             t0 = time.time()
             run(TrainConfig(**{**base, "max_steps": args.steps + 2, "resume": 1}).resolve(0))
             recs2 = _records(root)
@@ -233,12 +245,39 @@ def ray_bench(args) -> list[dict]:
             rows.append({"world": n, "step_s": dts[len(dts) // 2], "stall_s": stall,
                          "step_to_done_s": statistics.mean(lat) if lat else float("nan"),
                          "max_step_to_done_s": max(lat) if lat else float("nan"),
-                         "resume_to_first_step_s": first - t0,
-                         "load_s": summary.get("checkpoint_load_s"), "peak_gib": peak})
+                         "resume_to_first_step_s": first - t0, "wait_s": waited,
+                         "load_s": summary.get("checkpoint_load_s"), "peak_gib": peak, **parts})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+# the parts of step -> DONE, in order, from rank 0's checkpoint timeline (the summary's
+# checkpoint_timeline: wall times of each checkpoint's capture, files written, report and
+# files stored) and the DONE file's mtime
+DONE_PARTS = (("to_save", "step end -> captured"), ("write", "captured -> written"),
+              ("agree", "written -> reported"), ("store", "reported -> stored"),
+              ("to_done", "stored -> DONE"))
+
+
+def _done_breakdown(root: Path, timeline: list[dict], t_step: dict, args) -> dict:
+    """Mean seconds of each DONE_PARTS over the periodic checkpoints (the last, blocking one
+    is left out like in step -> DONE)."""
+    rows = []
+    for t in timeline:
+        s = t["step"]
+        done = root / ck.step_dir(s) / ck.done_file(s)
+        if s % args.every or s == args.steps or not done.exists() or (s - 1) not in t_step:
+            continue
+        marks = [t_step[s - 1], t["saved"], t.get("written"), t.get("published"), t.get("stored"),
+                 done.stat().st_mtime]
+        if None in marks:
+            continue
+        rows.append([b - a for a, b in zip(marks, marks[1:])])
+    if not rows:
+        return {}
+    return {f"{key}_s": statistics.mean(r[i] for r in rows) for i, (key, _) in enumerate(DONE_PARTS)}
 
 
 def _records(root: Path) -> list[dict]:
@@ -248,12 +287,19 @@ def _records(root: Path) -> list[dict]:
 def print_ray(rows, args):
     print(f"\nRay runs: {args.model} T={args.seq_len} B={args.batch} on {args.device}, "
           f"checkpoint every {args.every} of {args.steps} steps")
-    print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'step->DONE s':>12} "
+    print(f"{'world':>5} {'median step s':>13} {'stall s':>8} {'waited s':>8} {'report s':>8} {'step->DONE s':>12} "
           f"{'max step->DONE s':>16} {'resume->1st step s':>18} {'peak GiB':>8}")
     for r in rows:
-        print(f"{r['world']:>5} {r['step_s']:>13.3f} {r['stall_s']:>8.4f} {r['step_to_done_s']:>12.2f}"
+        print(f"{r['world']:>5} {r['step_s']:>13.3f} {r['stall_s']:>8.4f} {r.get('wait_s', 0):>8.3f}"
+              f" {r.get('report_s', float('nan')):>8.3f}"
+              f" {r['step_to_done_s']:>12.2f}"
               f" {r['max_step_to_done_s']:>16.2f} {r['resume_to_first_step_s']:>18.2f}"
               f" {r['peak_gib'] if r['peak_gib'] is not None else '-':>8}")
+    print("\nstep -> DONE, mean seconds per part (rank 0's timeline; the DONE file's mtime)")
+    print(f"{'world':>5} " + " ".join(f"{label:>20}" for _, label in DONE_PARTS))
+    for r in rows:
+        print(f"{r['world']:>5} " + " ".join(
+            f"{r[key + '_s']:>20.3f}" if key + "_s" in r else f"{'-':>20}" for key, _ in DONE_PARTS))
 
 
 # ---------------------------------------------------------------------------------- gpu1 mode

@@ -447,6 +447,7 @@ def finish(r: Run, elapsed: float) -> dict:
                "checkpoint_stall_s": ckpt.stall_seconds, "checkpoint_stalls": ckpt.stalls,
                "checkpoints_written": len(ckpt.write_seconds),
                "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
+               "checkpoint_waits": ckpt.waits, "checkpoint_timeline": ckpt.timeline,
                "attempt": r.runlog.attempt,
                # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
                "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30

@@ -10,6 +10,7 @@ without Ray, which publishes a checkpoint by copying it into the run directory i
 from __future__ import annotations
 
 import shutil
+import time
 
 import torch
 
@@ -39,15 +40,19 @@ class Session:
 
     # the least time between two reports of train metrics (raygpt.runlog.reporter); 0: at every log step
     metrics_interval_s: float = 0.0
+    # time.monotonic() of this rank's last checkpoint report (a metrics report waits behind it)
+    last_checkpoint_report: float = float("-inf")
 
     def report_metrics(self, metrics: dict) -> None:
         """Publish metrics (every rank calls this at the same steps)."""
 
     def report_checkpoint(self, metrics: dict, local_dir: str, dir_name: str,
-                          file_hashes: dict, manifest_meta: dict | None) -> None:
+                          file_hashes: dict, manifest_meta: dict | None,
+                          times: dict | None = None) -> None:
         """Publish the files of one checkpoint that this rank staged in `local_dir`; every rank
         calls this at the same step. Must leave DONE and MANIFEST to whoever knows all ranks'
-        files are stored."""
+        files are stored. `times` (the checkpoint's timeline row) may get the wall time at which
+        this rank's files were stored ("stored"), for bench/checkpoint.py."""
         raise NotImplementedError
 
     def poll_requests(self) -> tuple[bool, bool]:
@@ -72,9 +77,12 @@ class LocalSession(Session):
         self.run_dir = run_dir
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta):
+    def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta,
+                          times=None):
         from raygpt.checkpointing.protocol import finalize_checkpoint
 
         self.run_dir.upload_dir(local_dir, dir_name)
+        if times is not None:
+            times["stored"] = time.time()
         shutil.rmtree(local_dir, ignore_errors=True)
         finalize_checkpoint(self.run_dir, manifest_meta["step"], file_hashes, manifest_meta)

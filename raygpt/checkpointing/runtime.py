@@ -2,7 +2,8 @@
 across world sizes and ZeRO, rewind; the files and their rules are raygpt.checkpointing.protocol's.
 
 Save (every rank, at the same step):
- 1. copy the state to host memory at the step boundary (the only training stall),
+ 1. copy the state at the step boundary (`snapshot.StateSnapshot`: on a GPU one device-side
+    copy the training thread does not wait for; the writer thread brings it to the host),
  2. write this rank's files (state file; rank 0 also the model file) into a private local staging
     directory on a background thread, hashing them as they are written,
  3. once every rank's write has finished (agreed through the loop's per-step collective), every
@@ -28,6 +29,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ import torch
 
 from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
@@ -95,18 +98,31 @@ def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it."""
+    """A write-only file that hashes what passes through it. Large writes go in chunks, each
+    hashed on a helper thread while it is written here (hashlib and the file write both release
+    the GIL): the hash costs next to no time on top of the write."""
 
-    def __init__(self, f):
+    CHUNK = 16 << 20
+
+    def __init__(self, f, pool=None):
         self.f, self.h, self.size = f, hashlib.sha256(), 0
+        self.pool = pool  # a one-thread executor, or None: hash then write
 
     def writable(self):
         return True
 
     def write(self, b):
-        self.h.update(b)
-        self.size += len(b)
-        return self.f.write(b)
+        view = memoryview(b).cast("B")
+        for lo in range(0, len(view), self.CHUNK):
+            chunk = view[lo:lo + self.CHUNK]
+            hashed = self.pool.submit(self.h.update, chunk) if self.pool else None
+            if hashed is None:
+                self.h.update(chunk)
+            self.f.write(chunk)
+            if hashed is not None:
+                hashed.result()
+        self.size += len(view)
+        return len(view)
 
 
 # How long a rewind waits for the driver to complete a checkpoint this attempt reported.
@@ -149,7 +165,11 @@ class Checkpointer:
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
         self._stage_root: Path | None = None  # private to this user and run (made at first save)
-        self._host_buffers: dict[str, torch.Tensor] = {}
+        self._snapshot = StateSnapshot()  # the tensors' copy at a checkpoint's step (reused)
+        # per checkpoint, wall times: saved (captured), written (files staged), published
+        # (reported), and what the session adds (e.g. stored: in storage, Ray's upload done)
+        self.timeline: list[dict] = []
+        self.waits: list[tuple[int, float]] = []  # (step, training time waiting on the last one)
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
         self.trajectory = uuid.uuid4().hex
 
@@ -202,7 +222,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, loader, *, blocking: bool) -> None:
-        self.wait_and_publish()  # at most one checkpoint in flight
+        writing = self._pending is not None and self.ready() == 0.0
+        t0 = time.perf_counter()
+        self.wait_and_publish()  # at most one checkpoint in flight (its buffers are reused)
+        waited = time.perf_counter() - t0
+        if writing:  # the previous checkpoint's writer was still busy: training waited for it
+            self.waits.append((state.step, waited))
+            if len(self.waits) == 1 and self.rank == 0:
+                log.warning(f"raygpt | WARNING: checkpoint {state.step}: the previous checkpoint "
+                            f"was still being written; training waited {waited:.2f} s for it "
+                            f"(checkpoints come faster than they are written: raise "
+                            f"--checkpoint-every)")
         t0 = time.perf_counter()
         snap = self._host_snapshot(state, loader)
         self.stalls.append((state.step, time.perf_counter() - t0))
@@ -212,6 +242,7 @@ class Checkpointer:
             atexit.register(shutil.rmtree, self._stage_root, True)
         stage = ck.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
+        result["times"] = {"step": state.step, "saved": time.time()}  # checkpoint_timeline's row
         if blocking or not self.cfg.async_checkpoint:
             self._write_files(snap, stage, result)
             self._pending = (state.step, stage, None, result)
@@ -223,59 +254,59 @@ class Checkpointer:
             self._pending = (state.step, stage, thread, result)
 
     def _host_snapshot(self, state: TrainState, loader) -> dict:
-        """Copy everything a checkpoint holds to host memory; training may go on afterwards.
-        On a GPU the copies go into pinned buffers allocated once (reused: at most one save is
-        in flight) and run asynchronously; one stream sync ends the stall."""
+        """The state at this step: the small values copied here, the tensors captured by
+        `StateSnapshot` (on a GPU a device-side copy the training thread does not wait for;
+        the writer thread brings it to the host, `_write_files`)."""
         opt = self.opt
-        tensors = {"m": opt.m, "v": opt.v, "master": opt.master,
-                   "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None}
-        snap = {"step": state.step, "rng_state": state.rng_state,
+        self._snapshot.capture({
+            "m": opt.m, "v": opt.v, "master": opt.master,
+            "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None})
+        return {"step": state.step, "rng_state": state.rng_state,
                 "rng_state_last_update": state.rng_state_last_update,
                 "loader_state": loader.state_dict(), "extras": state.extras()}
-        for name, t in tensors.items():
-            if t is None:
-                snap[name] = None
-                continue
-            buf = self._host_buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                self._host_buffers[name] = buf
-            buf.copy_(t.detach(), non_blocking=t.is_cuda)
-            snap[name] = buf
-        if self.flat.params.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        return snap
 
     def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
         """Background thread: serialise this rank's files into `stage`, hashing them."""
         t0 = time.perf_counter()
         try:
+            snap = {**snap, **self._snapshot.to_host()}  # the tensors as of the step
+            result["times"]["host_copy_s"] = time.perf_counter() - t0
             step = snap["step"]
-            hashes = {}
-            name = ck.state_file(step, self.rank)
-            with open(stage / name, "wb") as f:
-                hw = _HashingWriter(f)
-                write_state_file(
-                    hw, step=step, num_processes=self.world, process_rank=self.rank,
-                    rng_state=snap["rng_state"], rng_state_last_update=snap["rng_state_last_update"],
-                    m=snap["m"].numpy(), v=snap["v"].numpy(),
-                    master=snap["master"].numpy() if snap["master"] is not None else None,
-                    loader_state=snap["loader_state"], extras=snap["extras"])
-                f.flush()
-                os.fsync(f.fileno())  # durable before it is reported (the model file's writer
-                # fsyncs its own file and its rename)
-            hashes[name] = {"sha256": hw.h.hexdigest(), "size": hw.size}
-            if snap["params"] is not None:
-                name = ck.model_file(step)
-                dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
-                write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype)
-                hashes[name] = {"sha256": _sha256_file(stage / name),
-                                "size": (stage / name).stat().st_size}
+            # rank 0's model file is written on a helper thread while the state file is written
+            # here, and the state file is hashed on the other helper while it is written
+            with ThreadPoolExecutor(2, thread_name_prefix=f"raygpt-ckpt-{step}-io") as pool:
+                model = (pool.submit(self._write_model_file, snap, stage)
+                         if snap["params"] is not None else None)
+                name = ck.state_file(step, self.rank)
+                with open(stage / name, "wb") as f:
+                    hw = _HashingWriter(f, pool)
+                    write_state_file(
+                        hw, step=step, num_processes=self.world, process_rank=self.rank,
+                        rng_state=snap["rng_state"],
+                        rng_state_last_update=snap["rng_state_last_update"],
+                        m=snap["m"].numpy(), v=snap["v"].numpy(),
+                        master=snap["master"].numpy() if snap["master"] is not None else None,
+                        loader_state=snap["loader_state"], extras=snap["extras"])
+                    f.flush()
+                    os.fsync(f.fileno())  # durable before it is reported (the model file's
+                    # writer fsyncs its own file and its rename)
+                hashes = {name: {"sha256": hw.h.hexdigest(), "size": hw.size}}
+                if model is not None:
+                    hashes.update(model.result())
             fsync_directory(stage)  # the staged names too
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
+            result["times"]["written"] = time.time()
         except BaseException as e:  # reported by the training thread, never swallowed
             result["error"] = e
+
+    def _write_model_file(self, snap: dict, stage: Path) -> dict:
+        """Rank 0's model file of the snapshot into `stage`; {name: sha256 and size}."""
+        name = ck.model_file(snap["step"])
+        dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        h = hashlib.sha256()  # fed while writing: the file is never read back
+        write_model_file_from_flat(stage / name, self.model_config, snap["params"], dtype, hasher=h)
+        return {name: {"sha256": h.hexdigest(), "size": (stage / name).stat().st_size}}
 
     def ready(self) -> float:
         """1.0 when no checkpoint is in flight or this rank's files are written (agreed by all)."""
@@ -303,9 +334,13 @@ class Checkpointer:
         # store the appended history first (an object store's segments are buffered, see
         # runlog.segments): the stored history is then as new as any checkpoint a resume can pick
         self.run_dir.flush()
+        times = result["times"]
+        times["published"] = time.time()
         self.session.report_checkpoint({**metrics, "checkpoint_step": step}, str(stage),
-                                       ck.step_dir(step), result["hashes"], meta)
+                                       ck.step_dir(step), result["hashes"], meta, times)
+        times["publish_s"] = time.time() - times["published"]
         self.published.append(step)
+        self.timeline.append(times)
 
     def wait_and_publish(self, metrics: dict | None = None) -> None:
         if self._pending is not None:
@@ -572,10 +607,3 @@ class Checkpointer:
         loader.add_skip_ranges(skips)
         state.spike_samples = []
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

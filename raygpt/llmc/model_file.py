@@ -95,10 +95,13 @@ def write_model_file(path, model: GPT, dtype: torch.dtype = torch.float32) -> No
                 _write_values(f, p.detach().reshape(-1), dtype)
 
 
-def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.dtype = torch.float32) -> None:
+def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.dtype = torch.float32,
+                               hasher=None) -> None:
     """Write an llm.c model file from a flat parameter buffer already in llm.c order (the
     checkpointer's host copy): a torch tensor of any float dtype, a float32 numpy array, or a
-    uint16/int16 numpy array holding raw bf16 bits. Atomic like write_model_file."""
+    uint16/int16 numpy array holding raw bf16 bits. Atomic like write_model_file. `hasher` (a
+    hashlib object), if given, is fed every byte written (the checkpointer's sha256 without
+    reading the file back)."""
     if isinstance(flat_params, np.ndarray):
         if flat_params.dtype in (np.uint16, np.int16):  # numpy has no bf16: raw bits
             flat = torch.from_numpy(np.ascontiguousarray(flat_params).view(np.int16)).view(torch.bfloat16)
@@ -115,8 +118,21 @@ def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.d
         raise ModelFileError(path, "flat_params", "a floating-point buffer", flat.dtype)
     header = model_header(cfg, dtype)
     with atomic_local_file(path) as f:
+        if hasher is not None:
+            f = _Hashed(f, hasher)
         f.write(header.tobytes())
         _write_values(f, flat, dtype)
+
+
+class _Hashed:
+    """A binary file's write() that feeds a hash too."""
+
+    def __init__(self, f, hasher):
+        self.f, self.hasher = f, hasher
+
+    def write(self, b):
+        self.hasher.update(b)
+        return self.f.write(b)
 
 
 def read_model_header(path) -> tuple[GPTConfig, torch.dtype]:

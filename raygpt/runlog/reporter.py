@@ -17,7 +17,7 @@ where each event goes:
 Ray gets the train metrics (step, train_loss, lr, grad_norm, tok_per_s) at log steps, at most
 one report per `session.metrics_interval_s`: `ray.train.report` is a barrier of every rank and
 Ray Train's controller takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so a
-report per step would hold every step for the poll. Rank 0 decides from its clock
+report per step would hold every step for the poll (a checkpoint's report counts too). Rank 0 decides from its clock
 (`wants_ray_report`), and the loop agrees on the decision in the step's one collective, so every
 rank reports at the same steps.
 """
@@ -116,9 +116,12 @@ class Reporter:
             f"  | {line}" for line in printable(text).split("\n")))
 
     def wants_ray_report(self, step: int) -> bool:
-        """Rank 0's vote, for the step's collective: report this step's metrics to Ray?"""
+        """Rank 0's vote, for the step's collective: report this step's metrics to Ray? A
+        checkpoint's report counts as a report (`Session.last_checkpoint_report`): it shares
+        the queue of one, and metrics behind it would wait for the controller's poll."""
+        last = max(self._last_ray_report, self.session.last_checkpoint_report)
         return (self.is_main and self._log_step(step)
-                and time.monotonic() - self._last_ray_report >= self.session.metrics_interval_s)
+                and time.monotonic() - last >= self.session.metrics_interval_s)
 
     def _log_step(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.max_steps - 1

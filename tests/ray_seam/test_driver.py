@@ -44,6 +44,23 @@ def test_two_workers_learn(uninterrupted):
     assert summary["failures"] == 0
 
 
+def test_checkpoints_are_stored_by_rename_and_their_timeline_is_in_the_summary(uninterrupted):
+    """The run directory is Ray's, local, on the staging directory's filesystem (both under the
+    system temp directory here): each rank's files reach it by rename on Ray's upload thread
+    ("stored" in rank 0's timeline: raygpt's upload function ran, not Ray's copy), in order
+    after they were captured, written and reported; the controller polled at raygpt's pace."""
+    run_dir, cfg, summary = uninterrupted
+    rows = summary["checkpoint_timeline"]
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    for r in rows:
+        if r["step"] == 12:  # the summary is made before the last upload (async) is through
+            r.setdefault("stored", r["published"])
+        assert r["saved"] <= r["written"] <= r["published"] <= r["stored"], r
+        done = run_dir / ck.step_dir(r["step"]) / ck.done_file(r["step"])
+        assert done.stat().st_mtime >= r["stored"] - 0.01  # DONE after rank 0's files were stored
+    assert summary["checkpoint_waits"] == []  # no checkpoint waited for the one before
+
+
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     two = tiny_config(tmp_path / "two", num_workers=2, max_steps=4, checkpoint_every=0, shuffle=False)
     one = tiny_config(tmp_path / "one", num_workers=1, batch_size=8, max_steps=4,

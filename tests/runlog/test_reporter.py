@@ -92,3 +92,23 @@ def test_compile_notice_before_the_first_step_and_its_time_after(tmp_path, capsy
     assert notice < first_val < done < first_step
     assert float(lines[done].rsplit("after ", 1)[1].split(" s")[0]) > 0
     assert sum("torch.compile" in l for l in lines) == 2
+
+
+def test_a_checkpoint_report_holds_the_next_train_report_back_like_a_train_report():
+    """Ray's worker queue holds one report: train metrics right behind a checkpoint's report
+    would wait (on the training thread) for the controller's next poll."""
+    import math
+    import time
+    from types import SimpleNamespace as NS
+
+    from raygpt.runlog.reporter import Reporter
+
+    rep = object.__new__(Reporter)  # only the gate's state
+    rep.is_main, rep.max_steps, rep._last_ray_report = True, 100, -math.inf
+    rep.cfg = NS(log_every=1)
+    rep.session = NS(metrics_interval_s=60.0, last_checkpoint_report=-math.inf)
+    assert rep.wants_ray_report(5)
+    rep.session.last_checkpoint_report = time.monotonic()  # a checkpoint was just reported
+    assert not rep.wants_ray_report(5)
+    rep.session.last_checkpoint_report = time.monotonic() - 61.0
+    assert rep.wants_ray_report(5)
