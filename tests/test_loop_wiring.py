@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ def wiring_config(run_dir, **overrides):
     recorded samples, checkpoints at 2 and 3, a z-loss, the reference loss implementation,
     deterministic switches."""
     base = dict(batch_size=2, seq_len=8, total_batch_size=32, max_steps=STEPS, val_every=2,
-                val_batches=2, sample_every=2, gen_tokens=4, watch_every=2, record_samples=True,
+                val_batches=2, sample_every=2, gen_tokens=4, watch_every=1, record_samples=True,
                 checkpoint_every=2, z_loss=1e-3, loss_impl="reference", grad_clip=CLIP,
                 deterministic=True, warmup_steps=2)
     base.update(overrides)
@@ -227,7 +228,7 @@ def wired(tmp_path_factory):
 # ---------------------------------------------------------------------- the reference run
 
 
-def test_each_step_trains_as_the_reference_loop(wired):
+def check_each_step_trains_as_the_reference_loop(wired):
     ref = wired["ref"]["train"]
     recs = history(wired["run_dir"], "train")
     assert [r["step"] for r in recs] == list(range(STEPS))
@@ -242,7 +243,7 @@ def test_each_step_trains_as_the_reference_loop(wired):
     assert all(want["norm"] > CLIP for want in ref.values())  # the premise: every step clips
 
 
-def test_validation_and_samples_at_their_steps_with_the_reference_values(wired):
+def check_validation_and_samples_at_their_steps_with_the_reference_values(wired):
     ref = wired["ref"]
     vals = history(wired["run_dir"], "val")
     assert {r["step"]: r["val_loss"] for r in vals} == ref["val"]
@@ -253,10 +254,10 @@ def test_validation_and_samples_at_their_steps_with_the_reference_values(wired):
     assert [s["step"] for s in samples] == [2, 3]
 
 
-def test_watch_metrics_every_watch_every_steps(wired):
+def check_watch_metrics_every_watch_every_steps(wired):
     ref = wired["ref"]["watch"]
     watches = history(wired["run_dir"], "watch")
-    assert [w["step"] for w in watches] == [1]
+    assert [w["step"] for w in watches] == [0, 1, 2]
     for w in watches:
         want = ref[w["step"]]
         assert w["clipped_frac"] == want["clipped_frac"] == 1.0
@@ -264,7 +265,7 @@ def test_watch_metrics_every_watch_every_steps(wired):
         assert w["update_ratio"] == want["update_ratio"]
 
 
-def test_checkpoints_hold_the_reference_weights(wired):
+def check_checkpoints_hold_the_reference_weights(wired):
     ref = wired["ref"]
     rd = open_run_dir(str(wired["run_dir"]))
     assert ck.list_checkpoint_steps(rd) == [2, 3]
@@ -274,7 +275,7 @@ def test_checkpoints_hold_the_reference_weights(wired):
         assert sf.step == step
 
 
-def test_the_summary_and_the_end_record(wired):
+def check_the_summary_and_the_end_record(wired):
     s, ref = wired["summary"], wired["ref"]
     assert s["step"] == STEPS and s["max_steps"] == STEPS
     assert s["val_loss"] == ref["val"][STEPS]
@@ -296,7 +297,7 @@ def test_the_summary_and_the_end_record(wired):
     assert "torch.compile" not in log
 
 
-def test_train_sets_the_run_switches_and_hands_the_callers_back(wired):
+def check_train_sets_the_run_switches_and_hands_the_callers_back(wired):
     seen = wired["seen"]
     # during the run (build_run is called after the switches are set)
     assert seen["during"] == (True, False, False, True, True)
@@ -305,9 +306,22 @@ def test_train_sets_the_run_switches_and_hands_the_callers_back(wired):
     assert seen["appends"] == [True]  # rank 0's appends go to the writer thread
 
 
-def test_the_collector_is_frozen_after_the_first_step_and_unfrozen_at_the_end(wired):
+def check_the_collector_is_frozen_after_the_first_step_and_unfrozen_at_the_end(wired):
     assert wired["seen"]["gc"] == ["collect", "freeze", "unfreeze"]
     assert wired["seen"]["freeze_count"] == 0
+
+
+def test_the_run_is_the_reference_loop(wired):
+    """One test for every check of the reference run: mutmut maps a function to the tests that
+    called it, and only the test whose setup ran the module's fixture is mapped to the run's
+    functions, so the checks of that one run live in one test."""
+    check_each_step_trains_as_the_reference_loop(wired)
+    check_validation_and_samples_at_their_steps_with_the_reference_values(wired)
+    check_watch_metrics_every_watch_every_steps(wired)
+    check_checkpoints_hold_the_reference_weights(wired)
+    check_the_summary_and_the_end_record(wired)
+    check_train_sets_the_run_switches_and_hands_the_callers_back(wired)
+    check_the_collector_is_frozen_after_the_first_step_and_unfrozen_at_the_end(wired)
 
 
 # ---------------------------------------------------------------------- resume
@@ -476,3 +490,145 @@ def test_a_non_deterministic_op_is_a_config_error_only_in_deterministic_mode(
     else:
         assert type(err.value) is RuntimeError and str(err.value) == message
         assert unfrozen == []
+
+
+# ---------------------------------------------------------------------- the step's other paths
+
+
+class PollingSession(LocalSession):
+    """A LocalSession whose poll (one a step, in the agreement) asks for a save at step 0 and
+    sends this process a real SIGTERM at step 1; it records the metrics it is given."""
+
+    def __init__(self, run_dir):
+        super().__init__(run_dir, torch.device("cpu"))
+        self.polls, self.metrics = 0, []
+
+    def poll_requests(self):
+        self.polls += 1
+        if self.polls == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # raygpt's handler: a flag, read in the same step
+        return False, self.polls == 1
+
+    def report_metrics(self, metrics):
+        self.metrics.append(metrics)
+
+
+def test_a_save_request_and_a_sigterm_checkpoint_and_stop(tmp_path, monkeypatch):
+    """A save asked for at step 0 is written at step 1 (no periodic checkpoint is due), the
+    SIGTERM of step 1 checkpoints step 2 and stops there; the flags are cleared at the end and
+    the caller's SIGTERM handler is back. The save clock restarts at each checkpoint."""
+    saved = []
+    monkeypatch.setattr(signals.SaveClock, "saved", lambda self: saved.append(1))
+    cfg = wiring_config(tmp_path, max_steps=6, checkpoint_every=1000, val_every=0, sample_every=0,
+                        watch_every=0, record_samples=False, gc_freeze=False)
+    caller = signal.getsignal(signal.SIGTERM)
+    session = PollingSession(open_run_dir(str(tmp_path)))
+    summary = loop.train(cfg, session)
+    assert signal.getsignal(signal.SIGTERM) is caller
+    assert not signals.watch().stop_requested()
+    signal.signal(signal.SIGTERM, caller)
+    assert ck.list_checkpoint_steps(open_run_dir(str(tmp_path))) == [1, 2]
+    assert summary["step"] == 2 and summary["stopped_early"] is True
+    assert summary["checkpoints_written"] == 2 and len(saved) == 2
+    assert [r["step"] for r in history(tmp_path, "train")] == [0, 1]
+    assert session.polls == 2
+    # every trained step is reported (metrics_interval_s 0), with the loss the history has
+    train = {r["step"]: r for r in history(tmp_path, "train")}
+    assert [(m["step"], m["train_loss"], m["lr"], m["grad_norm"]) for m in session.metrics] == [
+        (s, train[s]["loss"], train[s]["lr"], train[s]["norm"]) for s in (0, 1)]
+
+
+def test_lr_scale_scales_the_rate_and_a_nan_step_is_skipped(tmp_path, monkeypatch):
+    """A state whose ledger holds lr_scale 0.5 trains at half the schedule's rate (the rate
+    AdamW is given); a NaN loss (the fault plan, in the micro-step) skips the update."""
+    from raygpt import optim
+    used = []
+    update = optim.ops.adamw_update
+    monkeypatch.setattr(optim.ops, "adamw_update",
+                        lambda *a, lr, **kw: (used.append(lr), update(*a, lr=lr, **kw))[1])
+    fresh = loop.TrainState.fresh
+
+    def halved(cfg):
+        state = fresh(cfg)
+        state.ledger.lr_scale = 0.5
+        return state
+
+    monkeypatch.setattr(loop.TrainState, "fresh", halved)
+    cfg = wiring_config(tmp_path, max_steps=3, checkpoint_every=1000, val_every=0,
+                        sample_every=0, watch_every=0, fault="nan:rank=0,step=1",
+                        allow_fault_injection=True)
+    summary = loop.train(cfg, session_for(tmp_path))
+    sched = [learning_rate(cfg.scheduler, s, peak_lr=cfg.learning_rate,
+                           warmup_steps=cfg.warmup_steps, total_steps=3,
+                           final_lr_frac=cfg.final_lr_frac) for s in range(3)]
+    assert used == [0.5 * sched[0], 0.5 * sched[2]]
+    recs = history(tmp_path, "train")
+    assert [r["lr"] for r in recs] == [0.5 * s for s in sched]
+    assert [r["verdict"] for r in recs] == ["ok", "skip", "ok"] and math.isnan(recs[1]["loss"])
+    assert summary["skips"] == 1 and [r["step"] for r in history(tmp_path, "skip")] == [1]
+
+
+def test_a_spike_rewinds_to_the_checkpoint_before_it(tmp_path):
+    """Under the spike policy a NaN step rewinds: the run goes back to the newest checkpoint
+    before it and trains on from there (the rewind recorded, its checkpoint not written again)."""
+    from raygpt.config import SpikeConfig
+    cfg = wiring_config(tmp_path, max_steps=3, checkpoint_every=1, val_every=0, sample_every=0,
+                        watch_every=0, fault="nan:rank=0,step=2", allow_fault_injection=True,
+                        spike=SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=1))
+    summary = loop.train(cfg, session_for(tmp_path))
+    [rw] = history(tmp_path, "rewind")
+    assert rw["step"] == 2 and rw["to_step"] == 1 and rw["lr_scale"] == 1.0
+    assert [r["step"] for r in history(tmp_path, "train")] == [0, 1, 1, 2]
+    assert summary["rewinds"] == 1 and summary["step"] == 3 and summary["skips"] == 0
+    # 1, 2, then after the rewind to 1 (not written again) 2 of the new trajectory and 3
+    assert summary["checkpoints_written"] == 4
+
+
+def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatch):
+    """torch.compile (a stand-in here: compiling on a CPU takes minutes) wraps the model with
+    static shapes in the configured mode; validation and training call the wrapper, the first
+    step stores the compiled graphs beside the run, and the console says it compiles."""
+    compiled, calls, stored = [], [], []
+
+    class Compiled(torch.nn.Module):  # like torch.compile's wrapper: a module around the model
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *a, **k):
+            calls.append("train" if self.training else "eval")
+            return self.model(*a, **k)
+
+    def fake_compile(model, **kw):
+        compiled.append(kw)
+        return Compiled(model)
+
+    class FakeCache:
+        @classmethod
+        def for_run(cls, cfg, session):
+            return cls()
+
+        def save_if_new(self, run_dir):
+            stored.append(run_dir)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(loop, "CompileCache", FakeCache)
+    cfg = dataclasses.replace(wiring_config(tmp_path, max_steps=2, checkpoint_every=1000,
+                                            val_every=1, sample_every=0, watch_every=0),
+                              compile=True, compile_mode="max-autotune-no-cudagraphs")
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    console = logging.getLogger("raygpt.runlog.reporter")
+    console.addHandler(handler)
+    monkeypatch.setattr(console, "level", logging.INFO)
+    session = session_for(tmp_path)
+    try:
+        loop.train(cfg, session)
+    finally:
+        console.removeHandler(handler)
+    assert compiled == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
+    # validation at 0, 1, 2 (val_batches 2 each) and two steps of two micro-steps
+    assert calls == ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2
+    assert stored == [session.run_dir]
+    assert any("torch.compile: compiling" in line for line in lines)
