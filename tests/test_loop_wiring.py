@@ -31,7 +31,7 @@ import torch._inductor  # noqa: F401  (what torch.use_deterministic_algorithms i
 
 from raygpt import loop, signals, tokenizer
 from raygpt.checkpointing import protocol as ck
-from raygpt.data import DistributedDataLoader, samples_to_ranges
+from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
 from raygpt.model import GPT, GPTConfig
@@ -60,6 +60,32 @@ def wiring_config(run_dir, **overrides):
 
 def session_for(run_dir, cls=LocalSession):
     return cls(open_run_dir(str(run_dir)), torch.device("cpu"))
+
+
+class RecordingSession(LocalSession):
+    """A LocalSession that keeps the metrics it is asked to report (Ray's report in a worker)."""
+
+    def __init__(self, run_dir):
+        super().__init__(open_run_dir(str(run_dir)), torch.device("cpu"))
+        self.metrics = []
+
+    def report_metrics(self, metrics):
+        self.metrics.append(metrics)
+
+
+@contextlib.contextmanager
+def console_lines():
+    """The reporter's console lines (its logger), as a list filled while the block runs."""
+    console = logging.getLogger("raygpt.runlog.reporter")
+    lines, handler, level = [], logging.Handler(logging.INFO), console.level
+    handler.emit = lambda record: lines.append(record.getMessage())
+    console.addHandler(handler)
+    console.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        console.removeHandler(handler)
+        console.setLevel(level)
 
 
 # ---------------------------------------------------------------------- the hand-rolled reference
@@ -190,7 +216,7 @@ def wired(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("wired")
     cfg = wiring_config(run_dir)
     seen = {"gc": [], "appends": [], "during": None, "cublas": None}
-    session = session_for(run_dir)
+    session = RecordingSession(run_dir)
     appends = session.run_dir.background_appends
 
     def recording_appends(enabled):
@@ -198,13 +224,7 @@ def wired(tmp_path_factory):
         return appends(enabled=enabled)
 
     session.run_dir.background_appends = recording_appends
-    console = logging.getLogger("raygpt.runlog.reporter")
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    console.addHandler(handler)
-    with pytest.MonkeyPatch.context() as mp, caller_switches(CALLER):
-        mp.setattr(console, "level", logging.INFO)
+    with pytest.MonkeyPatch.context() as mp, caller_switches(CALLER), console_lines() as lines:
         mp.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
         for name in ("collect", "freeze", "unfreeze"):
             real = getattr(gc, name)
@@ -220,8 +240,8 @@ def wired(tmp_path_factory):
         summary = loop.train(cfg, session)
         seen["after"] = switches()
         seen["freeze_count"] = gc.get_freeze_count()
-    console.removeHandler(handler)
     seen["console"] = "\n".join(lines)
+    seen["metrics"] = session.metrics
     return dict(cfg=cfg, run_dir=run_dir, summary=summary, seen=seen, ref=reference_run(cfg))
 
 
@@ -282,6 +302,10 @@ def check_the_summary_and_the_end_record(wired):
     assert s["stopped_early"] is False and s["skips"] == 0 and s["rewinds"] == 0
     assert s["checkpoints_written"] == 2 and len(s["checkpoint_write_s"]) == 2
     assert [st for st, _ in s["checkpoint_stalls"]] == [2, 3]
+    assert s["checkpoint_stall_s"] == pytest.approx(sum(t for _, t in s["checkpoint_stalls"]))
+    # validation is reported to the surroundings (Ray) with the run's skip and rewind counts
+    assert [m for m in wired["seen"]["metrics"] if "val_loss" in m] == [
+        {"step": st, "val_loss": v, "skips": 0, "rewinds": 0} for st, v in ref["val"].items()]
     assert s["checkpoint_load_s"] == 0.0 and s["attempt"] == 1 and s["peak_memory_gib"] is None
     assert 0 < s["elapsed_s"] < 600
     [end] = history(wired["run_dir"], "end")
@@ -334,7 +358,9 @@ def test_a_resumed_run_continues_as_the_reference(wired, tmp_path):
     shutil.copytree(wired["run_dir"], run_dir)
     shutil.rmtree(run_dir / ck.step_dir(3))
     cfg = wired["cfg"].with_overrides({"output_dir": str(run_dir), "resume": 1})
-    summary = loop.train(cfg, session_for(run_dir))
+    with console_lines() as lines:
+        summary = loop.train(cfg, session_for(run_dir))
+    assert "attempt 2 | resumed from step 2" in lines[0]
     ref = wired["ref"]
     recs = [r for r in history(run_dir, "train") if r["attempt"] == 2]
     assert [r["step"] for r in recs] == [2]
@@ -395,6 +421,10 @@ def test_build_run_without_validation_or_max_steps(tmp_path):
             r = loop.build_run(cfg, session_for(cfg.output_dir), on_exit)
             assert r.val_loader is None
             assert r.max_steps == r.train_loader.tokens_per_epoch // 32 > STEPS
+            assert type(r.max_steps) is int
+    cfg = wiring_config(tmp_path / "one", max_steps=1)
+    with contextlib.ExitStack() as on_exit, signals.handlers_restored():
+        assert loop.build_run(cfg, session_for(cfg.output_dir), on_exit).max_steps == 1
 
 
 def test_a_bf16_run_keeps_bf16_working_weights(tmp_path):
@@ -407,17 +437,18 @@ def test_a_bf16_run_keeps_bf16_working_weights(tmp_path):
 
 def test_build_model_takes_the_performance_fields(tmp_path):
     cfg = wiring_config(tmp_path, loss_impl="fused", ce_kernel=False, ce_chunk_rows=123,
-                        sdpa_backend="flash", embedding_impl="torch", seed=11)
+                        sdpa_backend="flash", embedding_impl="raygpt", seed=11)
     model = loop.build_model(cfg, torch.device("cpu"))
     assert (model.loss_impl, model.ce_kernel, model.ce_chunk_rows) == ("fused", False, 123)
     assert {b.attn.sdpa_backend for b in model.transformer.h} == {"flash"}
-    assert model.embedding_impl == "torch"
+    assert model.embedding_impl == "raygpt"
     ref = GPT(GPTConfig.from_depth(2), init_seed=11)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                   ref.state_dict().values()))
     # "auto" on a CPU is the default kernels, deterministic or not
     auto = loop.build_model(wiring_config(tmp_path, sdpa_backend="auto"), torch.device("cpu"))
     assert {b.attn.sdpa_backend for b in auto.transformer.h} == {"default"}
+    assert auto.embedding_impl == "torch"
 
 
 def test_build_model_loads_a_model_file(tmp_path):
@@ -439,8 +470,10 @@ def test_build_val_loader_feeds_only_the_ranks_with_data(tmp_path):
     assert (vl.rank, vl.world, vl.B, vl.T) == (1, 2, 4, 8)
     # a world larger than the validation set's batches: the ranks past it sit validation out
     big = 10 ** 6
-    assert loop.build_val_loader(cfg, big - 1, big) is None
-    assert loop.build_val_loader(cfg, 0, big) is not None
+    val_world = ranks_with_data([n for _, n in shard_token_counts(cfg.input_val_bin)], 4, 8, big)
+    assert 1 <= val_world < big
+    assert loop.build_val_loader(cfg, val_world, big) is None
+    assert loop.build_val_loader(cfg, val_world - 1, big).world == val_world
 
 
 # ---------------------------------------------------------------------- evaluate, sample_text
@@ -531,6 +564,7 @@ def test_a_save_request_and_a_sigterm_checkpoint_and_stop(tmp_path, monkeypatch)
     assert summary["step"] == 2 and summary["stopped_early"] is True
     assert summary["checkpoints_written"] == 2 and len(saved) == 2
     assert [r["step"] for r in history(tmp_path, "train")] == [0, 1]
+    assert all("samples" not in r for r in history(tmp_path, "train"))  # record_samples off
     assert session.polls == 2
     # every trained step is reported (metrics_interval_s 0), with the loss the history has
     train = {r["step"]: r for r in history(tmp_path, "train")}
@@ -555,7 +589,7 @@ def test_lr_scale_scales_the_rate_and_a_nan_step_is_skipped(tmp_path, monkeypatc
 
     monkeypatch.setattr(loop.TrainState, "fresh", halved)
     cfg = wiring_config(tmp_path, max_steps=3, checkpoint_every=1000, val_every=0,
-                        sample_every=0, watch_every=0, fault="nan:rank=0,step=1",
+                        sample_every=0, watch_every=3, fault="nan:rank=0,step=1",
                         allow_fault_injection=True)
     summary = loop.train(cfg, session_for(tmp_path))
     sched = [learning_rate(cfg.scheduler, s, peak_lr=cfg.learning_rate,
@@ -566,6 +600,22 @@ def test_lr_scale_scales_the_rate_and_a_nan_step_is_skipped(tmp_path, monkeypatc
     assert [r["lr"] for r in recs] == [0.5 * s for s in sched]
     assert [r["verdict"] for r in recs] == ["ok", "skip", "ok"] and math.isnan(recs[1]["loss"])
     assert summary["skips"] == 1 and [r["step"] for r in history(tmp_path, "skip")] == [1]
+    # one watch, after 3 steps: 2 of them clipped (a skipped step's NaN norm clips nothing)
+    [watch] = history(tmp_path, "watch")
+    assert watch["step"] == 2 and watch["clipped_frac"] == 2 / 3
+    assert recs[0]["norm"] > CLIP and recs[2]["norm"] > CLIP
+    # the fault plan knows the run directory: the injection is recorded there
+    assert (tmp_path / "faults" / "nan_r0_s1").exists()
+
+
+def test_an_injected_fault_strikes_before_its_steps_update(tmp_path):
+    from raygpt.faults import InjectedFault
+    cfg = wiring_config(tmp_path, max_steps=3, checkpoint_every=1000, val_every=0,
+                        sample_every=0, watch_every=0, fault="raise:rank=0,step=1",
+                        allow_fault_injection=True)
+    with pytest.raises(InjectedFault):
+        loop.train(cfg, session_for(tmp_path))
+    assert [r["step"] for r in history(tmp_path, "train")] == [0]
 
 
 def test_a_spike_rewinds_to_the_checkpoint_before_it(tmp_path):
@@ -588,7 +638,7 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
     """torch.compile (a stand-in here: compiling on a CPU takes minutes) wraps the model with
     static shapes in the configured mode; validation and training call the wrapper, the first
     step stores the compiled graphs beside the run, and the console says it compiles."""
-    compiled, calls, stored = [], [], []
+    compiled, calls, stored, made = [], [], [], []
 
     class Compiled(torch.nn.Module):  # like torch.compile's wrapper: a module around the model
         def __init__(self, model):
@@ -606,6 +656,7 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
     class FakeCache:
         @classmethod
         def for_run(cls, cfg, session):
+            made.append((cfg, session))
             return cls()
 
         def save_if_new(self, run_dir):
@@ -616,17 +667,10 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
     cfg = dataclasses.replace(wiring_config(tmp_path, max_steps=2, checkpoint_every=1000,
                                             val_every=1, sample_every=0, watch_every=0),
                               compile=True, compile_mode="max-autotune-no-cudagraphs")
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    console = logging.getLogger("raygpt.runlog.reporter")
-    console.addHandler(handler)
-    monkeypatch.setattr(console, "level", logging.INFO)
     session = session_for(tmp_path)
-    try:
+    with console_lines() as lines:
         loop.train(cfg, session)
-    finally:
-        console.removeHandler(handler)
+    assert made == [(cfg, session)]
     assert compiled == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
     # validation at 0, 1, 2 (val_batches 2 each) and two steps of two micro-steps
     assert calls == ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2
