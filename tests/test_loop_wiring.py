@@ -435,10 +435,17 @@ def test_a_bf16_run_keeps_bf16_working_weights(tmp_path):
         assert r.flat.params.dtype == torch.bfloat16 and r.opt.use_master_weights
 
 
-def test_build_model_takes_the_performance_fields(tmp_path):
+def test_build_model_takes_the_performance_fields(tmp_path, monkeypatch):
+    asked = []
+    kernels_for = loop.kernels_for
+    monkeypatch.setattr(loop, "kernels_for",
+                        lambda *a, **kw: (asked.append((a, kw)), kernels_for(*a, **kw))[1])
     cfg = wiring_config(tmp_path, loss_impl="fused", ce_kernel=False, ce_chunk_rows=123,
                         sdpa_backend="flash", embedding_impl="raygpt", seed=11)
     model = loop.build_model(cfg, torch.device("cpu"))
+    # the kernel choice is asked with the run's deterministic mode and the device's type (on a
+    # GPU, deterministic picks raygpt's kernels for "auto")
+    assert asked == [((True, "cpu"), {"sdpa_backend": "flash", "embedding_impl": "raygpt"})]
     assert (model.loss_impl, model.ce_kernel, model.ce_chunk_rows) == ("fused", False, 123)
     assert {b.attn.sdpa_backend for b in model.transformer.h} == {"flash"}
     assert model.embedding_impl == "raygpt"
@@ -676,3 +683,46 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
     assert calls == ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2
     assert stored == [session.run_dir]
     assert any("torch.compile: compiling" in line for line in lines)
+
+
+def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
+    """What a second rank of three builds (the process group's broadcast stood in for: the test is one
+    process): padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
+    clock of its own (only rank 0's wall clock may ask for a checkpoint)."""
+    broadcasts = []
+    monkeypatch.setattr(loop.dist, "broadcast", lambda t, src: broadcasts.append((t, src)))
+
+    class Rank1(LocalSession):
+        rank, world = 1, 3
+
+    cfg = wiring_config(tmp_path, checkpoint_minutes=2.5, zero_stage=1, num_workers=3,
+                        total_batch_size=96)
+    with contextlib.ExitStack() as on_exit, signals.handlers_restored():
+        r = loop.build_run(cfg, Rank1(open_run_dir(str(tmp_path)), torch.device("cpu")), on_exit)
+        assert [(t is r.flat.params, src) for t, src in broadcasts] == [(True, 0)]
+        assert r.flat.num_parameters % 3 != 0 and r.flat.params.numel() % 3 == 0  # padded
+        assert (r.opt.rank, r.opt.world, r.opt.zero_stage) == (1, 3, 1)
+        assert (r.train_loader.rank, r.train_loader.world) == (1, 3)
+        assert (r.val_loader.rank, r.val_loader.world) == (1, 3)
+        assert r.save_clock.interval_s == 0.0 and r.grad_accum == 2
+
+
+def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):
+    """finish() on a CUDA device (stand-ins for the run's parts: no GPU here) reports the
+    allocator's high-water mark in GiB; the summary is what the reporter's end record gets."""
+    from types import SimpleNamespace as NS
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: 3 * 2**29 if device == torch.device("cuda", 0) else None)
+    ended, finished = [], []
+    ckpt = NS(finish=lambda: finished.append(1), stall_seconds=0.5, stalls=[(4, 0.5)],
+              write_seconds=[0.25, 0.5], load_seconds=0.125)
+    r = NS(state=NS(step=4, skips=1, ledger=NS(rewinds=2)), ckpt=ckpt, max_steps=5,
+           session=NS(device=torch.device("cuda", 0)), val_loss=3.5,
+           runlog=NS(attempt=3, end=ended.append))
+    summary = loop.finish(r, 12.0)
+    assert summary == {"step": 4, "max_steps": 5, "val_loss": 3.5, "stopped_early": True,
+                       "skips": 1, "rewinds": 2, "elapsed_s": 12.0, "checkpoint_stall_s": 0.5,
+                       "checkpoint_stalls": [(4, 0.5)], "checkpoints_written": 2,
+                       "checkpoint_write_s": [0.25, 0.5], "checkpoint_load_s": 0.125,
+                       "attempt": 3, "peak_memory_gib": 1.5}
+    assert ended == [summary] and finished == [1]
