@@ -237,6 +237,12 @@ def wired(tmp_path_factory):
             return build_run(*args)
 
         mp.setattr(loop, "build_run", recording_build_run)
+        # the device each part is handed (on a GPU, None would put it on the CPU)
+        seen["devices"] = []
+        for name, at in (("evaluate", 3), ("sample_text", 2)):
+            real = getattr(loop, name)
+            mp.setattr(loop, name, lambda *a, _n=name, _i=at, _f=real: (
+                seen["devices"].append((_n, a[_i])), _f(*a))[1])
         summary = loop.train(cfg, session)
         seen["after"] = switches()
         seen["freeze_count"] = gc.get_freeze_count()
@@ -328,6 +334,9 @@ def check_train_sets_the_run_switches_and_hands_the_callers_back(wired):
     assert seen["cublas"] == ":4096:8"
     assert seen["after"] == CALLER
     assert seen["appends"] == [True]  # rank 0's appends go to the writer thread
+    cpu = torch.device("cpu")
+    assert seen["devices"] == [("evaluate", cpu), ("evaluate", cpu), ("sample_text", cpu),
+                               ("evaluate", cpu), ("sample_text", cpu)]
 
 
 def check_the_collector_is_frozen_after_the_first_step_and_unfrozen_at_the_end(wired):
