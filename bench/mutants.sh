@@ -120,8 +120,20 @@ PY
   only=$(only_for "$mod")
   echo "== $mod: mutating $(path_for "$mod")${only:+ (only $only)} against: $tests"
   read -r -a patterns <<< "$only"  # one argument per pattern, never glob-expanded by the shell
-  (cd "$work" && PYTHONPATH="$work" nice -n 19 mutmut run --max-children "${MUTANTS_JOBS:-1}" \
-     ${patterns[@]+"${patterns[@]}"} > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
+  # each mutant's pytest keeps its basetemp (the forked runs leave pytest's .lock behind, so its
+  # keep-the-last-3 cleanup never runs): with tests that write checkpoints that is ~1 GB a
+  # mutant, which filled the disk once. The tmp dirs live in the scratch copy, and a sweeper
+  # removes those untouched for 5 minutes (a mutant's tests take well under that)
+  mkdir -p "$work/tmp"
+  (while sleep 60; do
+     find "$work/tmp" -mindepth 2 -maxdepth 2 -name 'pytest-[0-9]*' -mmin +5 -exec rm -rf {} + 2>/dev/null
+   done) &
+  sweeper=$!
+  (cd "$work" && PYTHONPATH="$work" PYTEST_DEBUG_TEMPROOT="$work/tmp" nice -n 19 mutmut run \
+     --max-children "${MUTANTS_JOBS:-1}" ${patterns[@]+"${patterns[@]}"} > "$work/run.log" 2>&1) ||
+    echo "   mutmut run exited $? (see $work/run.log)"
+  kill "$sweeper" 2>/dev/null || true
+  rm -rf "$work/tmp"
   (cd "$work" && mutmut results --all true > "$work/results.txt" 2>&1) || true
   line=$(python3 - "$work/results.txt" "$mod" <<'PY'
 import collections, sys
