@@ -18,7 +18,11 @@
 # deterministic-op error) are mutated, against tests/test_loop_steps.py (stand-ins for the run's
 # components, milliseconds a test). build_run, _train, forward_backward, evaluate, finish and the
 # torch switches are wiring that only a training run exercises: `loop-all` mutates the whole
-# file against the loop tests (minutes per mutant: many hours on 2 cores).
+# file against the loop tests (minutes per mutant: many hours on 2 cores). `loop-wiring` mutates
+# those wiring functions (build_model, build_val_loader, evaluate, sample_text, train, the torch
+# switches, build_run, _train, after_first_step, forward_backward, finish) against
+# tests/test_loop_wiring.py: one tiny in-process run compared with a hand-rolled reference loop
+# (seconds a mutant).
 #
 # mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
 # the working tree (tracked and untracked-but-not-ignored files), never in the checkout. Each
@@ -51,8 +55,9 @@ candidates_for() {
                       tests/llmc/test_state_file.py" ;;
     loop)       echo "tests/test_loop_steps.py" ;;
     loop-all)   echo "$LOOP_TESTS" ;;
+    loop-wiring) echo "tests/test_loop_wiring.py" ;;
     state_file) echo "tests/llmc/test_state_file.py" ;;
-    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file loop loop-all)" >&2
+    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file loop loop-wiring loop-all)" >&2
        exit 2 ;;
   esac
 }
@@ -68,7 +73,7 @@ tests_for() {
 path_for() {
   case "$1" in
     checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
-    loop-all)   echo "raygpt/loop.py" ;;
+    loop-all|loop-wiring) echo "raygpt/loop.py" ;;
     state_file) echo "raygpt/llmc/state_file.py" ;;
     *)          echo "raygpt/$1.py" ;;
   esac
@@ -83,6 +88,12 @@ only_for() {
       printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
     done
     echo "raygpt.loop.xǁRunǁvalidating__mutmut_* raygpt.loop.xǁNonDeterministicOpǁ__init____mutmut_*"
+  elif [ "$1" = loop-wiring ]; then
+    for f in build_model build_val_loader evaluate sample_text train _torch_settings_restored \
+             _set_torch_switches build_run _train after_first_step forward_backward finish; do
+      printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
+    done
+    echo
   fi
 }
 
@@ -109,8 +120,20 @@ PY
   only=$(only_for "$mod")
   echo "== $mod: mutating $(path_for "$mod")${only:+ (only $only)} against: $tests"
   read -r -a patterns <<< "$only"  # one argument per pattern, never glob-expanded by the shell
-  (cd "$work" && PYTHONPATH="$work" nice -n 19 mutmut run --max-children "${MUTANTS_JOBS:-1}" \
-     ${patterns[@]+"${patterns[@]}"} > "$work/run.log" 2>&1) || echo "   mutmut run exited $? (see $work/run.log)"
+  # each mutant's pytest keeps its basetemp (the forked runs leave pytest's .lock behind, so its
+  # keep-the-last-3 cleanup never runs): with tests that write checkpoints that is ~1 GB a
+  # mutant, which filled the disk once. The tmp dirs live in the scratch copy, and a sweeper
+  # removes those untouched for 5 minutes (a mutant's tests take well under that)
+  mkdir -p "$work/tmp"
+  (while sleep 60; do
+     find "$work/tmp" -mindepth 2 -maxdepth 2 -name 'pytest-[0-9]*' -mmin +5 -exec rm -rf {} + 2>/dev/null
+   done) &
+  sweeper=$!
+  (cd "$work" && PYTHONPATH="$work" PYTEST_DEBUG_TEMPROOT="$work/tmp" nice -n 19 mutmut run \
+     --max-children "${MUTANTS_JOBS:-1}" ${patterns[@]+"${patterns[@]}"} > "$work/run.log" 2>&1) ||
+    echo "   mutmut run exited $? (see $work/run.log)"
+  kill "$sweeper" 2>/dev/null || true
+  rm -rf "$work/tmp"
   (cd "$work" && mutmut results --all true > "$work/results.txt" 2>&1) || true
   line=$(python3 - "$work/results.txt" "$mod" <<'PY'
 import collections, sys
