@@ -724,7 +724,8 @@ def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):
                         lambda device: 3 * 2**29 if device == torch.device("cuda", 0) else None)
     ended, finished = [], []
     ckpt = NS(finish=lambda: finished.append(1), stall_seconds=0.5, stalls=[(4, 0.5)],
-              write_seconds=[0.25, 0.5], load_seconds=0.125)
+              write_seconds=[0.25, 0.5], load_seconds=0.125, waits=[(8, 0.75)],
+              timeline=[{"step": 4, "saved": 1.0}])
     r = NS(state=NS(step=4, skips=1, ledger=NS(rewinds=2)), ckpt=ckpt, max_steps=5,
            session=NS(device=torch.device("cuda", 0)), val_loss=3.5,
            runlog=NS(attempt=3, end=ended.append))
@@ -733,5 +734,7 @@ def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):
                        "skips": 1, "rewinds": 2, "elapsed_s": 12.0, "checkpoint_stall_s": 0.5,
                        "checkpoint_stalls": [(4, 0.5)], "checkpoints_written": 2,
                        "checkpoint_write_s": [0.25, 0.5], "checkpoint_load_s": 0.125,
+                       "checkpoint_waits": [(8, 0.75)],
+                       "checkpoint_timeline": [{"step": 4, "saved": 1.0}],
                        "attempt": 3, "peak_memory_gib": 1.5}
     assert ended == [summary] and finished == [1]
