@@ -392,7 +392,7 @@ class Checkpointer:
                      f"every rank passes over step {newest}")
             before = newest
         self.marks["ranks_agreed"] = time.time()
-        self.load(step, state, loader, files=files)
+        self.load(step, state, loader, files=files, manifest=manifest)
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
@@ -462,11 +462,13 @@ class Checkpointer:
                      f"step {decision['to_step']}): its skip list and lr_scale "
                      f"{state.ledger.lr_scale:.3f} apply from here")
 
-    def load(self, step: int, state: TrainState, loader, files: dict | None = None) -> None:
+    def load(self, step: int, state: TrainState, loader, files: dict | None = None,
+             manifest: dict | None = None) -> None:
         """Load checkpoint `step`; `files` are bytes `_fetch_verified` already read and checked
-        (else each file is read here and checked against MANIFEST before it is used)."""
+        against `manifest` (else each file is read here, from this node's local copy or from
+        storage, and checked against MANIFEST before it is used)."""
         t0 = time.perf_counter()
-        self._load(step, state, loader, files or {})
+        self._load(step, state, loader, files or {}, manifest)
         self.load_seconds += time.perf_counter() - t0
 
     def _same_sharding(self, manifest: dict) -> bool:
@@ -486,8 +488,10 @@ class Checkpointer:
         return fetch_verified(self.run_dir, step, manifest, [name], self.local,
                               self.load_sources)[name]
 
-    def _load(self, step: int, state: TrainState, loader, files: dict) -> None:
-        manifest = ck.read_manifest(self.run_dir, step)
+    def _load(self, step: int, state: TrainState, loader, files: dict,
+              manifest: dict | None = None) -> None:
+        # the MANIFEST the files were checked against (restore_latest read it), else read here
+        manifest = manifest if manifest is not None else ck.read_manifest(self.run_dir, step)
         same_sharding = self._same_sharding(manifest)
         # elastic resume: written by N ranks (or another ZeRO stage), read by this run's M
         sf = (self._read_own_state(step, manifest, files) if same_sharding

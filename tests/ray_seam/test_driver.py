@@ -69,6 +69,11 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     # the recovery ledger: every part measured (the start-up marks from Ray's backend and the
     # loop), none negative, together the whole recovery; steps 4 and 5 re-trained
     assert set(STARTUP_MARKS) <= resumes[0]["startup"].keys()
+    # the finer marks of the worker's own start-up (bench/recovery.py prints them)
+    assert {"process_started", "train_func", "loop_imported", "model_built", "fingerprints",
+            "checkpoint_chosen", "files_verified"} <= resumes[0]["startup"]["setup"].keys()
+    # the group restarted on this node: rank 0 loaded the files it wrote from the node's copy
+    assert resumes[0]["startup"]["load_from"] == ["local"]
     (recovery,) = summarize_run(records(run_dir))["recoveries"]
     parts = recovery["parts"]
     assert all(parts[p] is not None and parts[p] >= 0 for p in RECOVERY_PARTS), parts
