@@ -196,13 +196,14 @@ SETUP_MARKS = (("process_started", "failure recorded -> worker process started")
                ("build_started", "-> session built"),
                ("model_built", "-> model + optimizer built"),
                ("loader_built", "-> data loader built"),
-               ("compile_cache_ready", "-> torch.compile + compile cache"),
                ("fingerprints", "-> run fingerprints hashed"),
                ("restore_started", "-> (restore starts)"),
                ("checkpoint_chosen", "-> checkpoint chosen (complete)"),
                ("files_verified", "-> own files read + sha256"),
                ("ranks_agreed", "-> ranks agreed"),
                ("state_loaded", "-> state loaded"),
+               ("compiler_imported", "-> compiler imports joined"),
+               ("compile_cache_ready", "-> torch.compile + compile cache"),
                ("attempt_recorded", "-> run log opened, attempt recorded"),
                ("first_step", "-> first step trained (compile)"))
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raygpt import signals, tokenizer
+from raygpt import compile_cache, signals, tokenizer
 from raygpt.checkpointing.runtime import Checkpointer
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
@@ -238,6 +238,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
         setup[name] = time.time()
 
     mark("build_started")
+    # torch.compile's imports run on a thread while the model is built and the state loaded
+    warming = compile_cache.warm_compiler() if cfg.compile else None
     model = build_model(cfg, device)
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
@@ -252,13 +254,6 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
-    forward, compiled = model, None
-    if cfg.compile:
-        # static shapes: validation batches of another size must not make the training graph
-        # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
-        forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)
-        compiled = CompileCache.for_run(cfg, session)
-        mark("compile_cache_ready")
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup)
     restore_started = time.time()
@@ -267,6 +262,15 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage
                     "load_from": sorted(set(ckpt.load_sources.values()))})
+    forward, compiled = model, None
+    if cfg.compile:
+        warming.join()
+        mark("compiler_imported")
+        # static shapes: validation batches of another size must not make the training graph
+        # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
+        forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)
+        compiled = CompileCache.for_run(cfg, session)
+        mark("compile_cache_ready")
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
