@@ -16,7 +16,8 @@ the run directory's URI (two runs of one user on a node never share files); priv
 (0700, checked as the staging root is: a directory another user made first is refused, and the
 copies are then not kept). Each rank keeps the copies of the files it wrote for its last
 KEEP_STEPS checkpoints (the newest may not be complete when a worker is lost: the resume then
-goes to the one before) and removes its copies when its run finishes.
+goes to the one before) and removes its copies when its run finishes; a run that never finished
+here leaves its directory until a save of any run on the node finds it STALE_S old.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from raygpt.checkpointing import protocol as ck
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 
 LOCAL_COPY_ROOT = os.path.join(tempfile.gettempdir(), f"raygpt_local_ckpt_{os.getuid()}")
 KEEP_STEPS = 2  # the newest checkpoint and the one before (the newest may not be complete yet)
+# A run's directory untouched this long (no checkpoint kept in it) belongs to a run that ended
+# without a clean finish and was not resumed here: the first save of any run on the node removes
+# it, so crashed runs do not fill the node's disk.
+STALE_S = 3 * 24 * 3600
 
 
 class LocalCopies:
@@ -46,6 +52,7 @@ class LocalCopies:
         self.dir = self.root / hashlib.sha256(run_uri.encode()).hexdigest()[:16]
         self.kept: list[tuple[int, list[str]]] = []  # (step, names) this process kept, oldest first
         self._disabled: str | None = None  # why copies are not kept here (said once)
+        self._swept = False  # other runs' stale directories removed (once per process)
 
     # ------------------------------------------------------------------ save side
     def keep(self, step: int, stage: Path, names) -> None:
@@ -69,11 +76,25 @@ class LocalCopies:
             log.info(f"raygpt | checkpoint files are not kept on this node for a fast resume "
                      f"({self._disabled}); resumes read them from storage")
             return
+        if not self._swept:
+            self._swept = True
+            self._remove_stale_runs()
         self.kept = [(s, n) for s, n in self.kept if s != step] + [(step, list(names))]
         del self.kept[:-KEEP_STEPS]
         keep_dirs = {ck.step_dir(s) for s, _ in self.kept}
         for entry in os.scandir(self.dir):
             if entry.name not in keep_dirs:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _remove_stale_runs(self, now: float | None = None) -> None:
+        """Remove other runs' directories under the root not modified for STALE_S seconds."""
+        now = time.time() if now is None else now
+        for entry in os.scandir(self.root):
+            try:
+                stale = now - entry.stat(follow_symlinks=False).st_mtime > STALE_S
+            except OSError:
+                continue
+            if stale and entry.path != str(self.dir):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def remove_all(self) -> None:

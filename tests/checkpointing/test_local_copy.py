@@ -4,6 +4,7 @@ resumed losses stay those of the uninterrupted run either way. Real runs (LocalS
 raised fault for the lost attempt) and real files."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -173,6 +174,15 @@ def test_copies_kept_for_the_last_checkpoints_only_and_never_outside_a_private_d
     assert LocalCopies("s3://bucket/other", root).read(12, "a.bin", 3) is None  # another run
     copies.remove_all()
     assert not copies.dir.exists()
+
+    # a run that ended without a clean finish, days ago, is swept by the next run's first save;
+    # one saved in recently is not
+    old, recent = root / "0123456789abcdef", root / "fedcba9876543210"
+    old.mkdir()
+    recent.mkdir()
+    os.utime(old, (0, time.time() - local_copy.STALE_S - 60))
+    LocalCopies("s3://bucket/third", root).keep(4, stage, ["a.bin"])
+    assert not old.exists() and recent.exists()
 
     os.chmod(root, 0o755)  # not private: refused
     shared = LocalCopies("s3://bucket/run", root)
