@@ -179,10 +179,14 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
 
 
 def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
-    cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1,
-                      fault="raise:rank=0,step=2,every=1")
+    from raygpt.checkpointing.local_copy import LocalCopies
+
+    cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1, checkpoint_every=2,
+                      fault="raise:rank=0,step=4,every=1")
     with pytest.raises(RunFailed) as e:
         go(cfg)
+    # no clean end, but the driver removed the node's copies of checkpoint 2 (and 4) all the same
+    assert not LocalCopies(open_run_dir(str(tmp_path)).uri()).dir.exists()
     failures = [r for r in records(tmp_path) if r["kind"] == "failure"]
     assert len(failures) == 2  # max_failures + 1 attempts, each failed
     starts = [r for r in records(tmp_path) if r["kind"] in ("start", "resume")]
