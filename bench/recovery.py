@@ -175,11 +175,52 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
     _, fired = read_fired(open_run_dir(str(run_dir)))
     kill = next(r for r in fired if r.get("kind") == "kill_worker")
     rec = ledger["recoveries"][0]
+    resume = next(r for r in records if r.get("kind") == "resume" and r.get("attempt") == 2)
     return {"scenario": scenario, "parts": rec["parts"], "steps_retrained": rec["steps_retrained"],
+            "setup": setup_split(failure["time"], resume.get("startup") or {}, resume["time"],
+                                 next((r["time"] for r in records if r.get("kind") == "train"
+                                       and r.get("attempt") == 2), None)),
             "kill_to_failure_record": failure["time"] - kill["time"],
             "first_start_step1_dt": first[0]["dt"] if first else None,
             "failures": summary.get("failures"), "wall_s": wall,
             "line": ledger["recovery_lines"][0]}
+
+
+# rank 0's start-up after a restart, finer than the ledger: each mark's time after the one
+# before it (raygpt.ray.worker's and raygpt.loop.build_run's marks, the ledger's own between)
+SETUP_MARKS = (("process_started", "failure recorded -> worker process started"),
+               ("group_up", "-> worker group up (controller)"),
+               ("process_group", "-> process group formed"),
+               ("train_func", "-> train function entered"),
+               ("loop_imported", "-> raygpt.loop imported"),
+               ("build_started", "-> session built"),
+               ("model_built", "-> model + optimizer built"),
+               ("loader_built", "-> data loader built"),
+               ("fingerprints", "-> run fingerprints hashed"),
+               ("restore_started", "-> (restore starts)"),
+               ("checkpoint_chosen", "-> checkpoint chosen (complete)"),
+               ("files_verified", "-> own files read + sha256"),
+               ("ranks_agreed", "-> ranks agreed"),
+               ("state_loaded", "-> state loaded"),
+               ("compiler_imported", "-> compiler imports joined"),
+               ("compile_cache_ready", "-> torch.compile + compile cache"),
+               ("attempt_recorded", "-> run log opened, attempt recorded"),
+               ("first_step", "-> first step trained (compile)"))
+
+
+def setup_split(failure_time: float, startup: dict, attempt_time: float | None,
+                first_step_time: float | None) -> dict:
+    """{label: seconds since the previous mark present} for SETUP_MARKS."""
+    marks = {**startup.get("setup", {}), **{k: v for k, v in startup.items()
+                                             if isinstance(v, (int, float))},
+             "attempt_recorded": attempt_time, "first_step": first_step_time}
+    out, prev = {}, failure_time
+    for key, label in SETUP_MARKS:
+        t = marks.get(key)
+        if isinstance(t, (int, float)):
+            out[label] = t - prev
+            prev = t
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -193,9 +234,13 @@ def table(results: list[dict]) -> str:
              ("to the first step trained again",
               [r["parts"]["total"] - (r["parts"]["retrained"] or 0) for r in results]),
              ("(1st attempt's step 1, cold)", [r["first_start_step1_dt"] for r in results])]
-    out = [f"{'seconds':34s}" + "".join(f"{n:>10s}" for n in names)]
+    rows += [("rank 0's start-up, finer:", [None] * len(results))]
+    labels = [label for _, label in SETUP_MARKS]
+    rows += [("  " + label, [r["setup"].get(label) for r in results]) for label in labels
+             if any(label in r["setup"] for r in results)]
+    out = [f"{'seconds':44s}" + "".join(f"{n:>10s}" for n in names)]
     for label, vals in rows:
-        out.append(f"{label:34s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}"
+        out.append(f"{label:44s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}"
                                             for v in vals))
     return "\n".join(out)
 

@@ -11,6 +11,12 @@ another user of the node made first is refused), as torch's own /tmp/torchinduct
 
 `CompileCache` is the loop's one handle on it: `for_run` points the caches at the node and
 fills them from the run's artifacts, `save_if_new` stores the first step's graphs (rank 0).
+
+Every new worker process also pays for importing torch.compile's machinery (Dynamo, Inductor:
+several seconds of Python, more than the warm cache's own loading) and for the keys Inductor
+computes once per process; `warm_compiler` does that on a thread while the worker builds its
+model and loads its checkpoint (CUDA initialisation, file reads and hashing release the GIL),
+and the loop joins it before `torch.compile`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 
 import torch
 
@@ -46,6 +53,29 @@ def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
                                                            "triton_user"))
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def warm_compiler() -> threading.Thread:
+    """Start importing torch.compile's machinery on a daemon thread (the node's caches chosen
+    first: Inductor reads where they are when it starts) and return the thread; join it before
+    calling torch.compile, so no other thread imports the same modules meanwhile. A failure
+    here only costs the overlap: torch.compile imports what it needs itself, and says why."""
+    use_node_compile_cache()
+
+    def work() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+            from torch._inductor import codecache
+            # the system key (the device's compiler versions, Triton's source hashed: about a
+            # second), cached per process; looked up on the first compilation otherwise
+            getattr(getattr(codecache, "CacheBase", None), "get_system", lambda: None)()
+        except Exception as e:  # noqa: BLE001 - an optimisation: torch.compile will say it
+            log.debug(f"raygpt | compiler warm-up: {type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=work, name="raygpt-compiler-warmup", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:

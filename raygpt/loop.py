@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raygpt import signals, tokenizer
+from raygpt import compile_cache, signals, tokenizer
 from raygpt.checkpointing.runtime import Checkpointer
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
@@ -231,6 +231,15 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     """The model, optimizer, loaders, the state restored from the newest verified checkpoint
     (llm.c's resume order, inside Checkpointer), and the reporter every event goes to."""
     rank, world, device = session.rank, session.world, session.device
+    startup = session.startup_marks()  # the recovery ledger's marks (history.STARTUP_MARKS)
+    setup = startup.setdefault("setup", {})  # and this worker's finer ones, as wall times
+
+    def mark(name: str) -> None:
+        setup[name] = time.time()
+
+    mark("build_started")
+    # torch.compile's imports run on a thread while the model is built and the state loaded
+    warming = compile_cache.warm_compiler() if cfg.compile else None
     model = build_model(cfg, device)
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
@@ -238,23 +247,30 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
         dist.broadcast(flat.params, src=0)  # every rank starts from rank 0's weights
     opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 rank=rank, world=world, zero_stage=cfg.zero_stage)
+    mark("model_built")
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
                                          shuffle=cfg.shuffle, seed=cfg.seed)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
+    mark("loader_built")
+    state = TrainState.fresh(cfg)
+    ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup)
+    restore_started = time.time()
+    resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
+    startup.update({"restore_started": restore_started, "state_loaded": time.time(),
+                    "load_s": ckpt.load_seconds,
+                    # where the loaded files came from: this node's local copy or storage
+                    "load_from": sorted(set(ckpt.load_sources.values()))})
     forward, compiled = model, None
     if cfg.compile:
+        warming.join()
+        mark("compiler_imported")
         # static shapes: validation batches of another size must not make the training graph
         # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
         forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)
         compiled = CompileCache.for_run(cfg, session)
-    state = TrainState.fresh(cfg)
-    ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps)
-    restore_started = time.time()
-    resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
-    startup = {**session.startup_marks(), "restore_started": restore_started,
-               "state_loaded": time.time(), "load_s": ckpt.load_seconds}  # the recovery ledger's
+        mark("compile_cache_ready")
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,

@@ -119,7 +119,8 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
 def test_a_killed_worker_and_a_resume_from_the_bucket_give_the_same_losses(runs):
     full, killed, first, code, _, _ = runs
     # attempt 1: rank 1 SIGKILLed at step 7 (3 steps after checkpoint 4: its DONE is in the
-    # bucket by then); Ray's restart resumed from checkpoint 4 read back from the bucket;
+    # bucket by then); Ray's restart resumed from checkpoint 4 (its files from this node's
+    # local copies, checked against the bucket's MANIFEST);
     # SIGTERM at step 8 then checkpointed step 9 and stopped the run
     assert first["stopped_early"] and first["step"] == 9 and first["failures"] == 1
     assert code == 0  # the -y 1 driver finished the run

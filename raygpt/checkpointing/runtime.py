@@ -37,6 +37,7 @@ import torch
 
 from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
@@ -74,15 +75,35 @@ def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) ->
     return sorted({0, *overlap})
 
 
-def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str]) -> dict:
+def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str],
+                   local: LocalCopies | None = None, sources: dict | None = None) -> dict:
     """{name: bytes} for the files `names` of checkpoint `step`, read in parallel, each checked
-    against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file)."""
+    against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file).
+    With `local`, a file is read from the node's local copy when there is one of MANIFEST's
+    size; one whose sha256 differs is dropped with a warning and the file read from storage.
+    `sources`, when given, gets {name: "local" | "storage"}."""
     from concurrent.futures import ThreadPoolExecutor
     sdir = ck.step_dir(step)
 
     def fetch(name: str) -> bytes:
+        entry = manifest["files"].get(name)
+        data = local.read(step, name, entry["size"]) if local is not None and entry else None
+        if data is not None:
+            try:
+                ck.verify_bytes(run_dir, step, name, data, manifest)
+                if sources is not None:
+                    sources[name] = "local"
+                return data
+            except ck.CheckpointError as e:
+                stored = run_dir.uri(f"{sdir}/{name}")
+                what = str(e).removeprefix(f"{stored}: ")  # verify_bytes names storage's file
+                log.warning(f"raygpt | WARNING: {local.where(step, name)}: this node's copy of "
+                            f"{stored} differs from MANIFEST ({what}); reading storage's")
+                local.discard(step, name)
         data = run_dir.read_bytes(f"{sdir}/{name}")
         ck.verify_bytes(run_dir, step, name, data, manifest)
+        if sources is not None:
+            sources[name] = "storage"
         return data
 
     with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
@@ -152,13 +173,19 @@ def choose_rewind_target(published, verified_steps, completed, spike_start: int,
 
 class Checkpointer:
     def __init__(self, cfg: TrainConfig, session, flat: FlatParameters, opt: AdamW,
-                 model_config: GPTConfig, max_steps: int):
+                 model_config: GPTConfig, max_steps: int, marks: dict | None = None):
         self.cfg, self.session, self.flat, self.opt = cfg, session, flat, opt
+        # wall times of the restore's parts (the recovery bench's split of a worker's setup)
+        self.marks = marks if marks is not None else {}
         self.model_config = model_config
         self.run_dir: RunDir = session.run_dir
         self.rank, self.world = session.rank, session.world
         self.max_steps = max_steps
         self.fingerprints = run_fingerprints(cfg)
+        self.marks["fingerprints"] = time.time()
+        # this node's copies of the files its ranks wrote: a restarted rank loads from them
+        self.local = LocalCopies(self.run_dir.uri())
+        self.load_sources: dict[str, str] = {}  # {file name: "local" | "storage"}, last load
         self.stalls: list[tuple[int, float]] = []  # (step, training time lost to host copies)
         self.write_seconds: list[float] = []  # background serialisation, per checkpoint
         self.load_seconds = 0.0
@@ -294,6 +321,7 @@ class Checkpointer:
                 if model is not None:
                     hashes.update(model.result())
             fsync_directory(stage)  # the staged names too
+            self.local.keep(step, stage, list(hashes))  # links: nothing more is written
             result["hashes"] = hashes
             self.write_seconds.append(time.perf_counter() - t0)
             result["times"]["written"] = time.time()
@@ -348,6 +376,7 @@ class Checkpointer:
 
     def finish(self) -> None:
         self.wait_and_publish()
+        self.local.remove_all()  # the run is over: its fast-resume copies go
 
     # ------------------------------------------------------------------ restore
     def restore_latest(self, state: TrainState, loader) -> int | None:
@@ -367,6 +396,7 @@ class Checkpointer:
         before = None
         while True:
             step = self._latest_resumable(decisions, warn, before)
+            self.marks["checkpoint_chosen"] = time.time()
             files, problem = None, None
             if step is not None:
                 t0 = time.perf_counter()
@@ -374,6 +404,7 @@ class Checkpointer:
                 same_sharding = self._same_sharding(manifest)  # an incompatible config raises
                 files, problem = self._fetch_verified(step, manifest, same_sharding)
                 self.load_seconds += time.perf_counter() - t0
+                self.marks["files_verified"] = time.time()
                 if problem is not None:
                     log.warning(f"raygpt | WARNING: rank {self.rank}: checkpoint step {step}: "
                                 f"{problem}")
@@ -395,7 +426,8 @@ class Checkpointer:
                 warn(f"the ranks found different newest checkpoints ({oldest}..{newest}); "
                      f"every rank passes over step {newest}")
             before = newest
-        self.load(step, state, loader, files=files)
+        self.marks["ranks_agreed"] = time.time()
+        self.load(step, state, loader, files=files, manifest=manifest)
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
@@ -430,8 +462,10 @@ class Checkpointer:
         """({name: bytes}, None) with every file this rank loads read and checked, or (None,
         what failed)."""
         try:
+            self.load_sources = {}
             return fetch_verified(self.run_dir, step, manifest,
-                                  self._files_to_load(step, manifest, same_sharding)), None
+                                  self._files_to_load(step, manifest, same_sharding),
+                                  self.local, self.load_sources), None
         except (ck.CheckpointError, OSError, ValueError) as e:
             return None, f"{type(e).__name__}: {e}"
 
@@ -463,11 +497,13 @@ class Checkpointer:
                      f"step {decision['to_step']}): its skip list and lr_scale "
                      f"{state.ledger.lr_scale:.3f} apply from here")
 
-    def load(self, step: int, state: TrainState, loader, files: dict | None = None) -> None:
+    def load(self, step: int, state: TrainState, loader, files: dict | None = None,
+             manifest: dict | None = None) -> None:
         """Load checkpoint `step`; `files` are bytes `_fetch_verified` already read and checked
-        (else each file is read here and checked against MANIFEST before it is used)."""
+        against `manifest` (else each file is read here, from this node's local copy or from
+        storage, and checked against MANIFEST before it is used)."""
         t0 = time.perf_counter()
-        self._load(step, state, loader, files or {})
+        self._load(step, state, loader, files or {}, manifest)
         self.load_seconds += time.perf_counter() - t0
 
     def _same_sharding(self, manifest: dict) -> bool:
@@ -484,12 +520,13 @@ class Checkpointer:
     def _read(self, step: int, name: str, manifest: dict, files: dict) -> bytes:
         if name in files:
             return files[name]
-        data = self.run_dir.read_bytes(f"{ck.step_dir(step)}/{name}")
-        ck.verify_bytes(self.run_dir, step, name, data, manifest)
-        return data
+        return fetch_verified(self.run_dir, step, manifest, [name], self.local,
+                              self.load_sources)[name]
 
-    def _load(self, step: int, state: TrainState, loader, files: dict) -> None:
-        manifest = ck.read_manifest(self.run_dir, step)
+    def _load(self, step: int, state: TrainState, loader, files: dict,
+              manifest: dict | None = None) -> None:
+        # the MANIFEST the files were checked against (restore_latest read it), else read here
+        manifest = manifest if manifest is not None else ck.read_manifest(self.run_dir, step)
         same_sharding = self._same_sharding(manifest)
         # elastic resume: written by N ranks (or another ZeRO stage), read by this run's M
         sf = (self._read_own_state(step, manifest, files) if same_sharding

@@ -60,7 +60,7 @@ from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight
-from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing import local_copy, protocol as ck
 from raygpt.checkpointing.protocol import finalize_checkpoint
 from raygpt.config import TrainConfig, absolute_output_dir
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
@@ -497,6 +497,9 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         finally:
             driver_signals.restore()
             ray.kill(control)
+            # the job is over: its workers' fast-resume copies on this node go (a clean end
+            # removes them anyway; a failed or aborted one would leave them until the sweep)
+            local_copy.remove_run(run_dir.uri())
     records = read_history(open_run_dir(cfg.output_dir))
     report = summarize_run(records, since=t0)
     log.info(f"raygpt | {report['line']}")

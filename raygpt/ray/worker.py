@@ -137,7 +137,7 @@ class RaySession(Session):
         return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
 
     def startup_marks(self) -> dict[str, float]:
-        return dict(_STARTUP_MARKS)
+        return {**_STARTUP_MARKS, "setup": {**_process_marks(), **_WORKER_MARKS}}
 
 
 def rename_destination(run_dir, local_dir: str, dir_name: str) -> Path | None:
@@ -181,7 +181,10 @@ def store_by_rename(checkpoint, dir_name: str, *, dest: Path, times: dict | None
 
 def train_func(config: dict) -> None:
     """What each Ray Train worker runs."""
+    _WORKER_MARKS["train_func"] = time.time()
     from raygpt.loop import train
+
+    _WORKER_MARKS["loop_imported"] = time.time()
 
     cfg = TrainConfig.from_dict(config["cfg"])
     if cfg.device == "cpu":
@@ -211,6 +214,26 @@ def _quiet_report_log() -> None:
 # This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
 # _Backend before the train function runs here; RaySession.startup_marks reads them.
 _STARTUP_MARKS: dict[str, float] = {}
+
+
+# Wall times of this worker's own start-up before the loop runs (the recovery bench's finer
+# split, kept in the start record's startup["setup"] beside the loop's): the train function
+# entered, raygpt.loop imported.
+_WORKER_MARKS: dict[str, float] = {}
+
+
+def _process_marks() -> dict[str, float]:
+    """{"process_started": wall time this worker process was created} (Linux's /proc: field 22
+    of /proc/self/stat is its start in clock ticks after boot, /proc/uptime the time since
+    boot now), {} where /proc is not there."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"process_started": time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))}
 
 
 def _note_startup_marks(marks: dict) -> None:

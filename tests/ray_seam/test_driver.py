@@ -86,6 +86,11 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     # the recovery ledger: every part measured (the start-up marks from Ray's backend and the
     # loop), none negative, together the whole recovery; steps 4 and 5 re-trained
     assert set(STARTUP_MARKS) <= resumes[0]["startup"].keys()
+    # the finer marks of the worker's own start-up (bench/recovery.py prints them)
+    assert {"process_started", "train_func", "loop_imported", "model_built", "fingerprints",
+            "checkpoint_chosen", "files_verified"} <= resumes[0]["startup"]["setup"].keys()
+    # the group restarted on this node: rank 0 loaded the files it wrote from the node's copy
+    assert resumes[0]["startup"]["load_from"] == ["local"]
     (recovery,) = summarize_run(records(run_dir))["recoveries"]
     parts = recovery["parts"]
     assert all(parts[p] is not None and parts[p] >= 0 for p in RECOVERY_PARTS), parts
@@ -191,10 +196,14 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
 
 
 def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
-    cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1,
-                      fault="raise:rank=0,step=2,every=1")
+    from raygpt.checkpointing.local_copy import LocalCopies
+
+    cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1, checkpoint_every=2,
+                      fault="raise:rank=0,step=4,every=1")
     with pytest.raises(RunFailed) as e:
         go(cfg)
+    # no clean end, but the driver removed the node's copies of checkpoint 2 (and 4) all the same
+    assert not LocalCopies(open_run_dir(str(tmp_path)).uri()).dir.exists()
     failures = [r for r in records(tmp_path) if r["kind"] == "failure"]
     assert len(failures) == 2  # max_failures + 1 attempts, each failed
     starts = [r for r in records(tmp_path) if r["kind"] in ("start", "resume")]
