@@ -319,8 +319,10 @@ def check_the_summary_and_the_end_record(wired):
     [start] = history(wired["run_dir"], "start")
     assert start["resumed_from"] is None and start["max_steps"] == STEPS
     marks = start["startup"]
-    assert set(marks) == {"restore_started", "state_loaded", "load_s"}
+    assert set(marks) == {"restore_started", "state_loaded", "load_s", "load_from", "setup"}
     assert marks["restore_started"] <= marks["state_loaded"] and marks["load_s"] == 0.0
+    assert marks["load_from"] == []  # a fresh start loads nothing
+    assert {"model_built", "loader_built", "fingerprints"} <= set(marks["setup"])
     log = wired["seen"]["console"]
     assert "| 1 x cpu | fp32 | B=2 T=8 grad_accum=2 | 32 tokens/step | 3 steps | attempt 1" in log
     assert "raygpt | done at step 3/3" in log
