@@ -416,6 +416,7 @@ def test_build_run_builds_what_the_config_says(tmp_path):
         assert r.state.rng_state == TrainState.fresh(cfg).rng_state
         assert r.faults.nan_now(1) and not r.faults.nan_now(0)
         assert r.save_clock.interval_s == 150.0
+        assert r.ckpt.max_steps == STEPS  # the WSD decay point in every manifest's retention
         assert not r.flags.stop_requested() and not r.flags.take_save_request()
         assert r.agree.dtype == torch.float32 and r.agree.tolist() == [0.0] * loop.NUM_SLOTS
         assert r.ckpt.rank == 0 and r.ckpt.world == 1 and r.ckpt.flat is r.flat
@@ -646,6 +647,9 @@ def test_a_spike_rewinds_to_the_checkpoint_before_it(tmp_path):
     summary = loop.train(cfg, session_for(tmp_path))
     [rw] = history(tmp_path, "rewind")
     assert rw["step"] == 2 and rw["to_step"] == 1 and rw["lr_scale"] == 1.0
+    assert "at step 2" in rw["reason"]  # the detector was told the step it judged
+    # each step's time is its own duration: positive, and within the run's wall time
+    assert all(0 < r["dt"] < summary["elapsed_s"] for r in history(tmp_path, "train"))
     assert [r["step"] for r in history(tmp_path, "train")] == [0, 1, 1, 2]
     assert summary["rewinds"] == 1 and summary["step"] == 3 and summary["skips"] == 0
     # 1, 2, then after the rewind to 1 (not written again) 2 of the new trajectory and 3
