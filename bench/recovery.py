@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=400,
+    p.add_argument("--max-steps", type=int, default=150,
                    help="long enough that the run is still training when --kill-after is DONE")
     p.add_argument("--kill-after", type=int, default=20,
                    help="SIGKILL a worker once this checkpoint's DONE exists (a multiple of "

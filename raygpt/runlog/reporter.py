@@ -118,10 +118,14 @@ class Reporter:
     def wants_ray_report(self, step: int) -> bool:
         """Rank 0's vote, for the step's collective: report this step's metrics to Ray? A
         checkpoint's report counts as a report (`Session.last_checkpoint_report`): it shares
-        the queue of one, and metrics behind it would wait for the controller's poll."""
+        the queue of one, and metrics behind it would wait for the controller's poll. The last
+        step always reports: its metrics are the run's result (Ray's `Result.metrics`, Tune's
+        last row), and one wait for the poll at the end costs nothing."""
+        if not self.is_main or not self._log_step(step):
+            return False
         last = max(self._last_ray_report, self.session.last_checkpoint_report)
-        return (self.is_main and self._log_step(step)
-                and time.monotonic() - last >= self.session.metrics_interval_s)
+        return (step == self.max_steps - 1
+                or time.monotonic() - last >= self.session.metrics_interval_s)
 
     def _log_step(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.max_steps - 1
