@@ -698,6 +698,10 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
     assert calls == ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2 + ["train"] * 2 + ["eval"] * 2
     assert stored == [session.run_dir]
     assert any("torch.compile: compiling" in line for line in lines)
+    # the start-up marks of a compiled run: the compiler's imports joined, then its cache ready
+    [start] = history(tmp_path, "start")
+    setup = start["startup"]["setup"]
+    assert setup["loader_built"] <= setup["compiler_imported"] <= setup["compile_cache_ready"]
 
 
 def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
