@@ -194,16 +194,13 @@ def switches():
 
 @contextlib.contextmanager
 def caller_switches(values):
-    saved = switches()
-    torch.use_deterministic_algorithms(values[0], warn_only=values[1])
-    torch.utils.deterministic.fill_uninitialized_memory = values[2]
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = values[3:]
-    try:
+    # the session's own switches come back afterwards through the loop's restorer (what
+    # train() itself is checked to do, by the switches compared in the reference test)
+    with loop._torch_settings_restored():
+        torch.use_deterministic_algorithms(values[0], warn_only=values[1])
+        torch.utils.deterministic.fill_uninitialized_memory = values[2]
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = values[3:]
         yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3:]
 
 
 # the caller's switches before the reference run: each differs from what a deterministic run sets
