@@ -9,6 +9,13 @@ replacement node fills its local caches from them before its first step instead 
 Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
 another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
 
+AOTAutograd's cache skips, by default, any graph with a custom autograd.Function in it (torch
+cannot tell whether the Function's Python changed since the entry was made), and raygpt's loss,
+attention and embedding are such Functions: a warm start then re-traced and re-partitioned the
+whole forward and backward (most of its first step). `trust_raygpt_functions` lets the cache keep
+them and puts a hash of the source torch.compile traces (raygpt/model.py, raygpt/ops/) into every
+cache key instead, so an entry made by other raygpt code is never loaded.
+
 `CompileCache` is the loop's one handle on it: `for_run` points the caches at the node and
 fills them from the run's artifacts, `save_if_new` stores the first step's graphs (rank 0).
 
@@ -22,6 +29,7 @@ and the loop joins it before `torch.compile`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -39,8 +47,37 @@ NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"raygpt_compile_cache_
 COMPILE_ARTIFACTS = "compile_cache"
 
 
+@functools.cache
+def compiled_code_key(package: str = os.path.dirname(os.path.abspath(__file__))) -> str:
+    """A hash of the source torch.compile traces into raygpt's graphs: the model and the ops
+    (the autograd Functions' forward and backward among them) of the raygpt `package`."""
+    ops = os.path.join(package, "ops")
+    files = [os.path.join(package, "model.py")] + sorted(
+        os.path.join(ops, f) for f in os.listdir(ops) if f.endswith(".py"))
+    h = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            h.update(os.path.relpath(path, package).encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def trust_raygpt_functions() -> None:
+    """Let AOTAutograd cache graphs holding raygpt's autograd Functions (see the module's notes),
+    with compiled_code_key() in every key through torch.compiler.config.cache_key_tag (after the
+    user's own TORCH_COMPILE_CACHE_KEY_TAG). TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD,
+    when the user sets it, wins: torch reads it over any value set here."""
+    import torch._functorch.config
+    import torch.compiler.config
+
+    own = f"raygpt-{compiled_code_key()}"
+    user = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    torch.compiler.config.cache_key_tag = f"{user}+{own}" if user else own
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
-    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set)."""
+    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set), and
+    let them keep raygpt's graphs whole (trust_raygpt_functions)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.makedirs(root, mode=0o700, exist_ok=True)
         st = os.stat(root)
@@ -52,6 +89,7 @@ def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
                                                            "triton_user"))
+    trust_raygpt_functions()
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
@@ -81,11 +119,12 @@ def warm_compiler() -> threading.Thread:
 def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:
     """Where the run keeps its compiled artifacts: one file per (config, torch, device model),
     since a graph compiled for another GPU or torch version is of no use (and torch's own keys
-    would only miss). The config is its identity plus what a resume may change that changes
-    the graphs (--deterministic picks other kernels)."""
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode  # (the key runs had)
-    key = hashlib.sha256(json.dumps([cfg.hash(), cfg.deterministic, mode,
-                                     torch.__version__, device_name]).encode())
+    would only miss), nor one of other raygpt code (its keys differ: trust_raygpt_functions).
+    The config is its identity plus what a resume may change that changes the graphs
+    (--deterministic picks other kernels)."""
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    key = hashlib.sha256(json.dumps([cfg.hash(), cfg.deterministic, mode, torch.__version__,
+                                     device_name, compiled_code_key()]).encode())
     return f"{COMPILE_ARTIFACTS}/{key.hexdigest()[:20]}.bin"
 
 

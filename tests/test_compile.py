@@ -71,14 +71,18 @@ def test_training_step_compiles_once_on_cpu(tmp_path):
 
 
 def test_compiled_artifacts_fill_a_new_nodes_cache(tmp_path):
-    """compile_cache's round trip in two fresh processes: node A compiles a small function and
-    stores the artifacts in the run directory; node B, with an empty cache, loads them and
-    compiles the same function from cache hits only, and loads them once per node."""
+    """compile_cache's round trip in two fresh processes: node A compiles a small training step
+    (forward and backward through raygpt's fused loss, an autograd Function) and stores the
+    artifacts in the run directory; node B, with an empty cache, loads them and compiles the
+    same step from cache hits only, AOTAutograd's included, and loads them once per node."""
     run_dir = str(tmp_path / "run")
     a = _json_line(_run_check("artifacts-unit", "save", run_dir, str(tmp_path / "node_a")))
     assert a["loaded"] is False and a["miss"] >= 1, a  # nothing stored yet: compiled afresh
     b = _json_line(_run_check("artifacts-unit", "load", run_dir, str(tmp_path / "node_b")))
     assert b["loaded"] is True and b["miss"] == 0 and b["hit"] >= 1, b
+    # AOTAutograd's entry too, though the graph holds raygpt's autograd Function: it bypassed
+    # its cache for them, tracing and partitioning the joint graph again on every warm start
+    assert b["aot_hit"] == 1 and a["aot_bypass"] == b["aot_bypass"] == 0, (a, b)
     assert b["marker"] is True  # a second worker on node B does not load them again
 
 
@@ -157,6 +161,10 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
     assert new["resumed_from"] == 4 and new["artifacts"], new
     assert new["counters"].get("fxgraph_cache_miss", 0) == 0, new
     assert new["counters"].get("fxgraph_cache_hit", 0) >= 2, new
+    # AOTAutograd's too (raygpt's autograd Functions made it bypass its cache: the whole joint
+    # graph traced and partitioned again, most of a warm first step)
+    assert new["counters"].get("autograd_cache_hit", 0) >= 1, new
+    assert new["counters"].get("autograd_cache_bypass", 0) == 0, new
     return (f"first step: cold {cold['first_step_dt']:.2f} s, new node "
             f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
 
@@ -201,6 +209,40 @@ def _check_warm_up(cache_dir: str) -> None:
                       "importer": importer.get("thread"),
                       "system_key_cached": CacheBase.get_system.cache_info().currsize == 1,
                       "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}))
+
+
+def test_cached_graphs_are_keyed_by_the_code_torch_compile_traces(tmp_path, monkeypatch):
+    """AOTAutograd may cache graphs holding raygpt's autograd Functions because the source they
+    are traced from is in every key: a changed byte in the model or the ops is another key
+    (an entry compiled from other code is never loaded), a change elsewhere in raygpt is not;
+    the user's own tag is kept in front."""
+    import shutil
+
+    import raygpt
+    import raygpt.compile_cache as cc
+
+    package = tmp_path / "raygpt"
+    shutil.copytree(os.path.dirname(raygpt.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__", "data_files"))
+    key = cc.compiled_code_key(str(package))
+    assert key == cc.compiled_code_key()  # the copy is the installed code
+    (package / "loop.py").write_text((package / "loop.py").read_text() + "\n# a comment\n")
+    assert cc.compiled_code_key.__wrapped__(str(package)) == key
+    for changed in ("model.py", "ops/reference.py"):
+        source = (package / changed).read_text()
+        (package / changed).write_text(source.replace("return", "return ", 1))
+        assert cc.compiled_code_key.__wrapped__(str(package)) != key, changed
+        (package / changed).write_text(source)
+
+    import torch._functorch.config
+    import torch.compiler.config
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
+    monkeypatch.setattr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions",
+                        False)
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "users-tag")
+    cc.trust_raygpt_functions()
+    assert torch.compiler.config.cache_key_tag == f"users-tag+raygpt-{key}"
+    assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions is True
 
 
 def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
@@ -260,12 +302,20 @@ def _check_artifacts_unit(mode: str, run_dir: str, cache_dir: str) -> None:
     rd, name = open_run_dir(run_dir), "compile_cache/unit.bin"
     use_node_compile_cache()
     loaded = load_compile_artifacts(rd, name, cache_dir) if mode == "load" else False
-    compiled = torch.compile(lambda x: torch.relu(x @ x.T).sum(0) * 2 + 1)
-    compiled(torch.randn(8, 4))
+    from raygpt.model import fused_classifier_loss
+
+    def step(x, w, t):  # forward and backward through one of raygpt's autograd Functions
+        loss_sum, _, _ = fused_classifier_loss(torch.relu(x), w, t, 12, chunk_rows=4)
+        return loss_sum
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g, requires_grad=True)
+    torch.compile(step)(x, torch.randn(16, 4, generator=g), torch.arange(8)).backward()
     if mode == "save":
         save_compile_artifacts(rd, name, cache_dir)
-    c = torch._dynamo.utils.counters["inductor"]
+    c, a = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
     print(json.dumps({"loaded": loaded, "hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"],
+                      "aot_hit": a["autograd_cache_hit"], "aot_bypass": a["autograd_cache_bypass"],
                       "marker": os.path.exists(_artifacts_marker(cache_dir, name))}))
 
 
