@@ -20,7 +20,10 @@ are separated by ';', each `kind:key=value,...`:
                                 (the driver's finalizer leaves it, as if it had died there), and
                                 this rank is SIGKILLed two steps later (Ray only)
 
-`rank` defaults to 0. `visit=N` fires it at the Nth arrival at its step within one attempt
+`rank` defaults to 0. `after=N` holds the fault at its step until checkpoint N's DONE is in
+the run directory (at most AFTER_WAIT_S, then it strikes anyway, with a WARNING): a kill that
+must come after a checkpoint is complete, however long the writing and Ray's registration take
+on the machine (`kill:rank=1,step=15,after=10`). `visit=N` fires it at the Nth arrival at its step within one attempt
 (default 1; a spike rewind brings the loop back to steps it has been through, so
 `kill:rank=1,step=7,visit=2` kills a worker between a rewind and the next checkpoint).
 A fault fires once per run directory (its record under `<run dir>/faults/` remembers it, so
@@ -52,6 +55,7 @@ from raygpt.runlog import segments
 
 log = logging.getLogger(__name__)
 
+AFTER_WAIT_S = 300.0  # how long a fault with after=N waits for checkpoint N's DONE
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
 EXTERNAL_KINDS = ("ctrl_c", "remove_node", "kill_worker")
 
@@ -86,6 +90,7 @@ class Fault:
     rank: int = 0
     every: bool = False
     visit: int = 1
+    after: int | None = None
 
     @property
     def marker(self) -> str:
@@ -94,7 +99,8 @@ class Fault:
     @property
     def spec(self) -> str:
         return (f"{self.kind}:rank={self.rank},step={self.step}" + (",every=1" if self.every else "")
-                + (f",visit={self.visit}" if self.visit != 1 else ""))
+                + (f",visit={self.visit}" if self.visit != 1 else "")
+                + (f",after={self.after}" if self.after is not None else ""))
 
 
 def parse_spec(spec: str) -> list[Fault]:
@@ -106,16 +112,20 @@ def parse_spec(spec: str) -> list[Fault]:
         kv = {}
         for item in filter(None, args.split(",")):
             key, _, value = item.partition("=")
-            if key not in ("rank", "step", "every", "visit") or not value.lstrip("-").isdigit():
-                raise ValueError(f"--fault {part!r}: expected rank=N, step=N, every=1 or visit=N, "
-                                 f"found {item!r}")
+            if (key not in ("rank", "step", "every", "visit", "after")
+                    or not value.lstrip("-").isdigit()):
+                raise ValueError(f"--fault {part!r}: expected rank=N, step=N, every=1, visit=N or "
+                                 f"after=N, found {item!r}")
             kv[key] = int(value)
         if "step" not in kv:
             raise ValueError(f"--fault {part!r}: expected step=N")
         if kv.get("visit", 1) < 1:
             raise ValueError(f"--fault {part!r}: visit: expected N >= 1, found {kv['visit']}")
+        if kv.get("after", 0) < 0:
+            raise ValueError(f"--fault {part!r}: after: expected a checkpoint step N >= 0, found "
+                             f"{kv['after']}")
         faults.append(Fault(kind, kv["step"], kv.get("rank", 0), bool(kv.get("every", 0)),
-                            kv.get("visit", 1)))
+                            kv.get("visit", 1), kv.get("after")))
     return faults
 
 
@@ -134,6 +144,8 @@ class FaultPlan:
                     return f
                 if not f.every and self.run_dir.exists(f.marker):
                     return None
+                if f.after is not None:
+                    self._wait_for_done(f)
                 # the record is the marker (written before the fault strikes: a SIGKILL follows)
                 name = f.marker if not f.every else f"{f.marker}_{time.time_ns()}"
                 record_fired(self.run_dir, name, {
@@ -143,6 +155,17 @@ class FaultPlan:
                     "time": time.time()})
                 return f
         return None
+
+    def _wait_for_done(self, f: Fault) -> None:
+        from raygpt.checkpointing.protocol import done_file
+
+        deadline = time.monotonic() + AFTER_WAIT_S
+        while not self.run_dir.exists(done_file(f.after)):
+            if time.monotonic() > deadline:
+                log.warning(f"raygpt | WARNING: fault {f.spec}: checkpoint {f.after} has no DONE "
+                            f"after {AFTER_WAIT_S:.0f} s; striking anyway")
+                return
+            time.sleep(0.05)
 
     def before_update(self, step: int) -> None:
         """Fire process-level faults due at this step (called at the top of the step)."""

@@ -50,6 +50,44 @@ def test_visit_fires_at_the_nth_arrival_at_its_step_in_one_attempt(tmp_path):
         parse_spec("kill:step=3,visit=0")
 
 
+def test_after_holds_the_fault_until_that_checkpoints_done_exists(tmp_path, monkeypatch, capsys):
+    """after=N: the fault waits at its step for checkpoint N's DONE (written here by another
+    thread, as the driver's finalizer would), then strikes; with no DONE by the deadline it
+    strikes anyway and says so."""
+    import threading
+    import time
+
+    import raygpt.faults
+    from raygpt.checkpointing.protocol import done_file
+
+    assert parse_spec("kill:rank=1,step=15,after=10") == [Fault("kill", 15, 1, False, 1, 10)]
+    assert parse_spec("kill:rank=1,step=15,after=10")[0].spec == "kill:rank=1,step=15,after=10"
+    with pytest.raises(ValueError, match="after: expected a checkpoint step"):
+        parse_spec("kill:step=3,after=-1")
+    rd = open_run_dir(str(tmp_path))
+    plan = FaultPlan(parse_spec("raise:step=15,after=10"), rank=0, run_dir=rd)
+    written = []
+
+    def finalizer():
+        time.sleep(0.3)
+        rd.write_bytes_atomic(done_file(10), b"")
+        written.append(time.monotonic())
+
+    threading.Thread(target=finalizer).start()
+    with pytest.raises(InjectedFault):
+        plan.before_update(15)
+    assert written and time.monotonic() >= written[0]  # struck only once DONE was there
+
+    monkeypatch.setattr(raygpt.faults, "AFTER_WAIT_S", 0.2)
+    late = FaultPlan(parse_spec("raise:step=25,after=20"), rank=0, run_dir=rd)
+    t0 = time.monotonic()
+    with pytest.raises(InjectedFault):
+        late.before_update(25)
+    assert time.monotonic() - t0 >= 0.2
+    assert ("fault raise:rank=0,step=25,after=20: checkpoint 20 has no DONE"
+            in capsys.readouterr().err)
+
+
 # ---------------------------------------------------------------------- the record of what fired
 
 def test_a_fault_leaves_its_record_before_it_strikes(tmp_path):

@@ -79,11 +79,10 @@ def test_deterministic_d12_compiled_runs_are_equal_as_floats(tmp_path):
 
 
 def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path):
-    """Under Ray on every visible GPU (up to 2): a worker SIGKILLed at step 15, after the step-10
-    checkpoint was saved; Ray restarts the group, and every loss of the run equals the
-    uninterrupted run's. The restart resumes from checkpoint 10 only if Ray registered it before
-    the kill (on one H200 on 2026-12-01 it had not, and the restart began at step 0): the resume
-    point is not asserted here; tests/ray_seam/test_driver.py's CPU twin asserts it."""
+    """Under Ray on every visible GPU (up to 2): a worker SIGKILLed at step 15, once checkpoint
+    10's DONE is written (after=10: on one H200 a kill at step 15 used to come before the
+    checkpoint was complete, and the restart began at step 0); Ray restarts the group, the run
+    resumes from checkpoint 10, and every loss of the run equals the uninterrupted run's."""
     ray = pytest.importorskip("ray")
     from raygpt.ray.driver import run
     workers = min(2, torch.cuda.device_count())
@@ -92,7 +91,8 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
         full = d12_det_config(tmp_path / "full", num_workers=workers).resolve(workers)
         run(full)
         killed = d12_det_config(tmp_path / "killed", num_workers=workers,
-                                fault=f"kill:rank={workers - 1},step=15").resolve(workers)
+                                fault=f"kill:rank={workers - 1},step=15,after=10"
+                                ).resolve(workers)
         run(killed)
     finally:
         ray.shutdown()
@@ -110,4 +110,6 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     assert all(recovery["parts"][p] is not None for p in RECOVERY_PARTS), recovery
     assert list((tmp_path / "killed" / "compile_cache").glob("*.bin"))
     resumed = [r for r in records(tmp_path / "killed") if r["kind"] == "train" and r["attempt"] == 2]
+    (resume,) = [r for r in records(tmp_path / "killed") if r["kind"] == "resume"]
+    assert resume["resumed_from"] == 10, resume
     assert resumed[1]["dt"] < 1.0, [r["dt"] for r in resumed[:3]]
