@@ -20,10 +20,11 @@ are separated by ';', each `kind:key=value,...`:
                                 (the driver's finalizer leaves it, as if it had died there), and
                                 this rank is SIGKILLed two steps later (Ray only)
 
-`rank` defaults to 0. `after=N` holds the fault at its step until checkpoint N's DONE is in
-the run directory (at most AFTER_WAIT_S, then it strikes anyway, with a WARNING): a kill that
-must come after a checkpoint is complete, however long the writing and Ray's registration take
-on the machine (`kill:rank=1,step=15,after=10`). `visit=N` fires it at the Nth arrival at its step within one attempt
+`rank` defaults to 0. `after=N` fires the fault at the first step from its step on at which
+checkpoint N's DONE is in the run directory: a kill that must come after a complete checkpoint,
+however long the machine takes to write it and the driver to finish it (`kill:rank=1,step=12,
+after=10`; the training goes on meanwhile: it is the loop that publishes the checkpoint).
+`visit=N` fires it at the Nth arrival at its step within one attempt
 (default 1; a spike rewind brings the loop back to steps it has been through, so
 `kill:rank=1,step=7,visit=2` kills a worker between a rewind and the next checkpoint).
 A fault fires once per run directory (its record under `<run dir>/faults/` remembers it, so
@@ -55,7 +56,6 @@ from raygpt.runlog import segments
 
 log = logging.getLogger(__name__)
 
-AFTER_WAIT_S = 300.0  # how long a fault with after=N waits for checkpoint N's DONE
 KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
 EXTERNAL_KINDS = ("ctrl_c", "remove_node", "kill_worker")
 
@@ -124,6 +124,9 @@ def parse_spec(spec: str) -> list[Fault]:
         if kv.get("after", 0) < 0:
             raise ValueError(f"--fault {part!r}: after: expected a checkpoint step N >= 0, found "
                              f"{kv['after']}")
+        if "after" in kv and kv.get("every"):
+            raise ValueError(f"--fault {part!r}: expected after=N or every=1, not both (after=N "
+                             f"fires once, at the first step with checkpoint N complete)")
         faults.append(Fault(kind, kv["step"], kv.get("rank", 0), bool(kv.get("every", 0)),
                             kv.get("visit", 1), kv.get("after")))
     return faults
@@ -137,15 +140,21 @@ class FaultPlan:
         self.run_dir = run_dir
         self.visits: dict[int, int] = {}  # arrivals at each step in this attempt
 
+    def _due(self, f: Fault, kind: str, step: int) -> bool:
+        if f.kind != kind or self.visits.get(step, 1) < f.visit:
+            return False
+        if f.after is None or self.run_dir is None:
+            return f.step == step
+        from raygpt.checkpointing.protocol import done_file
+        return step >= f.step and self.run_dir.exists(done_file(f.after))
+
     def _arm(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
-            if f.kind == kind and f.step == step and self.visits.get(step, 1) >= f.visit:
+            if self._due(f, kind, step):
                 if self.run_dir is None:
                     return f
                 if not f.every and self.run_dir.exists(f.marker):
                     return None
-                if f.after is not None:
-                    self._wait_for_done(f)
                 # the record is the marker (written before the fault strikes: a SIGKILL follows)
                 name = f.marker if not f.every else f"{f.marker}_{time.time_ns()}"
                 record_fired(self.run_dir, name, {
@@ -155,17 +164,6 @@ class FaultPlan:
                     "time": time.time()})
                 return f
         return None
-
-    def _wait_for_done(self, f: Fault) -> None:
-        from raygpt.checkpointing.protocol import done_file
-
-        deadline = time.monotonic() + AFTER_WAIT_S
-        while not self.run_dir.exists(done_file(f.after)):
-            if time.monotonic() > deadline:
-                log.warning(f"raygpt | WARNING: fault {f.spec}: checkpoint {f.after} has no DONE "
-                            f"after {AFTER_WAIT_S:.0f} s; striking anyway")
-                return
-            time.sleep(0.05)
 
     def before_update(self, step: int) -> None:
         """Fire process-level faults due at this step (called at the top of the step)."""

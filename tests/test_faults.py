@@ -50,42 +50,33 @@ def test_visit_fires_at_the_nth_arrival_at_its_step_in_one_attempt(tmp_path):
         parse_spec("kill:step=3,visit=0")
 
 
-def test_after_holds_the_fault_until_that_checkpoints_done_exists(tmp_path, monkeypatch, capsys):
-    """after=N: the fault waits at its step for checkpoint N's DONE (written here by another
-    thread, as the driver's finalizer would), then strikes; with no DONE by the deadline it
-    strikes anyway and says so."""
-    import threading
-    import time
-
-    import raygpt.faults
+def test_after_fires_at_the_first_step_with_that_checkpoint_complete(tmp_path):
+    """after=N: not before its step, and from there on at the first step at which checkpoint
+    N's DONE exists (the driver's finalizer writes it while the loop trains on); once per run
+    directory, like any fault."""
     from raygpt.checkpointing.protocol import done_file
 
-    assert parse_spec("kill:rank=1,step=15,after=10") == [Fault("kill", 15, 1, False, 1, 10)]
-    assert parse_spec("kill:rank=1,step=15,after=10")[0].spec == "kill:rank=1,step=15,after=10"
+    assert parse_spec("kill:rank=1,step=12,after=10") == [Fault("kill", 12, 1, False, 1, 10)]
+    assert parse_spec("kill:rank=1,step=12,after=10")[0].spec == "kill:rank=1,step=12,after=10"
     with pytest.raises(ValueError, match="after: expected a checkpoint step"):
         parse_spec("kill:step=3,after=-1")
+    with pytest.raises(ValueError, match="expected after=N or every=1"):
+        parse_spec("kill:step=3,after=2,every=1")
     rd = open_run_dir(str(tmp_path))
-    plan = FaultPlan(parse_spec("raise:step=15,after=10"), rank=0, run_dir=rd)
-    written = []
-
-    def finalizer():
-        time.sleep(0.3)
-        rd.write_bytes_atomic(done_file(10), b"")
-        written.append(time.monotonic())
-
-    threading.Thread(target=finalizer).start()
-    with pytest.raises(InjectedFault):
+    rd.write_bytes_atomic(done_file(10), b"")
+    early = FaultPlan(parse_spec("nan:step=12,after=10"), rank=0, run_dir=open_run_dir(
+        str(tmp_path / "other")))
+    assert not any(early.nan_now(s) for s in (10, 11, 12, 13))  # no DONE in its run directory
+    plan = FaultPlan(parse_spec("raise:step=12,after=20"), rank=0, run_dir=rd)
+    for step in (11, 12, 13, 14):
+        plan.before_update(step)  # no DONE for 20 yet: the run trains on
+    rd.write_bytes_atomic(done_file(20), b"")
+    with pytest.raises(InjectedFault, match="step 15"):
         plan.before_update(15)
-    assert written and time.monotonic() >= written[0]  # struck only once DONE was there
-
-    monkeypatch.setattr(raygpt.faults, "AFTER_WAIT_S", 0.2)
-    late = FaultPlan(parse_spec("raise:step=25,after=20"), rank=0, run_dir=rd)
-    t0 = time.monotonic()
-    with pytest.raises(InjectedFault):
-        late.before_update(25)
-    assert time.monotonic() - t0 >= 0.2
-    assert ("fault raise:rank=0,step=25,after=20: checkpoint 20 has no DONE"
-            in capsys.readouterr().err)
+    assert json.loads(rd.read_bytes(f"{FIRED}/raise_r0_s12"))["at_step"] == 15
+    again = FaultPlan(parse_spec("raise:step=12,after=20"), rank=0, run_dir=rd)
+    again.before_update(16)  # the next attempt runs clean
+    assert FaultPlan(parse_spec("nan:step=12,after=10"), rank=0, run_dir=rd).nan_now(11) is False
 
 
 # ---------------------------------------------------------------------- the record of what fired

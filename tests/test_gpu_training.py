@@ -79,19 +79,21 @@ def test_deterministic_d12_compiled_runs_are_equal_as_floats(tmp_path):
 
 
 def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path):
-    """Under Ray on every visible GPU (up to 2): a worker SIGKILLed at step 15, once checkpoint
-    10's DONE is written (after=10: on one H200 a kill at step 15 used to come before the
-    checkpoint was complete, and the restart began at step 0); Ray restarts the group, the run
-    resumes from checkpoint 10, and every loss of the run equals the uninterrupted run's."""
+    """Under Ray on every visible GPU (up to 2): a worker SIGKILLed at the first step from 12 on
+    at which checkpoint 10 is complete (after=10: writing GPT-2 124M's state takes ~100 steps
+    of this size on an H200, and a kill at a fixed step 15 came before it, so the restart began
+    at step 0); Ray restarts the group, the run resumes from a checkpoint, and every loss of
+    the 60 steps equals the uninterrupted run's."""
     ray = pytest.importorskip("ray")
     from raygpt.ray.driver import run
     workers = min(2, torch.cuda.device_count())
     ray.init(address="local", num_gpus=workers, include_dashboard=False)
     try:
-        full = d12_det_config(tmp_path / "full", num_workers=workers).resolve(workers)
+        full = d12_det_config(tmp_path / "full", num_workers=workers, max_steps=60
+                              ).resolve(workers)
         run(full)
-        killed = d12_det_config(tmp_path / "killed", num_workers=workers,
-                                fault=f"kill:rank={workers - 1},step=15,after=10"
+        killed = d12_det_config(tmp_path / "killed", num_workers=workers, max_steps=60,
+                                fault=f"kill:rank={workers - 1},step=12,after=10"
                                 ).resolve(workers)
         run(killed)
     finally:
@@ -99,7 +101,7 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     failures = [r for r in records(tmp_path / "killed") if r["kind"] == "failure"]
     assert len(failures) == 1
     a, b = train_losses(tmp_path / "full"), train_losses(tmp_path / "killed")
-    assert sorted(a) == sorted(b) == list(range(30))
+    assert sorted(a) == sorted(b) == list(range(60))
     assert a == b, [(s, a[s], b[s]) for s in a if a[s] != b[s]][:5]
     # issue 24: the recovery's every part measured, the restarted workers' caches warm (the
     # node kept them; the run stored its artifacts), and no second compilation after their
@@ -111,5 +113,5 @@ def test_deterministic_d12_killed_worker_resumes_with_every_loss_equal(tmp_path)
     assert list((tmp_path / "killed" / "compile_cache").glob("*.bin"))
     resumed = [r for r in records(tmp_path / "killed") if r["kind"] == "train" and r["attempt"] == 2]
     (resume,) = [r for r in records(tmp_path / "killed") if r["kind"] == "resume"]
-    assert resume["resumed_from"] == 10, resume
+    assert resume["resumed_from"] >= 10, resume
     assert resumed[1]["dt"] < 1.0, [r["dt"] for r in resumed[:3]]
