@@ -145,8 +145,8 @@ class FaultPlan:
             return False
         if f.after is None or self.run_dir is None:
             return f.step == step
-        from raygpt.checkpointing.protocol import done_file
-        return step >= f.step and self.run_dir.exists(done_file(f.after))
+        from raygpt.checkpointing.protocol import done_path
+        return step >= f.step and self.run_dir.exists(done_path(f.after))
 
     def _arm(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:

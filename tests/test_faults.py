@@ -54,7 +54,7 @@ def test_after_fires_at_the_first_step_with_that_checkpoint_complete(tmp_path):
     """after=N: not before its step, and from there on at the first step at which checkpoint
     N's DONE exists (the driver's finalizer writes it while the loop trains on); once per run
     directory, like any fault."""
-    from raygpt.checkpointing.protocol import done_file
+    from raygpt.checkpointing.protocol import write_done
 
     assert parse_spec("kill:rank=1,step=12,after=10") == [Fault("kill", 12, 1, False, 1, 10)]
     assert parse_spec("kill:rank=1,step=12,after=10")[0].spec == "kill:rank=1,step=12,after=10"
@@ -63,14 +63,14 @@ def test_after_fires_at_the_first_step_with_that_checkpoint_complete(tmp_path):
     with pytest.raises(ValueError, match="expected after=N or every=1"):
         parse_spec("kill:step=3,after=2,every=1")
     rd = open_run_dir(str(tmp_path))
-    rd.write_bytes_atomic(done_file(10), b"")
+    write_done(rd, 10)
     early = FaultPlan(parse_spec("nan:step=12,after=10"), rank=0, run_dir=open_run_dir(
         str(tmp_path / "other")))
     assert not any(early.nan_now(s) for s in (10, 11, 12, 13))  # no DONE in its run directory
     plan = FaultPlan(parse_spec("raise:step=12,after=20"), rank=0, run_dir=rd)
     for step in (11, 12, 13, 14):
         plan.before_update(step)  # no DONE for 20 yet: the run trains on
-    rd.write_bytes_atomic(done_file(20), b"")
+    write_done(rd, 20)
     with pytest.raises(InjectedFault, match="step 15"):
         plan.before_update(15)
     assert json.loads(rd.read_bytes(f"{FIRED}/raise_r0_s12"))["at_step"] == 15

@@ -81,6 +81,11 @@ def done_file(step: int) -> str:
     return f"DONE_{step:08d}"
 
 
+def done_path(step: int) -> str:
+    """DONE's path in the run directory: the one thing that says checkpoint `step` is complete."""
+    return f"{step_dir(step)}/{done_file(step)}"
+
+
 def expected_files(step: int, world_size: int) -> list[str]:
     """The files a complete checkpoint must hold besides DONE and MANIFEST."""
     return [model_file(step)] + [state_file(step, r) for r in range(world_size)]
@@ -89,7 +94,7 @@ def expected_files(step: int, world_size: int) -> list[str]:
 # ====================================================================== DONE and MANIFEST
 def write_done(run_dir: RunDir, step: int) -> None:
     """Create the empty DONE_<step> sentinel: only after every rank's files are in storage."""
-    run_dir.write_bytes_atomic(f"{step_dir(step)}/{done_file(step)}", b"")
+    run_dir.write_bytes_atomic(done_path(step), b"")
 
 
 # ---------------------------------------------------------------------------------------------

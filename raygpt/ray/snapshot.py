@@ -108,7 +108,7 @@ def reconciled(state: _CheckpointManagerState,
 def _rebuilt(run_dir: RunDir) -> _CheckpointManagerState:
     """A snapshot naming the run's complete checkpoints, oldest first, as if reported in order."""
     steps = [s for s in ck.list_checkpoint_steps(run_dir)
-             if run_dir.exists(f"{ck.step_dir(s)}/{ck.done_file(s)}")
+             if run_dir.exists(ck.done_path(s))
              and run_dir.exists(f"{ck.step_dir(s)}/{ck.MANIFEST}")]
     results = [_TrainingResultState(checkpoint_dir_name=ck.step_dir(s),
                                     metrics={"checkpoint_step": s}) for s in steps]

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.faults import read_fired
 from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
 from raygpt.report import run_status
 from raygpt.storage import open_run_dir
@@ -75,10 +76,14 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
 def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     full_dir, cfg, _ = uninterrupted
     run_dir = tmp_path / "killed"
-    summary = go(cfg.with_overrides({"output_dir": str(run_dir), "fault": "kill:rank=1,step=6"}))
+    # after=4: at step 6, or at the first step after it once checkpoint 4 is complete
+    summary = go(cfg.with_overrides({"output_dir": str(run_dir),
+                                     "fault": "kill:rank=1,step=6,after=4"}))
     assert summary["failures"] == 1 and summary["resumes"] == 1
     resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
     assert resumes[0]["resumed_from"] == 4
+    (fired,) = read_fired(open_run_dir(str(run_dir)))[1]
+    assert fired["fault"] == "kill:rank=1,step=6,after=4" and fired["at_step"] >= 6, fired
     assert train_losses(run_dir) == train_losses(full_dir)
     full, mine = open_run_dir(str(full_dir)), open_run_dir(str(run_dir))
     name = f"{ck.step_dir(12)}/{ck.model_file(12)}"
@@ -95,7 +100,7 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     parts = recovery["parts"]
     assert all(parts[p] is not None and parts[p] >= 0 for p in RECOVERY_PARTS), parts
     assert sum(parts[p] for p in RECOVERY_PARTS) == pytest.approx(parts["total"], abs=1e-6)
-    assert recovery["steps_retrained"] == 2
+    assert recovery["steps_retrained"] == fired["at_step"] - 4
     assert "recovery 1: " in run_status(str(run_dir)) and "worker group up" in run_status(str(run_dir))
 
 
