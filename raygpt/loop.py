@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from raygpt import compile_cache, signals, tokenizer
-from raygpt.checkpointing.runtime import Checkpointer
+from raygpt.checkpointing.runtime import Checkpointer, may_restore
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
@@ -68,9 +68,12 @@ def _op_named_in(message: str) -> str:
     return message.split(NOT_DETERMINISTIC)[0].strip().rstrip(",") or "an op"
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
+def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) -> GPT:
+    """The run's GPT on `device`: GPT-2's init from the seed (or the llm.c model file -m names);
+    with init=False and a depth, no init is drawn (weights a checkpoint is about to set)."""
     if cfg.depth is not None:
-        model = GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed)
+        model = (GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed) if init
+                 else GPT.empty(GPTConfig.from_depth(cfg.depth)))
     else:
         model = load_model_file(cfg.model)
     # the performance fields: --loss-impl, --no-ce-kernel, --ce-chunk-rows, --sdpa-backend,
@@ -240,10 +243,12 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     mark("build_started")
     # torch.compile's imports run on a thread while the model is built and the state loaded
     warming = compile_cache.warm_compiler() if cfg.compile else None
-    model = build_model(cfg, device)
+    # a run that may resume draws GPT-2's init only if no checkpoint is found (after the restore)
+    init_later = cfg.depth is not None and may_restore(cfg, session)
+    model = build_model(cfg, device, init=not init_later)
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
-    if world > 1:
+    if world > 1 and not init_later:
         dist.broadcast(flat.params, src=0)  # every rank starts from rank 0's weights
     opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 rank=rank, world=world, zero_stage=cfg.zero_stage)
@@ -258,6 +263,11 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup)
     restore_started = time.time()
     resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
+    if init_later and resumed_from is None:  # nothing to resume: the init a fresh run draws
+        model.init_gpt2(cfg.seed)  # into the flat buffer's views, as FlatParameters copies it
+        if world > 1:
+            dist.broadcast(flat.params, src=0)
+        opt.take_master_from_params()
     startup.update({"restore_started": restore_started, "state_loaded": time.time(),
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage

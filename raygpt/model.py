@@ -29,6 +29,7 @@ Parameter object shared by `transformer.wte` and `lm_head`, which survives the r
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -315,8 +316,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2. `GPT(config, init_seed=42)`: GPT-2's init drawn from a private CPU generator, so
-    every rank and every device starts from the same weights. `init_seed=None` leaves PyTorch's
-    default init (for a model whose weights are about to be loaded).
+    every rank and every device starts from the same weights (the modules are built on the meta
+    device first: PyTorch's own init, which GPT-2's overwrites, is never drawn). `init_seed=None`
+    leaves PyTorch's default init; `GPT.empty(config)` draws no init at all (for weights about
+    to be loaded, or set later by `init_gpt2`).
 
     Implementation choices, each None = its default above (a run passes TrainConfig's): loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
@@ -338,21 +341,36 @@ class GPT(nn.Module):
             raise ValueError(f"GPT loss_impl: expected one of {LOSS_IMPLS}, found {self.loss_impl!r}")
         if not isinstance(self.ce_chunk_rows, int) or self.ce_chunk_rows < 1:
             raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
-            wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        # Weight tying: one Parameter, counted once, its gradient the sum of both uses.
+        with torch.device("meta") if init_seed is not None else contextlib.nullcontext():
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
+                wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd),
+            ))
+            self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        if init_seed is not None:
+            self.to_empty(device="cpu")  # uninitialised: init_gpt2 below sets every element
+        # Weight tying (after to_empty, which gives each module its own storage): one Parameter, counted once, its gradient the sum of both uses.
         self.lm_head.weight = self.transformer.wte.weight
         self.use_kernels(sdpa_backend=sdpa_backend, embedding_impl=embedding_impl)
         # Largest |logit| over the real vocab in the last forward with targets (watch metric).
         # A detached device tensor, so reading it is the caller's choice of when to sync.
         self.last_max_logit: torch.Tensor | None = None
         if init_seed is not None:
-            self._init_gpt2(init_seed)
+            self.init_gpt2(init_seed)
+
+    @classmethod
+    def empty(cls, config: GPTConfig, **kw) -> "GPT":
+        """A GPT on the CPU whose weights are uninitialised memory, no init drawn (built on the
+        meta device): for weights about to be loaded, or set by `init_gpt2`. A restarted worker
+        skips GPT-2's init this way (1.8 s of one CPU thread at GPT-2 124M, more beside the
+        compiler's warm-up)."""
+        with torch.device("meta"):
+            model = cls(config, init_seed=None, **kw)
+        model.to_empty(device="cpu")
+        model.lm_head.weight = model.transformer.wte.weight  # to_empty untied them
+        return model
 
     def use_kernels(self, *, sdpa_backend: str | None = None,
                     embedding_impl: str | None = None) -> "GPT":
@@ -374,12 +392,14 @@ class GPT(nn.Module):
         return self
 
     @torch.no_grad()
-    def _init_gpt2(self, seed: int) -> None:
+    def init_gpt2(self, seed: int) -> None:
         """GPT-2's init (llm.c's train_gpt2.py): Linear and Embedding weights N(0, 0.02), the two
         residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 L)), biases 0,
         LayerNorm weight 1 / bias 0, padded wte rows 0. Values are drawn in module order
         (wte, wpe, then per block c_attn, attn.c_proj, c_fc, mlp.c_proj) on a CPU generator and
-        copied in, so the result does not depend on the device."""
+        copied in, so the result does not depend on the device. Every element of every parameter
+        is set, so it may follow `GPT.empty`, also once the parameters are views into the
+        optimizer's flat buffers on the device."""
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
 

@@ -112,6 +112,13 @@ class AdamW:
                          weight_decay=self.weight_decay, grad_scale=grad_scale, step=t, seed=seed)
         self.gather_params()
 
+    def take_master_from_params(self) -> None:
+        """Master weights copied from the working weights, as the constructor does: for working
+        weights set after the optimizer was built (a model initialised once no checkpoint was
+        found to load)."""
+        if self.master is not None:
+            self.master.copy_(self.shard_params)
+
     def rederive_working_weights(self, seed: int) -> None:
         """Write the working weights from the master weights with the stochastic-rounding seed of
         the last update (llm.c's `init_from_master_only`): reproduces them bit for bit."""

@@ -207,7 +207,7 @@ def test_performance_fields_reach_the_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile",
                         lambda model, mode=None, **kw: compiled_with.append(mode) or model)
     real_build = loop.build_model
-    monkeypatch.setattr(loop, "build_model", lambda cfg, device: built.append(real_build(cfg, device))
+    monkeypatch.setattr(loop, "build_model", lambda cfg, device, **kw: built.append(real_build(cfg, device, **kw))
                         or built[-1])
     base = dict(max_steps=2, checkpoint_every=0)
     run_local(tiny_config(tmp_path / "on", **base))

@@ -93,6 +93,30 @@ def test_gpt2_init(model):
     assert not torch.equal(GPT(CFG, init_seed=8).transformer.wpe.weight, t.wpe.weight)
 
 
+def test_gpt2_init_draws_no_pytorch_init_and_empty_draws_none(monkeypatch):
+    """GPT(config, init_seed) builds its modules on the meta device, so PyTorch's own init
+    (which GPT-2's overwrites) is never drawn, and its weights equal PyTorch's init overwritten
+    by init_gpt2; GPT.empty draws no init at all and keeps lm_head tied to wte."""
+    old = GPT(CFG, init_seed=None)
+    old.init_gpt2(7)
+    drawn = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
+        real = getattr(torch.nn.init, name)
+        def spy(*a, _n=name, _r=real, **k):
+            drawn.append((_n, (a[0] if a else k["tensor"]).device.type))
+            return _r(*a, **k)
+        monkeypatch.setattr(torch.nn.init, name, spy)
+    new, empty = GPT(CFG, init_seed=7), GPT.empty(CFG)
+    assert all(device == "meta" for _, device in drawn) and drawn  # built, never drawn on CPU
+    assert old.state_dict().keys() == new.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(),
+                                                  new.state_dict().values()))
+    for m in (new, empty):
+        assert m.lm_head.weight is m.transformer.wte.weight
+        assert {p.device.type for p in m.parameters()} == {"cpu"}
+        assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in old.parameters())
+
+
 # ---------------------------------------------------------------------- forward and loss
 
 def test_forward_shapes_and_reference(model):

@@ -60,6 +60,12 @@ def run_fingerprints(cfg: TrainConfig) -> dict:
             "data_hash": data_fingerprint(cfg.input_bin)}
 
 
+def may_restore(cfg: TrainConfig, session) -> bool:
+    """Whether Checkpointer.restore_latest will look for a checkpoint: the surroundings restored
+    one (a Ray restart) or the config asks (-y 1)."""
+    return session.checkpoint_hint() is not None or cfg.resume == 1
+
+
 def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
     """The ranks of an N-rank checkpoint whose state files a rank owning [lo, hi) of the flat
     buffers reads to reshard: rank 0 (the rank-independent state: loader, RNG, policies) and,
@@ -389,7 +395,7 @@ class Checkpointer:
         rank reads another's state. The ranks agree on the verdict (one collective): when any
         rank's file fails, every rank passes over that checkpoint to the next older one."""
         hint = self.session.checkpoint_hint()
-        if hint is None and self.cfg.resume != 1:
+        if not may_restore(self.cfg, self.session):
             return None
         warn = (lambda m: log.warning(f"raygpt | WARNING: {m}")) if self.rank == 0 else (lambda m: None)
         decisions = ck.read_abandoned_trajectories(self.run_dir)
