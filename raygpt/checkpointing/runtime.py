@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import io
 import logging
 import os
 import shutil
@@ -41,6 +40,7 @@ from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.config import TrainConfig
 from raygpt.data import data_fingerprint, merge_ranges
+from raygpt.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
 from raygpt.model import GPTConfig
@@ -122,34 +122,6 @@ def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
     its own state file hashed). For bench/checkpoint.py."""
     step = ck.find_latest_verified(run_dir, hashes=False, warn=lambda m: None)
     return fetch_verified(run_dir, step, ck.read_manifest(run_dir, step), [ck.state_file(step, rank)])
-
-
-class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it. Large writes go in chunks, each
-    hashed on a helper thread while it is written here (hashlib and the file write both release
-    the GIL): the hash costs next to no time on top of the write."""
-
-    CHUNK = 16 << 20
-
-    def __init__(self, f, pool=None):
-        self.f, self.h, self.size = f, hashlib.sha256(), 0
-        self.pool = pool  # a one-thread executor, or None: hash then write
-
-    def writable(self):
-        return True
-
-    def write(self, b):
-        view = memoryview(b).cast("B")
-        for lo in range(0, len(view), self.CHUNK):
-            chunk = view[lo:lo + self.CHUNK]
-            hashed = self.pool.submit(self.h.update, chunk) if self.pool else None
-            if hashed is None:
-                self.h.update(chunk)
-            self.f.write(chunk)
-            if hashed is not None:
-                hashed.result()
-        self.size += len(view)
-        return len(view)
 
 
 # How long a rewind waits for the driver to complete a checkpoint this attempt reported.
@@ -312,7 +284,7 @@ class Checkpointer:
                          if snap["params"] is not None else None)
                 name = ck.state_file(step, self.rank)
                 with open(stage / name, "wb") as f:
-                    hw = _HashingWriter(f, pool)
+                    hw = HashingWriter(f, pool=pool)
                     write_state_file(
                         hw, step=step, num_processes=self.world, process_rank=self.rank,
                         rng_state=snap["rng_state"],

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from raygpt.atomic_file import atomic_local_file
+from raygpt.hashing_writer import HashingWriter
 from raygpt.model import (GPT, GPTConfig, llmc_num_elements, llmc_parameter_layout,
                           llmc_tensor_shapes)
 
@@ -119,20 +120,9 @@ def write_model_file_from_flat(path, cfg: GPTConfig, flat_params, dtype: torch.d
     header = model_header(cfg, dtype)
     with atomic_local_file(path) as f:
         if hasher is not None:
-            f = _Hashed(f, hasher)
+            f = HashingWriter(f, hasher)
         f.write(header.tobytes())
         _write_values(f, flat, dtype)
-
-
-class _Hashed:
-    """A binary file's write() that feeds a hash too."""
-
-    def __init__(self, f, hasher):
-        self.f, self.hasher = f, hasher
-
-    def write(self, b):
-        self.hasher.update(b)
-        return self.f.write(b)
 
 
 def read_model_header(path) -> tuple[GPTConfig, torch.dtype]:

@@ -152,24 +152,3 @@ def test_without_gpu_memory_for_the_device_copy_it_says_so_and_copies_to_the_hos
     live["m"].add_(1.0)
     out = snap.to_host()
     assert out["m"].is_pinned() and torch.equal(out["m"], expected)
-
-
-@pytest.mark.parametrize("threaded", [False, True])
-def test_the_state_file_hash_is_of_every_byte_written_in_order(tmp_path, monkeypatch, threaded):
-    """The writer hashes in chunks, each on a helper thread while it is written: the sha256 and
-    size are exactly the file's."""
-    import hashlib
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    from raygpt.checkpointing.runtime import _HashingWriter
-
-    monkeypatch.setattr(_HashingWriter, "CHUNK", 1000)
-    parts = [os.urandom(n) for n in (10, 4567, 0, 1000, 1, 2001, 2999)]
-    with ThreadPoolExecutor(1) as pool, open(tmp_path / "f", "wb") as f:
-        hw = _HashingWriter(f, pool if threaded else None)
-        for p in parts:
-            assert hw.write(memoryview(p)) == len(p)
-    data = (tmp_path / "f").read_bytes()
-    assert data == b"".join(parts)
-    assert (hw.h.hexdigest(), hw.size) == (hashlib.sha256(data).hexdigest(), len(data))

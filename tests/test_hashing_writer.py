@@ -1,0 +1,34 @@
+"""HashingWriter: the sha256 and size of exactly the bytes written, in order, with or without
+its helper thread, and into the caller's own hasher (the model file's)."""
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from raygpt.hashing_writer import HashingWriter
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_hash_is_of_every_byte_written_in_order(tmp_path, monkeypatch, threaded):
+    """Chunks, each hashed on the helper thread while it is written: the sha256 and size are
+    exactly the file's."""
+    monkeypatch.setattr(HashingWriter, "CHUNK", 1000)
+    parts = [os.urandom(n) for n in (10, 4567, 0, 1000, 1, 2001, 2999)]
+    with ThreadPoolExecutor(1) as pool, open(tmp_path / "f", "wb") as f:
+        hw = HashingWriter(f, pool=pool if threaded else None)
+        for p in parts:
+            assert hw.write(memoryview(p)) == len(p)
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"".join(parts)
+    assert (hw.h.hexdigest(), hw.size) == (hashlib.sha256(data).hexdigest(), len(data))
+
+
+def test_the_callers_hasher_is_fed(tmp_path):
+    h = hashlib.sha256()
+    with open(tmp_path / "f", "wb") as f:
+        hw = HashingWriter(f, h)
+        hw.write(b"abc")
+        hw.write(bytearray(b"def"))
+    assert hw.h is h and h.hexdigest() == hashlib.sha256(b"abcdef").hexdigest() and hw.size == 6
