@@ -50,6 +50,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from raygpt.checkpointing.protocol import done_path
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
 from raygpt.runlog import segments
@@ -145,7 +146,6 @@ class FaultPlan:
             return False
         if f.after is None or self.run_dir is None:
             return f.step == step
-        from raygpt.checkpointing.protocol import done_path
         return step >= f.step and self.run_dir.exists(done_path(f.after))
 
     def _arm(self, kind: str, step: int) -> Fault | None:

@@ -244,7 +244,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     # torch.compile's imports run on a thread while the model is built and the state loaded
     warming = compile_cache.warm_compiler() if cfg.compile else None
     # a run that may resume draws GPT-2's init only if no checkpoint is found (after the restore)
-    init_later = cfg.depth is not None and may_restore(cfg, session)
+    init_later = cfg.depth is not None and may_restore(cfg, session.checkpoint_hint())
     model = build_model(cfg, device, init=not init_later)
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)

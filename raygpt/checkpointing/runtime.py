@@ -60,10 +60,10 @@ def run_fingerprints(cfg: TrainConfig) -> dict:
             "data_hash": data_fingerprint(cfg.input_bin)}
 
 
-def may_restore(cfg: TrainConfig, session) -> bool:
+def may_restore(cfg: TrainConfig, hint: int | None) -> bool:
     """Whether Checkpointer.restore_latest will look for a checkpoint: the surroundings restored
-    one (a Ray restart) or the config asks (-y 1)."""
-    return session.checkpoint_hint() is not None or cfg.resume == 1
+    one (`hint`, the session's checkpoint_hint(): a Ray restart) or the config asks (-y 1)."""
+    return hint is not None or cfg.resume == 1
 
 
 def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
@@ -367,7 +367,7 @@ class Checkpointer:
         rank reads another's state. The ranks agree on the verdict (one collective): when any
         rank's file fails, every rank passes over that checkpoint to the next older one."""
         hint = self.session.checkpoint_hint()
-        if not may_restore(self.cfg, self.session):
+        if not may_restore(self.cfg, hint):
             return None
         warn = (lambda m: log.warning(f"raygpt | WARNING: {m}")) if self.rank == 0 else (lambda m: None)
         decisions = ck.read_abandoned_trajectories(self.run_dir)

@@ -68,7 +68,7 @@ from raygpt.faults import parse_spec
 from raygpt.ownership import claimed_run_dir
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
-from raygpt.ray.worker import RaygptTorchConfig, RunControl, train_func
+from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
 from raygpt.runlog.history import append_record, read_history, summarize_run
@@ -116,7 +116,6 @@ class PreemptionWatcherCallback(PreemptionCallback):
 # its files (half a poll on average, plus one more when a metrics report is queued before it).
 # raygpt polls 4 times as often unless the user set the variable. The cost is one small actor
 # call per worker per poll (a few hundred a second on the head at 64 workers).
-RAY_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 CONTROLLER_POLL_S = 0.5
 
 

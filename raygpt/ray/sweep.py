@@ -275,7 +275,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     Returns True when it copied."""
     if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
         return False
-    stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
+    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))
     ck.copy_checkpoint(stable, run_dir, plan.shared_step)
     return True
 
@@ -288,7 +288,7 @@ def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
     the trial (`_NoRetryOfStoppedTrials`); any other failure is Tune's to retry."""
     plan = SweepPlan(**{k: v for k, v in plan.items() if k not in ("format", "version")})
     name = tune.get_context().get_trial_name()
-    run_dir = _join(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
+    run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
     try:
         adapted: list[str] = []
         cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir, notes=adapted)
@@ -322,9 +322,6 @@ class _NoRetryOfStoppedTrials(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if result.get(STOPPED_KEY) is not None:
             trial.max_failures = 0
-
-
-_join = join_uri  # a sweep on an object store keeps its endpoint in every path under it
 
 
 def _tune_storage(sweep_dir: str) -> tuple:
@@ -542,7 +539,7 @@ def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
     """Train the WSD stable phase once (skipped when its checkpoint at S already verifies) and
     return S. The run is the branches' own config with max_steps = the shortest branch total, so
     its LR up to S is every branch's LR up to S; it checkpoints at S and is stopped there."""
-    stable = open_run_dir(_join(plan.sweep_dir, STABLE_DIR))
+    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))
     S = plan.shared_step
     if stable.exists(ck.step_dir(S)) and not ck.verify_checkpoint(stable, S):
         return S
@@ -569,11 +566,11 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
     """One row per Tune trial, from Tune's experiment state (config, status, retries) and the
     trial's own loss history (val curve, final step, skips, rewinds), sorted by val loss."""
     plan = read_plan(open_run_dir(sweep_dir), _abs(sweep_dir))
-    analysis = tune.ExperimentAnalysis(_join(plan.sweep_dir, TUNE_DIR))
+    analysis = tune.ExperimentAnalysis(join_uri(plan.sweep_dir, TUNE_DIR))
     rows = []
     for trial in analysis.trials:
         name = str(trial)
-        run_dir = _join(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
+        run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
         records = read_history(open_run_dir(run_dir))
         curve = val_curve(records)
         end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
@@ -684,7 +681,7 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         best_path = sweep.uri(BEST_CONFIG)
     stable_curve = None
     if plan.mode == "wsd_branch":
-        stable_curve = val_curve(read_history(open_run_dir(_join(plan.sweep_dir, STABLE_DIR))))
+        stable_curve = val_curve(read_history(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))))
     plot_path = None
     if sweep.is_local:
         plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve,

@@ -32,6 +32,10 @@ from raygpt.storage import open_run_dir
 
 log = logging.getLogger(__name__)
 
+# Ray Train's controller poll (its variable, its default); raygpt's driver sets it
+# (driver.set_controller_poll) unless the user did, and the environment reaches the workers.
+RAY_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+RAY_DEFAULT_POLL_S = "2"
 
 
 @ray.remote(num_cpus=0)
@@ -74,7 +78,7 @@ class RaySession(Session):
         # Ray Train's controller takes one report per health-check poll (2 s unless set; raygpt's
         # driver sets 0.5 s: driver.set_controller_poll), from a queue of one on each worker:
         # train metrics two polls apart never wait for a poll
-        poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+        poll_s = float(os.environ.get(RAY_POLL_ENV, RAY_DEFAULT_POLL_S))
         self.metrics_interval_s = 2 * poll_s
 
     def checkpoint_hint(self) -> int | None:
