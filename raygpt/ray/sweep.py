@@ -578,7 +578,8 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
         done = end is not None and not end.get("stopped_early", True)
         status = ("done" if done else "stopped" if trial.status == "TERMINATED"
                   else trial.status.lower())
-        stopped = last.get(STOPPED_KEY) if trial.status == "ERROR" else None
+        verdict = _stop_verdict(analysis, trial) if trial.status == "ERROR" else {}
+        stopped = verdict.get(STOPPED_KEY)
         src = end if end is not None else last
         rows.append(TrialRow(
             name=name, trial_id=trial.trial_id, status=status,
@@ -589,9 +590,24 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
             # re-runs: every failure but an errored trial's last one was followed by one
             retries=int(trial.num_failures) - (trial.status == "ERROR"), run_dir=run_dir,
             val_curve=curve, stopped=None if stopped is None else int(stopped),
-            error=str(last.get(STOPPED_MESSAGE_KEY, "")) if stopped is not None else ""))
+            error=str(verdict.get(STOPPED_MESSAGE_KEY, "")) if stopped is not None else ""))
     rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
     return rows
+
+
+def _stop_verdict(analysis, trial) -> dict:
+    """The result in which raygpt stopped an errored trial ({} when it did not): usually its last
+    result, but a validation result forwarded by the run's Ray Train controller (another process)
+    can reach Tune after the trial's own verdict, so the trial's results are searched, newest
+    first."""
+    last = trial.last_result or {}
+    if last.get(STOPPED_KEY) is not None:
+        return last
+    frame = analysis.trial_dataframes.get(trial.trial_id)
+    if frame is None or STOPPED_KEY not in frame:
+        return {}
+    rows = frame[frame[STOPPED_KEY].notna()]
+    return {} if rows.empty else rows.iloc[-1].to_dict()
 
 
 def val_curve(records: list[dict]) -> list[tuple[int, float]]:
