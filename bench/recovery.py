@@ -100,6 +100,49 @@ def train_worker_pids() -> list[int]:
     return sorted(pids)
 
 
+# Ray Train's controller logs its worker group's start at DEBUG, part by part, into the session's
+# logs/train/ray-train-sys-controller-*.log (JSON lines) whatever the run's LoggingConfig says:
+# the replacement group's start as Ray itself timed it, between "worker group up" and the
+# failure. (message prefix after "[Worker Group Initialization] ", label)
+RAY_GROUP_PARTS = (("Placement group ready in", "placement group ready"),
+                   ("worker actors created in", "actors created (process + imports)"),
+                   ("before_init_train_context callbacks completed in", "before-init callbacks"),
+                   ("Train context initialized on workers in", "train context initialized"),
+                   ("after_worker_group_start callbacks completed in",
+                    "after-start callbacks (process group)"),
+                   ("Train function launched on workers in", "train function launched"),
+                   ("Worker group startup completed in", "start, whole (Ray's count)"))
+
+
+def ray_group_start_split(since: float) -> dict:
+    """{label: seconds} of the last worker group start Ray Train's controller logged, from the
+    newest controller log of this bench's Ray session written after `since`; {} when there is
+    none (another Ray layout, or the log not found)."""
+    import re
+
+    import ray._private.worker as ray_worker
+
+    try:
+        logs = Path(ray_worker._global_node.get_session_dir_path()) / "logs" / "train"
+        newest = max((f for f in logs.glob("ray-train-sys-controller-*.log")
+                      if f.stat().st_mtime >= since), key=lambda f: f.stat().st_mtime)
+    except (AttributeError, OSError, ValueError):
+        return {}
+    starts: list[dict] = []
+    for line in newest.read_text().splitlines():
+        try:
+            message = json.loads(line).get("message", "")
+        except ValueError:
+            continue
+        if message.startswith("Attempting to start training worker group"):
+            starts.append({})
+        for prefix, label in RAY_GROUP_PARTS:
+            m = re.search(re.escape(prefix) + r" ([0-9.]+)s", message)
+            if m and starts:
+                starts[-1][label] = float(m.group(1))
+    return starts[-1] if starts else {}
+
+
 class Killer(threading.Thread):
     """Waits for checkpoint `after`'s DONE, records the fault, SIGKILLs one Ray Train worker, and
     then empties the node's compile cache (and, for `cold`, moves the run's compiled artifacts
@@ -181,6 +224,7 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
                                  next((r["time"] for r in records if r.get("kind") == "train"
                                        and r.get("attempt") == 2), None)),
             "kill_to_failure_record": failure["time"] - kill["time"],
+            "ray_group_start": ray_group_start_split(t0),
             "first_start_step1_dt": first[0]["dt"] if first else None,
             "failures": summary.get("failures"), "wall_s": wall,
             "line": ledger["recovery_lines"][0]}
@@ -194,7 +238,8 @@ SETUP_MARKS = (("process_started", "failure recorded -> worker process started")
                ("train_func", "-> train function entered"),
                ("loop_imported", "-> raygpt.loop imported"),
                ("build_started", "-> session built"),
-               ("model_built", "-> model + optimizer built"),
+               ("weights_built", "-> model built (weights, on the device)"),
+               ("model_built", "-> flat buffers + optimizer built"),
                ("loader_built", "-> data loader built"),
                ("fingerprints", "-> run fingerprints hashed"),
                ("restore_started", "-> (restore starts)"),
@@ -238,6 +283,11 @@ def table(results: list[dict]) -> str:
     labels = [label for _, label in SETUP_MARKS]
     rows += [("  " + label, [r["setup"].get(label) for r in results]) for label in labels
              if any(label in r["setup"] for r in results)]
+    ray_labels = [label for _, label in RAY_GROUP_PARTS]
+    if any(r.get("ray_group_start") for r in results):
+        rows += [("the new worker group's start, Ray's log:", [None] * len(results))]
+        rows += [("  " + label, [r.get("ray_group_start", {}).get(label) for r in results])
+                 for label in ray_labels]
     out = [f"{'seconds':44s}" + "".join(f"{n:>10s}" for n in names)]
     for label, vals in rows:
         out.append(f"{label:44s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from raygpt import compile_cache, signals, tokenizer
-from raygpt.checkpointing.runtime import Checkpointer, may_restore
+from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
@@ -243,9 +243,13 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     mark("build_started")
     # torch.compile's imports run on a thread while the model is built and the state loaded
     warming = compile_cache.warm_compiler() if cfg.compile else None
+    resuming = may_restore(cfg, session.checkpoint_hint())
+    # the resume checkpoint's own files are read and hashed on a thread meanwhile
+    resume_read = ResumeRead(cfg, session.run_dir, rank, world) if resuming else None
     # a run that may resume draws GPT-2's init only if no checkpoint is found (after the restore)
-    init_later = cfg.depth is not None and may_restore(cfg, session.checkpoint_hint())
+    init_later = cfg.depth is not None and resuming
     model = build_model(cfg, device, init=not init_later)
+    mark("weights_built")
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
     if world > 1 and not init_later:
@@ -260,7 +264,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
     state = TrainState.fresh(cfg)
-    ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup)
+    ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup,
+                        resume_read=resume_read)
     restore_started = time.time()
     resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
     if init_later and resumed_from is None:  # nothing to resume: the init a fresh run draws

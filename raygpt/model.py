@@ -314,6 +314,16 @@ class Block(nn.Module):
         return x
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim); on the meta device built around an empty weight instead of
+    drawing its init there: PyTorch's normal_ on a meta tensor imports torch._dynamo (1.2 s on
+    one CPU thread, more in a fresh GPU worker), which put the compiler's imports inside the
+    model build of every (re)started worker, and the init would be overwritten anyway."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class GPT(nn.Module):
     """GPT-2. `GPT(config, init_seed=42)`: GPT-2's init drawn from a private CPU generator, so
     every rank and every device starts from the same weights (the modules are built on the meta
@@ -343,8 +353,8 @@ class GPT(nn.Module):
             raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
         with torch.device("meta") if init_seed is not None else contextlib.nullcontext():
             self.transformer = nn.ModuleDict(dict(
-                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
-                wpe=nn.Embedding(config.block_size, config.n_embd),         # (maxT, C)
+                wte=_embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
+                wpe=_embedding(config.block_size, config.n_embd),         # (maxT, C)
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd),
             ))

@@ -117,6 +117,23 @@ def test_gpt2_init_draws_no_pytorch_init_and_empty_draws_none(monkeypatch):
         assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in old.parameters())
 
 
+def test_building_a_model_imports_no_compiler():
+    """A fresh process builds GPT(config, init_seed) and GPT.empty without importing
+    torch._dynamo: PyTorch's normal_ on a meta tensor (nn.Embedding's own init) imports it,
+    which put seconds of the compiler's imports inside every restarted worker's model build
+    (they belong on the warm-up thread, beside the build)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from raygpt.model import GPT, GPTConfig\n"
+            "GPT(GPTConfig.from_depth(2), init_seed=1); GPT.empty(GPTConfig.from_depth(2))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # ---------------------------------------------------------------------- forward and loss
 
 def test_forward_shapes_and_reference(model):

@@ -124,6 +124,73 @@ def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
     return fetch_verified(run_dir, step, ck.read_manifest(run_dir, step), [ck.state_file(step, rank)])
 
 
+def latest_resumable(run_dir: RunDir, decisions: list[dict], warn,
+                     before: int | None = None) -> int | None:
+    """The newest complete checkpoint (below `before`) that no rewind abandoned (a crash can
+    come between a rewind's record and its deletion of the abandoned checkpoints)."""
+    while (step := ck.find_latest_verified(run_dir, before_step=before, warn=warn,
+                                           hashes=False)) is not None:
+        trajectory = ck.read_manifest(run_dir, step).get("extra", {}).get("trajectory")
+        hit = ck.abandoned_by(step, trajectory, decisions)
+        if hit is None:
+            return step
+        warn(f"checkpoint step {step} belongs to a trajectory a spike rewind abandoned "
+             f"back to step {hit['to_step']}; passing over it")
+        before = step
+    return None
+
+
+def files_to_load(step: int, ranks: list[int], model_file: bool) -> list[str]:
+    """The files of checkpoint `step` a rank loads: the state files of `ranks` (its own, or the
+    old world's whose shards overlap its own when resharding), and the model file where the
+    weights come from it (no master weights)."""
+    return [ck.state_file(step, r) for r in ranks] + ([ck.model_file(step)] if model_file else [])
+
+
+class ResumeRead:
+    """This rank's files of the newest resumable checkpoint, read and checked against MANIFEST
+    (`fetch_verified`) on a thread started before the model is built, so that the read and the
+    sha256, which release the GIL, overlap the build. The guess is an unchanged world and ZeRO
+    stage; `Checkpointer.restore_latest` takes the bytes only when its own first candidate is the
+    same checkpoint, MANIFEST and file list, and reads the files itself otherwise (a failure here
+    is left for that read to meet and report)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: RunDir, rank: int, world: int):
+        self._args = cfg, run_dir, rank, world
+        self._got: tuple | None = None  # (step, manifest, names, files, sources)
+        self._thread = threading.Thread(target=self._read, name="raygpt-resume-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        cfg, run_dir, rank, world = self._args
+        try:
+            step = latest_resumable(run_dir, ck.read_abandoned_trajectories(run_dir),
+                                    warn=lambda m: None)
+            if step is None:
+                return
+            manifest = ck.read_manifest(run_dir, step)
+            if (manifest.get("world_size") != world
+                    or manifest.get("extra", {}).get("zero_stage", 0) != cfg.zero_stage):
+                return  # resharding: restore_latest reads what the new layout needs
+            names = files_to_load(step, [rank], model_file=cfg.precision != "bf16")
+            sources: dict[str, str] = {}
+            files = fetch_verified(run_dir, step, manifest, names, LocalCopies(run_dir.uri()),
+                                   sources)
+            self._got = (step, manifest, names, files, sources)
+        except Exception as e:  # noqa: BLE001 - restore_latest reads again and reports it
+            log.debug(f"raygpt | rank {rank}: early read of the resume checkpoint: "
+                      f"{type(e).__name__}: {e}")
+
+    def take(self, step: int, manifest: dict, names: list[str]) -> tuple[dict, dict] | None:
+        """({name: bytes}, {name: "local" | "storage"}) when the early read got exactly these
+        files of this checkpoint, else None; the bytes are handed over once."""
+        self._thread.join()
+        got, self._got = self._got, None
+        if got is None or (got[0], got[1], got[2]) != (step, manifest, names):
+            return None
+        return got[3], got[4]
+
+
 # How long a rewind waits for the driver to complete a checkpoint this attempt reported.
 REWIND_WAIT_S = 120.0
 
@@ -151,8 +218,10 @@ def choose_rewind_target(published, verified_steps, completed, spike_start: int,
 
 class Checkpointer:
     def __init__(self, cfg: TrainConfig, session, flat: FlatParameters, opt: AdamW,
-                 model_config: GPTConfig, max_steps: int, marks: dict | None = None):
+                 model_config: GPTConfig, max_steps: int, marks: dict | None = None,
+                 resume_read: ResumeRead | None = None):
         self.cfg, self.session, self.flat, self.opt = cfg, session, flat, opt
+        self.resume_read = resume_read  # the resume checkpoint's files, read early (or None)
         # wall times of the restore's parts (the recovery bench's split of a worker's setup)
         self.marks = marks if marks is not None else {}
         self.model_config = model_config
@@ -373,7 +442,7 @@ class Checkpointer:
         decisions = ck.read_abandoned_trajectories(self.run_dir)
         before = None
         while True:
-            step = self._latest_resumable(decisions, warn, before)
+            step = latest_resumable(self.run_dir, decisions, warn, before)
             self.marks["checkpoint_chosen"] = time.time()
             files, problem = None, None
             if step is not None:
@@ -423,13 +492,8 @@ class Checkpointer:
         """The files of checkpoint `step` this rank reads to load it: its own state file, or
         (resharding) rank 0's for the rank-independent state plus the old ranks' files whose
         shards overlap this rank's [lo, hi); the model file where the weights come from it."""
-        if same_sharding:
-            names = [ck.state_file(step, self.rank)]
-        else:
-            names = [ck.state_file(step, r) for r in self._old_ranks_needed(manifest)]
-        if self.opt.master is None:
-            names.append(ck.model_file(step))
-        return names
+        ranks = [self.rank] if same_sharding else self._old_ranks_needed(manifest)
+        return files_to_load(step, ranks, model_file=self.opt.master is None)
 
     def _old_ranks_needed(self, manifest: dict) -> list[int]:
         return old_ranks_needed(self.flat.num_parameters, manifest["world_size"],
@@ -437,29 +501,20 @@ class Checkpointer:
                                 self.opt.lo, self.opt.hi)
 
     def _fetch_verified(self, step: int, manifest: dict, same_sharding: bool):
-        """({name: bytes}, None) with every file this rank loads read and checked, or (None,
-        what failed)."""
+        """({name: bytes}, None) with every file this rank loads read and checked (by the
+        early ResumeRead when it read exactly these), or (None, what failed)."""
+        names = self._files_to_load(step, manifest, same_sharding)
+        early, self.resume_read = self.resume_read, None  # its guess serves the first candidate
+        got = early.take(step, manifest, names) if early is not None else None
+        if got is not None:
+            files, self.load_sources = got
+            return files, None
         try:
             self.load_sources = {}
-            return fetch_verified(self.run_dir, step, manifest,
-                                  self._files_to_load(step, manifest, same_sharding),
-                                  self.local, self.load_sources), None
+            return fetch_verified(self.run_dir, step, manifest, names, self.local,
+                                  self.load_sources), None
         except (ck.CheckpointError, OSError, ValueError) as e:
             return None, f"{type(e).__name__}: {e}"
-
-    def _latest_resumable(self, decisions: list[dict], warn, before: int | None = None) -> int | None:
-        """The newest complete checkpoint (below `before`) that no rewind abandoned (a crash can
-        come between a rewind's record and its deletion of the abandoned checkpoints)."""
-        while (step := ck.find_latest_verified(self.run_dir, before_step=before, warn=warn,
-                                               hashes=False)) is not None:
-            trajectory = ck.read_manifest(self.run_dir, step).get("extra", {}).get("trajectory")
-            hit = ck.abandoned_by(step, trajectory, decisions)
-            if hit is None:
-                return step
-            warn(f"checkpoint step {step} belongs to a trajectory a spike rewind abandoned "
-                 f"back to step {hit['to_step']}; passing over it")
-            before = step
-        return None
 
     def _apply_rewind_decision(self, decision: dict | None, step: int, state: TrainState,
                                loader) -> None:

@@ -4,6 +4,7 @@ shards it needs."""
 
 import os
 
+import pytest
 import torch
 
 from raygpt.checkpointing.protocol import (
@@ -80,3 +81,64 @@ def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
     assert old_ranks_needed(total, 64, 1, 0, total) == list(range(63))
     assert old_ranks_needed(total, 8, 0, 0, total) == [0]  # no ZeRO: rank 0 holds everything
     assert old_ranks_needed(total, 1, 1, 0, 500) == [0]
+
+
+# ---------------------------------------------------------------------- the early read of a resume
+def test_a_resume_loads_the_files_its_early_read_hashed_while_the_model_was_built(tmp_path,
+                                                                                  monkeypatch):
+    """build_run starts runtime.ResumeRead before the model is built: the resume's files are read
+    and checked on that thread only (restore_latest reads nothing itself), and the resumed losses
+    are the uninterrupted run's, as floats."""
+    import threading
+
+    from raygpt.checkpointing import runtime
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from tests.helpers import tiny_config, train_losses
+
+    def run(run_dir, **kw):
+        cfg = tiny_config(run_dir, max_steps=12, async_checkpoint=False, **kw).resolve(0)
+        return train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
+
+    from raygpt.faults import InjectedFault
+
+    run(tmp_path / "whole")
+    with pytest.raises(InjectedFault):  # checkpoint 8 saved, the attempt lost at step 9
+        run(tmp_path / "run", fault="raise:rank=0,step=9")
+    readers = []
+    real = runtime.fetch_verified
+
+    def fetch_verified(*a, **kw):
+        readers.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runtime, "fetch_verified", fetch_verified)
+    run(tmp_path / "run", resume=1)
+    assert readers == ["raygpt-resume-read"]
+    whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "run", attempt=2)
+    assert min(resumed) == 8 and resumed == {s: l for s, l in whole.items() if s >= 8}
+
+
+def test_the_early_read_hands_its_files_over_only_for_the_checkpoint_and_files_asked(tmp_path):
+    """ResumeRead guesses the newest resumable checkpoint and this rank's own files; take() gives
+    the bytes (the stored ones) for exactly that checkpoint, MANIFEST and file list, once, and
+    None for anything else, so restore_latest then reads what it needs itself."""
+    from raygpt.checkpointing.protocol import read_manifest
+    from raygpt.checkpointing.runtime import ResumeRead
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", max_steps=8, async_checkpoint=False).resolve(0)
+    train(cfg, LocalSession(open_run_dir(str(tmp_path / "run")), torch.device("cpu")))
+    run_dir = open_run_dir(str(tmp_path / "run"))
+    m4, m8 = read_manifest(run_dir, 4), read_manifest(run_dir, 8)
+    names = [state_file(8, 0), model_file(8)]  # fp32 on the CPU: the weights are the model file's
+    assert ResumeRead(cfg, run_dir, 0, 1).take(4, m4, [state_file(4, 0), model_file(4)]) is None
+    assert ResumeRead(cfg, run_dir, 0, 1).take(8, m8, names[:1]) is None
+    assert ResumeRead(cfg, run_dir, 0, 2).take(8, m8, names) is None  # another world: no guess
+    early = ResumeRead(cfg, run_dir, 0, 1)
+    files, sources = early.take(8, m8, names)
+    assert files == {n: (tmp_path / "run" / step_dir(8) / n).read_bytes() for n in names}
+    assert set(sources) == set(names)
+    assert early.take(8, m8, names) is None  # handed over once
