@@ -20,10 +20,11 @@ cache key instead, so an entry made by other raygpt code is never loaded.
 fills them from the run's artifacts, `save_if_new` stores the first step's graphs (rank 0).
 
 Every new worker process also pays for importing torch.compile's machinery (Dynamo, Inductor:
-several seconds of Python, more than the warm cache's own loading) and for the keys Inductor
-computes once per process; `warm_compiler` does that on a thread while the worker builds its
-model and loads its checkpoint (CUDA initialisation, file reads and hashing release the GIL),
-and the loop joins it before `torch.compile`.
+several seconds of Python) and for the keys Inductor computes once per process;
+`import_compiler` does that while the resume checkpoint is read and hashed on another thread
+(which holds the GIL little). It once ran on a thread of its own beside the model build and the
+load: on an H200 a restarted worker then reached its first step 0.9-2.4 s later than with no
+such thread (two runs each), both sides being Python that waits on the GIL.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import json
 import logging
 import os
 import tempfile
-import threading
 
 import torch
 
@@ -93,27 +93,23 @@ def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-def warm_compiler() -> threading.Thread:
-    """Start importing torch.compile's machinery on a daemon thread (the node's caches chosen
-    first: Inductor reads where they are when it starts) and return the thread; join it before
-    calling torch.compile, so no other thread imports the same modules meanwhile. A failure
-    here only costs the overlap: torch.compile imports what it needs itself, and says why."""
+def import_compiler() -> None:
+    """Import torch.compile's machinery now, on the calling thread (the node's caches chosen
+    first: Inductor reads where they are when it starts), and compute Inductor's per-process
+    system key. The loop calls it while the resume checkpoint is read and hashed on another
+    thread (file reads and sha256 release the GIL; these imports are seconds of pure Python). A
+    failure here only moves the imports: torch.compile imports what it needs itself, and says
+    why it cannot."""
     use_node_compile_cache()
-
-    def work() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-            from torch._inductor import codecache
-            # the system key (the device's compiler versions, Triton's source hashed: about a
-            # second), cached per process; looked up on the first compilation otherwise
-            getattr(getattr(codecache, "CacheBase", None), "get_system", lambda: None)()
-        except Exception as e:  # noqa: BLE001 - an optimisation: torch.compile will say it
-            log.debug(f"raygpt | compiler warm-up: {type(e).__name__}: {e}")
-
-    thread = threading.Thread(target=work, name="raygpt-compiler-warmup", daemon=True)
-    thread.start()
-    return thread
+    try:
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import codecache
+        # the system key (the device's compiler versions, Triton's source hashed: about a
+        # second), cached per process; looked up on the first compilation otherwise
+        getattr(getattr(codecache, "CacheBase", None), "get_system", lambda: None)()
+    except Exception as e:  # noqa: BLE001 - an optimisation: torch.compile will say it
+        log.debug(f"raygpt | compiler imports: {type(e).__name__}: {e}")
 
 
 def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:

@@ -241,10 +241,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
         setup[name] = time.time()
 
     mark("build_started")
-    # torch.compile's imports run on a thread while the model is built and the state loaded
-    warming = compile_cache.warm_compiler() if cfg.compile else None
     resuming = may_restore(cfg, session.checkpoint_hint())
-    # the resume checkpoint's own files are read and hashed on a thread meanwhile
+    # the resume checkpoint's own files are read and hashed on a thread from here on
     resume_read = ResumeRead(cfg, session.run_dir, rank, world) if resuming else None
     # a run that may resume draws GPT-2's init only if no checkpoint is found (after the restore)
     init_later = cfg.depth is not None and resuming
@@ -263,6 +261,9 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
+    if cfg.compile:  # seconds of Python, while the resume read hashes beside it
+        compile_cache.import_compiler()
+        mark("compiler_imported")
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup,
                         resume_read=resume_read)
@@ -279,8 +280,6 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_from": sorted(set(ckpt.load_sources.values()))})
     forward, compiled = model, None
     if cfg.compile:
-        warming.join()
-        mark("compiler_imported")
         # static shapes: validation batches of another size must not make the training graph
         # symbolic; compiled once per node (local caches, the run's artifacts for a new node)
         forward = torch.compile(model, mode=cfg.compile_mode, dynamic=False)

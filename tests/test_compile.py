@@ -169,20 +169,19 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
             f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
 
 
-def test_the_compiler_is_imported_on_a_thread_while_the_worker_sets_up(tmp_path):
-    """compile_cache.warm_compiler, in a fresh process as a restarted worker is: the node's
+def test_the_compilers_imports_choose_the_nodes_cache_first(tmp_path):
+    """compile_cache.import_compiler, in a fresh process as a restarted worker is: the node's
     cache is chosen first, then Dynamo and Inductor are imported and Inductor's per-process
-    system key computed on its own thread (the main thread stays free to build the model and
-    load the checkpoint meanwhile)."""
-    out = _json_line(_run_check("warm-up", str(tmp_path / "node_cache"), timeout=300))
+    system key computed, on the calling thread (the loop's, while the resume read hashes)."""
+    out = _json_line(_run_check("imports", str(tmp_path / "node_cache"), timeout=300))
     assert out["before"] == {"torch._dynamo": False, "torch._inductor.compile_fx": False}
     assert out["after"] == {"torch._dynamo": True, "torch._inductor.compile_fx": True}
-    assert out["importer"] == "raygpt-compiler-warmup"  # not the main thread
+    assert out["importer"] == "MainThread"
+    assert out["cache_dir_when_imported"] == str(tmp_path / "node_cache")
     assert out["system_key_cached"] is True
-    assert out["cache_dir"] == str(tmp_path / "node_cache")
 
 
-def _check_warm_up(cache_dir: str) -> None:
+def _check_imports(cache_dir: str) -> None:
     import threading
 
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -191,24 +190,24 @@ def _check_warm_up(cache_dir: str) -> None:
 
     names = ("torch._dynamo", "torch._inductor.compile_fx")
     before = {n: n in sys.modules for n in names}
-    importer = {}
+    seen = {}
 
-    class Spy:  # notes which thread imports torch._dynamo (the first of the two)
+    class Spy:  # notes the thread importing torch._dynamo and the cache chosen by then
         def find_spec(self, name, path=None, target=None):
-            if name == "torch._dynamo":
-                importer.setdefault("thread", threading.current_thread().name)
+            if name == "torch._dynamo" and not seen:
+                seen.update(thread=threading.current_thread().name,
+                            cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
             return None
 
     sys.meta_path.insert(0, Spy())
     real = cc.use_node_compile_cache
     cc.use_node_compile_cache = lambda: real(cache_dir)  # this test's node instead of /tmp's
-    cc.warm_compiler().join(timeout=240)
+    cc.import_compiler()
     from torch._inductor.codecache import CacheBase
 
     print(json.dumps({"before": before, "after": {n: n in sys.modules for n in names},
-                      "importer": importer.get("thread"),
-                      "system_key_cached": CacheBase.get_system.cache_info().currsize == 1,
-                      "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}))
+                      "importer": seen.get("thread"), "cache_dir_when_imported": seen.get("cache"),
+                      "system_key_cached": CacheBase.get_system.cache_info().currsize == 1}))
 
 
 def test_cached_graphs_are_keyed_by_the_code_torch_compile_traces(tmp_path, monkeypatch):
@@ -386,7 +385,7 @@ if __name__ == "__main__":
         _check_artifacts(*sys.argv[2:])
     elif sys.argv[1] == "artifacts-unit":
         _check_artifacts_unit(*sys.argv[2:])
-    elif sys.argv[1] == "warm-up":
-        _check_warm_up(*sys.argv[2:])
+    elif sys.argv[1] == "imports":
+        _check_imports(*sys.argv[2:])
     else:
         _check_kernel_lookup()
