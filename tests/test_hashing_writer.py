@@ -32,3 +32,23 @@ def test_the_callers_hasher_is_fed(tmp_path):
         hw.write(b"abc")
         hw.write(bytearray(b"def"))
     assert hw.h is h and h.hexdigest() == hashlib.sha256(b"abcdef").hexdigest() and hw.size == 6
+
+
+@pytest.mark.parametrize("piece", [1, 999, 1000, 4096, 10 ** 6])
+def test_each_piece_gets_the_sha256_of_its_own_bytes(tmp_path, monkeypatch, piece):
+    """With `pieces`, every `piece_bytes` of the file get their own sha256, hashed on the pieces'
+    threads: writes cross piece boundaries, a piece spans writes, the last piece is short; the
+    whole-file sha256 is unchanged by it."""
+    monkeypatch.setattr(HashingWriter, "CHUNK", 1000)
+    parts = [os.urandom(n) for n in (10, 4567, 0, 1000, 1, 2001, 2999)]
+    with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(3) as pieces, \
+            open(tmp_path / "f", "wb") as f:
+        hw = HashingWriter(f, pool=pool, pieces=pieces, piece_bytes=piece)
+        for p in parts:
+            hw.write(memoryview(p))
+    data = (tmp_path / "f").read_bytes()
+    assert hw.piece_digests() == [hashlib.sha256(data[lo:lo + piece]).hexdigest()
+                                  for lo in range(0, len(data), piece)]
+    assert hw.h.hexdigest() == hashlib.sha256(data).hexdigest()
+    with open(tmp_path / "g", "wb") as f:
+        assert HashingWriter(f).piece_digests() == []  # no pieces asked

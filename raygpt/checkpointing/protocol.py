@@ -9,7 +9,8 @@ A checkpoint at step N is one directory of the run directory (see raygpt/storage
         state_<N:08d>_<rank:05d>.bin llm.c state file, one per rank (raygpt.llmc.state_file)
         DONE_<N:08d>                 llm.c's sentinel: every rank's files are in storage
         MANIFEST.json                size + sha256 of every other file (the sha256 its
-                                     writing rank computed while writing), identity hashes
+                                     writing rank computed while writing; for a state file
+                                     also one per 64 MiB piece), identity hashes
 
 Write order: all rank files -> DONE -> MANIFEST. DONE keeps llm.c's meaning (written only after
 every rank finished, so llm.c-style tools can rely on it). MANIFEST comes last because it is the
@@ -19,7 +20,8 @@ checkpoint that readers treat as absent (they fall back to an older one and say 
 that is half-trusted. Checking costs stay flat in the world size: MANIFEST takes the writers'
 hashes (nothing is read back to write it), "complete" (DONE, MANIFEST, every file with its size:
 `verify_checkpoint(hashes=False)`) is what selection, retention and `raygpt status` check, and
-each rank hashes the bytes it loads (`verify_bytes`).
+each rank hashes the bytes it loads (`verify_bytes`: by pieces, in parallel, when MANIFEST lists
+them; the whole-file sha256 stays for everything else, `sha256sum` included).
 
 The worker side (save, restore, rewind) is raygpt.checkpointing.runtime's; the driver-side
 callback that calls `finalize_checkpoint` once Ray has every rank's files is raygpt.ray.driver's.
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "raygpt-checkpoint"
 MANIFEST_VERSION = 1
+# A file's optional sha256 per piece (raygpt.hashing_writer.PIECE_BYTES): what its writer hashed
+# beside the whole-file sha256, so that a reader checks the pieces on PIECE_THREADS threads.
+PIECE_KEYS = ("piece_bytes", "piece_sha256")
+PIECE_THREADS = min(8, os.cpu_count() or 1)
 _TEMP_MARK = ".tmp-"  # every temporary name raygpt creates contains this (storage.py, stage_dir)
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -181,7 +187,8 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
     """List (size + sha256) every file of the step directory except MANIFEST (and temp files),
     then write MANIFEST.json atomically. Call it last, after DONE. Returns the manifest.
 
-    `written` ({name: {"size", "sha256"}}) is what the ranks hashed while writing their files:
+    `written` ({name: {"size", "sha256"[, "piece_bytes", "piece_sha256"]}}) is what the ranks
+    hashed while writing their files:
     those files are not read again, only their stored size is compared with the written one
     (CheckpointError on a difference or a file missing from storage), so the cost of a manifest
     does not grow with the state. A file `written` does not cover (DONE, a few bytes) is hashed
@@ -204,7 +211,8 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
                 raise CheckpointError(f"{run_dir.uri(rel)}: size: expected {written[name]['size']} "
                                       f"bytes as written by its rank, found {size} in storage; "
                                       f"no MANIFEST")
-            files[name] = {"size": size, "sha256": written[name]["sha256"]}
+            files[name] = {"size": size, "sha256": written[name]["sha256"],
+                           **{k: written[name][k] for k in PIECE_KEYS if k in written[name]}}
         else:
             files[name] = {"size": size, "sha256": run_dir.sha256_of(rel, max_bytes=size)}
     manifest = {
@@ -279,6 +287,19 @@ def _bad_file_entry(entry) -> str | None:
         return f"size: expected an integer >= 0, found {_short(size)}"
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
         return f"sha256: expected 64 hex digits, found {_short(digest)}"
+    if not any(k in entry for k in PIECE_KEYS):
+        return None
+    step, pieces = entry.get("piece_bytes"), entry.get("piece_sha256")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        return f"piece_bytes: expected an integer >= 1, found {_short(step)}"
+    count = -(-size // step)
+    if not isinstance(pieces, list) or len(pieces) != count:
+        return (f"piece_sha256: expected a list of {count} sha256 (size {size} in pieces of "
+                f"{step}), found {_short(pieces)}")
+    bad = next((p for p in pieces if not isinstance(p, str) or not re.fullmatch(r"[0-9a-f]{64}", p)),
+               None)
+    if bad is not None:
+        return f"piece_sha256: expected 64 hex digits each, found {_short(bad)}"
     return None
 
 
@@ -350,9 +371,35 @@ def verify_bytes(run_dir: RunDir, step: int, name: str, data: bytes, manifest: d
         raise CheckpointError(f"{run_dir.uri(rel)}: not listed in {MANIFEST}")
     if len(data) != entry["size"]:
         raise CheckpointError(f"{run_dir.uri(rel)}: size: expected {entry['size']}, found {len(data)}")
+    if "piece_sha256" in entry:  # every byte in a hashed piece, the pieces on several threads
+        bad = first_bad_piece(data, entry["piece_bytes"], entry["piece_sha256"])
+        if bad is not None:
+            lo, hi, expected, found = bad
+            raise CheckpointError(f"{run_dir.uri(rel)}: sha256 of bytes [{lo}, {hi}): expected "
+                                  f"{expected}, found {found}")
+        return
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry["sha256"]:
         raise CheckpointError(f"{run_dir.uri(rel)}: sha256: expected {entry['sha256']}, found {digest}")
+
+
+def first_bad_piece(data, piece_bytes: int, digests: list[str]) -> tuple | None:
+    """(lo, hi, expected, found) of the first piece of `data` whose sha256 is not its listed
+    one, or None; the pieces are hashed on up to PIECE_THREADS threads (hashlib releases the
+    GIL), so checking a file costs its size over that many cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = memoryview(data).cast("B")
+    spans = [(lo, min(lo + piece_bytes, len(view))) for lo in range(0, len(view), piece_bytes)]
+
+    def digest(span):
+        return hashlib.sha256(view[span[0]:span[1]]).hexdigest()
+
+    with ThreadPoolExecutor(max(1, min(PIECE_THREADS, len(spans)))) as pool:
+        for (lo, hi), expected, found in zip(spans, digests, pool.map(digest, spans)):
+            if found != expected:
+                return lo, hi, expected, found
+    return None
 
 
 # ====================================================================== resume selection

@@ -348,12 +348,15 @@ class Checkpointer:
             step = snap["step"]
             # rank 0's model file is written on a helper thread while the state file is written
             # here, and the state file is hashed on the other helper while it is written
-            with ThreadPoolExecutor(2, thread_name_prefix=f"raygpt-ckpt-{step}-io") as pool:
+            # and its pieces' sha256 on a few more (a resume checks them in parallel)
+            with ThreadPoolExecutor(2, thread_name_prefix=f"raygpt-ckpt-{step}-io") as pool, \
+                    ThreadPoolExecutor(ck.PIECE_THREADS,
+                                       thread_name_prefix=f"raygpt-ckpt-{step}-pieces") as pieces:
                 model = (pool.submit(self._write_model_file, snap, stage)
                          if snap["params"] is not None else None)
                 name = ck.state_file(step, self.rank)
                 with open(stage / name, "wb") as f:
-                    hw = HashingWriter(f, pool=pool)
+                    hw = HashingWriter(f, pool=pool, pieces=pieces)
                     write_state_file(
                         hw, step=step, num_processes=self.world, process_rank=self.rank,
                         rng_state=snap["rng_state"],
@@ -364,7 +367,9 @@ class Checkpointer:
                     f.flush()
                     os.fsync(f.fileno())  # durable before it is reported (the model file's
                     # writer fsyncs its own file and its rename)
-                hashes = {name: {"sha256": hw.h.hexdigest(), "size": hw.size}}
+                hashes = {name: {"sha256": hw.h.hexdigest(), "size": hw.size,
+                                 "piece_bytes": hw.piece_bytes,
+                                 "piece_sha256": hw.piece_digests()}}
                 if model is not None:
                     hashes.update(model.result())
             fsync_directory(stage)  # the staged names too

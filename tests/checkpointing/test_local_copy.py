@@ -111,8 +111,9 @@ def test_a_local_copy_that_differs_from_manifest_falls_back_to_storage(tmp_path,
     said = capfd.readouterr().err
     assert startup["load_from"] == ["local", "storage"]  # the model file's copy was intact
     stored = run_dir / step_dir(4) / state_file(4, 0)
-    assert (f"WARNING: {bad}: this node's copy of {stored} differs from MANIFEST (sha256: "
-            f"expected ") in said
+    # the flipped byte is named by the piece of the file it is in (MANIFEST's piece_sha256)
+    assert (f"WARNING: {bad}: this node's copy of {stored} differs from MANIFEST (sha256 of "
+            f"bytes [0, ") in said
     assert "reading storage's" in said
     assert train_losses(run_dir, attempt=2) == {s: l for s, l in reference.items() if s >= 4}
 

@@ -143,6 +143,18 @@ def test_a_clean_checkpoint_verifies_with_and_without_hashes(rd):
      "files['a']: sha256: expected 64 hex digits, found '" + "0" * 64 + "\\n'"),
     (lambda m: m["files"].update({"a": {"size": 0}}),
      "files['a']: sha256: expected 64 hex digits, found None"),
+    (lambda m: m["files"].update({"a": {"size": 5, "sha256": "0" * 64, "piece_bytes": 0,
+                                        "piece_sha256": []}}),
+     "files['a']: piece_bytes: expected an integer >= 1, found 0"),
+    (lambda m: m["files"].update({"a": {"size": 5, "sha256": "0" * 64, "piece_bytes": 2,
+                                        "piece_sha256": ["0" * 64] * 2}}),
+     "files['a']: piece_sha256: expected a list of 3 sha256 (size 5 in pieces of 2), found "
+     + repr(["0" * 64] * 2)[:77] + "..."),
+    (lambda m: m["files"].update({"a": {"size": 5, "sha256": "0" * 64, "piece_sha256": []}}),
+     "files['a']: piece_bytes: expected an integer >= 1, found None"),
+    (lambda m: m["files"].update({"a": {"size": 3, "sha256": "0" * 64, "piece_bytes": 2,
+                                        "piece_sha256": ["0" * 64, "x"]}}),
+     "files['a']: piece_sha256: expected 64 hex digits each, found 'x'"),
     (lambda m: m.update(world_size="2"), "world_size: expected an integer, found '2'"),
     (lambda m: m.update(world_size=True), "world_size: expected an integer, found True"),
     (lambda m: m.update(num_parameters=1.5), "num_parameters: expected an integer, found 1.5"),
@@ -281,6 +293,38 @@ def test_verify_bytes_names_the_file(rd):
         ck.verify_bytes(rd, 10, name, bad, m)
     assert str(e.value) == (f"{uri}: sha256: expected {m['files'][name]['sha256']}, found "
                             f"{hashlib.sha256(bad).hexdigest()}")
+
+
+def test_verify_bytes_checks_a_listed_files_pieces_and_names_the_bad_one(rd, monkeypatch):
+    """A file MANIFEST lists by pieces (its writer's piece_sha256) is checked piece by piece, on
+    several threads: a flipped byte is named by the byte range of its piece; the whole-file
+    sha256 is what `sha256sum` and `raygpt status --verify` still check."""
+    m = make_checkpoint(rd, 10)
+    name = state_file(10, 0)
+    data = rd.read_bytes(f"{step_dir(10)}/{name}")
+    step = 20
+    spans = [(lo, min(lo + step, len(data))) for lo in range(0, len(data), step)]
+    assert len(spans) >= 3
+    m["files"][name].update(piece_bytes=step, piece_sha256=[
+        hashlib.sha256(data[lo:hi]).hexdigest() for lo, hi in spans])
+    threads = set()
+    real = hashlib.sha256
+
+    def sha256(*a):
+        threads.add(__import__("threading").current_thread().name)
+        return real(*a)
+
+    monkeypatch.setattr(ck, "PIECE_THREADS", 2)
+    monkeypatch.setattr(ck.hashlib, "sha256", sha256)
+    ck.verify_bytes(rd, 10, name, data, m)
+    assert threads and "MainThread" not in threads
+    lo, hi = spans[1]
+    bad = data[:lo + 7] + bytes([data[lo + 7] ^ 1]) + data[lo + 8:]
+    with pytest.raises(CheckpointError) as e:
+        ck.verify_bytes(rd, 10, name, bad, m)
+    assert str(e.value) == (f"{rd.uri(f'step_00000010/{name}')}: sha256 of bytes [{lo}, {hi}): "
+                            f"expected {m['files'][name]['piece_sha256'][1]}, found "
+                            f"{real(bad[lo:hi]).hexdigest()}")
 
 
 # ---------------------------------------------------------------------- selection

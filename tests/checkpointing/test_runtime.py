@@ -2,6 +2,7 @@
 is durable before it is published, and a resume onto another world size reads only the old
 shards it needs."""
 
+import hashlib
 import os
 
 import pytest
@@ -115,6 +116,15 @@ def test_a_resume_loads_the_files_its_early_read_hashed_while_the_model_was_buil
     monkeypatch.setattr(runtime, "fetch_verified", fetch_verified)
     run(tmp_path / "run", resume=1)
     assert readers == ["raygpt-resume-read"]
+    # the state file's pieces are in MANIFEST, each the sha256 of its bytes (what the resume
+    # checked, in parallel)
+    from raygpt.checkpointing.protocol import read_manifest
+
+    entry = read_manifest(open_run_dir(str(tmp_path / "run")), 8)["files"][state_file(8, 0)]
+    data = (tmp_path / "run" / step_dir(8) / state_file(8, 0)).read_bytes()
+    n = entry["piece_bytes"]
+    assert entry["piece_sha256"] == [hashlib.sha256(data[lo:lo + n]).hexdigest()
+                                     for lo in range(0, len(data), n)]
     whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "run", attempt=2)
     assert min(resumed) == 8 and resumed == {s: l for s, l in whole.items() if s >= 8}
 
