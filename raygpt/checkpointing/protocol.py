@@ -372,6 +372,9 @@ def verify_bytes(run_dir: RunDir, step: int, name: str, data: bytes, manifest: d
     if len(data) != entry["size"]:
         raise CheckpointError(f"{run_dir.uri(rel)}: size: expected {entry['size']}, found {len(data)}")
     if "piece_sha256" in entry:  # every byte in a hashed piece, the pieces on several threads
+        problem = _bad_file_entry(entry)  # read_manifest checked it; a MANIFEST built in memory
+        if problem is not None:           # must not leave bytes unchecked either
+            raise CheckpointError(f"{run_dir.uri(rel)}: {MANIFEST}: {problem}")
         bad = first_bad_piece(data, entry["piece_bytes"], entry["piece_sha256"])
         if bad is not None:
             lo, hi, expected, found = bad

@@ -318,6 +318,12 @@ def test_verify_bytes_checks_a_listed_files_pieces_and_names_the_bad_one(rd, mon
     monkeypatch.setattr(ck.hashlib, "sha256", sha256)
     ck.verify_bytes(rd, 10, name, data, m)
     assert threads and "MainThread" not in threads
+    short = {"files": {name: {**m["files"][name],
+                              "piece_sha256": m["files"][name]["piece_sha256"][:-1]}}}
+    with pytest.raises(CheckpointError) as e:  # a list that leaves the last piece unchecked
+        ck.verify_bytes(rd, 10, name, data, short)
+    assert str(e.value).startswith(f"{rd.uri(f'step_00000010/{name}')}: MANIFEST.json: "
+                                   f"piece_sha256: expected a list of {len(spans)} sha256")
     lo, hi = spans[1]
     bad = data[:lo + 7] + bytes([data[lo + 7] ^ 1]) + data[lo + 8:]
     with pytest.raises(CheckpointError) as e:
