@@ -140,6 +140,11 @@ def latest_resumable(run_dir: RunDir, decisions: list[dict], warn,
     return None
 
 
+def manifest_zero_stage(manifest: dict) -> int:
+    """The ZeRO stage the checkpoint was written with (0 for checkpoints that predate it)."""
+    return manifest.get("extra", {}).get("zero_stage", 0)
+
+
 def files_to_load(step: int, ranks: list[int], model_file: bool) -> list[str]:
     """The files of checkpoint `step` a rank loads: the state files of `ranks` (its own, or the
     old world's whose shards overlap its own when resharding), and the model file where the
@@ -170,7 +175,7 @@ class ResumeRead:
                 return
             manifest = ck.read_manifest(run_dir, step)
             if (manifest.get("world_size") != world
-                    or manifest.get("extra", {}).get("zero_stage", 0) != cfg.zero_stage):
+                    or manifest_zero_stage(manifest) != cfg.zero_stage):
                 return  # resharding: restore_latest reads what the new layout needs
             names = files_to_load(step, [rank], model_file=cfg.precision != "bf16")
             sources: dict[str, str] = {}
@@ -502,7 +507,7 @@ class Checkpointer:
 
     def _old_ranks_needed(self, manifest: dict) -> list[int]:
         return old_ranks_needed(self.flat.num_parameters, manifest["world_size"],
-                                manifest.get("extra", {}).get("zero_stage", 0),
+                                manifest_zero_stage(manifest),
                                 self.opt.lo, self.opt.hi)
 
     def _fetch_verified(self, step: int, manifest: dict, same_sharding: bool):
@@ -551,7 +556,7 @@ class Checkpointer:
             ck.check_compatible(manifest, config_identity=self.cfg.identity(),
                                 tokenizer_hash=self.fingerprints["tokenizer_hash"],
                                 data_hash=self.fingerprints["data_hash"], world_size=self.world)
-            return manifest.get("extra", {}).get("zero_stage", 0) == self.cfg.zero_stage
+            return manifest_zero_stage(manifest) == self.cfg.zero_stage
         except ck.WorldSizeMismatch:
             return False
 
@@ -612,7 +617,7 @@ class Checkpointer:
         overlap it are read (`_old_ranks_needed`). The global batch is kept by the config
         (total_batch_size is part of its identity); grad accumulation absorbs M."""
         n_old = manifest["world_size"]
-        zero_old = manifest.get("extra", {}).get("zero_stage", 0)
+        zero_old = manifest_zero_stage(manifest)
         total = self.flat.num_parameters
         sdir = ck.step_dir(step)
         lo, hi = self.opt.lo, self.opt.hi
