@@ -8,11 +8,13 @@ trains step 21. The printed table is the resumed process's start-up marks (loop.
 its resume record's), each the seconds since the mark above it.
 
     python bench/restart_parts.py                          # one GPU: current,threads1,current
-    python bench/restart_parts.py --variants current --profile /tmp/restart.prof
+    python bench/restart_parts.py --variants current,current --profile /tmp/restart  # .0.prof, .1.prof
     python bench/restart_parts.py --tiny                   # d2 T=64 on the CPU: a dry run
 
 Variants: current (the code as it is), threads1 (TORCHINDUCTOR_COMPILE_THREADS=1: no pool of
-compile workers), pycache (bytecode written and read under PYTHONPYCACHEPREFIX: for
+compile workers), regional (each transformer block compiled on its own instead of the whole
+model, loop.compile_model replaced: Dynamo traces the blocks' shared code once; its first run
+compiles its own graphs, so list it twice), pycache (bytecode written and read under PYTHONPYCACHEPREFIX: for
 packages installed without it, e.g. `pip install --no-compile` beside PYTHONDONTWRITEBYTECODE, where
 every new process compiles each module's source again).
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANT_ENV = {"current": {}, "threads1": {"TORCHINDUCTOR_COMPILE_THREADS": "1"},
+               "regional": {"RESTART_PARTS_REGIONAL": "1"},
                "pycache": {"PYTHONPYCACHEPREFIX": "/tmp/raygpt_restart_parts_pycache",
                            "PYTHONDONTWRITEBYTECODE": ""}}
 
@@ -52,6 +55,12 @@ cfg = TrainConfig(model="d2" if tiny else "d12", batch_size=4 if tiny else 16,
                   output_dir=run_dir, val_every=0, sample_every=0, warmup_steps=2, compile=True,
                   device="cpu" if tiny else "gpu", async_checkpoint=False, resume=1,
                   fault=f"raise:rank=0,step={stop}").resolve(0 if tiny else 1)
+if os.environ.get("RESTART_PARTS_REGIONAL"):  # each block compiled on its own (shared code)
+    def compile_blocks(model, mode):
+        for block in model.transformer.h:
+            block.compile(mode=mode, dynamic=False)
+        return model
+    raygpt.loop.compile_model = compile_blocks
 prof = None
 if profile:
     import cProfile
@@ -65,7 +74,10 @@ except InjectedFault:
 if prof is not None:
     prof.disable()
     prof.dump_stats(profile)
-print("MARKS " + json.dumps({"start": t_start, "torch": t_torch, "loop": t_loop}))
+from torch._dynamo.utils import compilation_time_metrics  # torch.compile's own phase timers
+print("MARKS " + json.dumps({"start": t_start, "torch": t_torch, "loop": t_loop,
+                             "compile_times": {k: sum(v) for k, v in
+                                               compilation_time_metrics.items()}}))
 '''
 
 # build_run's marks and the resume record's, in their order (each row: since the one above)
@@ -120,7 +132,8 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="d2, T=64 on the CPU")
     p.add_argument("--variants", default="current,threads1,current")
     p.add_argument("--root", default="/tmp/raygpt_restart_parts")
-    p.add_argument("--profile", default="", help="cProfile the first variant's run into this file")
+    p.add_argument("--profile", default="",
+                   help="cProfile each variant's run into PROFILE.<i>.prof (i: its position)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANT_ENV]
@@ -137,13 +150,14 @@ def main(argv=None) -> None:
           {**env, **(VARIANT_ENV["pycache"] if "pycache" in variants else {})})
     print(f"primed (cold compile, checkpoint 20, lost at step 21) in {time.time() - t0:.1f} s",
           flush=True)
-    rows = []
+    rows, times = [], []
     for i, variant in enumerate(variants):
         run_dir = root / f"{i}_{variant}"
         shutil.copytree(root / "prime", run_dir)  # the same checkpoint for every variant
         marks = child(args.tiny, run_dir, 22, {**env, **VARIANT_ENV[variant]},
-                      args.profile if i == 0 else "")
+                      f"{args.profile}.{i}.prof" if args.profile else "")
         rows.append((variant, split(run_dir, marks)))
+        times.append(marks.get("compile_times", {}))
         print(f"{variant}: {rows[-1][1]['TOTAL process start -> first step']:.2f} s to the "
               f"first step", flush=True)
     labels = list(dict.fromkeys(k for _, r in rows for k in r))
@@ -151,6 +165,11 @@ def main(argv=None) -> None:
     for label in labels:
         print(f"{label:40s}" + "".join(f"{r[label]:10.2f}" if label in r else f"{'-':>10s}"
                                        for _, r in rows))
+    # torch.compile's own timers (nested: a phase's seconds include the phases it calls)
+    phases = sorted({k for t in times for k in t}, key=lambda k: -max(t.get(k, 0) for t in times))
+    print(f"{'torch.compile phases, s (nested)':40s}" + "".join(f"{v:>10s}" for v, _ in rows))
+    for phase in phases[:25]:
+        print(f"{phase[-40:]:40s}" + "".join(f"{t.get(phase, 0.0):10.2f}" for t in times))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ attention and embedding backward), `det+torchdet` the same with PyTorch's determ
 instead (sdpa_backend="default", embedding_impl="torch": the "before"), `raygpt` picks
 raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
-compiles the model with mode="reduce-overhead" (CUDA graphs); `default` is TrainConfig's
+compiles the model with mode="reduce-overhead" (CUDA graphs), `regional` compiles each
+transformer block on its own instead of the whole model; `default` is TrainConfig's
 defaults with deterministic off. A variant sets the loop's performance fields of TrainConfig (loss_impl, ce_kernel,
 ce_chunk_rows, sdpa_backend, embedding_impl, prefetch_batches, compile_mode, deterministic),
 and Inductor's config for its run, restored after.
@@ -108,6 +109,7 @@ VARIANT_TOKENS = {
     "ckpt": "ckpt@N: the loop checkpoints every N steps (async)",
     "noprefetch": "the loop builds each batch after the step's sync (--no-prefetch)",
     "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
+    "regional": "each transformer block compiled on its own (loop.compile_model replaced for the row)",
 }
 WITH_ARG = {"fused", "ckpt"}
 
@@ -148,6 +150,8 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
             loop["prefetch_batches"] = False
         elif name == "cgraph":
             loop["compile_mode"] = "reduce-overhead"
+        elif name == "regional":
+            inductor["_regional"] = True  # not Inductor's: variant_settings takes it out
     return inductor, loop
 
 
@@ -159,17 +163,32 @@ def variant_settings(spec: str):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
+    import raygpt.loop
+
     inductor, loop = parse_variant(spec)
+    regional = inductor.pop("_regional", False)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    whole = raygpt.loop.compile_model
     torch._dynamo.reset()
     try:
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
             torch.use_deterministic_algorithms(True)
+        if regional:
+            raygpt.loop.compile_model = compile_blocks
         with inductor_config.patch(inductor):
             yield loop
     finally:
+        raygpt.loop.compile_model = whole
         torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
+
+
+def compile_blocks(model, mode):
+    """The regional variant's compile: each transformer block on its own (the blocks share
+    their code, so Dynamo traces one), the embeddings, final norm and loss eager."""
+    for block in model.transformer.h:
+        block.compile(mode=mode, dynamic=False)
+    return model
 
 
 class GpuClocks:
