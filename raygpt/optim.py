@@ -33,8 +33,21 @@ def random_u32(state: int) -> tuple[int, int]:
     return ((state * 0x2545F4914F6CDD1D) & MASK64) >> 32, state
 
 
+def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """`shape` over `buffer`'s memory from element `offset`: the memory of
+    buffer[offset:offset + n].view(shape), but not an autograd view of the buffer. torch.compile
+    makes each view among a graph's inputs (a parameter's .grad among them) a fake tensor by
+    replaying the view from its base, at every start and restart: for GPT-2 124M's gradients
+    0.7-0.9 s of Dynamo's fake tensors on an H200, 0.15-0.22 s as aliases
+    (bench/restart_parts.py, bench/results/h200_restart_parts_2026-12-01_*)."""
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), buffer.storage_offset() + offset, shape)
+
+
 class FlatParameters:
-    """The model's parameters and gradients as views into two flat buffers in llm.c order."""
+    """The model's parameters and gradients as aliases of two flat buffers in llm.c order:
+    the optimizer, the gradient all-reduce and checkpoints work on the buffers, the model on
+    its tensors, one memory."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  pad_multiple: int = 1):
@@ -52,10 +65,9 @@ class FlatParameters:
         for _, params in layout:
             for p in params:
                 n = p.numel()
-                view = self.params[offset:offset + n]
-                view.copy_(p.data.reshape(-1))
-                p.data = view.view_as(p)
-                p.grad = self.grads[offset:offset + n].view_as(p)
+                self.params[offset:offset + n].copy_(p.data.reshape(-1))
+                p.data = _alias(self.params, offset, p.shape)
+                p.grad = _alias(self.grads, offset, p.shape)
                 offset += n
         assert offset == self.num_parameters
         self._model = model

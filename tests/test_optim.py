@@ -13,7 +13,7 @@ def tiny_model():
                          n_embd=16), init_seed=3)
 
 
-def test_parameters_and_grads_are_views_in_llmc_order():
+def test_parameters_and_grads_alias_the_flat_buffers_in_llmc_order():
     model = tiny_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     flat = FlatParameters(model, torch.device("cpu"), torch.float32)
@@ -24,6 +24,9 @@ def test_parameters_and_grads_are_views_in_llmc_order():
         for p in params:
             assert p.data_ptr() == flat.params[offset:].data_ptr()
             assert p.grad.data_ptr() == flat.grads[offset:].data_ptr()
+            # the buffers' memory, not autograd views of them: torch.compile replays every
+            # view among its inputs from the view's base, at every start (a second at GPT-2)
+            assert not p._is_view() and not p.grad._is_view()
             offset += p.numel()
     x = torch.randint(0, 60, (2, 8))
     for _ in range(2):  # accumulation lands in the flat gradient buffer, in place
@@ -31,6 +34,13 @@ def test_parameters_and_grads_are_views_in_llmc_order():
         loss.backward()
     assert flat.grads.abs().sum() > 0
     assert model.transformer.wte.weight.grad.data_ptr() == flat.grads.data_ptr()
+    ref = tiny_model()
+    for _ in range(2):
+        ref(x, x)[0].backward()
+    assert torch.equal(flat.grads[:flat.num_parameters], torch.cat(
+        [p.grad.reshape(-1) for _, params in llmc_parameter_layout(ref) for p in params]))
+    flat.params[0] = 7.0  # and writes through the buffer are the model's
+    assert model.transformer.wte.weight[0, 0].item() == 7.0
 
 
 def test_random_u32_is_llmc_xorshift_star():

@@ -28,6 +28,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,6 +139,15 @@ def latest_resumable(run_dir: RunDir, decisions: list[dict], warn,
              f"back to step {hit['to_step']}; passing over it")
         before = step
     return None
+
+
+def _host_tensor(a: np.ndarray) -> torch.Tensor:
+    """A state file's array as a CPU tensor over the same memory, to be copied from: the
+    restore reads them as read-only views of the file's bytes (torch would warn of that on
+    every resume, though nothing writes to them)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 def manifest_zero_stage(manifest: dict) -> int:
@@ -577,13 +587,13 @@ class Checkpointer:
         sdir = ck.step_dir(step)
         opt = self.opt
         # 1. optimizer state and master weights
-        opt.m.copy_(torch.from_numpy(sf.m))
-        opt.v.copy_(torch.from_numpy(sf.v))
+        opt.m.copy_(_host_tensor(sf.m))
+        opt.v.copy_(_host_tensor(sf.v))
         if opt.master is not None:
             if sf.master is None:
                 raise ck.CheckpointError(f"{sdir}: state file has no master weights but this run "
                                          f"trains in {self.cfg.precision} with master weights")
-            opt.master.copy_(torch.from_numpy(sf.master))
+            opt.master.copy_(_host_tensor(sf.master))
             # 2. working weights re-derived from master with the seed of the last update
             seed, _ = random_u32(sf.rng_state_last_update)
             opt.rederive_working_weights(seed)
@@ -606,7 +616,7 @@ class Checkpointer:
         opt = self.opt
         return read_state_file(self._read(step, ck.state_file(step, self.rank), manifest, files),
                                num_parameters=opt.hi - opt.lo, expect_processes=self.world,
-                               expect_rank=self.rank)
+                               expect_rank=self.rank, copy=False)
 
     def _read_resharded_state(self, step: int, manifest: dict, files: dict):
         """A checkpoint of N ranks resumed on this run's M ranks (llm.c refuses this; raygpt
@@ -631,7 +641,7 @@ class Checkpointer:
             r_lo, r_hi = shard_range(total, r, n_old, zero_old)
             sf = read_state_file(self._read(step, ck.state_file(step, r), manifest, files),
                                  num_parameters=r_hi - r_lo, expect_processes=n_old,
-                                 expect_rank=r)
+                                 expect_rank=r, copy=False)  # concatenated below
             first = first or sf
             if not (r_lo < hi and r_hi > lo):
                 continue  # rank 0's file read for the rank-independent state only

@@ -187,10 +187,12 @@ def _encode_shuffle(loader_state: dict, name: str) -> list:
 
 
 def read_state_file(path_or_bytes, *, num_parameters: int, expect_processes: int | None = None,
-                    expect_rank: int | None = None) -> StateFile:
+                    expect_rank: int | None = None, copy: bool = True) -> StateFile:
     """Read a state file written by `write_state_file` (from a path, bytes, or a binary stream).
 
     num_parameters is this rank's shard_num_parameters; the file size must match it exactly.
+    copy=False: read from bytes, m, v and master are read-only views of them, not copies (a
+    restore that only copies them to the device saves a pass over 1.5 GB at GPT-2 124M).
     """
     with _Source(path_or_bytes) as src:
         name = src.name
@@ -215,9 +217,9 @@ def read_state_file(path_or_bytes, *, num_parameters: int, expect_processes: int
         src.hint = f", or num_parameters={n} is wrong"
         src.need(off, 4 * n * (3 if use_master else 2), f"m/v{'/master' if use_master else ''} "
                  f"({n} floats each)")
-        m = src.array(off, "<f4", n, "m")
-        v = src.array(off + 4 * n, "<f4", n, "v")
-        master = src.array(off + 8 * n, "<f4", n, "master") if use_master else None
+        m = src.array(off, "<f4", n, "m", copy=copy)
+        v = src.array(off + 4 * n, "<f4", n, "v", copy=copy)
+        master = src.array(off + 8 * n, "<f4", n, "master", copy=copy) if use_master else None
         off += 4 * n * (3 if use_master else 2)
 
         loader = {"shard_pos": shard_pos, "sample_pos": sample_pos, "should_shuffle": should_shuffle}
@@ -315,11 +317,15 @@ class _Source:
         self._file.seek(off)
         return self._file.read(nbytes)
 
-    def array(self, off: int, dtype, count: int, field: str) -> np.ndarray:
+    def array(self, off: int, dtype, count: int, field: str, copy: bool = True) -> np.ndarray:
         dtype = np.dtype(dtype)
         self.need(off, dtype.itemsize * count, field)
-        if self._buf is not None:  # copy: callers get writable arrays that outlive the buffer
-            return np.frombuffer(self._buf, dtype=dtype, count=count, offset=off).copy()
+        if self._buf is not None:  # copy: writable arrays; else views that keep the bytes alive
+            view = np.frombuffer(self._buf, dtype=dtype, count=count, offset=off)
+            if not copy:
+                view.flags.writeable = False  # bytes are read-only already; a bytearray too
+                return view
+            return view.copy()
         self._file.seek(off)
         return np.fromfile(self._file, dtype=dtype, count=count)
 

@@ -114,6 +114,24 @@ def test_state_file_from_bytes_equals_from_path_and_accepts_torch(tmp_path):
     assert same_bits(sf.master, w)
 
 
+def test_without_copies_the_tensors_are_read_only_views_of_the_bytes():
+    """copy=False (a restore's read): m, v and master are the bytes' memory, the same values,
+    and nothing can write into them; the default stays writable copies."""
+    data = state_bytes()
+    m, v, w = arrays(True)
+    views = read_state_file(data, num_parameters=P, copy=False)
+    copies = read_state_file(data, num_parameters=P)
+    for got, want, copied in ((views.m, m, copies.m), (views.v, v, copies.v),
+                              (views.master, w, copies.master)):
+        assert same_bits(got, want) and same_bits(copied, want)
+        assert np.shares_memory(got, np.frombuffer(data, dtype=np.uint8))
+        assert not np.shares_memory(copied, np.frombuffer(data, dtype=np.uint8))
+        assert not got.flags.writeable and copied.flags.writeable
+        with pytest.raises(ValueError):
+            got[0] = 1.0
+    assert views.loader_state == copies.loader_state and views.step == copies.step
+
+
 def test_header_at_llmc_offsets_read_with_plain_struct():
     ls = loader_state(True)
     raw = state_bytes(master=True, shuffle=True, rank=1, num_processes=2, step=40, loader=ls)
