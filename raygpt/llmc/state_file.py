@@ -323,7 +323,7 @@ class _Source:
         if self._buf is not None:  # copy: writable arrays; else views that keep the bytes alive
             view = np.frombuffer(self._buf, dtype=dtype, count=count, offset=off)
             if not copy:
-                view.flags.writeable = False  # bytes are read-only already; a bytearray too
+                view.flags.writeable = False  # over a bytearray too: a restore only reads it
                 return view
             return view.copy()
         self._file.seek(off)
