@@ -408,7 +408,7 @@ class GPT(nn.Module):
         LayerNorm weight 1 / bias 0, padded wte rows 0. Values are drawn in module order
         (wte, wpe, then per block c_attn, attn.c_proj, c_fc, mlp.c_proj) on a CPU generator and
         copied in, so the result does not depend on the device. Every element of every parameter
-        is set, so it may follow `GPT.empty`, also once the parameters are views into the
+        is set, so it may follow `GPT.empty`, also once the parameters alias the
         optimizer's flat buffers on the device."""
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
