@@ -5,7 +5,9 @@ A first process trains GPT-2 124M (B=16, T=1024, compiled, one GPU) to checkpoin
 lost at step 21 (an injected fault); each variant then resumes a copy of that run in a fresh
 process with the node's compile cache warm, as a worker Ray restarts on the same node does, and
 trains step 21. The printed table is the resumed process's start-up marks (loop.build_run's,
-its resume record's), each the seconds since the mark above it.
+its resume record's), each the seconds since the mark above it; under it, torch.compile's own
+phase timers in that process (torch._dynamo.utils.compilation_time_metrics, summed per phase;
+nested: a phase's seconds include the phases it calls).
 
     python bench/restart_parts.py                          # one GPU: current,threads1,current
     python bench/restart_parts.py --variants current,current --profile /tmp/restart  # .0.prof, .1.prof
