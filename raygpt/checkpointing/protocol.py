@@ -36,6 +36,7 @@ import os
 import re
 import stat
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +52,7 @@ MANIFEST_VERSION = 1
 # beside the whole-file sha256, so that a reader checks the pieces on PIECE_THREADS threads.
 PIECE_KEYS = ("piece_bytes", "piece_sha256")
 PIECE_THREADS = min(8, os.cpu_count() or 1)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest as MANIFEST writes it
 _TEMP_MARK = ".tmp-"  # every temporary name raygpt creates contains this (storage.py, stage_dir)
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -285,7 +287,7 @@ def _bad_file_entry(entry) -> str | None:
     size, digest = entry.get("size"), entry.get("sha256")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         return f"size: expected an integer >= 0, found {_short(size)}"
-    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
         return f"sha256: expected 64 hex digits, found {_short(digest)}"
     if not any(k in entry for k in PIECE_KEYS):
         return None
@@ -296,7 +298,7 @@ def _bad_file_entry(entry) -> str | None:
     if not isinstance(pieces, list) or len(pieces) != count:
         return (f"piece_sha256: expected a list of {count} sha256 (size {size} in pieces of "
                 f"{step}), found {_short(pieces)}")
-    bad = next((p for p in pieces if not isinstance(p, str) or not re.fullmatch(r"[0-9a-f]{64}", p)),
+    bad = next((p for p in pieces if not isinstance(p, str) or not _SHA256_HEX.fullmatch(p)),
                None)
     if bad is not None:
         return f"piece_sha256: expected 64 hex digits each, found {_short(bad)}"
@@ -390,8 +392,6 @@ def first_bad_piece(data, piece_bytes: int, digests: list[str]) -> tuple | None:
     """(lo, hi, expected, found) of the first piece of `data` whose sha256 is not its listed
     one, or None; the pieces are hashed on up to PIECE_THREADS threads (hashlib releases the
     GIL), so checking a file costs its size over that many cores."""
-    from concurrent.futures import ThreadPoolExecutor
-
     view = memoryview(data).cast("B")
     spans = [(lo, min(lo + piece_bytes, len(view))) for lo in range(0, len(view), piece_bytes)]
 

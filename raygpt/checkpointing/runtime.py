@@ -89,7 +89,6 @@ def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str],
     With `local`, a file is read from the node's local copy when there is one of MANIFEST's
     size; one whose sha256 differs is dropped with a warning and the file read from storage.
     `sources`, when given, gets {name: "local" | "storage"}."""
-    from concurrent.futures import ThreadPoolExecutor
     sdir = ck.step_dir(step)
 
     def fetch(name: str) -> bytes:
