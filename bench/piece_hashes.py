@@ -1,12 +1,20 @@
-"""What the state file's piece hashes cost its writer and save its reader: numbers, not a test.
+"""What the state file's hashes cost its writer and save its reader: numbers, not a test.
 
 Writes `--gib` of random bytes (GPT-2 124M's unsharded state file is 1.5 GB) to a local file the
-way a rank writes its state file (`HashingWriter` with the whole-file sha256 on its helper
-thread, fsync), without and with the pieces' sha256 on `protocol.PIECE_THREADS` more threads,
-then checks the bytes read back the way a resuming rank does (`protocol.verify_bytes`: one
-sha256 over the file, or its pieces in parallel). Best of `--repeat` runs each.
+way a rank writes its state file, fsync included: `HashingWriter` with the whole-file sha256 on
+its helper thread in step with the writes, without and with the pieces' sha256 on
+`protocol.PIECE_THREADS` more threads (the writer before 2026-12-01), and as ranks write now
+(`borrow=True`: each piece hashed and written at its offset on those threads, the whole-file
+sha256 behind on a thread of its own); then checks the bytes read back the way a resuming rank
+does (`protocol.verify_bytes`: one sha256 over the file, or its pieces in parallel). Best of
+`--repeat` runs each.
 
-    python bench/piece_hashes.py [--gib 1.5] [--repeat 3] [--dir /tmp]
+`--parts` splits the writer's time: the same bytes written with no hash at all, without the
+fsync, with the pieces' hashes only, and one sha256 over the bytes in memory (the whole-file
+hash's floor: one stream, one core), so a row says whether the writer waits for the disk, the
+page cache or the serial hash.
+
+    python bench/piece_hashes.py [--gib 1.5] [--repeat 3] [--dir /tmp] [--parts]
 """
 
 from __future__ import annotations
@@ -27,16 +35,32 @@ from raygpt.hashing_writer import PIECE_BYTES, HashingWriter  # noqa: E402
 from raygpt.storage import open_run_dir  # noqa: E402
 
 
-def write(path: Path, data: memoryview, pieces: bool) -> tuple[float, dict]:
+class _NoHash:
+    """A hashlib stand-in that hashes nothing (the rows without the whole-file sha256)."""
+
+    def update(self, b) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
+
+
+def write(path: Path, data: memoryview, pieces: bool, whole: bool = True,
+          fsync: bool = True, borrow: bool = False) -> tuple[float, dict]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(ck.PIECE_THREADS) as piece_pool, \
             open(path, "wb") as f:
-        hw = HashingWriter(f, pool=pool, pieces=piece_pool if pieces else None)
-        for lo in range(0, len(data), 512 << 20):  # m, v, master: a few large writes
+        hw = HashingWriter(f, hasher=None if whole else _NoHash(),
+                           pool=pool if whole and not borrow else None,
+                           pieces=piece_pool if pieces else None, borrow=borrow)
+        hw.write(data[:1024])  # the header: the large writes start off a piece's edge
+        for lo in range(1024, len(data), 512 << 20):  # m, v, master: a few large writes
             hw.write(data[lo:lo + (512 << 20)])
         f.flush()
-        os.fsync(f.fileno())
-    entry = {"size": hw.size, "sha256": hw.h.hexdigest()}
+        if fsync:
+            os.fsync(f.fileno())
+        digest = hw.hexdigest()
+    entry = {"size": hw.size, "sha256": digest}
     if pieces:
         entry.update(piece_bytes=hw.piece_bytes, piece_sha256=hw.piece_digests())
     return time.perf_counter() - t0, entry
@@ -47,6 +71,9 @@ def main(argv=None) -> None:
     p.add_argument("--gib", type=float, default=1.5)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--parts", action="store_true",
+                   help="also time the writer without hashes, without fsync, with the pieces' "
+                        "hashes only, and one in-memory sha256 over the bytes")
     args = p.parse_args(argv)
     data = memoryview(os.urandom(int(args.gib * (1 << 30))))
     d = Path(tempfile.mkdtemp(dir=args.dir, prefix="raygpt_piece_hashes_"))
@@ -56,12 +83,18 @@ def main(argv=None) -> None:
     path = d / ck.step_dir(1) / name
     rows = {}
     try:
-        for pieces in (False, True):
+        entries = []
+        for label, kw in (("write + hash (whole file, in step)", dict(pieces=False)),
+                          ("write + hash (whole + pieces, in step)", dict(pieces=True)),
+                          ("write by pieces in parallel, whole behind", dict(pieces=True, borrow=True))):
             times, entry = [], None
             for _ in range(args.repeat):
-                t, entry = write(path, data, pieces)
+                t, entry = write(path, data, **kw)
                 times.append(t)
-            rows[f"write + hash ({'whole + pieces' if pieces else 'whole file'})"] = min(times)
+            rows[label] = min(times)
+            entries.append(entry)
+            if kw.get("borrow"):
+                continue  # the same bytes and digests as the row before (checked below)
             manifest = {"files": {name: entry}}
             read = path.read_bytes()
             times = []
@@ -69,8 +102,21 @@ def main(argv=None) -> None:
                 t0 = time.perf_counter()
                 ck.verify_bytes(run_dir, 1, name, read, manifest)
                 times.append(time.perf_counter() - t0)
-            rows[f"verify on load ({'pieces, parallel' if pieces else 'one sha256'})"] = min(times)
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+            rows[f"verify on load ({'pieces, parallel' if kw['pieces'] else 'one sha256'})"] = min(times)
+        assert entries[2] == entries[1] and path.read_bytes() == data
+        t0 = time.perf_counter()
+        whole = hashlib.sha256(data).hexdigest()
+        sha256_s = time.perf_counter() - t0
+        assert entries[0]["sha256"] == whole
+        if args.parts:
+            rows["one sha256 over the bytes in memory"] = sha256_s
+            for label, kw in (("write, no hash", dict(pieces=False, whole=False)),
+                              ("write, no hash, no fsync", dict(pieces=False, whole=False, fsync=False)),
+                              ("write + hash (whole + pieces), no fsync", dict(pieces=True, fsync=False)),
+                              ("write + hash (pieces only)", dict(pieces=True, whole=False)),
+                              ("write by pieces in parallel, pieces' hashes only",
+                               dict(pieces=True, whole=False, borrow=True))):
+                rows[label] = min(write(path, data, **kw)[0] for _ in range(args.repeat))
     finally:
         path.unlink(missing_ok=True)
         (d / ck.step_dir(1)).rmdir()
@@ -78,7 +124,7 @@ def main(argv=None) -> None:
     print(f"piece hashes | {args.gib} GiB | pieces of {PIECE_BYTES >> 20} MiB on "
           f"{ck.PIECE_THREADS} thread(s) | {os.cpu_count()} CPU(s) | best of {args.repeat}")
     for label, seconds in rows.items():
-        print(f"  {label:40s} {seconds:7.3f} s")
+        print(f"  {label:48s} {seconds:7.3f} s")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 # Bytes per piece of a file that gets a sha256 of its own (MANIFEST's "piece_sha256"): a rank that
 # loads the file checks its pieces on several threads instead of one sha256 over it all (1.5 GB
@@ -16,51 +18,115 @@ class HashingWriter(io.RawIOBase):
     """Writes to the file `f` and feeds every byte to `hasher` (a hashlib object; sha256 by
     default), counting them in `size`. With `pool` (a one-thread executor) large writes go in
     chunks, each hashed on the pool's thread while it is written here (hashlib and the file
-    write both release the GIL: the hash then costs next to no time on top of the write).
-    With `pieces` (an executor of a few threads) every `piece_bytes` of the file also get a
-    sha256 of their own (`piece_digests`), hashed on those threads while the file is written."""
+    write both release the GIL). With `pieces` (an executor of a few threads) every
+    `piece_bytes` of the file also get a sha256 of their own (`piece_digests`), hashed on those
+    threads while the file is written.
+
+    With `borrow=True` (and `pieces`) nothing waits for the whole-file sha256: the writer runs it
+    on a thread of its own, in file order, behind the writes, and each large write's pieces are
+    hashed and written at their offsets by the pieces' threads, in parallel (`f` must be a
+    real file). One serial sha256 is then the only stream left, and it overlaps the writing
+    instead of pacing it chunk by chunk. The writer reads the caller's buffers after `write`
+    returns: the caller leaves them unchanged until `hexdigest()` or `finish()` (a checkpoint's
+    snapshot buffers are not touched before its writer is done)."""
 
     CHUNK = 16 << 20
 
-    def __init__(self, f, hasher=None, pool=None, pieces=None, piece_bytes: int = PIECE_BYTES):
+    def __init__(self, f, hasher=None, pool=None, pieces=None, piece_bytes: int = PIECE_BYTES,
+                 borrow: bool = False):
+        if borrow and pieces is None:
+            raise ValueError("HashingWriter: borrow=True writes by pieces: pass `pieces`")
         self.f, self.size, self.pool = f, 0, pool
         self.h = hasher if hasher is not None else hashlib.sha256()
         self.pieces, self.piece_bytes = pieces, piece_bytes
         self._piece_hashers: list = []  # one sha256 per piece begun, in file order
+        self._behind = (ThreadPoolExecutor(1, thread_name_prefix="raygpt-sha256")
+                        if borrow else None)  # one thread: the whole-file hash stays in order
+        self._pending: list = []  # the whole-file hash's submitted chunks (borrow)
 
     def writable(self):
         return True
 
     def write(self, b):
         view = memoryview(b).cast("B")
-        pieces = self._hash_pieces(view)
-        for lo in range(0, len(view), self.CHUNK):
-            chunk = view[lo:lo + self.CHUNK]
-            hashed = self.pool.submit(self.h.update, chunk) if self.pool else None
-            if hashed is None:
-                self.h.update(chunk)
-            self.f.write(chunk)
-            if hashed is not None:
-                hashed.result()
+        if self._behind is not None:
+            self._pending += [self._behind.submit(self.h.update, view[lo:lo + self.CHUNK])
+                              for lo in range(0, len(view), self.CHUNK)]
+            if len(view) >= self.piece_bytes:
+                return self._write_by_pieces(view)
+            pieces = self._hash_pieces(view)
+            self.f.write(view)
+        else:
+            pieces = self._hash_pieces(view)
+            for lo in range(0, len(view), self.CHUNK):
+                chunk = view[lo:lo + self.CHUNK]
+                hashed = self.pool.submit(self.h.update, chunk) if self.pool else None
+                if hashed is None:
+                    self.h.update(chunk)
+                self.f.write(chunk)
+                if hashed is not None:
+                    hashed.result()
         for done in pieces:  # before returning: the caller may reuse `b`, and the next write
             done.result()    # may continue a piece hashed here
         self.size += len(view)
         return len(view)
+
+    def _write_by_pieces(self, view: memoryview) -> int:
+        """Each piece's part of `view` hashed and written at its offset on the pieces' threads."""
+        self.f.flush()
+        base, fd = self.f.tell(), self.f.fileno()
+
+        def hash_and_write(hasher, lo: int, hi: int) -> None:
+            hasher.update(view[lo:hi])
+            while lo < hi:  # pwrite may write less than asked
+                lo += os.pwrite(fd, view[lo:hi], base + lo)
+
+        done = [self.pieces.submit(hash_and_write, hasher, lo, hi)
+                for hasher, lo, hi in self._piece_spans(len(view))]
+        for d in done:
+            d.result()
+        self.f.seek(base + len(view))
+        self.size += len(view)
+        return len(view)
+
+    def _piece_spans(self, n: int) -> list:
+        """(piece's sha256, lo, hi) for the next `n` bytes of the file: each piece's part once."""
+        spans, pos = [], 0
+        while pos < n:
+            k = (self.size + pos) // self.piece_bytes
+            end = min(n, (k + 1) * self.piece_bytes - self.size)
+            if k == len(self._piece_hashers):
+                self._piece_hashers.append(hashlib.sha256())
+            spans.append((self._piece_hashers[k], pos, end))
+            pos = end
+        return spans
 
     def _hash_pieces(self, view: memoryview) -> list:
         """Submit `view`'s bytes to the sha256 of each piece they fall in (each piece once per
         write: the pieces of one write hash in parallel, a piece spanning writes in order)."""
         if self.pieces is None:
             return []
-        futures, pos = [], 0
-        while pos < len(view):
-            k = (self.size + pos) // self.piece_bytes
-            end = min(len(view), (k + 1) * self.piece_bytes - self.size)
-            if k == len(self._piece_hashers):
-                self._piece_hashers.append(hashlib.sha256())
-            futures.append(self.pieces.submit(self._piece_hashers[k].update, view[pos:end]))
-            pos = end
-        return futures
+        return [self.pieces.submit(h.update, view[lo:hi])
+                for h, lo, hi in self._piece_spans(len(view))]
+
+    def finish(self) -> None:
+        """Wait for the whole-file hash of everything written (borrow); then nothing of the
+        caller's buffers is read any more. Idempotent."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.result()
+        if self._behind is not None:
+            self._behind.shutdown()
+            self._behind = None
+
+    def close(self) -> None:
+        self.finish()
+        super().close()
+
+    def hexdigest(self) -> str:
+        """The whole file's sha256 (once every write is hashed)."""
+        self.finish()
+        return self.h.hexdigest()
 
     def piece_digests(self) -> list[str]:
         """The sha256 of each `piece_bytes` of the file written (the last piece may be shorter);

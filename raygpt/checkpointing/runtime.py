@@ -361,16 +361,17 @@ class Checkpointer:
             result["times"]["host_copy_s"] = time.perf_counter() - t0
             step = snap["step"]
             # rank 0's model file is written on a helper thread while the state file is written
-            # here, and the state file is hashed on the other helper while it is written
-            # and its pieces' sha256 on a few more (a resume checks them in parallel)
-            with ThreadPoolExecutor(2, thread_name_prefix=f"raygpt-ckpt-{step}-io") as pool, \
+            # by pieces, each piece hashed (a resume checks them in parallel) and written at its
+            # offset on one of a few threads; the whole-file sha256 follows on a thread of its
+            # own (the snapshot's buffers stay unchanged until this thread is done)
+            with ThreadPoolExecutor(1, thread_name_prefix=f"raygpt-ckpt-{step}-model") as pool, \
                     ThreadPoolExecutor(ck.PIECE_THREADS,
                                        thread_name_prefix=f"raygpt-ckpt-{step}-pieces") as pieces:
                 model = (pool.submit(self._write_model_file, snap, stage)
                          if snap["params"] is not None else None)
                 name = ck.state_file(step, self.rank)
                 with open(stage / name, "wb") as f:
-                    hw = HashingWriter(f, pool=pool, pieces=pieces)
+                    hw = HashingWriter(f, pieces=pieces, borrow=True)
                     write_state_file(
                         hw, step=step, num_processes=self.world, process_rank=self.rank,
                         rng_state=snap["rng_state"],
@@ -381,7 +382,7 @@ class Checkpointer:
                     f.flush()
                     os.fsync(f.fileno())  # durable before it is reported (the model file's
                     # writer fsyncs its own file and its rename)
-                hashes = {name: {"sha256": hw.h.hexdigest(), "size": hw.size,
+                hashes = {name: {"sha256": hw.hexdigest(), "size": hw.size,
                                  "piece_bytes": hw.piece_bytes,
                                  "piece_sha256": hw.piece_digests()}}
                 if model is not None:
