@@ -4,10 +4,9 @@ Writes `--gib` of random bytes (GPT-2 124M's unsharded state file is 1.5 GB) to 
 way a rank writes its state file, fsync included: `HashingWriter` with the whole-file sha256 on
 its helper thread in step with the writes, without and with the pieces' sha256 on
 `protocol.PIECE_THREADS` more threads (the writer before 2026-12-01), and as ranks write now
-(`borrow=True`: each piece hashed and written at its offset on those threads, the whole-file
-sha256 behind on a thread of its own); then checks the bytes read back the way a resuming rank
-does (`protocol.verify_bytes`: one sha256 over the file, or its pieces in parallel). Best of
-`--repeat` runs each.
+(`borrow=True`: the whole-file sha256 behind the writes on a thread of its own); then checks
+the bytes read back the way a resuming rank does (`protocol.verify_bytes`: one sha256 over the
+file, or its pieces in parallel). Best of `--repeat` runs each.
 
 `--parts` splits the writer's time: the same bytes written with no hash at all, without the
 fsync, with the pieces' hashes only, and one sha256 over the bytes in memory (the whole-file
@@ -86,7 +85,7 @@ def main(argv=None) -> None:
         entries = []
         for label, kw in (("write + hash (whole file, in step)", dict(pieces=False)),
                           ("write + hash (whole + pieces, in step)", dict(pieces=True)),
-                          ("write by pieces in parallel, whole behind", dict(pieces=True, borrow=True))):
+                          ("write + hash (whole behind, pieces)", dict(pieces=True, borrow=True))):
             times, entry = [], None
             for _ in range(args.repeat):
                 t, entry = write(path, data, **kw)
@@ -113,9 +112,7 @@ def main(argv=None) -> None:
             for label, kw in (("write, no hash", dict(pieces=False, whole=False)),
                               ("write, no hash, no fsync", dict(pieces=False, whole=False, fsync=False)),
                               ("write + hash (whole + pieces), no fsync", dict(pieces=True, fsync=False)),
-                              ("write + hash (pieces only)", dict(pieces=True, whole=False)),
-                              ("write by pieces in parallel, pieces' hashes only",
-                               dict(pieces=True, whole=False, borrow=True))):
+                              ("write + hash (pieces only)", dict(pieces=True, whole=False))):
                 rows[label] = min(write(path, data, **kw)[0] for _ in range(args.repeat))
     finally:
         path.unlink(missing_ok=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 # Bytes per piece of a file that gets a sha256 of its own (MANIFEST's "piece_sha256"): a rank that
@@ -22,20 +21,20 @@ class HashingWriter(io.RawIOBase):
     `piece_bytes` of the file also get a sha256 of their own (`piece_digests`), hashed on those
     threads while the file is written.
 
-    With `borrow=True` (and `pieces`) nothing waits for the whole-file sha256: the writer runs it
-    on a thread of its own, in file order, behind the writes, and each large write's pieces are
-    hashed and written at their offsets by the pieces' threads, in parallel (`f` must be a
-    real file). One serial sha256 is then the only stream left, and it overlaps the writing
-    instead of pacing it chunk by chunk. The writer reads the caller's buffers after `write`
-    returns: the caller leaves them unchanged until `hexdigest()` or `finish()` (a checkpoint's
-    snapshot buffers are not touched before its writer is done)."""
+    With `borrow=True` nothing waits for the whole-file sha256: the writer runs it on a thread
+    of its own, in file order, behind the writes, so one serial sha256 overlaps the writing
+    instead of pacing it chunk by chunk. The writer then reads the caller's buffers after
+    `write` returns: the caller leaves them unchanged until `hexdigest()` or `finish()` (a
+    checkpoint's snapshot buffers are not touched before its writer is done). The file itself
+    is written by the calling thread, in order: on the H200 machines' disk, pieces written at
+    their offsets by several threads were slower (one file's writes are serialised there;
+    `bench/piece_hashes.py`).
+    """
 
     CHUNK = 16 << 20
 
     def __init__(self, f, hasher=None, pool=None, pieces=None, piece_bytes: int = PIECE_BYTES,
                  borrow: bool = False):
-        if borrow and pieces is None:
-            raise ValueError("HashingWriter: borrow=True writes by pieces: pass `pieces`")
         self.f, self.size, self.pool = f, 0, pool
         self.h = hasher if hasher is not None else hashlib.sha256()
         self.pieces, self.piece_bytes = pieces, piece_bytes
@@ -52,8 +51,6 @@ class HashingWriter(io.RawIOBase):
         if self._behind is not None:
             self._pending += [self._behind.submit(self.h.update, view[lo:lo + self.CHUNK])
                               for lo in range(0, len(view), self.CHUNK)]
-            if len(view) >= self.piece_bytes:
-                return self._write_by_pieces(view)
             pieces = self._hash_pieces(view)
             self.f.write(view)
         else:
@@ -68,24 +65,6 @@ class HashingWriter(io.RawIOBase):
                     hashed.result()
         for done in pieces:  # before returning: the caller may reuse `b`, and the next write
             done.result()    # may continue a piece hashed here
-        self.size += len(view)
-        return len(view)
-
-    def _write_by_pieces(self, view: memoryview) -> int:
-        """Each piece's part of `view` hashed and written at its offset on the pieces' threads."""
-        self.f.flush()
-        base, fd = self.f.tell(), self.f.fileno()
-
-        def hash_and_write(hasher, lo: int, hi: int) -> None:
-            hasher.update(view[lo:hi])
-            while lo < hi:  # pwrite may write less than asked
-                lo += os.pwrite(fd, view[lo:hi], base + lo)
-
-        done = [self.pieces.submit(hash_and_write, hasher, lo, hi)
-                for hasher, lo, hi in self._piece_spans(len(view))]
-        for d in done:
-            d.result()
-        self.f.seek(base + len(view))
         self.size += len(view)
         return len(view)
 

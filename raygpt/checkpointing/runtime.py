@@ -361,9 +361,9 @@ class Checkpointer:
             result["times"]["host_copy_s"] = time.perf_counter() - t0
             step = snap["step"]
             # rank 0's model file is written on a helper thread while the state file is written
-            # by pieces, each piece hashed (a resume checks them in parallel) and written at its
-            # offset on one of a few threads; the whole-file sha256 follows on a thread of its
-            # own (the snapshot's buffers stay unchanged until this thread is done)
+            # here; each of its pieces is hashed on one of a few threads (a resume checks them in
+            # parallel) and the whole-file sha256 follows the writes on a thread of its own (the
+            # snapshot's buffers stay unchanged until this thread is done)
             with ThreadPoolExecutor(1, thread_name_prefix=f"raygpt-ckpt-{step}-model") as pool, \
                     ThreadPoolExecutor(ck.PIECE_THREADS,
                                        thread_name_prefix=f"raygpt-ckpt-{step}-pieces") as pieces:
