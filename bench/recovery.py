@@ -247,6 +247,8 @@ SETUP_MARKS = (("process_started", "failure recorded -> worker process started")
                ("checkpoint_chosen", "-> checkpoint chosen (complete)"),
                ("files_verified", "-> own files read + sha256"),
                ("ranks_agreed", "-> ranks agreed"),
+               ("optimizer_state_copied", "-> m, v, master copied to the device"),
+               ("weights_rederived", "-> working weights re-derived (launched)"),
                ("state_loaded", "-> state loaded"),
                ("compile_cache_ready", "-> torch.compile + compile cache"),
                ("attempt_recorded", "-> run log opened, attempt recorded"),

@@ -85,7 +85,7 @@ print("MARKS " + json.dumps({"start": t_start, "torch": t_torch, "loop": t_loop,
 # build_run's marks and the resume record's, in their order (each row: since the one above)
 SETUP_ORDER = ("build_started", "weights_built", "model_built", "loader_built",
                "compiler_imported", "fingerprints", "checkpoint_chosen", "files_verified",
-               "ranks_agreed")
+               "ranks_agreed", "optimizer_state_copied", "weights_rederived")
 
 
 def child(tiny: bool, run_dir: Path, stop: int, env: dict, profile: str = "") -> dict:

@@ -594,9 +594,11 @@ class Checkpointer:
                 raise ck.CheckpointError(f"{sdir}: state file has no master weights but this run "
                                          f"trains in {self.cfg.precision} with master weights")
             opt.master.copy_(_host_tensor(sf.master))
+            self.marks["optimizer_state_copied"] = time.time()
             # 2. working weights re-derived from master with the seed of the last update
             seed, _ = random_u32(sf.rng_state_last_update)
             opt.rederive_working_weights(seed)
+            self.marks["weights_rederived"] = time.time()
         else:
             # fp32: the working weights are the weights; llm.c reads them from the model file
             name = f"{sdir}/{ck.model_file(step)}"

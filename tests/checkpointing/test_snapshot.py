@@ -89,6 +89,56 @@ def test_a_checkpoint_saves_the_state_at_its_step_while_training_overwrites_it(t
         assert verify_checkpoint(open_run_dir(str(run_dir)), step, hashes=True) == []
 
 
+def test_a_whole_file_hash_behind_the_writes_is_of_the_step_saved(tmp_path, monkeypatch):
+    """The state file's whole-file sha256 runs behind its writes, over the snapshot's buffers
+    (HashingWriter borrow=True). Made slow here, it is still hashing when the writer has written
+    every byte; the next checkpoint, due at once, must not refill those buffers before it is
+    done: both checkpoints' MANIFEST digests are their files' and hold the state of their step."""
+    import hashlib
+    import time
+
+    from raygpt import hashing_writer
+    from raygpt.loop import build_run
+    from raygpt.session import LocalSession
+    from tests.helpers import tiny_config
+
+    class SlowSha256:
+        def __init__(self):
+            self.h = hashlib.sha256()
+
+        def update(self, b):
+            time.sleep(0.05)
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    class SlowHashlib:
+        sha256 = SlowSha256
+
+    monkeypatch.setattr(hashing_writer, "hashlib", SlowHashlib)
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir, max_steps=8, checkpoint_every=4).resolve(0)
+    expected = {}
+    with contextlib.ExitStack() as stack:
+        r = build_run(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")), stack)
+        for step in (4, 5):
+            with torch.no_grad():
+                for i, t in enumerate(x for x in _live(r).values() if x is not None):
+                    t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(step * 10 + i)))
+            r.state.step = step
+            expected[step] = r.opt.m.clone()
+            r.ckpt.save(r.state, r.train_loader, blocking=False)
+        with torch.no_grad():
+            r.opt.m.add_(1.0)
+        r.ckpt.finish()
+    for step in (4, 5):
+        assert verify_checkpoint(open_run_dir(str(run_dir)), step, hashes=True) == [], step
+        sf = read_state_file((run_dir / step_dir(step) / state_file(step, 0)).read_bytes(),
+                             num_parameters=r.opt.hi - r.opt.lo, expect_processes=1, expect_rank=0)
+        assert torch.equal(torch.from_numpy(sf.m), expected[step]), step
+
+
 def test_the_snapshot_buffers_are_allocated_once_and_reused():
     snap = StateSnapshot()
     m = torch.arange(6, dtype=torch.float32)
