@@ -63,8 +63,8 @@ class HashingWriter(io.RawIOBase):
                 self.f.write(chunk)
                 if hashed is not None:
                     hashed.result()
-        for done in pieces:  # before returning: the caller may reuse `b`, and the next write
-            done.result()    # may continue a piece hashed here
+        for done in pieces:  # before returning: the next write may continue a piece hashed
+            done.result()    # here (and, without borrow, the caller may reuse `b`)
         self.size += len(view)
         return len(view)
 
