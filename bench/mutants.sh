@@ -57,7 +57,8 @@ candidates_for() {
     loop-all)   echo "$LOOP_TESTS" ;;
     loop-wiring) echo "tests/test_loop_wiring.py" ;;
     state_file) echo "tests/llmc/test_state_file.py" ;;
-    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file loop loop-wiring loop-all)" >&2
+    hashing_writer) echo "tests/test_hashing_writer.py tests/checkpointing/test_snapshot.py" ;;
+    *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file hashing_writer loop loop-wiring loop-all)" >&2
        exit 2 ;;
   esac
 }

@@ -15,27 +15,26 @@ PIECE_BYTES = 64 << 20
 
 class HashingWriter(io.RawIOBase):
     """Writes to the file `f` and feeds every byte to `hasher` (a hashlib object; sha256 by
-    default), counting them in `size`. With `pool` (a one-thread executor) large writes go in
-    chunks, each hashed on the pool's thread while it is written here (hashlib and the file
-    write both release the GIL). With `pieces` (an executor of a few threads) every
+    default), counting them in `size`. With `pieces` (an executor of a few threads) every
     `piece_bytes` of the file also get a sha256 of their own (`piece_digests`), hashed on those
     threads while the file is written.
 
-    With `borrow=True` nothing waits for the whole-file sha256: the writer runs it on a thread
-    of its own, in file order, behind the writes, so one serial sha256 overlaps the writing
-    instead of pacing it chunk by chunk. The writer then reads the caller's buffers after
-    `write` returns: the caller leaves them unchanged until `hexdigest()` or `finish()` (a
-    checkpoint's snapshot buffers are not touched before its writer is done). The file itself
-    is written by the calling thread, in order: on the H200 machines' disk, pieces written at
-    their offsets by several threads were slower (one file's writes are serialised there;
-    `bench/piece_hashes.py`).
+    By default each write is hashed, then written, on the calling thread. With `borrow=True`
+    nothing waits for the whole-file sha256: the writer runs it on a thread of its own, in file
+    order, behind the writes, so one serial sha256 overlaps the writing instead of adding to it
+    (a checkpoint's state file: `bench/piece_hashes.py`). The writer then reads the caller's
+    buffers after `write` returns: the caller leaves them unchanged until `hexdigest()` or
+    `finish()` (a checkpoint's snapshot buffers are not touched before its writer is done). The
+    file itself is written by the calling thread, in order: on the H200 machines' disk, pieces
+    written at their offsets by several threads were slower (one file's writes are serialised
+    there).
     """
 
-    CHUNK = 16 << 20
+    CHUNK = 16 << 20  # the behind-hash's unit of work
 
-    def __init__(self, f, hasher=None, pool=None, pieces=None, piece_bytes: int = PIECE_BYTES,
+    def __init__(self, f, hasher=None, pieces=None, piece_bytes: int = PIECE_BYTES,
                  borrow: bool = False):
-        self.f, self.size, self.pool = f, 0, pool
+        self.f, self.size = f, 0
         self.h = hasher if hasher is not None else hashlib.sha256()
         self.pieces, self.piece_bytes = pieces, piece_bytes
         self._piece_hashers: list = []  # one sha256 per piece begun, in file order
@@ -51,18 +50,10 @@ class HashingWriter(io.RawIOBase):
         if self._behind is not None:
             self._pending += [self._behind.submit(self.h.update, view[lo:lo + self.CHUNK])
                               for lo in range(0, len(view), self.CHUNK)]
-            pieces = self._hash_pieces(view)
-            self.f.write(view)
         else:
-            pieces = self._hash_pieces(view)
-            for lo in range(0, len(view), self.CHUNK):
-                chunk = view[lo:lo + self.CHUNK]
-                hashed = self.pool.submit(self.h.update, chunk) if self.pool else None
-                if hashed is None:
-                    self.h.update(chunk)
-                self.f.write(chunk)
-                if hashed is not None:
-                    hashed.result()
+            self.h.update(view)
+        pieces = self._hash_pieces(view)
+        self.f.write(view)
         for done in pieces:  # before returning: the next write may continue a piece hashed
             done.result()    # here (and, without borrow, the caller may reuse `b`)
         self.size += len(view)
