@@ -59,25 +59,20 @@ class HashingWriter(io.RawIOBase):
         self.size += len(view)
         return len(view)
 
-    def _piece_spans(self, n: int) -> list:
-        """(piece's sha256, lo, hi) for the next `n` bytes of the file: each piece's part once."""
-        spans, pos = [], 0
-        while pos < n:
-            k = (self.size + pos) // self.piece_bytes
-            end = min(n, (k + 1) * self.piece_bytes - self.size)
-            if k == len(self._piece_hashers):
-                self._piece_hashers.append(hashlib.sha256())
-            spans.append((self._piece_hashers[k], pos, end))
-            pos = end
-        return spans
-
     def _hash_pieces(self, view: memoryview) -> list:
         """Submit `view`'s bytes to the sha256 of each piece they fall in (each piece once per
         write: the pieces of one write hash in parallel, a piece spanning writes in order)."""
         if self.pieces is None:
             return []
-        return [self.pieces.submit(h.update, view[lo:hi])
-                for h, lo, hi in self._piece_spans(len(view))]
+        futures, pos = [], 0
+        while pos < len(view):
+            k = (self.size + pos) // self.piece_bytes
+            end = min(len(view), (k + 1) * self.piece_bytes - self.size)
+            if k == len(self._piece_hashers):
+                self._piece_hashers.append(hashlib.sha256())
+            futures.append(self.pieces.submit(self._piece_hashers[k].update, view[pos:end]))
+            pos = end
+        return futures
 
     def finish(self) -> None:
         """Wait for the whole-file hash of everything written (borrow); then nothing of the
