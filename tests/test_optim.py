@@ -203,17 +203,19 @@ def test_bf16_working_weights_round_with_the_seed_and_rederive_from_the_master()
     assert torch.equal(flat.params, after11)  # bit for bit, from the master and the seed
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed", [0, 11, 2 ** 32 - 1])
-def test_rederiving_fresh_bf16_weights_returns_them_unchanged(seed):
+def test_rederiving_fresh_bf16_weights_returns_them_unchanged(seed, device):
     """The loop re-derives a fresh GPU run's working weights once (so the restore's kernel is in
     the node's cache before any restart needs it): master holds bf16 values exactly, and their
-    stochastic rounding, whatever the seed, gives back the same bits."""
+    stochastic rounding, whatever the seed, gives back the same bits (on CUDA: the Triton kernel
+    the loop runs)."""
     model = tiny_model()
     with torch.no_grad():
         for p in model.parameters():  # values with every exponent, signs, and zeros
             p.copy_(torch.randn(p.shape) * 10.0 ** torch.randint(-30, 30, p.shape))
             p.view(-1)[:3] = torch.tensor([0.0, -0.0, float("inf")])
-    flat = FlatParameters(model, torch.device("cpu"), torch.bfloat16)
+    flat = FlatParameters(model, torch.device(device), torch.bfloat16)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     before = flat.params.clone()
     opt.rederive_working_weights(seed)
