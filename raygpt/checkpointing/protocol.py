@@ -34,8 +34,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -506,6 +508,18 @@ def checkpoints_to_delete(steps, *, keep_last: int, keep_every: int, protect: se
     return [s for s in steps if s not in keep]
 
 
+# A staging root is named raygpt-stage-<label>-<pid>-<random>. A single process removes its root
+# when it exits, but Ray ends its worker processes without their exit handlers (at the end of every
+# run too: 607 roots had piled up in one test machine's /tmp), and a worker killed by SIGKILL or
+# the OOM killer keeps what it had staged (a rank's whole files, if the kill came mid-write). Ray
+# uploads the last checkpoint on its own thread, so the train function cannot remove the root
+# itself: the next root made on the node sweeps them.
+_STAGE_ROOT = re.compile(r"raygpt-stage-[^/]*?-(\d+)-[^-/]+")
+# a dead process's root is left alone this long after its last change (a pid namespace that is
+# not ours, sharing this temp dir, could still be writing there)
+STAGE_STALE_S = 600.0
+
+
 def private_stage_root(label: str) -> Path:
     """A new local directory, private to this process's user, for one run's staged checkpoint
     files on this machine (every rank writes its files here before Ray uploads them). Created
@@ -513,10 +527,55 @@ def private_stage_root(label: str) -> Path:
     name, so no other user can have created it, or a symlink in its place, beforehand (a fixed
     path such as /tmp/raygpt-stage can be: the first user to create it locks every other user
     out, and a planted symlink receives their weights). Checked by `check_private_dir` too.
-    The caller removes it when the run ends."""
-    root = Path(tempfile.mkdtemp(prefix=f"raygpt-stage-{label}-"))
+    The caller removes it when the run ends; the roots of processes that died without doing so
+    are removed here first (`sweep_dead_stage_roots`)."""
+    sweep_dead_stage_roots(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix=f"raygpt-stage-{label}-{os.getpid()}-"))
     check_private_dir(root)
     return root
+
+
+def sweep_dead_stage_roots(tmp_dir: str | os.PathLike, now: float | None = None) -> list[Path]:
+    """Remove the staging roots in `tmp_dir` that a dead process left: named by
+    `private_stage_root` with a pid that no live process has, this user's and private (a root
+    `check_private_dir` would refuse is not touched), a real directory (a symlink is not
+    followed), unchanged for STAGE_STALE_S. Returns what was removed; never raises (a root that
+    cannot be removed now is tried again by the next run)."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(tmp_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _STAGE_ROOT.fullmatch(entry.name)
+        if m is None or _process_alive(int(m.group(1))):
+            continue
+        try:
+            check_private_dir(entry.path)
+            if now - os.lstat(entry.path).st_mtime < STAGE_STALE_S:
+                continue
+            shutil.rmtree(entry.path)
+        except (OSError, CheckpointError):
+            continue
+        removed.append(Path(entry.path))
+    if removed:
+        log.info(f"raygpt | removed {len(removed)} staging director{'y' if len(removed) == 1 else 'ies'} "
+                 f"left in {tmp_dir} by processes that no longer run")
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's counts: it is alive)."""
+    if pid <= 0:
+        return True  # not a pid this code wrote: leave the directory alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_private_dir(path: str | os.PathLike) -> None:

@@ -5,8 +5,13 @@ tests/llmc/test_state_file.py)."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -15,7 +20,7 @@ from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    private_stage_root, read_manifest, stage_dir, state_file, step_dir,
+    STAGE_STALE_S, private_stage_root, read_manifest, sweep_dead_stage_roots, stage_dir, state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
@@ -247,6 +252,71 @@ def test_stage_dir_is_private_fresh_and_not_a_checkpoint(tmp_path, monkeypatch):
     assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("step_00000040")
     assert (a.stat().st_mode & 0o777) == 0o700
     assert list_checkpoint_steps(open_run_dir(root)) == []
+
+
+def _stage_root_of_a_killed_process(tmp_path) -> Path:
+    """A real process makes its staging root, stages a file in it, and is SIGKILLed (as the OOM
+    killer or Ray's kill would): its exit handlers never run."""
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, tempfile, time\n"
+         "tempfile.tempdir = sys.argv[1]\n"
+         "from raygpt.checkpointing.protocol import private_stage_root, stage_dir\n"
+         "d = stage_dir(private_stage_root('r0'), 40)\n"
+         "(d / 'state_00000040_00000.bin').write_bytes(b'x' * 4096)\n"
+         "print(d.parent, flush=True)\n"
+         "time.sleep(600)\n", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    root = Path(child.stdout.readline().strip())
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    child.stdout.close()
+    assert root.is_dir() and any(root.rglob("*.bin"))
+    return root
+
+
+def _age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A worker killed mid-checkpoint leaves its staging root with the files it staged; the next
+    staging root made on the node removes it once it is STAGE_STALE_S old, and removes nothing
+    a live process, another pid namespace or another user could still be using."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead_old = _stage_root_of_a_killed_process(tmp_path)
+    dead_recent = _stage_root_of_a_killed_process(tmp_path)
+    _age(dead_old, STAGE_STALE_S + 5)
+    live = private_stage_root("r1")  # this process: alive
+    assert not dead_old.exists()  # swept by the root just made
+    assert dead_recent.exists()  # changed within STAGE_STALE_S: left alone
+    _age(live, STAGE_STALE_S + 5)
+    _age(dead_recent, STAGE_STALE_S - 60)
+    not_private = _stage_root_of_a_killed_process(tmp_path)
+    not_private.chmod(0o755)
+    _age(not_private, STAGE_STALE_S + 5)
+    loot = tmp_path / "elsewhere"
+    loot.mkdir()
+    (loot / "keep.bin").write_bytes(b"y")
+    planted = tmp_path / f"raygpt-stage-r0-{dead_pid()}-planted"
+    planted.symlink_to(loot)
+    _age(planted, STAGE_STALE_S + 5)
+    old_format = tmp_path / "raygpt-stage-r0-06fmilw9"  # no pid in its name: never swept
+    old_format.mkdir(mode=0o700)
+    _age(old_format, STAGE_STALE_S + 5)
+    assert sweep_dead_stage_roots(tmp_path) == []
+    assert live.exists() and dead_recent.exists() and not_private.exists()
+    assert planted.is_symlink() and (loot / "keep.bin").exists() and old_format.exists()
+    _age(dead_recent, STAGE_STALE_S + 5)
+    assert sweep_dead_stage_roots(tmp_path) == [dead_recent]
+
+
+def dead_pid() -> int:
+    """A pid no process has now (a child that has exited and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    return child.pid
 
 
 def test_staging_refuses_a_planted_symlink_a_shared_or_a_foreign_directory(tmp_path, monkeypatch):
