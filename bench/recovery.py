@@ -197,8 +197,8 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
                       max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
                       # the recovery reads the newest; a d12 checkpoint is 1.75 GB, and seven per
                       # run, kept by the default, filled a GPU machine's 64 GB beside its tests
-                      checkpoints_keep=2, num_workers=args.workers, output_dir=str(run_dir), val_every=0,
-                      sample_every=0, warmup_steps=2, compile=True,
+                      checkpoints_keep=2, num_workers=args.workers, output_dir=str(run_dir),
+                      val_every=0, sample_every=0, warmup_steps=2, compile=True,
                       device="cpu" if args.tiny else "gpu", deterministic=args.deterministic)
     cfg = cfg.resolve(0 if args.tiny else args.workers)
     killer = Killer(run_dir, cache_dir, scenario, args.kill_after)

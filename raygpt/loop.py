@@ -286,7 +286,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     if resumed_from is None and device.type == "cuda" and opt.master is not None:
         # The restore's kernel (working weights from master) compiled now, on a fresh start:
         # a worker restarted on this node then finds it in the node's Triton cache instead of
-        # compiling it inside its recovery (0.86 s of a warm one on an H200). On fresh weights
+        # compiling it inside its recovery (the re-derive of a warm one on an H200: 0.74 s
+        # before, 0.46 s after, bench/results/RECOVERY.md). On fresh weights
         # it is the identity: master holds the bf16 weights exactly, and stochastic rounding
         # of a value bf16 holds exactly returns it (every rank takes this branch together:
         # resumed_from is agreed, and ZeRO's gather inside is one collective).

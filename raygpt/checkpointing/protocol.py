@@ -535,14 +535,13 @@ def private_stage_root(label: str) -> Path:
     return root
 
 
-def sweep_dead_stage_roots(tmp_dir: str | os.PathLike, now: float | None = None) -> list[Path]:
+def sweep_dead_stage_roots(tmp_dir: str | os.PathLike) -> list[Path]:
     """Remove the staging roots in `tmp_dir` that a dead process left: named by
     `private_stage_root` with a pid that no live process has, this user's and private (a root
     `check_private_dir` would refuse is not touched), a real directory (a symlink is not
     followed), unchanged for STAGE_STALE_S. Returns what was removed; never raises (a root that
     cannot be removed now is tried again by the next run)."""
-    now = time.time() if now is None else now
-    removed = []
+    now, removed = time.time(), []
     try:
         entries = list(os.scandir(tmp_dir))
     except OSError:
@@ -560,8 +559,9 @@ def sweep_dead_stage_roots(tmp_dir: str | os.PathLike, now: float | None = None)
             continue
         removed.append(Path(entry.path))
     if removed:
-        log.info(f"raygpt | removed {len(removed)} staging director{'y' if len(removed) == 1 else 'ies'} "
-                 f"left in {tmp_dir} by processes that no longer run")
+        log.info(f"raygpt | removed {len(removed)} staging director"
+                 f"{'y' if len(removed) == 1 else 'ies'} left in {tmp_dir} by processes that no "
+                 f"longer run")
     return removed
 
 

@@ -20,7 +20,8 @@ from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    STAGE_STALE_S, private_stage_root, read_manifest, sweep_dead_stage_roots, stage_dir, state_file, step_dir,
+    STAGE_STALE_S, private_stage_root, read_manifest, sweep_dead_stage_roots, stage_dir,
+    state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
@@ -275,6 +276,13 @@ def _stage_root_of_a_killed_process(tmp_path) -> Path:
     return root
 
 
+def _dead_pid() -> int:
+    """A pid no process has now (a child that has exited and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    return child.pid
+
+
 def _age(path: Path, seconds: float) -> None:
     t = time.time() - seconds
     os.utime(path, (t, t), follow_symlinks=False)
@@ -299,7 +307,7 @@ def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypa
     loot = tmp_path / "elsewhere"
     loot.mkdir()
     (loot / "keep.bin").write_bytes(b"y")
-    planted = tmp_path / f"raygpt-stage-r0-{dead_pid()}-planted"
+    planted = tmp_path / f"raygpt-stage-r0-{_dead_pid()}-planted"
     planted.symlink_to(loot)
     _age(planted, STAGE_STALE_S + 5)
     old_format = tmp_path / "raygpt-stage-r0-06fmilw9"  # no pid in its name: never swept
@@ -310,13 +318,6 @@ def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypa
     assert planted.is_symlink() and (loot / "keep.bin").exists() and old_format.exists()
     _age(dead_recent, STAGE_STALE_S + 5)
     assert sweep_dead_stage_roots(tmp_path) == [dead_recent]
-
-
-def dead_pid() -> int:
-    """A pid no process has now (a child that has exited and been reaped)."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait(timeout=60)
-    return child.pid
 
 
 def test_staging_refuses_a_planted_symlink_a_shared_or_a_foreign_directory(tmp_path, monkeypatch):
