@@ -518,6 +518,11 @@ _STAGE_ROOT = re.compile(r"raygpt-stage-[^/]*?-(\d+)-[^-/]+")
 # a dead process's root is left alone this long after its last change (a pid namespace that is
 # not ours, sharing this temp dir, could still be writing there)
 STAGE_STALE_S = 600.0
+# Roots made before they carried a pid (raygpt-stage-<label>-<random>) tell no process: one goes
+# when nothing changed it for as long as the node's local checkpoint copies wait (a live run
+# makes a directory in its root at every checkpoint).
+_PIDLESS_STAGE_ROOT = re.compile(r"raygpt-stage-[^-/]+-[^-/]+")
+PIDLESS_STAGE_STALE_S = 3 * 24 * 3600.0
 
 
 def private_stage_root(label: str) -> Path:
@@ -537,10 +542,11 @@ def private_stage_root(label: str) -> Path:
 
 def sweep_dead_stage_roots(tmp_dir: str | os.PathLike) -> list[Path]:
     """Remove the staging roots in `tmp_dir` that a dead process left: named by
-    `private_stage_root` with a pid that no live process has, this user's and private (a root
-    `check_private_dir` would refuse is not touched), a real directory (a symlink is not
-    followed), unchanged for STAGE_STALE_S. Returns what was removed; never raises (a root that
-    cannot be removed now is tried again by the next run)."""
+    `private_stage_root` with a pid that no live process has and unchanged for STAGE_STALE_S (or
+    named without a pid, by an older raygpt, and unchanged for PIDLESS_STAGE_STALE_S), this
+    user's and private (a root `check_private_dir` would refuse is not touched), a real directory
+    (a symlink is not followed). Returns what was removed; never raises (a root that cannot be
+    removed now is tried again by the next run)."""
     now, removed = time.time(), []
     try:
         entries = list(os.scandir(tmp_dir))
@@ -548,11 +554,17 @@ def sweep_dead_stage_roots(tmp_dir: str | os.PathLike) -> list[Path]:
         return removed
     for entry in entries:
         m = _STAGE_ROOT.fullmatch(entry.name)
-        if m is None or _process_alive(int(m.group(1))):
+        if m is not None:
+            if _process_alive(int(m.group(1))):
+                continue
+            min_age = STAGE_STALE_S
+        elif _PIDLESS_STAGE_ROOT.fullmatch(entry.name):
+            min_age = PIDLESS_STAGE_STALE_S
+        else:
             continue
         try:
             check_private_dir(entry.path)
-            if now - os.lstat(entry.path).st_mtime < STAGE_STALE_S:
+            if now - os.lstat(entry.path).st_mtime < min_age:
                 continue
             shutil.rmtree(entry.path)
         except (OSError, CheckpointError):

@@ -20,8 +20,8 @@ from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
     checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    STAGE_STALE_S, private_stage_root, read_manifest, sweep_dead_stage_roots, stage_dir,
-    state_file, step_dir,
+    PIDLESS_STAGE_STALE_S, STAGE_STALE_S, private_stage_root, read_manifest,
+    sweep_dead_stage_roots, stage_dir, state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
@@ -291,7 +291,8 @@ def _age(path: Path, seconds: float) -> None:
 def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypatch):
     """A worker killed mid-checkpoint leaves its staging root with the files it staged; the next
     staging root made on the node removes it once it is STAGE_STALE_S old, and removes nothing
-    a live process, another pid namespace or another user could still be using."""
+    a live process, another pid namespace or another user could still be using; a root named
+    by an older raygpt (no pid) goes after PIDLESS_STAGE_STALE_S."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead_old = _stage_root_of_a_killed_process(tmp_path)
     dead_recent = _stage_root_of_a_killed_process(tmp_path)
@@ -310,14 +311,17 @@ def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypa
     planted = tmp_path / f"raygpt-stage-r0-{_dead_pid()}-planted"
     planted.symlink_to(loot)
     _age(planted, STAGE_STALE_S + 5)
-    old_format = tmp_path / "raygpt-stage-r0-06fmilw9"  # no pid in its name: never swept
-    old_format.mkdir(mode=0o700)
-    _age(old_format, STAGE_STALE_S + 5)
+    pidless = tmp_path / "raygpt-stage-r0-06fmilw9"  # an older raygpt's name: no pid to ask
+    pidless.mkdir(mode=0o700)
+    (pidless / "state_00000038_00000.bin").write_bytes(b"z")
+    _age(pidless, PIDLESS_STAGE_STALE_S - 60)
     assert sweep_dead_stage_roots(tmp_path) == []
     assert live.exists() and dead_recent.exists() and not_private.exists()
-    assert planted.is_symlink() and (loot / "keep.bin").exists() and old_format.exists()
+    assert planted.is_symlink() and (loot / "keep.bin").exists() and pidless.exists()
     _age(dead_recent, STAGE_STALE_S + 5)
-    assert sweep_dead_stage_roots(tmp_path) == [dead_recent]
+    _age(pidless, PIDLESS_STAGE_STALE_S + 5)
+    assert sorted(sweep_dead_stage_roots(tmp_path)) == sorted([dead_recent, pidless])
+    assert live.exists() and not_private.exists() and (loot / "keep.bin").exists()
 
 
 def test_staging_refuses_a_planted_symlink_a_shared_or_a_foreign_directory(tmp_path, monkeypatch):
