@@ -513,7 +513,7 @@ def checkpoints_to_delete(steps, *, keep_last: int, keep_every: int, protect: se
 # run too: 607 roots had piled up in one test machine's /tmp), and a worker killed by SIGKILL or
 # the OOM killer keeps what it had staged (a rank's whole files, if the kill came mid-write). Ray
 # uploads the last checkpoint on its own thread, so the train function cannot remove the root
-# itself: the next root made on the node sweeps them.
+# itself: the next run's Checkpointer on the node sweeps them, on a thread of its own.
 _STAGE_ROOT = re.compile(r"raygpt-stage-[^/]*?-(\d+)-[^-/]+")
 # a dead process's root is left alone this long after its last change (a pid namespace that is
 # not ours, sharing this temp dir, could still be writing there)
@@ -532,9 +532,8 @@ def private_stage_root(label: str) -> Path:
     name, so no other user can have created it, or a symlink in its place, beforehand (a fixed
     path such as /tmp/raygpt-stage can be: the first user to create it locks every other user
     out, and a planted symlink receives their weights). Checked by `check_private_dir` too.
-    The caller removes it when the run ends; the roots of processes that died without doing so
-    are removed here first (`sweep_dead_stage_roots`)."""
-    sweep_dead_stage_roots(tempfile.gettempdir())
+    The caller removes it when the run ends (and sweeps what dead processes left beside it:
+    `sweep_dead_stage_roots`)."""
     root = Path(tempfile.mkdtemp(prefix=f"raygpt-stage-{label}-{os.getpid()}-"))
     check_private_dir(root)
     return root

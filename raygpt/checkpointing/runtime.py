@@ -54,6 +54,9 @@ from raygpt.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
+# the thread that removes the staging roots dead processes left (protocol.sweep_dead_stage_roots)
+STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
+
 
 def run_fingerprints(cfg: TrainConfig) -> dict:
     """The hashes a checkpoint must agree with to be resumed by this config."""
@@ -328,6 +331,10 @@ class Checkpointer:
             self._stage_root = ck.private_stage_root(f"r{self.rank}")
             # what Ray has not removed after its upload goes when this process ends
             atexit.register(shutil.rmtree, self._stage_root, True)
+            # and the roots dead workers left on this node (Ray ends its workers without exit
+            # handlers) go now, beside training: a root can hold whole state files
+            threading.Thread(target=ck.sweep_dead_stage_roots, args=(self._stage_root.parent,),
+                             name=STAGE_SWEEP_THREAD, daemon=True).start()
         stage = ck.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
         result["times"] = {"step": state.step, "saved": time.time()}  # checkpoint_timeline's row

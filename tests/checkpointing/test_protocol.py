@@ -288,17 +288,18 @@ def _age(path: Path, seconds: float) -> None:
     os.utime(path, (t, t), follow_symlinks=False)
 
 
-def test_a_killed_process_staging_root_is_removed_by_the_next(tmp_path, monkeypatch):
-    """A worker killed mid-checkpoint leaves its staging root with the files it staged; the next
-    staging root made on the node removes it once it is STAGE_STALE_S old, and removes nothing
-    a live process, another pid namespace or another user could still be using; a root named
-    by an older raygpt (no pid) goes after PIDLESS_STAGE_STALE_S."""
+def test_a_killed_process_staging_root_is_swept_and_nothing_in_use(tmp_path, monkeypatch):
+    """A worker killed mid-checkpoint leaves its staging root with the files it staged; the sweep
+    removes it once it is STAGE_STALE_S old, and removes nothing a live process, another pid
+    namespace or another user could still be using; a root named by an older raygpt (no pid)
+    goes after PIDLESS_STAGE_STALE_S. (A run's Checkpointer sweeps at its first save:
+    tests/checkpointing/test_runtime.py.)"""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead_old = _stage_root_of_a_killed_process(tmp_path)
     dead_recent = _stage_root_of_a_killed_process(tmp_path)
     _age(dead_old, STAGE_STALE_S + 5)
     live = private_stage_root("r1")  # this process: alive
-    assert not dead_old.exists()  # swept by the root just made
+    assert sweep_dead_stage_roots(tmp_path) == [dead_old]
     assert dead_recent.exists()  # changed within STAGE_STALE_S: left alone
     _age(live, STAGE_STALE_S + 5)
     _age(dead_recent, STAGE_STALE_S - 60)

@@ -14,6 +14,37 @@ from raygpt.checkpointing.protocol import (
 from raygpt.storage import open_run_dir
 
 
+# ---------------------------------------------------------------------- staging roots
+def test_a_run_sweeps_the_staging_roots_dead_workers_left_beside_its_training(tmp_path,
+                                                                              monkeypatch):
+    """A real run's first save removes, on a thread of its own, the staging root a SIGKILLed
+    process left 10 minutes ago (Ray ends its workers without exit handlers), and keeps its own."""
+    import tempfile
+    import threading
+
+    from raygpt.checkpointing.protocol import STAGE_STALE_S
+    from raygpt.checkpointing.runtime import STAGE_SWEEP_THREAD
+    from raygpt.loop import train
+    from raygpt.session import LocalSession
+    from tests.checkpointing.test_protocol import _age, _stage_root_of_a_killed_process
+    from tests.helpers import tiny_config
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    dead = _stage_root_of_a_killed_process(tmp)
+    _age(dead, STAGE_STALE_S + 5)
+    run_dir = (tmp_path / "run").resolve()
+    cfg = tiny_config(run_dir, max_steps=2, checkpoint_every=2).resolve(0)
+    train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
+    for t in threading.enumerate():
+        if t.name == STAGE_SWEEP_THREAD:
+            t.join(timeout=60)
+    assert not dead.exists()
+    own = [p for p in tmp.iterdir() if p.name.startswith("raygpt-stage-")]
+    assert len(own) == 1 and own[0].name.startswith(f"raygpt-stage-r0-{os.getpid()}-")
+
+
 # ---------------------------------------------------------------------- durable before published
 def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monkeypatch):
     """A real save (LocalSession: stage on the worker, copy into storage without an fsync, then
