@@ -513,7 +513,7 @@ def checkpoints_to_delete(steps, *, keep_last: int, keep_every: int, protect: se
 # run too: 607 roots had piled up in one test machine's /tmp), and a worker killed by SIGKILL or
 # the OOM killer keeps what it had staged (a rank's whole files, if the kill came mid-write). Ray
 # uploads the last checkpoint on its own thread, so the train function cannot remove the root
-# itself: the next run's Checkpointer on the node sweeps them, on a thread of its own.
+# itself: every Checkpointer's first save on the node sweeps them, on a thread of its own.
 _STAGE_ROOT = re.compile(r"raygpt-stage-[^/]*?-(\d+)-[^-/]+")
 # a dead process's root is left alone this long after its last change (a pid namespace that is
 # not ours, sharing this temp dir, could still be writing there)
