@@ -47,7 +47,8 @@ instead (sdpa_backend="default", embedding_impl="torch": the "before"), `raygpt`
 raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs), `regional` compiles each
-transformer block on its own instead of the whole model; `default` is TrainConfig's
+transformer block on its own instead of the whole model, `mb@N` trains each step's --batch
+sequences as micro-batches of N accumulated into one update; `default` is TrainConfig's
 defaults with deterministic off. A variant sets the loop's performance fields of TrainConfig (loss_impl, ce_kernel,
 ce_chunk_rows, sdpa_backend, embedding_impl, prefetch_batches, compile_mode, deterministic),
 and Inductor's config for its run, restored after.
@@ -110,8 +111,9 @@ VARIANT_TOKENS = {
     "noprefetch": "the loop builds each batch after the step's sync (--no-prefetch)",
     "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
     "regional": "each transformer block compiled on its own (loop.compile_model replaced for the row)",
+    "mb": "mb@N: micro-batches of N sequences, accumulated to the bench's --batch per step",
 }
-WITH_ARG = {"fused", "ckpt"}
+WITH_ARG = {"fused", "ckpt", "mb"}
 
 
 def parse_variant(spec: str) -> tuple[dict, dict]:
@@ -121,9 +123,10 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
     for token in spec.split("+"):
         name, _, arg = token.partition("@")
         if (name not in VARIANT_TOKENS or (arg and name not in WITH_ARG)
-                or (name == "ckpt" and not arg.isdigit()) or (arg and not arg.isdigit())):
+                or (name in ("ckpt", "mb") and not arg.isdigit()) or (arg and not arg.isdigit())):
             raise SystemExit(f"--variants: unknown token {token!r} in {spec!r}; expected "
-                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N), joined by '+'")
+                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N, mb@N), joined by "
+                             f"'+'")
         if name == "ref":
             loop["loss_impl"] = "reference"
         elif name == "fused":
@@ -152,6 +155,8 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
             loop["compile_mode"] = "reduce-overhead"
         elif name == "regional":
             inductor["_regional"] = True  # not Inductor's: variant_settings takes it out
+        elif name == "mb":
+            loop["micro_batch"] = int(arg)  # loop_config turns it into batch_size + accumulation
     return inductor, loop
 
 
@@ -306,7 +311,13 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
                   output_dir=run_dir, device="gpu", num_workers=1, shuffle=False,
                   warmup_steps=0, learning_rate=3e-4, final_lr_frac=1.0, scheduler="constant",
                   compile=True, deterministic=False)  # the `det` variant turns it on
-    return TrainConfig(**{**fields, **(overrides or {})}).resolve(1)
+    overrides = dict(overrides or {})
+    if "micro_batch" in overrides:  # the same tokens per step, in smaller forward passes
+        micro = overrides.pop("micro_batch")
+        if args.batch % micro:
+            raise SystemExit(f"--variants: mb@{micro} does not divide --batch {args.batch}")
+        overrides.update(batch_size=micro, total_batch_size=args.batch * args.seq)
+    return TrainConfig(**{**fields, **overrides}).resolve(1)
 
 
 def raygpt_loop(args, cfg_overrides=None):
@@ -352,7 +363,9 @@ def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 
 
 
 def raygpt_split(args, loader, loop_overrides: dict):
-    perf = TrainConfig(**loop_overrides)  # the variant's performance fields, as the loop reads them
+    # the variant's performance fields, as the loop reads them; the split runs the whole --batch
+    # in one pass whatever mb@N says (the loop's row is the micro-batched one)
+    perf = TrainConfig(**{k: v for k, v in loop_overrides.items() if k != "micro_batch"})
     model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337, loss_impl=perf.loss_impl,
                 ce_kernel=perf.ce_kernel, ce_chunk_rows=perf.ce_chunk_rows).cuda()
     # and the kernels the loop's build_model would pick (det turned strict mode on for this)
