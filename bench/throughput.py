@@ -314,7 +314,7 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
     overrides = dict(overrides or {})
     if "micro_batch" in overrides:  # the same tokens per step, in smaller forward passes
         micro = overrides.pop("micro_batch")
-        if args.batch % micro:
+        if micro <= 0 or args.batch % micro:
             raise SystemExit(f"--variants: mb@{micro} does not divide --batch {args.batch}")
         overrides.update(batch_size=micro, total_batch_size=args.batch * args.seq)
     return TrainConfig(**{**fields, **overrides}).resolve(1)
@@ -422,8 +422,8 @@ def main():
                    help="raygpt variants: only the forward+backward / norm / optimizer split")
     args = p.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in variants:
-        parse_variant(v)  # fail on a typo before minutes of compiling
+    for v in variants:  # fail on a typo before minutes of compiling
+        loop_config(args, "unused", parse_variant(v)[1])
     if any(parse_variant(v)[1].get("deterministic") for v in variants):
         # cuBLAS reads it when its first handle is made (the baseline's first matmul), so
         # deterministic mode's fixed workspace holds for every row of this run; the table says so
