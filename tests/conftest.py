@@ -47,6 +47,8 @@ def _gpu_checkpoints_removed(request):
     yield
     if tmp_path is None:
         return
-    for step in tmp_path.glob("**/step_[0-9]*"):
-        if step.is_dir() and not step.is_symlink():
+    from raygpt.checkpointing.protocol import step_of_dir
+
+    for step in tmp_path.glob("**/step_*"):
+        if step_of_dir(step.name) is not None and step.is_dir() and not step.is_symlink():
             shutil.rmtree(step, ignore_errors=True)
