@@ -244,6 +244,7 @@ SETUP_MARKS = (("process_started", "failure recorded -> worker process started")
                ("model_built", "-> flat buffers + optimizer built"),
                ("loader_built", "-> data loader built"),
                ("compiler_imported", "-> torch.compile's imports"),
+               ("compile_cache_ready", "-> compile caches filled (run's artifacts, kernels)"),
                ("fingerprints", "-> run fingerprints hashed"),
                ("restore_started", "-> (restore starts)"),
                ("checkpoint_chosen", "-> checkpoint chosen (complete)"),
@@ -252,7 +253,6 @@ SETUP_MARKS = (("process_started", "failure recorded -> worker process started")
                ("optimizer_state_copied", "-> m, v, master copied to the device"),
                ("weights_rederived", "-> working weights re-derived (launched)"),
                ("state_loaded", "-> state loaded"),
-               ("compile_cache_ready", "-> torch.compile + compile cache"),
                ("attempt_recorded", "-> run log opened, attempt recorded"),
                ("first_step", "-> first step trained (compile)"))
 

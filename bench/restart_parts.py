@@ -84,7 +84,7 @@ print("MARKS " + json.dumps({"start": t_start, "torch": t_torch, "loop": t_loop,
 
 # build_run's marks and the resume record's, in their order (each row: since the one above)
 SETUP_ORDER = ("build_started", "weights_built", "model_built", "loader_built",
-               "compiler_imported", "fingerprints", "checkpoint_chosen", "files_verified",
+               "compiler_imported", "compile_cache_ready", "fingerprints", "checkpoint_chosen", "files_verified",
                "ranks_agreed", "optimizer_state_copied", "weights_rederived")
 
 
@@ -117,7 +117,6 @@ def split(run_dir: Path, marks: dict) -> dict:
                 ("-> raygpt.loop imported", marks["loop"])]
     timeline += [(f"-> {k}", setup[k]) for k in SETUP_ORDER if k in setup]
     timeline += [("-> state loaded", startup.get("state_loaded")),
-                 ("-> compile cache ready", setup.get("compile_cache_ready")),
                  ("-> first step trained", first)]
     row, prev = {}, marks["start"]
     for label, t in timeline:

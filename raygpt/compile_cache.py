@@ -5,7 +5,10 @@ local disk under NODE_COMPILE_CACHE, shared by every worker process the node run
 Ray restarts on a surviving node finds its graphs compiled (TORCHINDUCTOR_CACHE_DIR /
 TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
 (torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
-replacement node fills its local caches from them before its first step instead of compiling.
+replacement node fills its local caches from them before its first step instead of compiling;
+raygpt's own Triton kernels, which those artifacts do not carry, go beside them in a bundle
+(raygpt.kernel_bundle, COMPILE_ARTIFACTS/<key>.kernels.zip) that a new node installs into its
+Triton cache before it launches any of them (the restore's re-derive is the first).
 Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
 another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
 
@@ -17,7 +20,8 @@ them and puts a hash of the source torch.compile traces (raygpt/model.py, raygpt
 cache key instead, so an entry made by other raygpt code is never loaded.
 
 `CompileCache` is the loop's one handle on it: `for_run` points the caches at the node and
-fills them from the run's artifacts, `save_if_new` stores the first step's graphs (rank 0).
+fills them from the run's artifacts (before the restore launches a kernel), `save_if_new`
+stores the first step's graphs and kernels (rank 0).
 
 Every new worker process also pays for importing torch.compile's machinery (Dynamo, Inductor:
 several seconds of Python) and for the keys Inductor computes once per process;
@@ -142,6 +146,40 @@ def load_compile_artifacts(run_dir, name: str, cache_dir: str) -> bool:
     return True
 
 
+def kernels_name(name: str) -> str:
+    """The run's bundle of raygpt's own Triton kernels, beside the artifacts file `name`."""
+    return name.removesuffix(".bin") + ".kernels.zip"
+
+
+def load_kernel_bundle(run_dir, name: str, cache_dir: str) -> bool:
+    """Install the run's bundle of raygpt's Triton kernels into this node's Triton cache, once
+    per node (a marker, as for the artifacts); True when the run has one. A bundle that cannot be
+    read or installed only costs Triton's compiling them: a warning says which file and why."""
+    if not run_dir.exists(name):
+        return False
+    marker = _artifacts_marker(cache_dir, name)
+    if not os.path.exists(marker):
+        from raygpt import kernel_bundle
+        try:
+            kernel_bundle.install(kernel_bundle.read_bundle(run_dir.read_bytes(name),
+                                                            run_dir.uri(name)))
+        except (kernel_bundle.BundleError, ImportError, OSError) as e:
+            log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: raygpt's kernels not installed "
+                        f"({e}); Triton compiles them")
+            return True
+        _touch(marker)
+    return True
+
+
+def save_kernel_bundle(run_dir, name: str, cache_dir: str) -> None:
+    """Store the Triton kernels raygpt launched in this process (none on a CPU) beside the run."""
+    from raygpt import kernel_bundle
+    kernels = kernel_bundle.launched_kernels()
+    if kernels:
+        run_dir.write_bytes_atomic(name, kernel_bundle.write_bundle(kernels))
+        _touch(_artifacts_marker(cache_dir, name))
+
+
 def save_compile_artifacts(run_dir, name: str, cache_dir: str) -> None:
     """Store what this process compiled (the first step's graphs, validation's) beside the run;
     this node's cache has them already."""
@@ -163,18 +201,26 @@ def _touch(path: str) -> None:
 @dataclasses.dataclass
 class CompileCache:
     """A compiling run's caches: the run's artifacts file (`name`), this node's cache directory,
-    and whether the run had artifacts when this process started (then there is nothing new)."""
+    and whether the run had artifacts and a kernel bundle when this process started (then there
+    is nothing new to store)."""
 
     name: str
     cache_dir: str
     had_artifacts: bool
+    had_kernels: bool = False
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, session) -> "CompileCache":
         name = compile_artifacts_name(cfg, session.device_name)
         cache_dir = use_node_compile_cache()
-        return cls(name, cache_dir, load_compile_artifacts(session.run_dir, name, cache_dir))
+        if session.device.type == "cuda":  # raygpt's Triton kernels, noted as they compile
+            from raygpt import kernel_bundle
+            kernel_bundle.record_compiled_kernels()
+        return cls(name, cache_dir, load_compile_artifacts(session.run_dir, name, cache_dir),
+                   load_kernel_bundle(session.run_dir, kernels_name(name), cache_dir))
 
     def save_if_new(self, run_dir) -> None:
         if not self.had_artifacts:
             save_compile_artifacts(run_dir, self.name, self.cache_dir)
+        if not self.had_kernels:
+            save_kernel_bundle(run_dir, kernels_name(self.name), self.cache_dir)

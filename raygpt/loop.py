@@ -270,9 +270,14 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
+    compiled = None
     if cfg.compile:  # seconds of Python, while the resume read hashes beside it
         compile_cache.import_compiler()
         mark("compiler_imported")
+        # compiled once per node (local caches, the run's artifacts for a new node); filled
+        # before the restore, whose re-derive is the first of raygpt's kernels to launch
+        compiled = CompileCache.for_run(cfg, session)
+        mark("compile_cache_ready")
     state = TrainState.fresh(cfg)
     ckpt = Checkpointer(cfg, session, flat, opt, model.config, max_steps, marks=setup,
                         resume_read=resume_read)
@@ -296,12 +301,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage
                     "load_from": sorted(set(ckpt.load_sources.values()))})
-    forward, compiled = model, None
-    if cfg.compile:
-        # compiled once per node (local caches, the run's artifacts for a new node)
-        forward = compile_model(model, cfg.compile_mode)
-        compiled = CompileCache.for_run(cfg, session)
-        mark("compile_cache_ready")
+    forward = compile_model(model, cfg.compile_mode) if cfg.compile else model
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,

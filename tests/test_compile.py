@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,8 @@ def test_compiled_artifacts_fill_a_new_nodes_cache(tmp_path):
 def test_training_step_compiles_once_on_gpu(tmp_path):
     """The GPU default path: bf16 working weights with fp32 masters, the fused loss's Triton
     kernel (a custom op inside the compiled forward), the Triton optimizer between steps; then
-    a new node resumes from the run's artifacts (Inductor's Triton kernels come bundled)."""
+    a new node resumes from the run's artifacts (Inductor's Triton kernels come bundled, and
+    raygpt's own in the run's kernel bundle: the new node compiles none of raygpt's)."""
     print(check_new_node_starts_warm(tmp_path, "cuda"))
 
 
@@ -165,8 +167,21 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
     # graph traced and partitioned again, most of a warm first step)
     assert new["counters"].get("autograd_cache_hit", 0) >= 1, new
     assert new["counters"].get("autograd_cache_bypass", 0) == 0, new
+    bundled = None
+    if device == "cuda":
+        from raygpt.compile_cache import COMPILE_ARTIFACTS
+
+        # raygpt's own Triton kernels (the optimizer's, the restore's re-derive, and the loss
+        # gradient's and attention's, which Inductor compiles from its own copy of their source)
+        # came in the run's kernel bundle: the new node compiles none of them
+        [bundle] = [a for a in new["artifacts"] if a.endswith(".kernels.zip")]
+        with zipfile.ZipFile(Path(run_dir, COMPILE_ARTIFACTS, bundle)) as z:
+            bundled = [(k["group"], k["key"]) for k in json.loads(z.read("index.json"))["kernels"]]
+        ours = [k for k in new["triton_compiled"] if k[1] in new["raygpt_kernels"]]
+        assert not ours, f"the new node compiled raygpt's kernels {ours}; bundled: {bundled}"
     return (f"first step: cold {cold['first_step_dt']:.2f} s, new node "
-            f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']}")
+            f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']} | Triton "
+            f"kernels it compiled: {new.get('triton_compiled')} | bundled: {bundled}")
 
 
 def test_the_compilers_imports_choose_the_nodes_cache_first(tmp_path):
@@ -270,12 +285,23 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     from raygpt.runlog.history import read_history
     from raygpt.compile_cache import COMPILE_ARTIFACTS
+    from raygpt.kernel_bundle import raygpt_kernel_names
     from raygpt.loop import train
     from raygpt.session import LocalSession
     from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
     torch.set_num_threads(1)
+    compiled = []  # every Triton kernel this process compiled: (its module, its name)
+    if device == "cuda":
+        import triton
+
+        def listener(*, src, metadata, cache_hit, **_):
+            if not cache_hit:
+                compiled.append((getattr(getattr(src, "fn", None), "module", "?"),
+                                 metadata.get("name"), metadata.get("hash")))
+
+        triton.knobs.compilation.listener = listener
     cfg = tiny_config(run_dir, compile=True, max_steps=6, val_every=0, checkpoint_every=2, resume=1,
                       device="gpu" if device == "cuda" else "cpu"
                       ).resolve(1 if device == "cuda" else 0)
@@ -285,6 +311,8 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     print(json.dumps({"counters": {**c["inductor"], **c["aot_autograd"]},
                       "first_step_dt": recs[-2]["dt"],
                       "resumed_from": recs[-2]["step"],
+                      "triton_compiled": compiled,
+                      "raygpt_kernels": sorted(raygpt_kernel_names()) if compiled else [],
                       "artifacts": sorted(os.listdir(os.path.join(run_dir, COMPILE_ARTIFACTS)))}))
 
 
