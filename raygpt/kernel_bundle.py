@@ -69,15 +69,16 @@ def record_compiled_kernels() -> None:
     (Triton's compilation listener, chained after one already set), once per process. raygpt's
     kernels reach Triton two ways: launched from Python (the optimizer's, the re-derive's), and
     inlined by Inductor into a compiled graph (torch.library.triton_op: the loss gradient, the
-    attention), compiled from Inductor's copy of their source under another cache key. The
-    listener sees what this process compiles or loads; what Inductor's compile workers (other
-    processes) compile, launched_kernels finds in the cache by its time of writing."""
+    attention), compiled from Inductor's copy of their source under another cache key (not
+    bundled: see launched_kernels). The listener sees what this process compiles or loads."""
     global _recording, _recording_since
     if _recording:
         return
     from triton import knobs
 
-    _recording_since = time.time()
+    # a file's time can lag the clock by a filesystem's granularity (up to 2 s on some): a
+    # module built just before this call is taken too, which costs nothing but its bytes
+    _recording_since = time.time() - 2.0
     before = knobs.compilation.listener
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
@@ -108,29 +109,29 @@ def raygpt_kernel_names() -> set[str]:
 
 def launched_kernels(names: set[str] | None = None) -> list[Kernel]:
     """raygpt's kernels (by name: `names`, raygpt_kernel_names() by default) among those this
-    process compiled or loaded since record_compiled_kernels, and those written into this
-    node's Triton cache since then (by Inductor's compile workers), with the C modules Triton
-    built in that time (its CUDA utilities and kernel launchers, compiled by the host's C
-    compiler on a node's first launch), their files read back from the cache. Inductor's own
-    kernels are left out (its artifacts carry them), and so is an entry whose files have left
-    the cache. Empty when this process records nothing (a CPU run)."""
+    process compiled or loaded since record_compiled_kernels, with the C modules Triton built
+    into this node's cache since then (its CUDA utilities and kernel launchers, compiled by the
+    host's C compiler on a node's first launch), their files read back from the cache.
+    Inductor's own kernels are left out (its artifacts carry them), and so are its copies of
+    raygpt's triton_op kernels: a new node compiles those under other keys than the node that
+    stored them (seen on an H200, bench/results/h200_gpu_test_2026-12-01_kernel_bundle_v3_*),
+    so they would never be found. Empty when this process records nothing (a CPU run)."""
     if not _recording:
         return []
     names = raygpt_kernel_names() if names is None else names
     found = {key: group for key, (name, group) in _compiled.items() if name in names}
-    found.update(_written_since(_recording_since, names))
+    found.update(_modules_built_since(_recording_since))
     kernels = [_from_cache(key, paths) for key, paths in sorted(found.items())]
     return [k for k in kernels if k is not None]
 
 
-def _written_since(since: float, names: set[str]) -> dict[str, dict[str, str]]:
-    """{key: {file: path}} of what this node's Triton cache (TRITON_CACHE_DIR, Triton's file
-    cache: one directory per entry, named by its key) got at `since` or later: the kernels
-    named `names` (their group file `__grp__<name>.json`, written last, says which files) and
-    the C modules Triton built (a single `cuda_utils*` or `__triton_launcher*` module)."""
+def _modules_built_since(since: float) -> dict[str, dict[str, str]]:
+    """{key: {file: path}} of the C modules Triton built into this node's cache
+    (TRITON_CACHE_DIR, Triton's file cache: one directory per entry, named by its key) at
+    `since` or later: an entry holding a single `cuda_utils*` or `__triton_launcher*` module.
+    Only directories changed since then are opened (a node's cache holds thousands)."""
     from triton import knobs
 
-    groups = {f"__grp__{n}.json" for n in names}
     found = {}
     try:
         entries = list(os.scandir(knobs.cache.dir))
@@ -138,17 +139,13 @@ def _written_since(since: float, names: set[str]) -> dict[str, dict[str, str]]:
         return found
     for entry in entries:
         try:
+            if not entry.is_dir() or entry.stat().st_mtime < since:
+                continue
             for f in os.scandir(entry.path):
-                if f.name in groups and f.stat().st_mtime >= since:
-                    with open(f.path) as g:
-                        group = json.load(g)["child_paths"]
-                    meta = group.get(f.name[len("__grp__"):])
-                    with open(meta) as m:
-                        found[json.load(m)["hash"]] = group
-                elif _MODULE.fullmatch(f.name) and f.stat().st_mtime >= since:
+                if _MODULE.fullmatch(f.name) and f.stat().st_mtime >= since:
                     found[_key_of_directory(entry.name)] = {f.name: f.path}
-        except (OSError, ValueError, KeyError, TypeError, binascii.Error):
-            continue  # not an entry of Triton's, or one being written: Triton compiles it
+        except (OSError, ValueError, binascii.Error):
+            continue  # not an entry of Triton's, or one being written: Triton builds it
     return found
 
 
