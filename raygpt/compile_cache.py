@@ -79,25 +79,9 @@ def trust_raygpt_functions() -> None:
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 
-def launch_raygpt_kernels_statically() -> None:
-    """Let Inductor launch raygpt's triton_op kernels (the loss gradient, the attention, the
-    embedding backward: Inductor compiles its own copy of each into the training graph) with its
-    static launcher, as it launches its own kernels. Inductor's FX graph cache then keeps them
-    (TritonBundler's statically launched autotuners) and they come with the run's compiled
-    artifacts: without it a new node compiled all six again, under other Triton cache keys than
-    the node that stored the run's kernels had used (one H200, 2026-12-01). torch's
-    TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS, when the user sets it, wins; a
-    kernel the static launcher cannot take is launched as before (torch falls back)."""
-    import torch._inductor.config as inductor_config
-
-    if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
-        inductor_config.static_launch_user_defined_triton_kernels = True
-
-
 def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
-    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set), let
-    them keep raygpt's graphs whole (trust_raygpt_functions) and its triton_op kernels with them
-    (launch_raygpt_kernels_statically)."""
+    """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set), and
+    let them keep raygpt's graphs whole (trust_raygpt_functions)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.makedirs(root, mode=0o700, exist_ok=True)
         st = os.stat(root)
@@ -110,7 +94,6 @@ def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
                                                            "triton_user"))
     trust_raygpt_functions()
-    launch_raygpt_kernels_statically()
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

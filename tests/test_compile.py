@@ -172,13 +172,13 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
         from raygpt.compile_cache import COMPILE_ARTIFACTS
 
         # raygpt's own Triton kernels launched from Python (the optimizer's, the restore's
-        # re-derive) came in the run's kernel bundle, and Inductor's copies of its triton_op
-        # kernels (the loss gradient, the attention), statically launched, in Inductor's
-        # cache entries: the new node compiles none of them
+        # re-derive) came in the run's kernel bundle: the new node compiles none of them.
+        # Inductor's copies of its triton_op kernels (the loss gradient, the attention) are
+        # compiled there under other keys than node A's, so they are printed, not bundled.
         [bundle] = [a for a in new["artifacts"] if a.endswith(".kernels.zip")]
         with zipfile.ZipFile(Path(run_dir, COMPILE_ARTIFACTS, bundle)) as z:
             bundled = [(k["group"], k["key"]) for k in json.loads(z.read("index.json"))["kernels"]]
-        ours = [k for k in new["triton_compiled"] if k[1] in new["raygpt_kernels"]]
+        ours = [k for k in new["triton_compiled"] if k[0].startswith("raygpt.")]
         assert not ours, f"the new node compiled raygpt's kernels {ours}; bundled: {bundled}"
     return (f"first step: cold {cold['first_step_dt']:.2f} s, new node "
             f"{new['first_step_dt']:.2f} s | new node's counters {new['counters']} | Triton "
@@ -258,30 +258,6 @@ def test_cached_graphs_are_keyed_by_the_code_torch_compile_traces(tmp_path, monk
     cc.trust_raygpt_functions()
     assert torch.compiler.config.cache_key_tag == f"users-tag+raygpt-{key}"
     assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions is True
-
-
-def test_inductor_launches_raygpts_kernels_statically_unless_the_user_says(tmp_path,
-                                                                           monkeypatch):
-    """raygpt's triton_op kernels are kept in Inductor's cache entries only when Inductor
-    launches them statically; a user's TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS
-    is torch's to read (at its import) and wins."""
-    import torch._inductor.config as inductor_config
-
-    import raygpt.compile_cache as cc
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", raising=False)
-    monkeypatch.setattr(inductor_config, "static_launch_user_defined_triton_kernels", False)
-    cc.use_node_compile_cache()
-    assert inductor_config.static_launch_user_defined_triton_kernels is True
-    # the user's variable, set before the process started (torch reads it at import)
-    check = ("import raygpt.compile_cache as cc, torch._inductor.config as c; "
-             "cc.use_node_compile_cache(); print(c.static_launch_user_defined_triton_kernels)")
-    env = dict(os.environ, TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS="0",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=REPO_ROOT)
-    assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
 
 
 def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
