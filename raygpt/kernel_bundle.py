@@ -5,9 +5,13 @@ torch.compiler.save_cache_artifacts carries the kernels Inductor generates, not 
 weights, the loss gradient, the deterministic attention and embedding backward), whether
 launched from Python or inlined by Inductor into the compiled step as user-defined kernels.
 Triton compiles each on its first use in a node, a second or more apiece on an H200, inside a
-replacement node's recovery. A run therefore stores them beside its compiled artifacts, and a
-new node installs them into its Triton cache before its first launch, where Triton finds them
-as its own entries.
+replacement node's recovery, and builds its C launcher modules with the host's compiler. A run
+therefore stores the kernels it launches from Python and those C modules beside its compiled
+artifacts, and a new node installs them into its Triton cache before its first launch, where
+Triton finds them as its own entries. Inductor's copies of the triton_op kernels are not
+stored: a new node compiles them under other cache keys than the node that stored them did (seen
+on an H200; torch's static launch of user-defined kernels did not change that), so they would
+never be found.
 
 A bundle is a zip archive (zipfile: each member CRC-checked on read). `index.json` names, for
 every kernel, its Triton cache key (`CompiledKernel.hash`: the directory Triton's cache manager

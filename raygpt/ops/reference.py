@@ -19,7 +19,7 @@ llm.c's layout) tensor pieces of a shard, to build per-element counters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -123,6 +123,8 @@ class Segments:
     block: int  # elements per block of block_table (the elementwise kernels' BLOCK)
     max_pieces: int  # the most pieces any one block touches (>= 1)
     device: torch.device
+    # the reference AdamW's decay mask, per device, built on its first step (never handed out)
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -191,6 +193,12 @@ class Segments:
         flags = torch.tensor([float(p.decay) for p in self.pieces], dtype=torch.float32)
         lengths = torch.tensor([p.length for p in self.pieces], dtype=torch.int64)
         return torch.repeat_interleave(flags, lengths).to(device)
+
+    def _decay_mask_kept(self, device: torch.device) -> torch.Tensor:
+        """decay_mask(device), built once per device: the reference AdamW reads it every step."""
+        if device not in self._masks:
+            self._masks[device] = self.decay_mask(device)
+        return self._masks[device]
 
     def random_bits(self, seed: int, device: torch.device | None = None) -> torch.Tensor:
         """int64 (numel,): the 16 rounding bits of every element of the shard for this seed."""
@@ -301,15 +309,22 @@ def adamw_update(param, grad, m, v, master, segments: Segments, *, lr, beta1, be
                           grad_scale=grad_scale, step=step)
     # Only correctly rounded elementwise ops (no fused alpha/addcdiv, which may use FMA in the
     # vectorised loop and not in its tail): each element's result then does not depend on its
-    # position, and a sharded update equals the unsharded one bit for bit.
-    g = grad.to(torch.float32) * s.grad_scale
-    m.mul_(s.beta1).add_(s.one_minus_beta1 * g)
-    v.mul_(s.beta2).add_(s.one_minus_beta2 * (g * g))
-    m_hat = m / s.bias_correction1
-    v_hat = v / s.bias_correction2
+    # position, and a sharded update equals the unsharded one bit for bit. The math is
+    #   g = grad * grad_scale;  m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+    #   w -= lr (m / bc1 / (sqrt(v / bc2) + eps) + (weight_decay * decay) w)
+    # each op as written there (so the same bits), computed in two scratch tensors (g, t) in
+    # place: a new tensor per op cost a CPU step most of its optimizer time in page faults.
     w = master if master is not None else param
-    wd = s.weight_decay * segments.decay_mask(device=w.device)
-    w.sub_(s.lr * (m_hat / (torch.sqrt(v_hat) + s.eps) + wd * w))
+    g = grad.to(torch.float32, copy=True).mul_(s.grad_scale)  # never grad itself (fp32 too)
+    t = torch.mul(g, s.one_minus_beta1)
+    m.mul_(s.beta1).add_(t)
+    torch.mul(g, g, out=t).mul_(s.one_minus_beta2)
+    v.mul_(s.beta2).add_(t)
+    torch.div(m, s.bias_correction1, out=g)                          # m_hat
+    torch.div(v, s.bias_correction2, out=t).sqrt_().add_(s.eps)      # sqrt(v_hat) + eps
+    g.div_(t)
+    torch.mul(segments._decay_mask_kept(w.device), s.weight_decay, out=t).mul_(w)  # wd * w
+    w.sub_(g.add_(t).mul_(s.lr))
     if master is not None:
         param.copy_(stochastic_round_bf16(master, segments, seed))
 
@@ -329,27 +344,34 @@ def copy_master_to_params(param, master, segments: Segments, seed: int) -> None:
 def logit_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     """Lf (n, Vp) fp32 with padded columns -inf, and per row (n,): lse = logsumexp(Lf), the
     target logit Lf[t] (t = -1 reads column 0), the max and the min over the real columns."""
-    col = torch.arange(L.shape[1], device=L.device)                        # (Vp,)
-    real = col < vocab_size
-    Lf = L.float()
-    row_min = torch.where(real, Lf, float("inf")).amin(dim=1)              # (n,)
-    Lf = torch.where(real, Lf, float("-inf"))                              # (n, Vp)
-    row_max = Lf.amax(dim=1)                                               # (n,)
-    lse = row_max + torch.log(torch.exp(Lf - row_max[:, None]).sum(dim=1))  # (n,)
-    target_logit = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]            # (n,)
+    Lf, lse, target_logit, row_max, row_min, _ = _statistics_and_scratch(L, t, vocab_size)
     return Lf, lse, target_logit, row_max, row_min
+
+
+def _statistics_and_scratch(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
+    """logit_statistics and the (n, Vp) fp32 tensor it used for exp(Lf - max), free to reuse.
+    In place where it can be (a (n, Vp) fp32 tensor per op was most of a CPU step's loss)."""
+    Lf = L.to(torch.float32, copy=True)                                    # (n, Vp), own copy
+    row_min = Lf[:, :vocab_size].amin(dim=1)       # (n,); a min is exact in any order
+    Lf[:, vocab_size:] = float("-inf")
+    row_max = Lf.amax(dim=1)                                               # (n,)
+    scratch = torch.sub(Lf, row_max[:, None]).exp_()
+    lse = row_max + torch.log(scratch.sum(dim=1))                          # (n,)
+    target_logit = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]            # (n,)
+    return Lf, lse, target_logit, row_max, row_min, scratch
 
 
 def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     """(G, lse, target_logit, row_max, row_min): G (n, Vp) in L's dtype is the gradient of the
     summed cross-entropy of the kept rows with respect to L, keep (softmax(Lf) - onehot(t)),
     exactly 0 in the padded columns and in ignored rows; the rest as `logit_statistics`."""
-    Lf, lse, target_logit, row_max, row_min = logit_statistics(L, t, vocab_size)
+    Lf, lse, target_logit, row_max, row_min, p = _statistics_and_scratch(L, t, vocab_size)
+    torch.sub(Lf, lse[:, None], out=p).exp_()                              # (n, Vp), 0 in pads
     keep = t != -1
-    p = torch.exp(Lf - lse[:, None])                                       # (n, Vp), 0 in pads
-    onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
-    G = torch.where(keep[:, None], p - onehot.float(), 0.0).to(L.dtype)    # (n, Vp)
-    return G, lse, target_logit, row_max, row_min
+    rows = keep.nonzero()[:, 0]
+    p[rows, t[rows]] -= 1.0                                                # - onehot(t)
+    p[~keep] = 0.0
+    return p.to(L.dtype), lse, target_logit, row_max, row_min
 
 
 # ---------------------------------------------------------------------------------------------

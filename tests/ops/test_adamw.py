@@ -95,6 +95,35 @@ def test_matches_float64(device, mode, step):
                                                                   1))
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_reference_is_the_textbook_formula_bit_for_bit(mode):
+    """The CPU reference computes in two scratch tensors in place (speed); each element must
+    still get the bits of the formula written one op per line, and the gradient stays as given.
+    Special values ride along: inf and nan weights on decay and non-decay tensors, -0.0."""
+    seg = _segments("cpu")
+    param, grad, m, v, master = _state(seg.numel, mode, "cpu", seed=5)
+    w = master if master is not None else param
+    w[0], w[2], w[3], w[BLOCK + 9] = float("inf"), -0.0, float("nan"), float("-inf")
+    if master is not None:
+        param.copy_(master.to(torch.bfloat16))
+    want_m, want_v, want_w = m.clone(), v.clone(), w.clone()
+    grad_before = grad.clone()
+    for step in (1, 2, 7):
+        adamw_update(param, grad, m, v, master, seg, step=step, seed=step, **HYPER)
+        s = reference.AdamWScalars.make(step=step, **HYPER)
+        g = grad.to(torch.float32) * s.grad_scale
+        want_m = want_m * s.beta1 + s.one_minus_beta1 * g
+        want_v = want_v * s.beta2 + s.one_minus_beta2 * (g * g)
+        wd = s.weight_decay * seg.decay_mask()
+        update = (want_m / s.bias_correction1) / (torch.sqrt(want_v / s.bias_correction2) + s.eps)
+        want_w = want_w - s.lr * (update + wd * want_w)
+        assert _equal_bits(m, want_m) and _equal_bits(v, want_v), step
+        assert _equal_bits(w, want_w), step
+        if master is not None:
+            assert _equal_bits(param, reference.stochastic_round_bf16(want_w, seg, step))
+    assert _equal_bits(grad, grad_before), "the reference wrote into the gradient"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_repeated_updates_bitwise_identical(device, mode):

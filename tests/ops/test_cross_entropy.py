@@ -49,6 +49,34 @@ def test_reference_matches_autograd_in_float64(n, vp, v):
     assert torch.equal(tgt[keep], L.float()[keep, t[keep]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_textbook_formula_bit_for_bit(dtype):
+    """The CPU reference reuses its buffers in place (speed); its results must keep the bits of
+    the formula written one op per line, and the logits (its fp32 copy would alias fp32 ones)
+    stay as given. An inf logit and a -0.0 ride along; row 1 is ignored."""
+    n, vp, v = 6, 2 * CE_BLOCK + 128, 2 * CE_BLOCK + 100
+    L, t = _case(n, vp, v, seed=3, dtype=dtype)
+    L[0, 5], L[2, 7] = float("inf"), -0.0
+    before = L.clone()
+    G, lse, tgt, mx, mn = reference.cross_entropy_grad(L, t, v)
+    real = torch.arange(vp) < v
+    Lf = L.float()
+    want_mn = torch.where(real, Lf, float("inf")).amin(dim=1)
+    Lf = torch.where(real, Lf, float("-inf"))
+    want_mx = Lf.amax(dim=1)
+    want_lse = want_mx + torch.log(torch.exp(Lf - want_mx[:, None]).sum(dim=1))
+    onehot = torch.arange(vp)[None, :] == t[:, None]
+    p = torch.exp(Lf - want_lse[:, None])
+    want_G = torch.where((t != -1)[:, None], p - onehot.float(), 0.0).to(dtype)
+    want_tgt = Lf.gather(1, t.clamp(min=0)[:, None])[:, 0]
+    def bits(x):
+        return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+    for got, want in ((G, want_G), (lse, want_lse), (tgt, want_tgt), (mx, want_mx), (mn, want_mn)):
+        assert got.dtype == want.dtype and torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(L), bits(before)), "the reference wrote into the logits"
+
+
 def test_bad_shapes_are_refused_with_what_was_expected():
     L, t = _case(4, 16, 10, seed=0)
     with pytest.raises(ValueError, match=r"expected logits \(n, Vp\)"):
