@@ -367,10 +367,9 @@ def cross_entropy_grad(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     exactly 0 in the padded columns and in ignored rows; the rest as `logit_statistics`."""
     Lf, lse, target_logit, row_max, row_min, p = _statistics_and_scratch(L, t, vocab_size)
     torch.sub(Lf, lse[:, None], out=p).exp_()                              # (n, Vp), 0 in pads
-    keep = t != -1
-    rows = keep.nonzero()[:, 0]
-    p[rows, t[rows]] -= 1.0                                                # - onehot(t)
-    p[~keep] = 0.0
+    onehot = torch.arange(L.shape[1], device=L.device)[None, :] == t[:, None]
+    p.sub_(onehot.float())          # no index by data (a graph break under torch.compile)
+    p.masked_fill_((t == -1)[:, None], 0.0)                                # ignored rows
     return p.to(L.dtype), lse, target_logit, row_max, row_min
 
 
