@@ -213,11 +213,12 @@ class CompileCache:
     def for_run(cls, cfg: TrainConfig, session) -> "CompileCache":
         name = compile_artifacts_name(cfg, session.device_name)
         cache_dir = use_node_compile_cache()
-        if session.device.type == "cuda":  # raygpt's Triton kernels, noted as they compile
+        cuda = session.device.type == "cuda"
+        if cuda:  # raygpt's Triton kernels, noted as they compile (a CPU run has none)
             from raygpt import kernel_bundle
             kernel_bundle.record_compiled_kernels()
         return cls(name, cache_dir, load_compile_artifacts(session.run_dir, name, cache_dir),
-                   load_kernel_bundle(session.run_dir, kernels_name(name), cache_dir))
+                   cuda and load_kernel_bundle(session.run_dir, kernels_name(name), cache_dir))
 
     def save_if_new(self, run_dir) -> None:
         if not self.had_artifacts:
