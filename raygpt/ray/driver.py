@@ -52,6 +52,7 @@ import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -296,8 +297,9 @@ def run_stopped(error) -> RunStopped | None:
 
 
 class RaygptTrainer(TorchTrainer):
-    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup and, when
-    `on_sigint` is set, raygpt's Ctrl-C. The hooks are Ray Train 2.60's own seams
+    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup, no Ray Data
+    actor when there are no datasets (raygpt's never has any) and, when `on_sigint` is set,
+    raygpt's Ctrl-C. The hooks are Ray Train 2.60's own seams
     (`_initialize_and_run_controller` receives the failure policy it ships to the controller;
     `_register_sigint_handler` installs Ctrl-C's handler once the controller exists;
     `_create_default_callbacks` lists the controller's callbacks); test_run_end.py and
@@ -312,9 +314,13 @@ class RaygptTrainer(TorchTrainer):
     def _create_default_callbacks(self):
         # Ray's PlacementGroupCleaner polls the State API, which needs a dashboard and a
         # single Ray on the machine, and logs a line a second (or a traceback) without them:
-        # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead
+        # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead.
+        # Ray's datasets callback starts a DatasetManager actor (a process importing Ray Data)
+        # on every worker-group start, datasets or not; raygpt's workers read their own shards
+        # (raygpt.data), so without datasets it only costs each start and restart a process.
         callbacks = [c for c in super()._create_default_callbacks()
-                     if not isinstance(c, PlacementGroupCleanerCallback)]
+                     if not isinstance(c, PlacementGroupCleanerCallback)
+                     and not (isinstance(c, DatasetsCallback) and not self.datasets)]
         return [CleanupOnControllerDeath(), FinalizerDrain(), *callbacks]
 
     def _register_sigint_handler(self, controller):

@@ -43,6 +43,10 @@ def test_two_workers_learn(uninterrupted):
     assert ck.list_checkpoint_steps(rd) == [4, 8, 12]
     assert all(not ck.verify_checkpoint(rd, s) for s in (4, 8, 12))
     assert summary["failures"] == 0
+    # no actor the run has no use for: Ray Train's DatasetManager (a process importing Ray Data
+    # on every worker-group start) is left out when there are no datasets
+    started = {a["ActorClassName"] for a in ray._private.state.actors().values()}
+    assert "RayTrainWorker" in started and "DatasetManager" not in started, started
 
 
 def test_checkpoints_are_stored_by_rename_and_their_timeline_is_in_the_summary(uninterrupted):

@@ -31,9 +31,9 @@ def cluster():
         # every step: the preemption test's --preemption-poll-steps 1)
         env.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
         # after a node loss an elastic run first retries its old size until Ray Train's
-        # worker-group start times out (60 s by default), then resumes smaller: 30 s keeps that
+        # worker-group start times out (60 s by default), then resumes smaller: 15 s keeps that
         # path, faster
-        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
         c = Cluster(initialize_head=True, connect=True,
                     head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
         try:
