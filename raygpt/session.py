@@ -71,7 +71,8 @@ class Session:
 
 
 class LocalSession(Session):
-    """One process, no Ray: rank 0 of 1, publishing checkpoints straight into the run dir."""
+    """One process, no Ray: rank 0 of 1, publishing checkpoints straight into the run dir (its
+    files moved in by rename when the run dir is local, on the staging directory's filesystem)."""
 
     def __init__(self, run_dir: RunDir, device: torch.device | None = None):
         self.run_dir = run_dir
@@ -81,7 +82,7 @@ class LocalSession(Session):
                           times=None):
         from raygpt.checkpointing.protocol import finalize_checkpoint
 
-        self.run_dir.upload_dir(local_dir, dir_name)
+        self.run_dir.move_dir_in(local_dir, dir_name)  # a rename where it can be
         if times is not None:
             times["stored"] = time.time()
         shutil.rmtree(local_dir, ignore_errors=True)

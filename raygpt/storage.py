@@ -317,6 +317,34 @@ class RunDir:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
 
+    def move_dir_in(self, local_dir: str | os.PathLike, rel: str) -> None:
+        """Put the files under a local directory into `rel` (created if needed), each whole under
+        its final name: renamed when the run directory is local and on the same filesystem as
+        `local_dir` (no byte is copied: a checkpoint's files are hundreds of MB to GB), else copied
+        as `upload_dir` does (the local files then stay; the caller removes `local_dir` either
+        way). Durability is the caller's: the files' data as written, their names by
+        `make_durable` (the checkpoint finalizer fsyncs the step directory and the run
+        directory)."""
+        local_dir = Path(local_dir)
+        if not self.is_local or not self._same_device(local_dir):
+            self.upload_dir(local_dir, rel)
+            return
+        dest = self.local_path(rel)
+        for src in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            target = dest / src.relative_to(local_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, target)
+
+    def _same_device(self, local_dir: Path) -> bool:
+        """Whether `local_dir` and this (local) run directory's root are on one filesystem,
+        where a rename moves a file; the root is created first (a new run's may not exist)."""
+        root = self.local_path()
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.stat(root).st_dev == os.stat(local_dir).st_dev
+        except OSError:
+            return False
+
     def download_dir(self, rel: str, local_dir: str | os.PathLike) -> None:
         """Copy every file under `rel` into a local directory (created if needed)."""
         base = self.path(rel).strip("/")

@@ -105,6 +105,37 @@ def test_upload_and_download_dir_round_trip(run_dir: RunDir, tmp_path):
     assert (dst / "sub" / "state.bin").read_bytes() == b"state"
 
 
+def test_move_dir_in_renames_on_the_same_filesystem_and_copies_elsewhere(run_dir: RunDir,
+                                                                          tmp_path):
+    """A checkpoint's staged files reach a local run directory on the staging directory's
+    filesystem by rename (the same inode: no byte copied, each file whole under its final
+    name) and any other run directory by copy (the staged files stay for the caller)."""
+    src = tmp_path / "stage"
+    (src / "sub").mkdir(parents=True)
+    (src / "model.bin").write_bytes(b"model")
+    (src / "sub" / "state.bin").write_bytes(b"state")
+    inode = (src / "model.bin").stat().st_ino
+    run_dir.move_dir_in(src, "step_00000010")
+    assert run_dir.listdir("step_00000010") == ["model.bin", "sub"]
+    assert run_dir.read_bytes("step_00000010/sub/state.bin") == b"state"
+    if run_dir.is_local:
+        assert run_dir.local_path("step_00000010/model.bin").stat().st_ino == inode
+        assert not (src / "model.bin").exists()
+    else:
+        assert (src / "model.bin").read_bytes() == b"model"
+
+
+def test_move_dir_in_copies_across_filesystems(tmp_path, monkeypatch):
+    rd = open_run_dir(tmp_path / "run")
+    monkeypatch.setattr(RunDir, "_same_device", lambda self, local_dir: False)
+    src = tmp_path / "stage"
+    src.mkdir()
+    (src / "model.bin").write_bytes(b"model")
+    rd.move_dir_in(src, "step_00000010")
+    assert rd.local_path("step_00000010/model.bin").stat().st_ino != (src / "model.bin").stat().st_ino
+    assert rd.read_bytes("step_00000010/model.bin") == b"model"
+
+
 def test_local_atomic_write_failure_keeps_old_content(tmp_path):
     rd = open_run_dir(tmp_path)
     rd.write_bytes_atomic("f", b"old")

@@ -151,10 +151,13 @@ def test_resume_restores_the_detectors_monitor_and_counters(tmp_path):
     kw = dict(max_steps=8, checkpoint_every=4, spike=spike, skip_update_lossz=6.0,
               skip_update_gradz=6.0)
     run_local(tiny_config(tmp_path / "full", **kw))
-    crash = tiny_config(tmp_path / "crash", **kw, fault="raise:rank=0,step=6")
+    # checkpoint 4 written inline, so the crash at step 6 finds it and the resume starts there
+    crash = tiny_config(tmp_path / "crash", **kw, fault="raise:rank=0,step=6",
+                        async_checkpoint=False)
     with pytest.raises(InjectedFault):
         run_local(crash)
     run_local(crash.with_overrides({"resume": 1}))
+    assert [r["resumed_from"] for r in records(tmp_path / "crash") if r["kind"] == "resume"] == [4]
     full, resumed = state_file(tmp_path / "full", 8), state_file(tmp_path / "crash", 8)
     assert full.extras["loss_detector"]["count"] == 8 and full.extras["monitor"]["losses"]
     assert resumed.extras == full.extras

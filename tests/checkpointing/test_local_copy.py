@@ -23,6 +23,17 @@ def local_root(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture
+def storage_elsewhere(monkeypatch):
+    """Storage on another filesystem than the node's staging directory (a bucket, NFS): the
+    session copies the staged files into it, so the stored files and the node's copies are two
+    files, and damage to one leaves the other. (On the node's own filesystem the files are
+    moved in by rename, and the stored file and the node's copy are one file.)"""
+    from raygpt.storage import RunDir
+
+    monkeypatch.setattr(RunDir, "_same_device", lambda self, local_dir: False)
+
+
 def _train(run_dir, **overrides):
     from raygpt.loop import train
     from raygpt.session import LocalSession
@@ -76,7 +87,8 @@ def _flip_a_byte(path):
 
 
 def test_a_restarted_rank_loads_its_nodes_copy_when_storage_is_damaged(tmp_path, local_root,
-                                                                       reference):
+                                                                       reference,
+                                                                       storage_elsewhere):
     """The local copy is what is loaded: storage's state and model files are damaged (same
     size, other bytes: only a hash sees it) and the resume still goes from checkpoint 4, with
     the uninterrupted run's losses as floats; reading storage would have refused it."""
@@ -97,7 +109,8 @@ def test_a_restarted_rank_loads_its_nodes_copy_when_storage_is_damaged(tmp_path,
 
 
 def test_a_local_copy_that_differs_from_manifest_falls_back_to_storage(tmp_path, local_root,
-                                                                       reference, capfd):
+                                                                       reference, capfd,
+                                                                       storage_elsewhere):
     """A local copy with other bytes of the same size (only its sha256 shows it) is not used:
     the rank says so and loads storage's file; the resumed losses are the uninterrupted run's."""
     from tests.helpers import train_losses
