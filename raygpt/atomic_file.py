@@ -1,5 +1,6 @@
 """The one atomic write of a local file, used by every writer that replaces a file in place
-(storage's local run directories, llm.c model files, token shards).
+(storage's local run directories, llm.c model files, token shards), and the move of a staged
+file into a local run directory (a rename; across mounts, a copy by the same rule).
 
 The rule: the bytes go to a temporary file in the target's directory; on a clean exit the file
 is fsynced, renamed over the target, and the directory fsynced after the rename (what makes the
@@ -66,6 +67,23 @@ def write_local_atomic(target: str | os.PathLike, chunks) -> None:
     with atomic_local_file(target) as f:
         for c in chunks:
             f.write(c)
+
+
+def move_local_file(src: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Move a local file to `target`, whole under its final name: a rename, or, where the two
+    are mounted apart (EXDEV: a bind mount of the same disk passes a device check and still
+    refuses a rename), a copy by `atomic_local_file`'s rule and then the source removed. The
+    target's directory entry is the caller's to make durable (`fsync_directory`)."""
+    try:
+        os.rename(src, target)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    with open(src, "rb") as fin, atomic_local_file(target) as fout:
+        while chunk := fin.read(1 << 24):
+            fout.write(chunk)
+    os.unlink(src)
 
 
 def fsync_directory(path: str | os.PathLike) -> None:

@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
-from raygpt.atomic_file import write_local_atomic
+from raygpt.atomic_file import move_local_file, write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class RunDir:
         for src in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             target = dest / src.relative_to(local_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, target)
+            move_local_file(src, target)
 
     def _same_device(self, local_dir: Path) -> bool:
         """Whether `local_dir` and this (local) run directory's root are on one filesystem,

@@ -128,3 +128,30 @@ def test_every_file_of_a_real_run_directory_follows_the_umask(tmp_path, umask, m
     wrong = {str(p.relative_to(tmp_path)): oct(m) for p, m in files.items()
              if m != (0o777 if p.is_dir() else 0o666) & ~mask}
     assert not wrong, wrong
+
+
+def test_move_local_file_renames_and_copies_whole_where_mounts_differ(tmp_path, monkeypatch):
+    """A move is a rename (the same inode); where the kernel refuses one across mounts (EXDEV,
+    which a bind mount of the same disk gives while its device number matches), the file is
+    copied to a temporary name, renamed whole into place and the source removed; any other
+    error is raised."""
+    src, target = tmp_path / "staged.bin", tmp_path / "run" / "state.bin"
+    target.parent.mkdir()
+    src.write_bytes(b"state" * 1000)
+    inode = src.stat().st_ino
+    atomic_file.move_local_file(src, target)
+    assert target.stat().st_ino == inode and not src.exists()
+
+    src.write_bytes(b"other" * 1000)
+    inode = src.stat().st_ino
+
+    def refuse(a, b):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    atomic_file.move_local_file(src, target)
+    assert target.read_bytes() == b"other" * 1000 and target.stat().st_ino != inode
+    assert not src.exists() and sorted(p.name for p in target.parent.iterdir()) == ["state.bin"]
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError):
+        atomic_file.move_local_file(tmp_path / "missing", target)

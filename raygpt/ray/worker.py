@@ -23,7 +23,7 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 from raygpt import signals
-from raygpt.atomic_file import fsync_directory
+from raygpt.atomic_file import fsync_directory, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
@@ -175,7 +175,7 @@ def store_by_rename(checkpoint, dir_name: str, *, dest: Path, times: dict | None
     src = Path(checkpoint.path)
     dest.mkdir(exist_ok=True)
     for name in sorted(os.listdir(src)):
-        os.replace(src / name, dest / name)
+        move_local_file(src / name, dest / name)  # a rename (a copy where mounts differ)
     fsync_directory(dest)
     fsync_directory(dest.parent)
     if times is not None:
