@@ -326,6 +326,8 @@ class RunDir:
         `make_durable` (the checkpoint finalizer fsyncs the step directory and the run
         directory)."""
         local_dir = Path(local_dir)
+        if self.is_local:
+            self.local_path().mkdir(parents=True, exist_ok=True)  # a new run's root, to stat
         if not self.is_local or not self._same_device(local_dir):
             self.upload_dir(local_dir, rel)
             return
@@ -337,11 +339,9 @@ class RunDir:
 
     def _same_device(self, local_dir: Path) -> bool:
         """Whether `local_dir` and this (local) run directory's root are on one filesystem,
-        where a rename moves a file; the root is created first (a new run's may not exist)."""
-        root = self.local_path()
-        root.mkdir(parents=True, exist_ok=True)
+        where a rename moves a file."""
         try:
-            return os.stat(root).st_dev == os.stat(local_dir).st_dev
+            return os.stat(self.local_path()).st_dev == os.stat(local_dir).st_dev
         except OSError:
             return False
 
