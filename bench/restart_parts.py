@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VARIANT_ENV = {"current": {}, "threads1": {"TORCHINDUCTOR_COMPILE_THREADS": "1"},
                "regional": {"RESTART_PARTS_REGIONAL": "1"},
+               "pieces": {"RESTART_PARTS_REGIONAL": "pieces"},
                "pycache": {"PYTHONPYCACHEPREFIX": "/tmp/raygpt_restart_parts_pycache",
                            "PYTHONDONTWRITEBYTECODE": ""}}
 
@@ -63,6 +64,15 @@ if os.environ.get("RESTART_PARTS_REGIONAL"):  # each block compiled on its own (
             block.compile(mode=mode, dynamic=False)
         return model
     raygpt.loop.compile_model = compile_blocks
+if os.environ.get("RESTART_PARTS_REGIONAL") == "pieces":  # also the final norm, and the loss
+    import raygpt.model
+    def compile_pieces(model, mode):
+        compile_blocks(model, mode)
+        model.transformer.ln_f.compile(mode=mode, dynamic=False)
+        return model
+    raygpt.loop.compile_model = compile_pieces
+    raygpt.model.fused_classifier_loss = torch.compile(raygpt.model.fused_classifier_loss,
+                                                       dynamic=False)
 prof = None
 if profile:
     import cProfile

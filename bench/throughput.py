@@ -111,6 +111,7 @@ VARIANT_TOKENS = {
     "noprefetch": "the loop builds each batch after the step's sync (--no-prefetch)",
     "cgraph": 'torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs',
     "regional": "each transformer block compiled on its own (loop.compile_model replaced for the row)",
+    "pieces": "regional, plus the final norm and the fused loss each compiled on their own",
     "mb": "mb@N: micro-batches of N sequences, accumulated to the bench's --batch per step",
 }
 WITH_ARG = {"fused", "ckpt", "mb"}
@@ -155,6 +156,8 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
             loop["compile_mode"] = "reduce-overhead"
         elif name == "regional":
             inductor["_regional"] = True  # not Inductor's: variant_settings takes it out
+        elif name == "pieces":
+            inductor["_regional"] = "pieces"
         elif name == "mb":
             loop["micro_batch"] = int(arg)  # loop_config turns it into batch_size + accumulation
     return inductor, loop
@@ -169,21 +172,27 @@ def variant_settings(spec: str):
     import torch._inductor.config as inductor_config
 
     import raygpt.loop
+    import raygpt.model
 
     inductor, loop = parse_variant(spec)
     regional = inductor.pop("_regional", False)
     deterministic = torch.are_deterministic_algorithms_enabled()
     whole = raygpt.loop.compile_model
+    loss = raygpt.model.fused_classifier_loss
     torch._dynamo.reset()
     try:
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
             torch.use_deterministic_algorithms(True)
         if regional:
             raygpt.loop.compile_model = compile_blocks
+        if regional == "pieces":
+            raygpt.loop.compile_model = compile_pieces
+            raygpt.model.fused_classifier_loss = torch.compile(loss, dynamic=False)
         with inductor_config.patch(inductor):
             yield loop
     finally:
         raygpt.loop.compile_model = whole
+        raygpt.model.fused_classifier_loss = loss
         torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
 
@@ -193,6 +202,14 @@ def compile_blocks(model, mode):
     their code, so Dynamo traces one), the embeddings, final norm and loss eager."""
     for block in model.transformer.h:
         block.compile(mode=mode, dynamic=False)
+    return model
+
+
+def compile_pieces(model, mode):
+    """The pieces variant's compile: the blocks as regional's, the final norm on its own (the
+    fused loss is compiled by variant_settings), only the embeddings eager."""
+    compile_blocks(model, mode)
+    model.transformer.ln_f.compile(mode=mode, dynamic=False)
     return model
 
 
