@@ -387,28 +387,11 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-# Each op's outputs, allocated (the launchers' and the fake implementations' one source).
-
-def _attn_fwd_outputs(q, k, v):
-    """(o, lse) of attention_forward, uninitialised."""
-    B, H, T, D = q.shape
-    return _empty_bthd(q), torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-
-
-def _attn_bwd_outputs(do, q, k, v, o, lse):
-    """(dq, dk, dv) of attention_backward, uninitialised."""
-    return _empty_bthd(q), _empty_bthd(k), _empty_bthd(v)
-
-
-def _embedding_backward_outputs(grad, ids, num_rows):
-    """The weight gradient of embedding_backward, uninitialised."""
-    return torch.empty(num_rows, grad.shape[-1], dtype=grad.dtype, device=grad.device)
-
-
 def _launch_attn_fwd(wrap, q, k, v, cfg: AttnConfig):
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, T, D = q.shape
-    o, lse = _attn_fwd_outputs(q, k, v)
+    o = _empty_bthd(q)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     if q.numel():
         wrap(attn_fwd)[(triton.cdiv(T, cfg.fwd_m), B * H)](
             q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, T,
@@ -421,7 +404,7 @@ def _launch_attn_fwd(wrap, q, k, v, cfg: AttnConfig):
 def _launch_attn_bwd(wrap, do, q, k, v, o, lse, cfg: AttnConfig):
     do, q, k, v, o = (_unit_last(t) for t in (do, q, k, v, o))
     B, H, T, D = q.shape
-    dq, dk, dv = _attn_bwd_outputs(do, q, k, v, o, lse)
+    dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(v)
     if not q.numel():
         return dq, dk, dv
     lse = lse.contiguous()
@@ -445,7 +428,7 @@ def _launch_attn_bwd(wrap, do, q, k, v, o, lse, cfg: AttnConfig):
 def _launch_embedding_backward(wrap, grad, ids, num_rows):
     grad = _unit_last(grad)
     N, C = grad.shape
-    out = _embedding_backward_outputs(grad, ids, num_rows)
+    out = torch.empty(num_rows, C, dtype=grad.dtype, device=grad.device)
     # positions grouped by id, in position order inside a group (stable: the order is unique)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     # run r of equal ids is order[offsets[r]:offsets[r + 1]]
@@ -477,17 +460,6 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 @triton_op("raygpt::embedding_backward", mutates_args=())
 def _embedding_backward_op(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
     return _launch_embedding_backward(wrap_triton, grad, ids, num_rows)
-
-
-# What torch.compile traces with. By default a triton_op's fake implementation is its launcher
-# run on fake tensors, kernel launches and all, at every call Dynamo traces (a GPT-2 step has
-# 12 attention forwards, and Dynamo traces their 12 backwards too): allocating the outputs
-# alone took 0.4-0.7 s off the Dynamo trace of each new process on an H200
-# (bench/results/RECOVERY.md, 2026-12-02). The kernels still reach Inductor: it decomposes a
-# triton_op by running its launcher, which this does not change.
-_attention_forward_op.register_fake(_attn_fwd_outputs)
-_attention_backward_op.register_fake(_attn_bwd_outputs)
-_embedding_backward_op.register_fake(_embedding_backward_outputs)
 
 
 # ---------------------------------------------------------------------------------------------

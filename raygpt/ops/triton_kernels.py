@@ -294,19 +294,13 @@ def _launch_stochastic_round(wrap, x, out, seg_table, block_table, block, max_pi
         num_warps=max(1, _elementwise_warps(block) // 2))
 
 
-def _cross_entropy_grad_outputs(L, t, vocab_size):
-    """(G, lse, target, row_max, row_min) of cross_entropy_grad, uninitialised (also the op's
-    fake implementation): G contiguous in L's dtype, four fp32 (n,) tensors, not views of one (a
-    custom op's outputs must not alias each other)."""
-    n, vp = L.shape
-    return (torch.empty(n, vp, dtype=L.dtype, device=L.device),
-            *(torch.empty(n, dtype=torch.float32, device=L.device) for _ in range(4)))
-
-
 def _launch_cross_entropy_grad(wrap, L, t, vocab_size):
     L, t = L.contiguous(), t.contiguous()
     n, vp = L.shape
-    G, lse, target, row_max, row_min = _cross_entropy_grad_outputs(L, t, vocab_size)
+    G = torch.empty_like(L)
+    # four tensors, not views of one: a custom op's outputs must not alias each other
+    lse, target, row_max, row_min = (torch.empty(n, dtype=torch.float32, device=L.device)
+                                     for _ in range(4))
     if n:
         wrap(cross_entropy_rows)[(n,)](L, G, t, lse, target, row_max, row_min, L.stride(0),
                                        G.stride(0), vocab_size, vp, BLOCK=CE_BLOCK,
@@ -350,10 +344,6 @@ def _cross_entropy_grad_op(L: torch.Tensor, t: torch.Tensor, vocab_size: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor]:
     return _launch_cross_entropy_grad(wrap_triton, L, t, vocab_size)
-
-
-# The outputs alone for torch.compile's tracing, as triton_attention's ops (see there).
-_cross_entropy_grad_op.register_fake(_cross_entropy_grad_outputs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,18 +24,3 @@ def run_in_interpreter(script: str) -> None:
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "interpreter checks passed" in proc.stdout
-
-
-def assert_fake_outputs_match(op, args: tuple, real) -> None:
-    """The custom op's fake implementation (what torch.compile traces the model with) gives
-    outputs of the shapes, strides, dtypes and devices of `real`, the op's outputs for `args`."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
-    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    with mode:
-        fake = op(*fake_args)
-    fake, real = (x if isinstance(x, (tuple, list)) else (x,) for x in (fake, real))
-    layout = lambda ts: [(tuple(t.shape), t.stride(), t.dtype, t.device.type) for t in ts]
-    assert layout(fake) == layout(real), f"{op}: fake {layout(fake)} != real {layout(real)}"
