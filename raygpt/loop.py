@@ -90,8 +90,10 @@ def compile_model(model: GPT, mode: str) -> torch.nn.Module:
     """torch.compile over the whole model, one graph with static shapes: validation batches of
     another size must not make the training graph symbolic. (Each block compiled on its own
     instead traces and loads faster at a restart, 2.1 s against 3.7 s for the first step on an
-    H200, but trains 2.6% slower: bench/restart_parts.py and bench/throughput.py, variant
-    regional.)"""
+    H200, but trains 2.3-2.6% slower, 1.6% with the final norm and the loss compiled too:
+    bench/restart_parts.py and bench/throughput.py, variants regional and pieces. Tracing the
+    blocks once inside one graph, torch.compiler.nested_compile_region, refuses parameters that
+    are views of one buffer, as FlatParameters makes them: bench/results/RECOVERY.md.)"""
     return torch.compile(model, mode=mode, dynamic=False)
 
 
