@@ -16,7 +16,8 @@ nested: a phase's seconds include the phases it calls).
 Variants: current (the code as it is), threads1 (TORCHINDUCTOR_COMPILE_THREADS=1: no pool of
 compile workers), regional (each transformer block compiled on its own instead of the whole
 model, loop.compile_model replaced: Dynamo traces the blocks' shared code once; its first run
-compiles its own graphs, so list it twice), pycache (bytecode written and read under PYTHONPYCACHEPREFIX: for
+compiles its own graphs, so list it twice), pieces (regional plus the final norm and the loss
+compiled on their own; list it twice too), pycache (bytecode written and read under PYTHONPYCACHEPREFIX: for
 packages installed without it, e.g. `pip install --no-compile` beside PYTHONDONTWRITEBYTECODE, where
 every new process compiles each module's source again).
 """

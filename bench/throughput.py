@@ -47,7 +47,8 @@ instead (sdpa_backend="default", embedding_impl="torch": the "before"), `raygpt`
 raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 (async, as in a real run), `noprefetch` builds each batch after the step's sync, `cgraph`
 compiles the model with mode="reduce-overhead" (CUDA graphs), `regional` compiles each
-transformer block on its own instead of the whole model, `mb@N` trains each step's --batch
+transformer block on its own instead of the whole model, `pieces` the final norm and the fused
+loss on their own too, `mb@N` trains each step's --batch
 sequences as micro-batches of N accumulated into one update; `default` is TrainConfig's
 defaults with deterministic off. A variant sets the loop's performance fields of TrainConfig (loss_impl, ce_kernel,
 ce_chunk_rows, sdpa_backend, embedding_impl, prefetch_batches, compile_mode, deterministic),
