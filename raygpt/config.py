@@ -529,6 +529,12 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
 
 
+# The shard globs, each with the manifest's hash of the shards it names (data.data_fingerprint:
+# names, sizes, first and last MiB). A checkpoint compares the shards by that hash, not by their
+# path, which a moved checkout (the bundled data's default path moves with it), another mount
+# point or Ray's working_dir changes: a run resumes wherever the same shards are.
+SHARD_PATH_FIELDS = {"input_bin": "data_hash", "input_val_bin": "val_data_hash"}
+
 # Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x): each
 # field's own `knob(may_change_on_resume=...)`.
 RESUME_MUTABLE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import uuid
 
-from raygpt.config import ConfigError, TrainConfig
+from raygpt.config import SHARD_PATH_FIELDS, ConfigError, TrainConfig
 from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
@@ -147,7 +147,10 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     try:  # what runtime.run_fingerprints gives the workers, without importing torch
         ck.check_compatible(manifest, config_identity=cfg.identity(),
                             tokenizer_hash=tokenizer_fingerprint(),
-                            data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers)
+                            data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers,
+                            val_data_hash=(data_fingerprint(cfg.input_val_bin)
+                                           if cfg.input_val_bin else ""),
+                            by_content=SHARD_PATH_FIELDS)
     except ck.WorldSizeMismatch:
         return [f"resume: step {step}, written by {manifest.get('world_size')} rank(s), "
                 f"resharded onto {cfg.num_workers}"]

@@ -1,14 +1,18 @@
 """The training loop without Ray (LocalSession): exact resume, skips, signals, the audit."""
 
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.config import DEFAULT_TRAIN, DEFAULT_VAL, ConfigError
 from raygpt.faults import InjectedFault
 from raygpt.llmc.state_file import read_state_file, write_state_file
 from raygpt.loop import train
+from raygpt.preflight import check_resume
 from raygpt.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config, train_losses
@@ -56,6 +60,43 @@ def test_resume_after_crash_is_bit_exact(uninterrupted, tmp_path):
     assert np.array_equal(sf_a.m, sf_b.m) and np.array_equal(sf_a.v, sf_b.v)
     audit = [r for r in records(run_dir) if r["kind"] == "audit"]
     assert audit and "verified bit-exact over 2 steps" in audit[0]["message"]
+
+
+def test_a_run_resumes_where_its_shards_moved_but_not_onto_other_bytes(uninterrupted, tmp_path):
+    """Shards are identified by their bytes, not their path: a moved checkout (the bundled data's
+    default path moves with it), another mount point or Ray's working_dir puts the same files
+    elsewhere, and -y 1 from there resumes with the uninterrupted run's losses. Validation
+    shards with other bytes at the new path are refused, before Ray and in the loop."""
+    full_dir, cfg, _ = uninterrupted
+    old, new = tmp_path / "old_checkout", tmp_path / "new_checkout"
+    old.mkdir()
+    for path in (DEFAULT_TRAIN, DEFAULT_VAL):
+        shutil.copy(path, old)
+    at = lambda d: {"input_bin": str(d / "tiny_shakespeare_train.bin"),  # noqa: E731
+                    "input_val_bin": str(d / "tiny_shakespeare_val.bin")}
+    run_dir = tmp_path / "run"
+    crashed = cfg.with_overrides({"output_dir": str(run_dir), "fault": "raise:rank=0,step=6",
+                                  "async_checkpoint": False, **at(old)})
+    with pytest.raises(InjectedFault):
+        run_local(crashed)
+    old.rename(new)
+    moved = crashed.with_overrides({"resume": 1, **at(new)})
+    assert check_resume(moved.resolve(0)) == ["resume: step 4"]
+    summary = run_local(moved)
+    assert summary["step"] == 12
+    full, resumed = train_losses(full_dir), train_losses(run_dir, attempt=2)
+    assert sorted(resumed) == list(range(4, 12))
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # equal as floats
+    # the same names at the new path, other validation bytes: refused, naming the hash
+    val = new / "tiny_shakespeare_val.bin"
+    data = val.read_bytes()
+    swapped = data[:-4] + data[-2:] + data[-4:-2]  # the last two tokens swapped: same size
+    assert swapped != data
+    val.write_bytes(swapped)
+    with pytest.raises(ConfigError, match=r"val_data_hash: checkpoint '[0-9a-f]+', this run"):
+        check_resume(moved.resolve(0))
+    with pytest.raises(ck.CheckpointError, match="val_data_hash"):
+        run_local(moved)
 
 
 def summary_params(run_dir):
