@@ -529,11 +529,13 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
 
 
-# The shard globs, each with the manifest's hash of the shards it names (data.data_fingerprint:
-# names, sizes, first and last MiB). A checkpoint compares the shards by that hash, not by their
-# path, which a moved checkout (the bundled data's default path moves with it), another mount
-# point or Ray's working_dir changes: a run resumes wherever the same shards are.
-SHARD_PATH_FIELDS = {"input_bin": "data_hash", "input_val_bin": "val_data_hash"}
+# The fields that name files, each with the manifest's fingerprint of what it names (the shard
+# globs: data.data_fingerprint, names, sizes, first and last MiB; -e: data.model_source, a dN
+# spec as written or a model file's bytes). A checkpoint compares those, not the paths, which a
+# moved checkout (the bundled data's default path moves with it), another mount point or Ray's
+# working_dir changes: a run resumes wherever the same files are.
+FILE_FIELDS = {"input_bin": "data_hash", "input_val_bin": "val_data_hash",
+               "model": "model_source"}
 
 # Fields that may differ between a checkpoint and the run resuming it (e.g. extending -x): each
 # field's own `knob(may_change_on_resume=...)`.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import uuid
 
-from raygpt.config import SHARD_PATH_FIELDS, ConfigError, TrainConfig
+from raygpt.config import FILE_FIELDS, ConfigError, TrainConfig
 from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
@@ -128,7 +128,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     if cfg.resume != 1:
         return []
     from raygpt.checkpointing import protocol as ck
-    from raygpt.data import data_fingerprint
+    from raygpt.data import data_fingerprint, file_fingerprints
     from raygpt.tokenizer import tokenizer_fingerprint
     run_dir = _open(cfg)
     try:
@@ -148,9 +148,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
         ck.check_compatible(manifest, config_identity=cfg.identity(),
                             tokenizer_hash=tokenizer_fingerprint(),
                             data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers,
-                            val_data_hash=(data_fingerprint(cfg.input_val_bin)
-                                           if cfg.input_val_bin else ""),
-                            by_content=SHARD_PATH_FIELDS)
+                            by_content=FILE_FIELDS, content=file_fingerprints(cfg))
     except ck.WorldSizeMismatch:
         return [f"resume: step {step}, written by {manifest.get('world_size')} rank(s), "
                 f"resharded onto {cfg.num_workers}"]

@@ -99,6 +99,34 @@ def test_a_run_resumes_where_its_shards_moved_but_not_onto_other_bytes(uninterru
         run_local(moved)
 
 
+def test_a_run_from_a_model_file_resumes_where_the_file_moved_but_not_from_another(tmp_path):
+    """-e FILE is compared by the file's bytes (data.model_source), not by its path: the same
+    file elsewhere resumes with the uninterrupted run's losses; another model there is refused."""
+    from raygpt.llmc.model_file import write_model_file
+    from raygpt.model import GPT, GPTConfig
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    write_model_file(str(old / "m.bin"), GPT(GPTConfig.from_depth(2), init_seed=5))
+    base = tiny_config(tmp_path / "full", model=str(old / "m.bin"), max_steps=8)
+    run_local(base)
+    run_dir = tmp_path / "run"
+    crashed = base.with_overrides({"output_dir": str(run_dir), "fault": "raise:rank=0,step=6",
+                                   "async_checkpoint": False})
+    with pytest.raises(InjectedFault):
+        run_local(crashed)
+    old.rename(new)
+    moved = crashed.with_overrides({"resume": 1, "model": str(new / "m.bin")})
+    assert check_resume(moved.resolve(0)) == ["resume: step 4"]
+    assert run_local(moved)["step"] == 8
+    full, resumed = train_losses(tmp_path / "full"), train_losses(run_dir, attempt=2)
+    assert sorted(resumed) == list(range(4, 8))
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+    write_model_file(str(new / "m.bin"), GPT(GPTConfig.from_depth(2), init_seed=6))
+    with pytest.raises(ConfigError, match=r"model_source: checkpoint 'llm.c model file"):
+        check_resume(moved.resolve(0))
+
+
 def summary_params(run_dir):
     return ck.read_manifest(open_run_dir(str(run_dir)), 12)["num_parameters"]
 

@@ -187,7 +187,8 @@ def published_files(run_dir: RunDir, step: int) -> list[str]:
 def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameters: int,
                    config_hash: str, tokenizer_hash: str, data_hash: str,
                    config_identity: dict | None = None, extra: dict | None = None,
-                   written: dict | None = None, val_data_hash: str | None = None) -> dict:
+                   written: dict | None = None, val_data_hash: str | None = None,
+                   model_source: str | None = None) -> dict:
     """List (size + sha256) every file of the step directory except MANIFEST (and temp files),
     then write MANIFEST.json atomically. Call it last, after DONE. Returns the manifest.
 
@@ -198,7 +199,8 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
     does not grow with the state. A file `written` does not cover (DONE, a few bytes) is hashed
     from storage. Without `written` every file is hashed from storage (tools, tests).
     config_identity (TrainConfig.identity()) lets `check_compatible` name differing fields;
-    data_hash and val_data_hash identify the train and validation shards by their bytes.
+    data_hash and val_data_hash identify the train and validation shards by their bytes,
+    model_source the model the run started from (config.FILE_FIELDS).
     """
     d = step_dir(step)
     written = written or {}
@@ -226,8 +228,9 @@ def write_manifest(run_dir: RunDir, step: int, *, world_size: int, num_parameter
         "config_hash": config_hash, "tokenizer_hash": tokenizer_hash, "data_hash": data_hash,
         "config_identity": config_identity, "files": files, "extra": extra or {},
     }
-    if val_data_hash is not None:
-        manifest["val_data_hash"] = val_data_hash
+    for key, value in (("val_data_hash", val_data_hash), ("model_source", model_source)):
+        if value is not None:
+            manifest[key] = value
     data = json.dumps(manifest, indent=1, sort_keys=True, default=json_default).encode("utf-8")
     run_dir.write_bytes_atomic(f"{d}/{MANIFEST}", data)
     return manifest
@@ -445,17 +448,19 @@ def find_latest_verified(run_dir: RunDir, *, before_step: int | None = None,
 
 
 def check_compatible(manifest: dict, *, config_identity: dict, tokenizer_hash: str,
-                     data_hash: str, world_size: int, val_data_hash: str | None = None,
-                     by_content: dict[str, str] | None = None) -> None:
+                     data_hash: str, world_size: int, by_content: dict[str, str] | None = None,
+                     content: dict[str, str] | None = None) -> None:
     """Raise CheckpointError listing every field in which the checkpoint and this run differ.
 
     Config fields are compared one by one against the manifest's config_identity (the caller
     passes TrainConfig.identity(), which already leaves out the fields allowed to change), but
-    a field that `by_content` maps to one of the manifest's hashes (config.SHARD_PATH_FIELDS:
-    the shard globs to data_hash, val_data_hash) is compared by that hash instead of as written,
-    where the manifest has it: the same bytes at another path resume. val_data_hash is compared
-    where both sides have it. A world size difference alone raises WorldSizeMismatch, so elastic
-    resume can catch just that.
+    a field that `by_content` maps to one of the manifest's fingerprints (config.FILE_FIELDS:
+    the shard globs to data_hash and val_data_hash, -e to model_source) is compared by that
+    fingerprint instead of as written, where the manifest has it: the same bytes at another
+    path resume. `content` holds this run's fingerprints ({"val_data_hash": ...}), each compared
+    where the manifest has it (a manifest from before it existed compares the path as written).
+    A world size difference alone raises WorldSizeMismatch, so elastic resume can catch just
+    that.
     """
     where = f"{step_dir(manifest.get('step', -1))}/{MANIFEST}"
     current = json.loads(json.dumps(config_identity, default=json_default))  # as stored: no tuples
@@ -471,8 +476,7 @@ def check_compatible(manifest: dict, *, config_identity: dict, tokenizer_hash: s
             diffs.append(f"config_hash: checkpoint {manifest.get('config_hash')!r}, this run {mine!r} "
                          "(the manifest has no config_identity to name the fields)")
     hashes = [("tokenizer_hash", tokenizer_hash), ("data_hash", data_hash)]
-    if val_data_hash is not None and "val_data_hash" in manifest:
-        hashes.append(("val_data_hash", val_data_hash))
+    hashes += [(key, mine) for key, mine in (content or {}).items() if key in manifest]
     for field, mine in hashes:
         if manifest.get(field) != mine:
             diffs.append(f"{field}: checkpoint {manifest.get(field)!r}, this run {mine!r}")

@@ -39,8 +39,8 @@ from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
-from raygpt.config import SHARD_PATH_FIELDS, TrainConfig
-from raygpt.data import data_fingerprint, merge_ranges
+from raygpt.config import FILE_FIELDS, TrainConfig
+from raygpt.data import data_fingerprint, file_fingerprints, merge_ranges
 from raygpt.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
@@ -61,8 +61,7 @@ STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
 def run_fingerprints(cfg: TrainConfig) -> dict:
     """The hashes a checkpoint must agree with to be resumed by this config."""
     return {"config_hash": cfg.hash(), "tokenizer_hash": tokenizer_fingerprint(),
-            "data_hash": data_fingerprint(cfg.input_bin),
-            "val_data_hash": data_fingerprint(cfg.input_val_bin) if cfg.input_val_bin else ""}
+            "data_hash": data_fingerprint(cfg.input_bin), **file_fingerprints(cfg)}
 
 
 def may_restore(cfg: TrainConfig, hint: int | None) -> bool:
@@ -265,6 +264,11 @@ class Checkpointer:
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
         self.trajectory = uuid.uuid4().hex
 
+    @property
+    def file_fingerprints(self) -> dict:
+        """This run's val_data_hash and model_source (data.file_fingerprints), as computed once."""
+        return {k: self.fingerprints[k] for k in ("val_data_hash", "model_source")}
+
     # ------------------------------------------------------------------ policy
     @property
     def stall_seconds(self) -> float:
@@ -301,7 +305,7 @@ class Checkpointer:
             "config_hash": self.fingerprints["config_hash"],
             "tokenizer_hash": self.fingerprints["tokenizer_hash"],
             "data_hash": self.fingerprints["data_hash"],
-            "val_data_hash": self.fingerprints["val_data_hash"],
+            **self.file_fingerprints,
             "config_identity": c.identity(),
             "extra": {"zero_stage": c.zero_stage, "precision": c.precision,
                       "model_version": 5 if c.precision == "bf16" else 3},
@@ -575,8 +579,8 @@ class Checkpointer:
             ck.check_compatible(manifest, config_identity=self.cfg.identity(),
                                 tokenizer_hash=self.fingerprints["tokenizer_hash"],
                                 data_hash=self.fingerprints["data_hash"], world_size=self.world,
-                                val_data_hash=self.fingerprints["val_data_hash"],
-                                by_content=SHARD_PATH_FIELDS)
+                                by_content=FILE_FIELDS,
+                                content=self.file_fingerprints)
             return manifest_zero_stage(manifest) == self.cfg.zero_stage
         except ck.WorldSizeMismatch:
             return False

@@ -413,28 +413,29 @@ def test_every_difference_is_listed_with_both_values():
 
 
 def test_shards_are_compared_by_their_hashes_where_the_manifest_has_them():
-    """config.SHARD_PATH_FIELDS: the shard globs are compared by data_hash / val_data_hash, so
-    the same shards at another path resume; a manifest written before val_data_hash existed
-    still compares the validation glob as written (nothing it did not check before passes)."""
-    from raygpt.config import SHARD_PATH_FIELDS
+    """config.FILE_FIELDS: the shard globs are compared by data_hash / val_data_hash, so the
+    same shards at another path resume; a manifest written before val_data_hash existed still
+    compares the validation glob as written (nothing it did not check before passes)."""
+    from raygpt.config import FILE_FIELDS
 
     ident = lambda d: {"lr": 1.0, "input_bin": f"{d}/train.bin",  # noqa: E731
                        "input_val_bin": f"{d}/val.bin"}
     man = {**MAN, "config_identity": ident("/old"), "val_data_hash": "val"}
-    kw = dict(tokenizer_hash="tok", data_hash="data", world_size=2, by_content=SHARD_PATH_FIELDS)
-    ck.check_compatible(man, config_identity=ident("/new"), val_data_hash="val", **kw)
+    kw = dict(tokenizer_hash="tok", data_hash="data", world_size=2, by_content=FILE_FIELDS)
+    ck.check_compatible(man, config_identity=ident("/new"), content={"val_data_hash": "val"}, **kw)
     with pytest.raises(CheckpointError) as e:
-        ck.check_compatible(man, config_identity=ident("/new"), val_data_hash="val2",
+        ck.check_compatible(man, config_identity=ident("/new"), content={"val_data_hash": "val2"},
                             **{**kw, "data_hash": "data2"})
     assert str(e.value).splitlines()[1:] == ["  data_hash: checkpoint 'data', this run 'data2'",
                                              "  val_data_hash: checkpoint 'val', this run 'val2'"]
     older = {k: v for k, v in man.items() if k != "val_data_hash"}
     with pytest.raises(CheckpointError) as e:
-        ck.check_compatible(older, config_identity=ident("/new"), val_data_hash="val", **kw)
+        ck.check_compatible(older, config_identity=ident("/new"),
+                            content={"val_data_hash": "val"}, **kw)
     assert str(e.value).splitlines()[1:] == [
         "  input_val_bin: checkpoint '/old/val.bin', this run '/new/val.bin'"]
     ck.check_compatible(older, config_identity=ident("/new") | {"input_val_bin": "/old/val.bin"},
-                        val_data_hash="val", **kw)
+                        content={"val_data_hash": "val"}, **kw)
     with pytest.raises(CheckpointError, match="input_bin"):  # without by_content: as written
         ck.check_compatible(man, config_identity=ident("/new"), tokenizer_hash="tok",
                             data_hash="data", world_size=2)
