@@ -530,7 +530,7 @@ class TrainConfig:
 
 
 # The fields that name files, each with the manifest's fingerprint of what it names (the shard
-# globs: data.data_fingerprint, names, sizes, first and last MiB; -e: data.model_source, a dN
+# globs: data.data_fingerprint, names, sizes, first and last MiB; -e: checkpointing.fingerprints.model_source, a dN
 # spec as written or a model file's bytes). A checkpoint compares those, not the paths, which a
 # moved checkout (the bundled data's default path moves with it), another mount point or Ray's
 # working_dir changes: a run resumes wherever the same files are.

@@ -62,7 +62,7 @@ def glob_shards(pattern: str) -> list[str]:
     return paths
 
 
-def _ends_sha256(path: str, size: int) -> str:
+def file_ends_sha256(path: str, size: int) -> str:
     """sha256 of a file's first MiB and last MiB (the whole file when it is smaller)."""
     mib = 1 << 20
     inner = hashlib.sha256()
@@ -81,26 +81,8 @@ def data_fingerprint(pattern: str) -> str:
     outer = hashlib.sha256()
     for path in glob_shards(pattern):
         size = os.path.getsize(path)
-        outer.update(f"{os.path.basename(path)}\t{size}\t{_ends_sha256(path, size)}\n".encode())
+        outer.update(f"{os.path.basename(path)}\t{size}\t{file_ends_sha256(path, size)}\n".encode())
     return outer.hexdigest()
-
-
-def file_fingerprints(cfg) -> dict:
-    """A run's fingerprints of the validation shards and of what it starts from (`cfg`, a
-    TrainConfig), which a checkpoint compares instead of their paths (config.FILE_FIELDS; the
-    train shards' data_fingerprint is the manifest's data_hash, compared by every version)."""
-    return {"val_data_hash": data_fingerprint(cfg.input_val_bin) if cfg.input_val_bin else "",
-            "model_source": model_source(cfg.model, cfg.depth)}
-
-
-def model_source(model: str, depth: int | None) -> str:
-    """What a run starts from, as a checkpoint compares it: a depth spec (`model`, e.g. "d12",
-    whose `depth` is given) as written; an llm.c model file by its bytes (size, sha256 of the
-    first and last MiB: the header with every dimension is in the first), not by its path."""
-    if depth is not None:
-        return model
-    size = os.path.getsize(model)
-    return f"llm.c model file, {size} bytes, ends sha256 {_ends_sha256(model, size)}"
 
 
 # ---------------------------------------------------------------------------- data order (pure)

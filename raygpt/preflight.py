@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import uuid
 
-from raygpt.config import FILE_FIELDS, ConfigError, TrainConfig
+from raygpt.config import ConfigError, TrainConfig
 from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
@@ -128,8 +128,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     if cfg.resume != 1:
         return []
     from raygpt.checkpointing import protocol as ck
-    from raygpt.data import data_fingerprint, file_fingerprints
-    from raygpt.tokenizer import tokenizer_fingerprint
+    from raygpt.checkpointing.fingerprints import compatibility, run_fingerprints
     run_dir = _open(cfg)
     try:
         if not run_dir.exists():
@@ -144,11 +143,9 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the filesystem's own error, reduced to one line
         raise ConfigError(f"-o/--output-dir {cfg.output_dir}: cannot read the run directory to "
                           f"resume it: {_one_line(e)}") from None
-    try:  # what runtime.run_fingerprints gives the workers, without importing torch
-        ck.check_compatible(manifest, config_identity=cfg.identity(),
-                            tokenizer_hash=tokenizer_fingerprint(),
-                            data_hash=data_fingerprint(cfg.input_bin), world_size=cfg.num_workers,
-                            by_content=FILE_FIELDS, content=file_fingerprints(cfg))
+    try:  # the workers' own check (their Checkpointer), without importing torch
+        ck.check_compatible(manifest, config_identity=cfg.identity(), world_size=cfg.num_workers,
+                            **compatibility(run_fingerprints(cfg)))
     except ck.WorldSizeMismatch:
         return [f"resume: step {step}, written by {manifest.get('world_size')} rank(s), "
                 f"resharded onto {cfg.num_workers}"]

@@ -20,7 +20,7 @@ import pytest
 import ray
 from raygpt.checkpointing import protocol as ck
 from raygpt import cli, preflight
-from raygpt.checkpointing.runtime import run_fingerprints
+from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
 from raygpt.storage import open_run_dir

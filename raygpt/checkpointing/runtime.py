@@ -39,8 +39,9 @@ from raygpt.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
-from raygpt.config import FILE_FIELDS, TrainConfig
-from raygpt.data import data_fingerprint, file_fingerprints, merge_ranges
+from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
+from raygpt.config import TrainConfig
+from raygpt.data import merge_ranges
 from raygpt.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
@@ -50,18 +51,11 @@ from raygpt.outlier import rewind_target
 from raygpt.schedule import wsd_decay_start
 from raygpt.state import TrainState
 from raygpt.storage import RunDir
-from raygpt.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 # the thread that removes the staging roots dead processes left (protocol.sweep_dead_stage_roots)
 STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
-
-
-def run_fingerprints(cfg: TrainConfig) -> dict:
-    """The hashes a checkpoint must agree with to be resumed by this config."""
-    return {"config_hash": cfg.hash(), "tokenizer_hash": tokenizer_fingerprint(),
-            "data_hash": data_fingerprint(cfg.input_bin), **file_fingerprints(cfg)}
 
 
 def may_restore(cfg: TrainConfig, hint: int | None) -> bool:
@@ -264,11 +258,6 @@ class Checkpointer:
         # this attempt's trajectory; a rewind starts a new one (see checkpoint.ABANDONED)
         self.trajectory = uuid.uuid4().hex
 
-    @property
-    def file_fingerprints(self) -> dict:
-        """This run's val_data_hash and model_source (data.file_fingerprints), as computed once."""
-        return {k: self.fingerprints[k] for k in ("val_data_hash", "model_source")}
-
     # ------------------------------------------------------------------ policy
     @property
     def stall_seconds(self) -> float:
@@ -305,7 +294,7 @@ class Checkpointer:
             "config_hash": self.fingerprints["config_hash"],
             "tokenizer_hash": self.fingerprints["tokenizer_hash"],
             "data_hash": self.fingerprints["data_hash"],
-            **self.file_fingerprints,
+            **{k: self.fingerprints[k] for k in FILE_PRINTS},
             "config_identity": c.identity(),
             "extra": {"zero_stage": c.zero_stage, "precision": c.precision,
                       "model_version": 5 if c.precision == "bf16" else 3},
@@ -577,10 +566,7 @@ class Checkpointer:
         CheckpointError naming the fields when the checkpoint cannot be resumed at all."""
         try:
             ck.check_compatible(manifest, config_identity=self.cfg.identity(),
-                                tokenizer_hash=self.fingerprints["tokenizer_hash"],
-                                data_hash=self.fingerprints["data_hash"], world_size=self.world,
-                                by_content=FILE_FIELDS,
-                                content=self.file_fingerprints)
+                                world_size=self.world, **compatibility(self.fingerprints))
             return manifest_zero_stage(manifest) == self.cfg.zero_stage
         except ck.WorldSizeMismatch:
             return False
