@@ -100,8 +100,9 @@ def test_a_run_resumes_where_its_shards_moved_but_not_onto_other_bytes(uninterru
 
 
 def test_a_run_from_a_model_file_resumes_where_the_file_moved_but_not_from_another(tmp_path):
-    """-e FILE is compared by the file's bytes (checkpointing.fingerprints.model_source), not by its path: the same
-    file elsewhere resumes with the uninterrupted run's losses; another model there is refused."""
+    """-e FILE is compared by the file's bytes (checkpointing.fingerprints.model_source), not by
+    its path: the same file elsewhere resumes with the uninterrupted run's losses; another model
+    there is refused."""
     from raygpt.llmc.model_file import write_model_file
     from raygpt.model import GPT, GPTConfig
 
