@@ -79,7 +79,10 @@ def runs(s3, tmp_path_factory):
     seconds = [time.monotonic()]
     run(full)
     seconds.append(time.monotonic())
-    killed = config("killed", fault="kill:rank=1,step=7;sigterm:rank=1,step=8")
+    # both faults wait for checkpoint 4's DONE: the kill must not beat it (a checkpoint Ray's
+    # controller had not yet taken from the killed worker stays without DONE), and the kill,
+    # checked first at every step, then always comes before the SIGTERM
+    killed = config("killed", fault="kill:rank=1,step=7,after=4;sigterm:rank=1,step=8,after=4")
     first = run(killed)
     seconds.append(time.monotonic())
     code = cli_main(["train", "--cpu", "-e", "d2", "-b", "4", "-t", "32", "-x", "10", "-n", "4",
@@ -118,8 +121,8 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
 
 def test_a_killed_worker_and_a_resume_from_the_bucket_give_the_same_losses(runs):
     full, killed, first, code, _, _ = runs
-    # attempt 1: rank 1 SIGKILLed at step 7 (3 steps after checkpoint 4: its DONE is in the
-    # bucket by then); Ray's restart resumed from checkpoint 4 (its files from this node's
+    # attempt 1: rank 1 SIGKILLed at step 7 (or at the first step after it with checkpoint 4's
+    # DONE in the bucket); Ray's restart resumed from checkpoint 4 (its files from this node's
     # local copies, checked against the bucket's MANIFEST);
     # SIGTERM at step 8 then checkpointed step 9 and stopped the run
     assert first["stopped_early"] and first["step"] == 9 and first["failures"] == 1

@@ -133,11 +133,12 @@ def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, 
     full_dir, cfg, _ = uninterrupted
     run_dir = tmp_path / "nodone"
     summary = go(cfg.with_overrides({"output_dir": str(run_dir),
-                                     "fault": "crash_before_done:rank=0,step=8"}))
+                                     "fault": "crash_before_done:rank=0,step=8,after=4"}))
     assert summary["step"] == 12 and summary["failures"] == 1
-    # checkpoint 8 had its files but no DONE when rank 0 died at step 10, so the restart passed
-    # over it to 4; the re-trained step 8 is saved and completed again, so its
-    # state after the run says nothing of the first attempt's
+    # checkpoint 8 had its files but no DONE when rank 0 died at step 10 (or later: after=4
+    # waits for checkpoint 4's DONE, which a slow controller may not have written by step 10),
+    # so the restart passed over it to 4; the re-trained step 8 is saved and completed again,
+    # so its state after the run says nothing of the first attempt's
     resumes = [r for r in records(run_dir) if r["kind"] == "resume"]
     assert resumes[-1]["resumed_from"] == 4
     assert train_losses(run_dir) == train_losses(full_dir)

@@ -313,27 +313,35 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
 
 def test_tune_does_not_rerun_a_trial_raygpt_stopped_but_reruns_a_killed_one(cluster, tmp_path):
     """One trial, two real faults, --max-failures 0 (so each worker fault ends its Ray Train
-    run) and 2 Tune retries. Its worker is SIGKILLed at step 5: a fault a restart cures, so Tune
-    re-runs the trial, which resumes from its checkpoint. At step 8 the re-run meets a bad input
-    (a ShardError, as a shard that changed under the loader raises): that error would recur, so
-    Tune does not re-run it again, although retries are left (a third attempt would pass: the
-    fault fires once per run directory)."""
+    run) and 2 Tune retries. Its worker is SIGKILLed at step 5 (or later, once checkpoint 2 is
+    complete): a fault a restart cures, so Tune re-runs the trial, which resumes from its
+    checkpoint. At step 8 the re-run meets a bad input (a ShardError, as a shard that changed
+    under the loader raises): that error would recur, so Tune does not re-run it again, although
+    retries are left (a third attempt would pass: the fault fires once per run directory).
+
+    Both faults wait for checkpoint 2's DONE (after=2): a worker killed before Ray's controller
+    took its checkpoint's report leaves that checkpoint without DONE, so without the gate the
+    re-run could start from scratch on a slow machine; and since the kill is checked first at
+    every step, the bad input can never come before it."""
     base = tiny(max_steps=12, checkpoint_every=2, val_every=4, max_failures=0,
-                fault="kill:rank=0,step=5;bad_input:rank=0,step=8")
+                fault="kill:rank=0,step=5,after=2;bad_input:rank=0,step=8,after=2")
     report = sweep.run_sweep(base, {"scheduler": tune.grid_search(["cosine"])},
                              str(tmp_path / "s"), early_stop="none", trial_retries=2)
     (row,) = report.rows
     assert report.best is None
-    assert (row.status, row.stopped, row.retries) == ("error", 2, 1), report.table
-    assert "InjectedBadInput" in row.error and "injected bad input at step 8" in row.error
     run = Path(row.run_dir)
-    assert (run / "faults" / "kill_r0_s5").exists() and (run / "faults" / "bad_input_r0_s8").exists()
+    kill, bad = (json.loads((run / "faults" / name).read_text())
+                 for name in ("kill_r0_s5", "bad_input_r0_s8"))
+    assert (row.status, row.stopped, row.retries) == ("error", 2, 1), report.table
+    assert "InjectedBadInput" in row.error
+    assert f"injected bad input at step {bad['at_step']}" in row.error
     recs = records(run)
     assert sorted({r["attempt"] for r in recs if r["kind"] == "train"}) == [1, 2]  # no third
-    assert train_steps(recs, attempt=1) == list(range(5))
+    assert kill["at_step"] >= 5 and train_steps(recs, attempt=1) == list(range(kill["at_step"]))
     resume = [r for r in recs if r["kind"] == "resume"]
-    assert len(resume) == 1 and resume[0]["resumed_from"] in (2, 4), resume
-    assert train_steps(recs, attempt=2) == list(range(resume[0]["resumed_from"], 8))
+    assert len(resume) == 1 and 2 <= resume[0]["resumed_from"] <= kill["at_step"], resume
+    assert bad["at_step"] == max(8, resume[0]["resumed_from"])
+    assert train_steps(recs, attempt=2) == list(range(resume[0]["resumed_from"], bad["at_step"]))
     (trial,) = tune.ExperimentAnalysis(str(tmp_path / "s" / "tune")).trials
     assert (trial.status, trial.num_failures) == ("ERROR", 2)
     # each Tune attempt recorded its launch, the sweep's command line in both
@@ -349,7 +357,9 @@ def test_tune_does_not_rerun_a_trial_raygpt_stopped_but_reruns_a_killed_one(clus
 def interrupted_sweep(cluster, tmp_path_factory):
     """One sweep, two faults. The sweep runs from the command line (its own driver process, on
     the same Ray) with trials of 8 and 40 steps and --max-failures 0. The 40-step trial's worker
-    is SIGKILLed at step 10, so its Ray Train run fails and Tune re-runs the trial. Once the
+    is SIGKILLed at step 10 (or later, once checkpoint 4 is complete: a checkpoint Ray's
+    controller had not yet taken from a killed worker has no DONE), so its Ray Train run fails
+    and Tune re-runs the trial. Once the
     8-step trial has finished and the re-run is training, the driver itself is SIGKILLed; then
     resume_sweep restores the sweep in this process. Returns what the tests below compare."""
     sweep_dir = tmp_path_factory.mktemp("interrupted") / "s"
@@ -357,7 +367,7 @@ def interrupted_sweep(cluster, tmp_path_factory):
            "-e", "d1", "-b", "4", "-t", "32", "-u", "2", "-v", "4", "-m", "1", "-s", "0",
            "-n", "4", "--num-workers", "1", "--log-every", "1000", "-o", str(sweep_dir),
            "--grid", "max_steps=8,40", "--early-stop", "none", "--max-failures", "0",
-           "--trial-retries", "1", "--fault", "kill:rank=0,step=10", "--address", cluster]
+           "--trial-retries", "1", "--fault", "kill:rank=0,step=10,after=4", "--address", cluster]
     # Tune snapshots its state every >= 10 s by default; every second keeps the test short
     env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -398,13 +408,15 @@ def interrupted_sweep(cluster, tmp_path_factory):
 def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
     s = interrupted_sweep
     long_dir = s["sweep_dir"] / "trials" / s["long"]
-    assert (long_dir / "faults" / "kill_r0_s10").exists()  # the kill did happen
+    kill = json.loads((long_dir / "faults" / "kill_r0_s10").read_text())  # the kill did happen
     row = next(r for r in s["report"].rows if r.name == s["long"])
     assert row.retries == 1  # Tune re-ran the failed trial once
     recs = records(long_dir)
-    assert train_steps(recs, attempt=1) == list(range(10))  # killed before step 10's update
+    # killed before step at_step's update (10, or the first step after it with DONE_4)
+    assert kill["at_step"] >= 10 and train_steps(recs, attempt=1) == list(range(kill["at_step"]))
     resume = [r for r in recs if r["kind"] == "resume" and r["attempt"] == 2]
-    assert len(resume) == 1 and resume[0]["resumed_from"] in (4, 8), resume  # not from scratch
+    assert len(resume) == 1 and resume[0]["resumed_from"] in range(4, kill["at_step"] + 1, 4), \
+        resume  # not from scratch
     steps = train_steps(recs, attempt=2)
     assert steps[0] == resume[0]["resumed_from"] and steps == list(range(steps[0], steps[-1] + 1))
 
