@@ -63,7 +63,9 @@ def test_checkpoints_are_stored_by_rename_and_their_timeline_is_in_the_summary(u
         assert r["saved"] <= r["written"] <= r["published"] <= r["stored"], r
         done = run_dir / ck.step_dir(r["step"]) / ck.done_file(r["step"])
         assert done.stat().st_mtime >= r["stored"] - 0.01  # DONE after rank 0's files were stored
-    assert summary["checkpoint_waits"] == []  # no checkpoint waited for the one before
+    # a save that found the one before still being written says which and how long (whether
+    # one waited is the machine's speed, not a property to test: bench/checkpoint.py times it)
+    assert all(step in (8, 12) and waited >= 0 for step, waited in summary["checkpoint_waits"])
 
 
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):

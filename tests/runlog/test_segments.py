@@ -364,15 +364,16 @@ def stored_steps(root) -> list[int]:
 
 
 def test_a_killed_writer_loses_at_most_the_interval(tmp_path):
-    appended, killed_at = run_writer(tmp_path / "run", interval_s=0.3, max_lines=10**6,
-                                     until_step=300)
+    appended, _ = run_writer(tmp_path / "run", interval_s=0.3, max_lines=10**6, until_step=300)
     got = stored_steps(tmp_path / "run")
     assert got == list(range(len(got)))  # a gap-free prefix: nothing missing in the middle
     assert 0 < len(got) <= len(appended)
     lost = [s for s in appended if s >= len(got)]
-    # everything appended more than one interval (plus a put's and the kill's slack) before
-    # the kill is stored
-    assert all(killed_at - appended[s] < 0.3 + 1.0 for s in lost), (len(lost), len(appended))
+    # everything appended more than one interval (plus a put's slack) before the writer's last
+    # append, which the kill followed, is stored (the writer's own clock: the time this process
+    # took to read its line and send the kill on a busy machine is not the writer's to answer for)
+    last = appended[max(appended)]
+    assert all(last - appended[s] < 0.3 + 1.0 for s in lost), (len(lost), len(appended))
 
 
 def test_a_killed_writer_loses_at_most_the_line_bound(tmp_path):
