@@ -4,6 +4,7 @@
     raygpt sweep [sweep options] [train flags]   a Ray Tune sweep whose trials are raygpt runs
     raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
     raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
+    raygpt status SWEEP_DIR                      every trial's row of a sweep, as of now
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
     raygpt compact RUN_DIR                       merge a run's log segments (object stores)
 
@@ -22,7 +23,7 @@ COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
     "sweep": "a Ray Tune sweep over train flags; every trial a full raygpt run",
     "prepare": "tokenize a UTF-8 text file into llm.c token shards (GPT-2 BPE, offline)",
-    "status": "a run at a glance from its run directory: what ran, progress, checkpoints",
+    "status": "a run at a glance from its run directory (or a sweep's trials from its directory)",
     "plot": "a PNG of a run's loss, lr, grad norm and tok/s with its events marked",
     "compact": "merge the log segments of a run on an object store into one object per log",
 }

@@ -579,10 +579,25 @@ def status_main(argv: list[str]) -> int:
         run_dir = _open_checked(args.run_dir, args.storage_endpoint)
         print(run_status(run_dir, verify="full" if args.verify else "quick",
                          progress=_stderr_progress))
-    except (FileNotFoundError, ValueError) as e:
+    except FileNotFoundError as e:
+        table = _sweep_status(run_dir)  # no run's history there: a sweep directory?
+        if table is None:
+            print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
+            return 2
+        print(table)
+    except ValueError as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _sweep_status(uri: str) -> str | None:
+    """The sweep's table when `uri` is a sweep directory (it holds sweep.json), else None. Ray
+    Tune is imported only here: a run's status needs none of it."""
+    from raygpt.ray import sweep
+    if not open_run_dir(uri).exists(sweep.PLAN_FILE):
+        return None
+    return sweep.sweep_status(uri)
 
 
 def plot_main(argv: list[str]) -> int:

@@ -68,6 +68,7 @@ import math
 import os
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -593,6 +594,24 @@ def collect_rows(sweep_dir: str) -> list[TrialRow]:
             error=str(verdict.get(STOPPED_MESSAGE_KEY, "")) if stopped is not None else ""))
     rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
     return rows
+
+
+def sweep_status(sweep_dir: str) -> str:
+    """`raygpt status SWEEP_DIR`: the plan, every trial's row as of now (the table results.txt
+    gets at the end, from Tune's experiment state and the trials' own histories, so a running
+    or interrupted sweep shows too), and how to look closer."""
+    plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
+    head = f"sweep {plan.sweep_dir} | mode {plan.mode}"
+    try:
+        rows = collect_rows(plan.sweep_dir)
+    except ValueError as e:  # Tune has not written its experiment state yet
+        return f"{head} | no trial state yet ({' '.join(str(e).split())})"
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(r.status for r in rows).items()))
+    ended = open_run_dir(plan.sweep_dir).exists(RESULTS_TXT)
+    return "\n".join([
+        f"{head} | {len(rows)} trial(s): {counts}" + ("" if ended else " (as of now: no results.txt yet)"),
+        format_table(rows),
+        f"one trial: raygpt status {join_uri(plan.sweep_dir, TRIALS_DIR)}/<trial>"])
 
 
 def _stop_verdict(analysis, trial) -> dict:

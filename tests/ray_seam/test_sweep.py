@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import ray
 from ray import tune
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.cli import main as cli_main
 from raygpt.ray import sweep, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.schedule import learning_rate
@@ -265,7 +267,7 @@ def test_graceful_asha_asks_the_run_to_stop_instead_of_stopping_the_trial(cluste
 
 # ====================================================================== real sweeps
 
-def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
+def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path, capsys):
     # checkpoints only at the end (or where ASHA stops a run): fewer bytes on 2 busy cores
     report = sweep.run_sweep(tiny(checkpoint_every=0), {"scheduler": tune.grid_search(KINDS)},
                              str(tmp_path / "s"), grace_period=4)
@@ -302,6 +304,14 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path):
     # the table on disk, the best config through the CLI, the plot
     assert (tmp_path / "s" / "results.txt").read_text().strip() == report.table
     assert report.table.splitlines()[1].split()[1] == rows[0].name
+    # `raygpt status` on the sweep directory: the same table, read back from what is on disk
+    capsys.readouterr()
+    assert cli_main(["status", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    counts = Counter(r.status for r in rows)
+    assert out[0] == (f"sweep {tmp_path / 's'} | mode grid | 4 trial(s): "
+                      + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    assert "\n".join(out[1:6]) == report.table
     best = parse_args(["--config", report.best_config_path]).resolve(0)
     assert best.scheduler == report.best.overrides["scheduler"]
     manifest = ck.read_manifest(open_run_dir(report.best.run_dir), 12)
@@ -400,9 +410,10 @@ def interrupted_sweep(cluster, tmp_path_factory):
     wait_for(all_cpus_free, 60, "the dead driver's trials to be gone")
     short_history = (sweep_dir / "trials" / short / "loss_history.jsonl").read_bytes()
     long_before = records(sweep_dir / "trials" / long)
+    status_before = sweep.sweep_status(str(sweep_dir))  # `raygpt status` of the dead sweep
     report = sweep.resume_sweep(str(sweep_dir))
     return dict(sweep_dir=sweep_dir, short=short, long=long, short_history=short_history,
-                long_before=long_before, report=report)
+                long_before=long_before, status_before=status_before, report=report)
 
 
 def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
@@ -423,6 +434,13 @@ def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
 
 def test_sweep_resumes_after_its_driver_is_killed(interrupted_sweep):
     s = interrupted_sweep
+    # before the restore, `raygpt status` read the dead sweep's state: both trials, one done
+    # (Tune's last snapshot holds the re-run trial as pending, so that a restore starts it)
+    head, _, *table, _ = s["status_before"].splitlines()
+    status = {line.split()[1]: line.split()[2] for line in table}
+    assert set(status) == {s["short"], s["long"]} and status[s["short"]] == "done", table
+    assert head.endswith(f"2 trial(s): 1 done, 1 {status[s['long']]} (as of now: no results.txt "
+                         f"yet)") and status[s["long"]] in ("pending", "running"), head
     short_dir, long_dir = (s["sweep_dir"] / "trials" / s[k] for k in ("short", "long"))
     # the finished trial was not run again: not one record added to its history
     assert (short_dir / "loss_history.jsonl").read_bytes() == s["short_history"]
