@@ -6,6 +6,7 @@
     raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
     raygpt status SWEEP_DIR                      every trial's row of a sweep, as of now
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
+    raygpt plot SWEEP_DIR [-o OUT.png]           every trial's validation curve of a sweep
     raygpt compact RUN_DIR                       merge a run's log segments (object stores)
 
 Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in raygpt.config.
@@ -24,7 +25,7 @@ COMMANDS = {
     "sweep": "a Ray Tune sweep over train flags; every trial a full raygpt run",
     "prepare": "tokenize a UTF-8 text file into llm.c token shards (GPT-2 BPE, offline)",
     "status": "a run at a glance from its run directory (or a sweep's trials from its directory)",
-    "plot": "a PNG of a run's loss, lr, grad norm and tok/s with its events marked",
+    "plot": "a PNG of a run's loss, lr, grad norm, tok/s and events, or of a sweep's val curves",
     "compact": "merge the log segments of a run on an object store into one object per log",
 }
 

@@ -570,8 +570,9 @@ def _open_checked(run_dir: str, endpoint: str) -> str:
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (complete? --verify: hashed), "
-        "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput."))
-    p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
+        "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput; "
+        "of a sweep directory, every trial's row."))
+    p.add_argument("run_dir", help="the run directory (or a sweep's): a path or an s3:// / gs:// URI")
     _verify_flags(p)
     _storage_flags(p)
     args = p.parse_args(argv)
@@ -600,11 +601,28 @@ def _sweep_status(uri: str) -> str | None:
     return sweep.sweep_status(uri)
 
 
+def _plot_sweep(uri: str, out: str | None, not_a_run: Exception) -> int:
+    """`raygpt plot` of a sweep directory: every trial's validation curve; else the error that
+    `uri` is no run directory."""
+    from raygpt.ray import sweep
+    if not open_run_dir(uri).exists(sweep.PLAN_FILE):
+        print(f"raygpt plot: error: {printable(not_a_run)}", file=sys.stderr)
+        return 2
+    path, trials = sweep.plot_sweep(uri, out)
+    if path is None:
+        print("raygpt plot: error: raygpt plot needs matplotlib: pip install 'raygpt[plot]'",
+              file=sys.stderr)
+        return 2
+    print(f"raygpt plot: wrote {path} ({trials} trial(s))")
+    return 0
+
+
 def plot_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="raygpt plot", description=(
         "Write a PNG of a run: train/val loss, lr, grad norm and tok/s, with skipped steps, "
-        "rewinds, failures, resumes and checkpoints marked."))
-    p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
+        "rewinds, failures, resumes and checkpoints marked; of a sweep directory, every trial's "
+        "validation loss."))
+    p.add_argument("run_dir", help="the run directory (or a sweep's): a path or an s3:// / gs:// URI")
     p.add_argument("-o", "--out", default=None,
                    help="the PNG to write (default: plot.png in a local run directory, "
                         "<run name>_plot.png here for a remote one)")
@@ -624,7 +642,9 @@ def plot_main(argv: list[str]) -> int:
     try:
         series = plot_run(uri, out, verify="full" if args.verify else "quick",
                           progress=_stderr_progress)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except FileNotFoundError as e:  # no run's history there: a sweep directory?
+        return _plot_sweep(uri, args.out, e)
+    except (ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
     print(f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "

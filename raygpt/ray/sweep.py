@@ -697,6 +697,28 @@ def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title
     return path
 
 
+def stable_curve(plan: SweepPlan) -> list[tuple[int, float]] | None:
+    """The WSD stable phase's validation curve (branch mode: drawn under the branches'), else None."""
+    if plan.mode != "wsd_branch":
+        return None
+    return val_curve(read_history(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))))
+
+
+def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
+    """`raygpt plot SWEEP_DIR`: every trial's validation curve as of now (the plot the sweep's
+    end writes as val_loss.png), into `out` (default: that file in a local sweep directory,
+    <sweep name>_val_loss.png here for a remote one). Returns (the path or None without
+    matplotlib, the number of trials)."""
+    sweep = open_run_dir(_abs(sweep_dir))
+    plan = read_plan(sweep, _abs(sweep_dir))
+    rows = collect_rows(plan.sweep_dir)
+    name = Path(plan.sweep_dir).name
+    if out is None:
+        out = str(sweep.local_path(PLOT)) if sweep.is_local else f"{name or 'sweep'}_{PLOT}"
+    return plot_val_curves(rows, out, stable_curve=stable_curve(plan),
+                           title=f"{name}: validation loss"), len(rows)
+
+
 def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
     """Write results.txt/.json, best_config.json and val_loss.png; print the table."""
     sweep = open_run_dir(_abs(sweep_dir))
@@ -714,12 +736,9 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         cfg = best_config(TrainConfig.from_dict(plan.user_base), best.overrides)
         sweep.write_bytes_atomic(BEST_CONFIG, (json.dumps(cfg, indent=1, sort_keys=True) + "\n").encode())
         best_path = sweep.uri(BEST_CONFIG)
-    stable_curve = None
-    if plan.mode == "wsd_branch":
-        stable_curve = val_curve(read_history(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))))
     plot_path = None
     if sweep.is_local:
-        plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve,
+        plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve(plan),
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")
     log.info(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}")
     for r in rows:

@@ -312,6 +312,10 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path, capsy
     assert out[0] == (f"sweep {tmp_path / 's'} | mode grid | 4 trial(s): "
                       + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
     assert "\n".join(out[1:6]) == report.table
+    # `raygpt plot` on it draws what the sweep's end drew (val_loss.png), byte for byte
+    assert cli_main(["plot", str(tmp_path / "s"), "-o", str(tmp_path / "again.png")]) == 0
+    assert capsys.readouterr().out.strip() == f"raygpt plot: wrote {tmp_path / 'again.png'} (4 trial(s))"
+    assert (tmp_path / "again.png").read_bytes() == Path(report.plot_path).read_bytes()
     best = parse_args(["--config", report.best_config_path]).resolve(0)
     assert best.scheduler == report.best.overrides["scheduler"]
     manifest = ck.read_manifest(open_run_dir(report.best.run_dir), 12)
