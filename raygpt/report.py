@@ -578,43 +578,33 @@ def status_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         run_dir = _open_checked(args.run_dir, args.storage_endpoint)
-        print(run_status(run_dir, verify="full" if args.verify else "quick",
-                         progress=_stderr_progress))
-    except FileNotFoundError as e:
-        table = _sweep_status(run_dir)  # no run's history there: a sweep directory?
-        if table is None:
-            print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
-            return 2
-        print(table)
-    except ValueError as e:
+        try:
+            text = run_status(run_dir, verify="full" if args.verify else "quick",
+                              progress=_stderr_progress)
+        except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
+            text = _sweep_module(run_dir, not_a_run).sweep_status(run_dir)
+    except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2
+    print(text)
     return 0
 
 
-def _sweep_status(uri: str) -> str | None:
-    """The sweep's table when `uri` is a sweep directory (it holds sweep.json), else None. Ray
-    Tune is imported only here: a run's status needs none of it."""
+def _sweep_module(uri: str, not_a_run: FileNotFoundError):
+    """raygpt.ray.sweep when `uri` is a sweep directory (it holds sweep.json); else `not_a_run`
+    is raised again. Ray Tune is imported only here: a run's status and plot need none of it."""
     from raygpt.ray import sweep
     if not open_run_dir(uri).exists(sweep.PLAN_FILE):
-        return None
-    return sweep.sweep_status(uri)
+        raise not_a_run
+    return sweep
 
 
-def _plot_sweep(uri: str, out: str | None, not_a_run: Exception) -> int:
-    """`raygpt plot` of a sweep directory: every trial's validation curve; else the error that
-    `uri` is no run directory."""
-    from raygpt.ray import sweep
-    if not open_run_dir(uri).exists(sweep.PLAN_FILE):
-        print(f"raygpt plot: error: {printable(not_a_run)}", file=sys.stderr)
-        return 2
-    path, trials = sweep.plot_sweep(uri, out)
+def _plot_sweep(uri: str, out: str | None, not_a_run: FileNotFoundError) -> str:
+    """`raygpt plot` of a sweep directory: every trial's validation curve; its result line."""
+    path, trials = _sweep_module(uri, not_a_run).plot_sweep(uri, out)
     if path is None:
-        print("raygpt plot: error: raygpt plot needs matplotlib: pip install 'raygpt[plot]'",
-              file=sys.stderr)
-        return 2
-    print(f"raygpt plot: wrote {path} ({trials} trial(s))")
-    return 0
+        raise RuntimeError("raygpt plot needs matplotlib: pip install 'raygpt[plot]'")
+    return f"raygpt plot: wrote {path} ({trials} trial(s))"
 
 
 def plot_main(argv: list[str]) -> int:
@@ -640,13 +630,15 @@ def plot_main(argv: list[str]) -> int:
         out = (str(run_dir.local_path("plot.png")) if run_dir.is_local
                else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
     try:
-        series = plot_run(uri, out, verify="full" if args.verify else "quick",
-                          progress=_stderr_progress)
-    except FileNotFoundError as e:  # no run's history there: a sweep directory?
-        return _plot_sweep(uri, args.out, e)
-    except (ValueError, RuntimeError) as e:
+        try:
+            series = plot_run(uri, out, verify="full" if args.verify else "quick",
+                              progress=_stderr_progress)
+            line = (f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
+                    f"{len(series.get('val_loss', ([],))[0])} validations)")
+        except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
+            line = _plot_sweep(uri, args.out, not_a_run)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
-    print(f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
-          f"{len(series.get('val_loss', ([],))[0])} validations)")
+    print(line)
     return 0

@@ -146,6 +146,24 @@ def test_plan_file_round_trip_and_checks(tmp_path):
         sweep.read_plan(open_run_dir(str(tmp_path / "missing")))
 
 
+def test_status_and_plot_of_a_sweep_directory_before_its_trials_and_with_a_bad_plan(tmp_path, capsys):
+    """A sweep directory whose trials have not started (no Tune state yet) gets a status line
+    saying so; one whose sweep.json is damaged gets one line naming the file, exit 2, from both
+    commands (no traceback)."""
+    d = open_run_dir(str(tmp_path))
+    sweep.write_plan(d, sweep.SweepPlan(sweep_dir=str(tmp_path), mode="grid",
+                                        user_base=tiny().to_dict(), base=tiny().to_dict(),
+                                        settings={"num_samples": 1}))
+    assert cli_main(["status", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"sweep {tmp_path} | mode grid | no trial state yet (")
+    d.write_bytes_atomic(sweep.PLAN_FILE, b"{not json")
+    for command in ("status", "plot"):
+        assert cli_main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"raygpt {command}: error: {tmp_path / sweep.PLAN_FILE}: expected "
+                              f"JSON") and err.count("\n") == 1, err
+
+
 def test_best_config_reproduces_the_trial_through_the_cli(tmp_path):
     user = tiny(fault="kill:rank=0,step=3", overwrite=True, output_dir=str(tmp_path / "s"))
     overrides = {"scheduler": "wsd", "spike.soft_z": 4.5, "learning_rate": np.float64(3e-3)}
