@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from raygpt import __version__
-from raygpt.config import EXIT_CODES, ConfigError, absolute_output_dir, build_parser, parse_args
+from raygpt.config import EXIT_CODES, ConfigError, absolute_paths, build_parser, parse_args
 
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
@@ -38,7 +38,7 @@ def _train(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
         cfg = cfg.resolve(_cluster_gpus(), notes=adapted)
-        cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
+        cfg = absolute_paths(cfg)  # the workers' working directory is not this one
         from raygpt import preflight  # before Ray is even imported: a bad input costs ~1 s
         plan = preflight.check(cfg)
     except ConfigError as e:

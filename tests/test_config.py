@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from raygpt.config import ConfigError, TrainConfig, parse_args
+from raygpt.config import ConfigError, TrainConfig, absolute_paths, parse_args
 
 
 def test_llmc_short_flags_keep_llmc_meanings():
@@ -286,3 +286,17 @@ def test_a_config_written_before_the_sections_still_resumes():
     assert cfg.hash() == asset["manifest_config_hash"]
     today = cfg.with_overrides({"resume": 1}).to_dict()
     assert config_changes(with_defaults(old), with_defaults(today)) == ["resume: 0 -> 1"]
+
+
+def test_absolute_paths_makes_every_local_path_the_users_and_leaves_the_rest(tmp_path, monkeypatch):
+    """The driver's working directory is the user's; a Ray worker's is not (see
+    tests/ray_seam/test_driver.py for the run)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(parse_args(["-i", "d/train_*.bin", "-j", "d/val.bin", "-o", "runs/a",
+                                     "-e", "models/gpt2.bin"]))
+    assert (cfg.input_bin, cfg.input_val_bin, cfg.output_dir, cfg.model) == (
+        f"{tmp_path}/d/train_*.bin", f"{tmp_path}/d/val.bin", f"{tmp_path}/runs/a",
+        f"{tmp_path}/models/gpt2.bin")
+    kept = absolute_paths(parse_args(["-j", "", "-o", "s3://bucket/run", "-e", "d4"]))
+    assert (kept.input_val_bin, kept.output_dir, kept.model) == ("", "s3://bucket/run", "d4")
+    assert kept.input_bin == TrainConfig().input_bin  # the bundled shards: absolute already

@@ -63,7 +63,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raygpt import preflight
 from raygpt.checkpointing import local_copy, protocol as ck
 from raygpt.checkpointing.protocol import finalize_checkpoint
-from raygpt.config import TrainConfig, absolute_output_dir
+from raygpt.config import TrainConfig, absolute_paths
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
 from raygpt.ownership import claimed_run_dir
@@ -463,8 +463,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     the sweep driver's). Raises ConfigError for a bad input, RunFailed once the run's own retry
     budget (cfg.max_failures) is spent or at once when a worker's error would only recur
     (`final`), RunAborted on a second Ctrl-C."""
-    if cfg.output_dir.strip():  # an empty -o is refused by validate(), never made the cwd
-        cfg = cfg.with_overrides({"output_dir": absolute_output_dir(cfg.output_dir)})
+    cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:
         plan = preflight.check(cfg)
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from raygpt import preflight
-from raygpt.config import (ConfigError, FlagParser, SpikeConfig, TrainConfig,
+from raygpt.config import (ConfigError, FlagParser, SpikeConfig, TrainConfig, absolute_paths,
                            output_dir_with_endpoint, parse_args)
 
 # Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
@@ -50,15 +50,10 @@ def pin_for_trials(base: TrainConfig, gpus_available: int | None) -> TrainConfig
     their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
     validation batches stay unset unless given, so a trial that changes B or T still gets
     B*T*world tokens per step and validation batches fitted to its own B and T."""
-    resolved = base.resolve(gpus_available=gpus_available)
-    pinned = {"total_batch_size": base.total_batch_size, "val_batch_size": base.val_batch_size,
-              "val_batches": base.val_batches,
-              "input_bin": os.path.abspath(resolved.input_bin)}
-    if resolved.input_val_bin:
-        pinned["input_val_bin"] = os.path.abspath(resolved.input_val_bin)
-    if resolved.depth is None:
-        pinned["model"] = os.path.abspath(resolved.model)
-    return resolved.with_overrides(pinned)
+    resolved = absolute_paths(base.resolve(gpus_available=gpus_available))
+    return resolved.with_overrides({"total_batch_size": base.total_batch_size,
+                                    "val_batch_size": base.val_batch_size,
+                                    "val_batches": base.val_batches})
 
 
 def _plain(value):

@@ -3,11 +3,13 @@ faults (a killed worker, SIGTERM, SIGUSR1, a crash before DONE, a fault on every
 One local Ray (2 CPUs) is shared by the whole module."""
 
 import json
+import shutil
 
 import pytest
 import ray
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.config import TrainConfig
 from raygpt.faults import read_fired
 from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
 from raygpt.report import run_status
@@ -77,6 +79,31 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     assert a.keys() == b.keys()
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6)
+
+
+def test_paths_relative_to_the_users_directory_train_and_resume(tmp_path, monkeypatch):
+    """-i, -j and -o given relative to the driver's working directory name the user's files:
+    Ray's workers run in another directory, so the driver makes them absolute before anything
+    reads them. The run is then resumed from another directory, its paths relative to that one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("input_bin", "input_val_bin"):
+        shutil.copy(getattr(TrainConfig(), name), data / f"{name}.bin")
+    monkeypatch.chdir(tmp_path)
+    rel = dict(input_bin="data/input_bin.bin", input_val_bin="data/input_val_bin.bin",
+               num_workers=2, checkpoint_every=4, val_every=4)
+    first = go(tiny_config("runs/rel", max_steps=4, **rel))
+    assert first["step"] == 4
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again = go(tiny_config("../runs/rel", max_steps=8, resume=1,
+                           **{**rel, "input_bin": "../data/input_bin.bin",
+                              "input_val_bin": "../data/input_val_bin.bin"}))
+    assert again["step"] == 8
+    run_dir = tmp_path / "runs" / "rel"
+    assert sorted(train_losses(run_dir)) == list(range(8))
+    assert [r["step"] for r in records(run_dir) if r["kind"] == "resume"] == [4]
+    assert ck.list_checkpoint_steps(open_run_dir(str(run_dir))) == [4, 8]
 
 
 def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
