@@ -625,17 +625,17 @@ def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with every local path it names made absolute against this process's working
-    directory: the run directory, the train and validation shard globs, an -e model file. The
-    driver does it before anything reads them; Ray's workers run with another working directory,
-    where a path given relative to the user's would name nothing (or something else). URIs, an
-    empty -o (refused by validate(), never made the working directory), an empty -j (validation
-    off) and a dN model spec are left as they are."""
-    def absolute(path: str) -> str:
-        return path if not path or "://" in path else os.path.abspath(path)
+    directory (and ~ as the user's home): the run directory, the train and validation shard
+    globs, an -e model file. The driver does it before anything reads them; Ray's workers run
+    with another working directory, where a path given relative to the user's would name
+    nothing (or something else). URIs, an empty -o (refused by validate(), never made the
+    working directory), an empty -j (validation off) and a dN model spec are left as they are."""
+    def absolute(path: str) -> str:  # ~ too: a quoted glob ('~/data/*.bin') reaches us as typed
+        return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
 
     paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin)}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
-        paths["output_dir"] = str(Path(cfg.output_dir).resolve())
+        paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
     if cfg.depth is None and cfg.model:
         paths["model"] = absolute(cfg.model)
     return cfg.with_overrides(paths)

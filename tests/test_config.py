@@ -297,6 +297,9 @@ def test_absolute_paths_makes_every_local_path_the_users_and_leaves_the_rest(tmp
     assert (cfg.input_bin, cfg.input_val_bin, cfg.output_dir, cfg.model) == (
         f"{tmp_path}/d/train_*.bin", f"{tmp_path}/d/val.bin", f"{tmp_path}/runs/a",
         f"{tmp_path}/models/gpt2.bin")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = absolute_paths(parse_args(["-i", "~/d/*.bin", "-o", "~/runs/b"]))
+    assert (home.input_bin, home.output_dir) == (f"{tmp_path}/home/d/*.bin", f"{tmp_path}/home/runs/b")
     kept = absolute_paths(parse_args(["-j", "", "-o", "s3://bucket/run", "-e", "d4"]))
     assert (kept.input_val_bin, kept.output_dir, kept.model) == ("", "s3://bucket/run", "d4")
     assert kept.input_bin == TrainConfig().input_bin  # the bundled shards: absolute already
