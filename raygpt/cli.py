@@ -36,9 +36,8 @@ def _train(argv: list[str]) -> int:
         return 0
     adapted: list[str] = []
     try:
-        cfg = parse_args(argv)
+        cfg = absolute_paths(parse_args(argv))  # the workers' working directory is not this one
         cfg = cfg.resolve(_cluster_gpus(), notes=adapted)
-        cfg = absolute_paths(cfg)  # the workers' working directory is not this one
         from raygpt import preflight  # before Ray is even imported: a bad input costs ~1 s
         plan = preflight.check(cfg)
     except ConfigError as e:

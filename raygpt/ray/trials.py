@@ -50,7 +50,7 @@ def pin_for_trials(base: TrainConfig, gpus_available: int | None) -> TrainConfig
     their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
     validation batches stay unset unless given, so a trial that changes B or T still gets
     B*T*world tokens per step and validation batches fitted to its own B and T."""
-    resolved = absolute_paths(base.resolve(gpus_available=gpus_available))
+    resolved = absolute_paths(base).resolve(gpus_available=gpus_available)
     return resolved.with_overrides({"total_batch_size": base.total_batch_size,
                                     "val_batch_size": base.val_batch_size,
                                     "val_batches": base.val_batches})
