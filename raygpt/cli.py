@@ -15,6 +15,7 @@ Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in ra
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from raygpt import __version__
@@ -37,9 +38,10 @@ def _train(argv: list[str]) -> int:
     adapted: list[str] = []
     try:
         cfg = absolute_paths(parse_args(argv))  # the workers' working directory is not this one
-        cfg = cfg.resolve(_cluster_gpus(), notes=adapted)
+        gpus, cpus = _cluster_capacity()
+        cfg = cfg.resolve(gpus, notes=adapted, cpus_available=cpus)
         from raygpt import preflight  # before Ray is even imported: a bad input costs ~1 s
-        plan = preflight.check(cfg)
+        plan = preflight.check(cfg, on_this_machine=not os.environ.get("RAY_ADDRESS"))
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
@@ -60,14 +62,14 @@ def _train(argv: list[str]) -> int:
     return EXIT_FINISHED if not summary.get("stopped_early") else EXIT_STOPPED
 
 
-def _cluster_gpus() -> int | None:
-    """Under `ray job submit` the driver runs on the head node, which often has no GPU: count the
-    cluster's GPUs instead of the local ones (None: no cluster to join, count locally)."""
-    import os
+def _cluster_capacity() -> tuple[int | None, int | None]:
+    """(GPUs, CPUs) of the cluster RAY_ADDRESS names: under `ray job submit` the driver runs on
+    the head node, which often has no GPU (None, None: no cluster to join, count locally)."""
     if not os.environ.get("RAY_ADDRESS"):
-        return None  # no cluster: Ray is not even imported before the checks
-    from raygpt.ray.driver import cluster_gpus
-    return cluster_gpus()
+        return None, None  # no cluster: Ray is not even imported before the checks
+    from raygpt.ray.driver import cluster_resources
+    resources = cluster_resources()
+    return int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
 
 
 def _sweep(argv: list[str]) -> int:

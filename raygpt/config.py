@@ -251,7 +251,8 @@ class TrainConfig:
     """Where the workers train: auto picks gpu when the machine (or, under ray job submit, the
     cluster) has a GPU, else cpu. --cpu and --gpu are short for it."""
     num_workers: int | None = knob(None, section="ray", may_change_on_resume=True)
-    """Ray Train workers. Default: every visible GPU, or 2 CPU workers."""
+    """Ray Train workers. Default: every visible GPU, or 2 CPU workers (1 where the Ray has a
+    single CPU)."""
     min_workers: int | None = knob(None, section="ray", may_change_on_resume=True)
     """Elastic: continue on as few as this many workers after losing nodes. The global batch
     (-d) stays the same; grad accumulation absorbs the change. Default: none (a fixed size)."""
@@ -329,7 +330,7 @@ class TrainConfig:
 
     # ==== resolution and checks
     def resolve(self, gpus_available: int | None = None,
-                notes: list[str] | None = None) -> "TrainConfig":
+                notes: list[str] | None = None, cpus_available: int | None = None) -> "TrainConfig":
         """Return a copy with hardware- and data-dependent defaults filled in, then validated.
 
         Only fields left unset (None, or -1 for total_batch_size) are filled, so resolving an
@@ -341,14 +342,20 @@ class TrainConfig:
         c = dataclasses.replace(self, spike=dataclasses.replace(self.spike))
         notes = notes if notes is not None else []
         if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
-            gpus_available = 0 if c.device == "cpu" else _visible_gpus()
+            gpus_available = 0 if c.device == "cpu" else local_gpus()
         if c.device == "auto":
             c.device = "gpu" if gpus_available > 0 else "cpu"
         if c.device == "gpu" and gpus_available == 0 and c.num_workers is None:
             raise ConfigError("--gpu: no GPU is visible on this machine (expected at least 1, found 0)")
         on_gpu = c.device == "gpu"
-        if c.num_workers is None:
-            c.num_workers = gpus_available if on_gpu else 2
+        if c.num_workers is None and on_gpu:
+            c.num_workers = gpus_available
+        elif c.num_workers is None:  # two CPU workers, where the Ray has two CPUs to hold them
+            cpus = cpus_available if cpus_available is not None else local_cpus()
+            c.num_workers = max(1, min(2, cpus))
+            if c.num_workers < 2:
+                notes.append(f"workers=1 (not 2): the Ray this run uses has {cpus} CPU, and a "
+                             f"second CPU worker would wait for one forever")
         if c.model is None:
             c.model = "d12" if on_gpu else "d4"
         if c.seq_len is None:
@@ -641,7 +648,19 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     return cfg.with_overrides(paths)
 
 
-def _visible_gpus() -> int:
+def local_cpus() -> int:
+    """The CPUs a Ray started on this machine has: Ray's own count (a container's CPU quota,
+    not only the host's cores), os.cpu_count() where Ray cannot say."""
+    try:
+        from ray._private.utils import get_num_cpus
+        return int(get_num_cpus())
+    except Exception:  # noqa: BLE001 - another Ray layout: the host's count
+        return os.cpu_count() or 1
+
+
+def local_gpus() -> int:
+    """The GPUs this process can see (CUDA_VISIBLE_DEVICES applies), as a Ray started here
+    counts them."""
     try:
         import torch
         return torch.cuda.device_count()

@@ -17,6 +17,9 @@ was expected, or returns what it found (for the start-up line):
   so a missing bucket or a read-only path is one line, not a pyarrow traceback from a worker;
 - trackers: an --mlflow URI MLflow cannot open (`tracking.check_mlflow_uri`; a missing wandb or
   mlflow package is refused earlier, by `TrainConfig.validate`).
+- the workers against this machine, when raygpt starts a Ray of its own here
+  (`check_fits_this_machine`): more GPU or CPU workers than it has would wait for them forever
+  (a cluster may grow: its own scheduler decides there).
 
 `raygpt.ray.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
 of a Ray Tune sweep that can be known before Tune samples anything, before Ray starts.
@@ -34,15 +37,32 @@ from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
 
-def check(cfg: TrainConfig) -> list[str]:
-    """Check a resolved config against its files and run directory; return lines describing
-    the data plan and the resume. Raises ConfigError (one line) on the first problem."""
-    check_model(cfg)  # first: resolve() may have taken T from this file's header
+def check(cfg: TrainConfig, *, on_this_machine: bool = False) -> list[str]:
+    """Check a resolved config against its files and run directory (and, `on_this_machine`,
+    against the Ray raygpt will start here); return lines describing the data plan and the
+    resume. Raises ConfigError (one line) on the first problem."""
+    if on_this_machine:
+        check_fits_this_machine(cfg)
+    check_model(cfg)  # first of the files: resolve() may have taken T from this file's header
     facts = check_data(cfg)
     facts += check_resume(cfg)
     check_trackers(cfg)
     check_run_dir(cfg)
     return facts
+
+
+def check_fits_this_machine(cfg: TrainConfig) -> None:
+    """The Ray raygpt starts on this machine has its GPUs (or, for CPU workers, Ray's count of
+    its CPUs): a worker group larger than that is never placed. An elastic run (--min-workers)
+    starts on what there is, so its minimum is what must fit."""
+    from raygpt.config import local_cpus, local_gpus
+    have, kind = (local_gpus(), "GPU") if cfg.device == "gpu" else (local_cpus(), "CPU")
+    flag, need = (("--num-workers", cfg.num_workers) if cfg.min_workers is None
+                  else ("--min-workers", cfg.min_workers))
+    if need > have:
+        raise ConfigError(f"{flag}: expected at most {have}, the {kind}s of this machine (each "
+                          f"{cfg.device} worker takes one, and the Ray raygpt starts here has no "
+                          f"more; RAY_ADDRESS runs on a cluster), found {need}")
 
 
 def check_trackers(cfg: TrainConfig) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import ray
 from raygpt.checkpointing import protocol as ck
-from raygpt import cli, preflight
+from raygpt import cli, config, preflight
 from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
@@ -89,7 +89,8 @@ def test_bad_validation_shard_is_refused(data, no_ray, capsys):
     assert f"-j/--input-val-bin: {data / 'magic.bin'}: magic" in err
 
 
-def test_shard_too_small_for_the_batch_and_world(data, no_ray, capsys):
+def test_shard_too_small_for_the_batch_and_world(data, no_ray, capsys, monkeypatch):
+    monkeypatch.setattr(config, "local_cpus", lambda: 8)  # 3 workers fit: the data does not
     err = refused(args(data, "-b", "16", "-t", "128", "--num-workers", "3"), capsys)
     assert f"-i/--input-bin: {data / 'train.bin'}: token count 5,000: expected at least " \
            f"B*T*world+1 = 16*128*3+1 = 6,145" in err
@@ -306,6 +307,40 @@ def test_defaults_pass_and_say_what_they_found(no_ray, tmp_path):
     assert facts[1].startswith("validation: 1 x 15 x 1024 tokens on 2 of 2 rank(s)")
 
 
+def test_workers_that_do_not_fit_this_machine_are_refused_before_anything_is_made(
+        data, no_ray, capsys, monkeypatch):
+    """raygpt's own Ray holds this machine's GPUs, and Ray's count of its CPUs (a container's
+    quota): more workers would wait for a placement forever. Refused before the run directory
+    exists; a cluster (RAY_ADDRESS) may grow, so there its scheduler decides."""
+    monkeypatch.setattr(config, "local_cpus", lambda: 3)
+    monkeypatch.setattr(config, "local_gpus", lambda: 1)
+    err = refused(args(data, "--num-workers", "4"), capsys)
+    assert err.endswith("--num-workers: expected at most 3, the CPUs of this machine (each cpu "
+                        "worker takes one, and the Ray raygpt starts here has no more; RAY_ADDRESS "
+                        "runs on a cluster), found 4"), err
+    err = refused(args(data, "--gpu", "--num-workers", "2"), capsys)
+    assert "--num-workers: expected at most 1, the GPUs of this machine" in err, err
+    assert not (data / "run").exists()
+    fits = parse_args(args(data, "--num-workers", "3")).resolve(0)
+    preflight.check(fits, on_this_machine=True)
+    preflight.check(fits.with_overrides({"num_workers": 4}))  # joining a cluster: not ours to say
+    elastic = fits.with_overrides({"num_workers": 6, "min_workers": 3})  # starts on what fits
+    preflight.check(elastic, on_this_machine=True)
+    with pytest.raises(ConfigError, match="--min-workers: expected at most 3, the CPUs"):
+        preflight.check(elastic.with_overrides({"min_workers": 4}), on_this_machine=True)
+
+
+def test_cpu_default_workers_fit_the_machine(monkeypatch):
+    """Two CPU workers by default, one where the Ray has a single CPU (with a note saying so)."""
+    monkeypatch.setattr(config, "local_cpus", lambda: 1)
+    notes = []
+    one = TrainConfig(device="cpu").resolve(notes=notes)
+    assert one.num_workers == 1 and one.total_batch_size == one.batch_size * one.seq_len
+    assert notes[0].startswith("workers=1 (not 2): the Ray this run uses has 1 CPU"), notes
+    assert TrainConfig(device="cpu").resolve(cpus_available=16).num_workers == 2
+    assert TrainConfig(device="cpu", num_workers=3).resolve(cpus_available=1).num_workers == 3
+
+
 # ---------------------------------------------------------------------- sweeps
 
 def test_a_sweep_refuses_a_bad_trial_config_before_ray_starts(data, no_ray, capsys):
@@ -349,7 +384,7 @@ def test_known_trial_points_cross_grids_and_choices_and_take_range_ends():
 
 # ---------------------------------------------------------------------- the real command line
 
-@pytest.mark.parametrize("case", ["magic", "too_small", "unwritable", "resume", "sweep"])
+@pytest.mark.parametrize("case", ["magic", "too_small", "unwritable", "resume", "sweep", "workers"])
 def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
     """`python -m raygpt train ...`, experiments/shakespeare.py and
     experiments/sweep_shakespeare.py, as a user runs them."""
@@ -357,7 +392,8 @@ def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
              "too_small": ["-b", "64", "-t", "128"],
              "unwritable": ["-o", str(data / "afile" / "run")],
              "resume": ["-y", "1", "-l", "0.5"],
-             "sweep": ["--grid", "batch_size=2,64", "-t", "128"]}[case]
+             "sweep": ["--grid", "batch_size=2,64", "-t", "128"],
+             "workers": ["--num-workers", "512"]}[case]
     if case == "resume":
         fake_checkpoint(data / "run", parse_args(args(data)).resolve(0))
     entry = {"too_small": [sys.executable, str(REPO / "experiments" / "shakespeare.py")],
@@ -373,5 +409,7 @@ def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
     lines = proc.stderr.strip().splitlines()
     prefix = "raygpt sweep: error: trial batch_size=64: " if case == "sweep" else "raygpt: error: "
     assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+    if case == "workers":  # no machine here has 512 CPUs
+        assert lines[0].startswith("raygpt: error: --num-workers: expected at most "), lines
     assert proc.stdout == ""  # nothing started, nothing printed
     assert elapsed < 15, elapsed

@@ -464,8 +464,9 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     budget (cfg.max_failures) is spent or at once when a worker's error would only recur
     (`final`), RunAborted on a second Ctrl-C."""
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
-    if plan is None:
-        plan = preflight.check(cfg)
+    if plan is None:  # the Ray started below, when none is given, holds this machine's only
+        plan = preflight.check(cfg, on_this_machine=not (
+            ray.is_initialized() or ray_address or os.environ.get("RAY_ADDRESS")))
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
     with claimed_run_dir(cfg, lineage=lineage, what=what,
                          on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
@@ -476,7 +477,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
                  f"{cfg.num_workers} x {cfg.device} | {cfg.model} | B={cfg.batch_size} "
                  f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan))
         for note in adapted:
-            log.info(f"raygpt | adapted to the data: {note}")
+            log.info(f"raygpt | adapted to the data and the machine: {note}")
         init_ray(ray_address)
         start_train_helpers()
         control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
@@ -515,17 +516,22 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     return final
 
 
-def cluster_gpus(address: str | None = None) -> int | None:
-    """The GPUs of the Ray cluster this process is in or joins (the argument or RAY_ADDRESS:
-    that Ray is up already), counted without starting a Ray of its own; None when there is no
-    cluster to join (count this machine's, as the local Ray will). Under `ray job submit` the
-    driver runs on the head node, which often has no GPU of its own."""
-    if ray.is_initialized():
-        return int(ray.cluster_resources().get("GPU", 0))
-    if address or os.environ.get("RAY_ADDRESS"):
+def cluster_resources(address: str | None = None) -> dict | None:
+    """The resources ({"GPU": 2.0, "CPU": 32.0, ...}) of the Ray cluster this process is in or
+    joins (the argument or RAY_ADDRESS: that Ray is up already), without starting a Ray of its
+    own; None when there is no cluster to join (count this machine's, as the local Ray will).
+    Under `ray job submit` the driver runs on the head node, which often has no GPU of its own."""
+    if not ray.is_initialized():
+        if not (address or os.environ.get("RAY_ADDRESS")):
+            return None
         init_ray(address)
-        return int(ray.cluster_resources().get("GPU", 0))
-    return None
+    return ray.cluster_resources()
+
+
+def cluster_gpus(address: str | None = None) -> int | None:
+    """cluster_resources' GPUs (None: no cluster to join)."""
+    resources = cluster_resources(address)
+    return None if resources is None else int(resources.get("GPU", 0))
 
 
 def init_ray(address: str | None = None) -> None:
