@@ -359,6 +359,10 @@ def test_a_sweep_refuses_a_bad_trial_config_before_ray_starts(data, no_ray, caps
     err = refused(args(data, "--grid", "batch_size=2,3", out="afile/sweep"), capsys, command="sweep")
     assert err.startswith(f"raygpt sweep: error: -o/--output-dir {data / 'afile' / 'sweep'}: "
                           "expected a run directory this process can create and write")
+    # a trial wider than the Ray the sweep starts here would wait for its workers forever
+    err = refused(args(data, "--grid", "num_workers=1,512", out="sweep"), capsys, command="sweep")
+    assert err.startswith("raygpt sweep: error: trial num_workers=512: --num-workers: expected "
+                          "at most "), err
     assert not (data / "sweep").exists()
 
 

@@ -431,7 +431,8 @@ def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
     checked before Ray starts (its files may have changed since); each trial checks its own
     checkpoint when it resumes."""
     plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
-    preflight_sweep(TrainConfig.from_dict(plan.base), {}, sweep_dir)
+    preflight_sweep(TrainConfig.from_dict(plan.base), {}, sweep_dir,
+                    on_this_machine=_starts_its_own_ray(ray_address))
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
         plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
@@ -454,8 +455,13 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
     if settings["early_stop"] == "asha" and settings["max_t"] is None:
         raise ConfigError("--early-stop asha: expected -x/--max-steps >= 1 (ASHA needs the "
                           "trials' length), found -1 (one epoch)")
-    preflight_sweep(pinned, space, sweep_dir)
+    preflight_sweep(pinned, space, sweep_dir, on_this_machine=_starts_its_own_ray(ray_address))
     return pinned
+
+
+def _starts_its_own_ray(address: str | None) -> bool:
+    """Whether this sweep's Ray is one it starts on this machine (no cluster given or joined)."""
+    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
 
 
 @contextlib.contextmanager

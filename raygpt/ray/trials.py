@@ -117,15 +117,19 @@ def known_trial_points(space: dict) -> list[dict]:
     return points
 
 
-def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str) -> list[TrainConfig]:
+def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str, *,
+                    on_this_machine: bool = False) -> list[TrainConfig]:
     """The single run's driver-side checks (raygpt.preflight) on every trial config known up
-    front, and the sweep directory's filesystem; ConfigError in one line naming the trial's
-    overrides. Needs no Ray: run it before Ray starts. Returns the configs checked."""
+    front (`on_this_machine`: its workers against the Ray the sweep starts here, too), and the
+    sweep directory's filesystem; ConfigError in one line naming the trial's overrides. Needs
+    no Ray: run it before Ray starts. Returns the configs checked."""
     checked = []
     for point in known_trial_points(space):
         where = " ".join(f"{k}={_plain(v)}" for k, v in point.items()) or "the base config"
         try:
             cfg = trial_config(pinned, point, f"{abs_dir(sweep_dir).rstrip('/')}/trials/preflight")
+            if on_this_machine:  # a trial wider than it would wait for its workers forever
+                preflight.check_fits_this_machine(cfg)
             preflight.check_model(cfg)
             preflight.check_data(cfg)
             preflight.check_trackers(cfg)
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
             elif not space:
                 space = {"scheduler": {"grid_search": list(DEFAULT_SCHEDULERS)}}
             check_space(check, space)
-            preflight_sweep(pin_for_trials(check, None), space, base.output_dir)
+            preflight_sweep(pin_for_trials(check, None), space, base.output_dir,
+                            on_this_machine=True)
         from raygpt.ray import sweep  # Ray Tune, Ray Train and torch: seconds of imports
         from raygpt.ray.driver import RunFailed
     except ConfigError as e:
