@@ -464,7 +464,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     budget (cfg.max_failures) is spent or at once when a worker's error would only recur
     (`final`), RunAborted on a second Ctrl-C."""
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
-    if plan is None:  # the Ray started below, when none is given, holds this machine's only
+    if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
         plan = preflight.check(cfg, on_this_machine=not (
             ray.is_initialized() or ray_address or os.environ.get("RAY_ADDRESS")))
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
