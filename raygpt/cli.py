@@ -20,6 +20,7 @@ import sys
 
 from raygpt import __version__
 from raygpt.config import EXIT_CODES, ConfigError, absolute_paths, build_parser, parse_args
+from raygpt.ray import capacity
 
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
@@ -40,8 +41,9 @@ def _train(argv: list[str]) -> int:
         cfg = absolute_paths(parse_args(argv))  # the workers' working directory is not this one
         gpus, cpus = _cluster_capacity()
         cfg = cfg.resolve(gpus, notes=adapted, cpus_available=cpus)
-        from raygpt import preflight  # before Ray is even imported: a bad input costs ~1 s
-        plan = preflight.check(cfg, on_this_machine=not os.environ.get("RAY_ADDRESS"))
+        from raygpt import preflight  # before Ray starts: a bad input costs ~1 s
+        plan = preflight.check(cfg, machine=None if os.environ.get("RAY_ADDRESS")
+                               else capacity.this_machine(cfg))
     except ConfigError as e:
         print(f"raygpt: error: {e}", file=sys.stderr)
         return 2
@@ -62,11 +64,12 @@ def _train(argv: list[str]) -> int:
     return EXIT_FINISHED if not summary.get("stopped_early") else EXIT_STOPPED
 
 
-def _cluster_capacity() -> tuple[int | None, int | None]:
+def _cluster_capacity() -> tuple[int | None, int]:
     """(GPUs, CPUs) of the cluster RAY_ADDRESS names: under `ray job submit` the driver runs on
-    the head node, which often has no GPU (None, None: no cluster to join, count locally)."""
+    the head node, which often has no GPU. Without one, the Ray started here: (None: resolve()
+    counts the GPUs itself, Ray's count of this machine's CPUs), and Ray is not started."""
     if not os.environ.get("RAY_ADDRESS"):
-        return None, None  # no cluster: Ray is not even imported before the checks
+        return None, capacity.local_cpus()
     from raygpt.ray.driver import cluster_resources
     resources = cluster_resources()
     return int(resources.get("GPU", 0)), int(resources.get("CPU", 0))

@@ -338,7 +338,9 @@ class TrainConfig:
         (an impossible one is an error, here or in `raygpt.preflight`). Where the data forces a
         default to adapt (a micro-batch the train shards cannot feed on this many workers, a
         validation set smaller than the default validation batches), a line saying what was
-        chosen and why is appended to `notes`."""
+        chosen and why is appended to `notes`. `gpus_available` / `cpus_available`: what the
+        Ray the run uses holds (GPUs: None counts this machine's; CPUs: None is not known, and
+        a CPU run gets its default of 2 workers)."""
         c = dataclasses.replace(self, spike=dataclasses.replace(self.spike))
         notes = notes if notes is not None else []
         if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
@@ -351,11 +353,10 @@ class TrainConfig:
         if c.num_workers is None and on_gpu:
             c.num_workers = gpus_available
         elif c.num_workers is None:  # two CPU workers, where the Ray has two CPUs to hold them
-            cpus = cpus_available if cpus_available is not None else local_cpus()
-            c.num_workers = max(1, min(2, cpus))
+            c.num_workers = 2 if cpus_available is None else max(1, min(2, cpus_available))
             if c.num_workers < 2:
-                notes.append(f"workers=1 (not 2): the Ray this run uses has {cpus} CPU, and a "
-                             f"second CPU worker would wait for one forever")
+                notes.append(f"workers=1 (not 2): the Ray this run uses has {cpus_available} CPU, "
+                             f"and a second CPU worker would wait for one forever")
         if c.model is None:
             c.model = "d12" if on_gpu else "d4"
         if c.seq_len is None:
@@ -646,16 +647,6 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     if cfg.depth is None and cfg.model:
         paths["model"] = absolute(cfg.model)
     return cfg.with_overrides(paths)
-
-
-def local_cpus() -> int:
-    """The CPUs a Ray started on this machine has: Ray's own count (a container's CPU quota,
-    not only the host's cores), os.cpu_count() where Ray cannot say."""
-    try:
-        from ray._private.utils import get_num_cpus
-        return int(get_num_cpus())
-    except Exception:  # noqa: BLE001 - another Ray layout: the host's count
-        return os.cpu_count() or 1
 
 
 def local_gpus() -> int:

@@ -37,12 +37,13 @@ from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
 
-def check(cfg: TrainConfig, *, on_this_machine: bool = False) -> list[str]:
-    """Check a resolved config against its files and run directory (and, `on_this_machine`,
-    against the Ray raygpt will start here); return lines describing the data plan and the
-    resume. Raises ConfigError (one line) on the first problem."""
-    if on_this_machine:
-        check_fits_this_machine(cfg)
+def check(cfg: TrainConfig, *, machine: dict[str, int] | None = None) -> list[str]:
+    """Check a resolved config against its files and run directory (and its workers against
+    `machine`, what the Ray raygpt will start here holds: raygpt.ray.capacity.this_machine);
+    return lines describing the data plan and the resume. Raises ConfigError (one line) on the
+    first problem."""
+    if machine is not None:
+        check_fits_this_machine(cfg, machine)
     check_model(cfg)  # first of the files: resolve() may have taken T from this file's header
     facts = check_data(cfg)
     facts += check_resume(cfg)
@@ -51,12 +52,12 @@ def check(cfg: TrainConfig, *, on_this_machine: bool = False) -> list[str]:
     return facts
 
 
-def check_fits_this_machine(cfg: TrainConfig) -> None:
+def check_fits_this_machine(cfg: TrainConfig, machine: dict[str, int]) -> None:
     """The Ray raygpt starts on this machine has its GPUs (or, for CPU workers, Ray's count of
-    its CPUs): a worker group larger than that is never placed. An elastic run (--min-workers)
-    starts on what there is, so its minimum is what must fit."""
-    from raygpt.config import local_cpus, local_gpus
-    have, kind = (local_gpus(), "GPU") if cfg.device == "gpu" else (local_cpus(), "CPU")
+    its CPUs), `machine` ({"GPU": n} or {"CPU": n}): a worker group larger than that is never
+    placed. An elastic run (--min-workers) starts on what there is, so its minimum must fit."""
+    kind = "GPU" if cfg.device == "gpu" else "CPU"
+    have = machine.get(kind, 0)
     flag, need = (("--num-workers", cfg.num_workers) if cfg.min_workers is None
                   else ("--min-workers", cfg.min_workers))
     if need > have:

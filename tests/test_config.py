@@ -303,3 +303,14 @@ def test_absolute_paths_makes_every_local_path_the_users_and_leaves_the_rest(tmp
     kept = absolute_paths(parse_args(["-j", "", "-o", "s3://bucket/run", "-e", "d4"]))
     assert (kept.input_val_bin, kept.output_dir, kept.model) == ("", "s3://bucket/run", "d4")
     assert kept.input_bin == TrainConfig().input_bin  # the bundled shards: absolute already
+
+
+def test_cpu_default_workers_fit_the_machine():
+    """Two CPU workers by default, one where the Ray has a single CPU (with a note saying so)."""
+    notes = []
+    one = TrainConfig(device="cpu").resolve(notes=notes, cpus_available=1)
+    assert one.num_workers == 1 and one.total_batch_size == one.batch_size * one.seq_len
+    assert notes[0].startswith("workers=1 (not 2): the Ray this run uses has 1 CPU"), notes
+    assert TrainConfig(device="cpu").resolve(cpus_available=16).num_workers == 2
+    assert TrainConfig(device="cpu").resolve().num_workers == 2  # the Ray's CPUs not known
+    assert TrainConfig(device="cpu", num_workers=3).resolve(cpus_available=1).num_workers == 3

@@ -19,10 +19,11 @@ import pytest
 
 import ray
 from raygpt.checkpointing import protocol as ck
-from raygpt import cli, config, preflight
+from raygpt import cli, preflight
 from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
+from raygpt.ray import capacity
 from raygpt.storage import open_run_dir
 from tests.helpers import S3Server
 
@@ -90,7 +91,7 @@ def test_bad_validation_shard_is_refused(data, no_ray, capsys):
 
 
 def test_shard_too_small_for_the_batch_and_world(data, no_ray, capsys, monkeypatch):
-    monkeypatch.setattr(config, "local_cpus", lambda: 8)  # 3 workers fit: the data does not
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 8)  # 3 workers fit: the data does not
     err = refused(args(data, "-b", "16", "-t", "128", "--num-workers", "3"), capsys)
     assert f"-i/--input-bin: {data / 'train.bin'}: token count 5,000: expected at least " \
            f"B*T*world+1 = 16*128*3+1 = 6,145" in err
@@ -312,8 +313,8 @@ def test_workers_that_do_not_fit_this_machine_are_refused_before_anything_is_mad
     """raygpt's own Ray holds this machine's GPUs, and Ray's count of its CPUs (a container's
     quota): more workers would wait for a placement forever. Refused before the run directory
     exists; a cluster (RAY_ADDRESS) may grow, so there its scheduler decides."""
-    monkeypatch.setattr(config, "local_cpus", lambda: 3)
-    monkeypatch.setattr(config, "local_gpus", lambda: 1)
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 3)
+    monkeypatch.setattr(capacity, "local_gpus", lambda: 1)
     err = refused(args(data, "--num-workers", "4"), capsys)
     assert err.endswith("--num-workers: expected at most 3, the CPUs of this machine (each cpu "
                         "worker takes one, and the Ray raygpt starts here has no more; RAY_ADDRESS "
@@ -322,23 +323,21 @@ def test_workers_that_do_not_fit_this_machine_are_refused_before_anything_is_mad
     assert "--num-workers: expected at most 1, the GPUs of this machine" in err, err
     assert not (data / "run").exists()
     fits = parse_args(args(data, "--num-workers", "3")).resolve(0)
-    preflight.check(fits, on_this_machine=True)
+    preflight.check(fits, machine={"CPU": 3})
     preflight.check(fits.with_overrides({"num_workers": 4}))  # joining a cluster: not ours to say
     elastic = fits.with_overrides({"num_workers": 6, "min_workers": 3})  # starts on what fits
-    preflight.check(elastic, on_this_machine=True)
+    preflight.check(elastic, machine={"CPU": 3})
     with pytest.raises(ConfigError, match="--min-workers: expected at most 3, the CPUs"):
-        preflight.check(elastic.with_overrides({"min_workers": 4}), on_this_machine=True)
+        preflight.check(elastic.with_overrides({"min_workers": 4}), machine={"CPU": 3})
 
 
-def test_cpu_default_workers_fit_the_machine(monkeypatch):
-    """Two CPU workers by default, one where the Ray has a single CPU (with a note saying so)."""
-    monkeypatch.setattr(config, "local_cpus", lambda: 1)
-    notes = []
-    one = TrainConfig(device="cpu").resolve(notes=notes)
-    assert one.num_workers == 1 and one.total_batch_size == one.batch_size * one.seq_len
-    assert notes[0].startswith("workers=1 (not 2): the Ray this run uses has 1 CPU"), notes
-    assert TrainConfig(device="cpu").resolve(cpus_available=16).num_workers == 2
-    assert TrainConfig(device="cpu", num_workers=3).resolve(cpus_available=1).num_workers == 3
+def test_the_command_line_resolves_against_this_machines_cpus(no_ray, monkeypatch):
+    """Without RAY_ADDRESS, `raygpt train` gives resolve() Ray's count of this machine's CPUs
+    (no Ray started for it), so a 1-CPU machine's default run has 1 CPU worker."""
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 1)
+    gpus, cpus = cli._cluster_capacity()
+    assert (gpus, cpus) == (None, 1)
+    assert TrainConfig(device="cpu").resolve(gpus, cpus_available=cpus).num_workers == 1
 
 
 # ---------------------------------------------------------------------- sweeps

@@ -67,6 +67,7 @@ from raygpt.config import TrainConfig, absolute_paths
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
 from raygpt.ownership import claimed_run_dir
+from raygpt.ray import capacity
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
@@ -465,8 +466,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     (`final`), RunAborted on a second Ctrl-C."""
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
-        plan = preflight.check(cfg, on_this_machine=not (
-            ray.is_initialized() or ray_address or os.environ.get("RAY_ADDRESS")))
+        joins = ray.is_initialized() or ray_address or os.environ.get("RAY_ADDRESS")
+        plan = preflight.check(cfg, machine=None if joins else capacity.this_machine(cfg))
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
     with claimed_run_dir(cfg, lineage=lineage, what=what,
                          on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
@@ -526,12 +527,6 @@ def cluster_resources(address: str | None = None) -> dict | None:
             return None
         init_ray(address)
     return ray.cluster_resources()
-
-
-def cluster_gpus(address: str | None = None) -> int | None:
-    """cluster_resources' GPUs (None: no cluster to join)."""
-    resources = cluster_resources(address)
-    return None if resources is None else int(resources.get("GPU", 0))
 
 
 def init_ray(address: str | None = None) -> None:

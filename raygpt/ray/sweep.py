@@ -81,7 +81,8 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
-from raygpt.ray.driver import RunFailed, cluster_gpus, init_ray, run
+from raygpt.ray import capacity
+from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,
                                check_space, main, pin_for_trials,
                                preflight_sweep, space_items, trial_config)
@@ -449,7 +450,10 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
     (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
     if settings["early_stop"] not in ("asha", "none"):
         raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
-    pinned = pin_for_trials(base, cluster_gpus(ray_address))
+    resources = cluster_resources(ray_address)  # None: the Ray started here, this machine
+    pinned = pin_for_trials(base, None if resources is None else int(resources.get("GPU", 0)),
+                            capacity.local_cpus() if resources is None
+                            else int(resources.get("CPU", 0)))
     upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
     settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
     if settings["early_stop"] == "asha" and settings["max_t"] is None:

@@ -27,6 +27,7 @@ import numpy as np
 from raygpt import preflight
 from raygpt.config import (ConfigError, FlagParser, SpikeConfig, TrainConfig, absolute_paths,
                            output_dir_with_endpoint, parse_args)
+from raygpt.ray import capacity
 
 # Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
 # best_config.json leaves them out.
@@ -44,13 +45,15 @@ def abs_dir(path: str) -> str:
 
 # ====================================================================== configs (pure)
 
-def pin_for_trials(base: TrainConfig, gpus_available: int | None) -> TrainConfig:
+def pin_for_trials(base: TrainConfig, gpus_available: int | None,
+                   cpus_available: int | None = None) -> TrainConfig:
     """The base every trial overrides: hardware defaults resolved here on the driver (a Tune trial
     actor holds no GPU, so it would resolve to CPU), and paths made absolute (trials run with
     their Tune trial directory as working directory). total_batch_size=-1 stays -1, and the
     validation batches stay unset unless given, so a trial that changes B or T still gets
     B*T*world tokens per step and validation batches fitted to its own B and T."""
-    resolved = absolute_paths(base).resolve(gpus_available=gpus_available)
+    resolved = absolute_paths(base).resolve(gpus_available=gpus_available,
+                                            cpus_available=cpus_available)
     return resolved.with_overrides({"total_batch_size": base.total_batch_size,
                                     "val_batch_size": base.val_batch_size,
                                     "val_batches": base.val_batches})
@@ -129,7 +132,7 @@ def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str, *,
         try:
             cfg = trial_config(pinned, point, f"{abs_dir(sweep_dir).rstrip('/')}/trials/preflight")
             if on_this_machine:  # a trial wider than it would wait for its workers forever
-                preflight.check_fits_this_machine(cfg)
+                preflight.check_fits_this_machine(cfg, capacity.this_machine(cfg))
             preflight.check_model(cfg)
             preflight.check_data(cfg)
             preflight.check_trackers(cfg)
@@ -266,8 +269,8 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
             elif not space:
                 space = {"scheduler": {"grid_search": list(DEFAULT_SCHEDULERS)}}
             check_space(check, space)
-            preflight_sweep(pin_for_trials(check, None), space, base.output_dir,
-                            on_this_machine=True)
+            preflight_sweep(pin_for_trials(check, None, capacity.local_cpus()), space,
+                            base.output_dir, on_this_machine=True)
         from raygpt.ray import sweep  # Ray Tune, Ray Train and torch: seconds of imports
         from raygpt.ray.driver import RunFailed
     except ConfigError as e:

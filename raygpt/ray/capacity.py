@@ -1,0 +1,24 @@
+"""What the Ray that a raygpt process starts on this machine will hold: the GPUs this process
+sees, or Ray's own count of its CPUs (a container's CPU quota, not only the host's cores). The
+config's defaults and the preflight take these numbers as arguments; only this seam asks Ray.
+Light to import: Ray's helper is imported when a CPU count is asked for."""
+
+from __future__ import annotations
+
+import os
+
+from raygpt.config import TrainConfig, local_gpus
+
+
+def local_cpus() -> int:
+    """The CPUs a Ray started on this machine has (os.cpu_count() where Ray cannot say)."""
+    try:
+        from ray._private.utils import get_num_cpus
+        return int(get_num_cpus())
+    except Exception:  # noqa: BLE001 - another Ray layout: the host's count
+        return os.cpu_count() or 1
+
+
+def this_machine(cfg: TrainConfig) -> dict[str, int]:
+    """{"GPU": n} for a GPU run, {"CPU": n} for a CPU one: what its workers can take here."""
+    return {"GPU": local_gpus()} if cfg.device == "gpu" else {"CPU": local_cpus()}
