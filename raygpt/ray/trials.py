@@ -1,5 +1,6 @@
-"""A sweep's trial configs and its command line, without Ray: what `raygpt sweep` checks before
-Ray (or even Ray Tune and torch, seconds of imports) is loaded.
+"""A sweep's trial configs and its command line, without Ray running: what `raygpt sweep`
+checks before Ray Tune and torch (seconds of imports) are loaded, asking Ray nothing but this
+machine's CPU count (raygpt.ray.capacity).
 
 - `pin_for_trials` / `trial_config`: the base every trial overrides (hardware resolved on the
   driver, paths absolute) and one trial's run config (`base.with_overrides(trial_config)`);
@@ -125,7 +126,7 @@ def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str, *,
     """The single run's driver-side checks (raygpt.preflight) on every trial config known up
     front (`on_this_machine`: its workers against the Ray the sweep starts here, too), and the
     sweep directory's filesystem; ConfigError in one line naming the trial's overrides. Needs
-    no Ray: run it before Ray starts. Returns the configs checked."""
+    no running Ray: run it before Ray starts. Returns the configs checked."""
     checked = []
     for point in known_trial_points(space):
         where = " ".join(f"{k}={_plain(v)}" for k, v in point.items()) or "the base config"
