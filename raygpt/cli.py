@@ -65,14 +65,13 @@ def _train(argv: list[str]) -> int:
 
 
 def _cluster_capacity() -> tuple[int | None, int]:
-    """(GPUs, CPUs) of the cluster RAY_ADDRESS names: under `ray job submit` the driver runs on
-    the head node, which often has no GPU. Without one, the Ray started here: (None: resolve()
-    counts the GPUs itself, Ray's count of this machine's CPUs), and Ray is not started."""
+    """resolve()'s (GPUs, CPUs): the cluster's that RAY_ADDRESS names (under `ray job submit`
+    the driver runs on the head node, which often has no GPU), else this machine's, without
+    starting Ray or importing Ray Train (capacity.for_resolve)."""
     if not os.environ.get("RAY_ADDRESS"):
-        return None, capacity.local_cpus()
+        return capacity.for_resolve(None)
     from raygpt.ray.driver import cluster_resources
-    resources = cluster_resources()
-    return int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    return capacity.for_resolve(cluster_resources())
 
 
 def _sweep(argv: list[str]) -> int:

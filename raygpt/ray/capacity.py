@@ -19,6 +19,14 @@ def local_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def for_resolve(cluster: dict | None) -> tuple[int | None, int]:
+    """resolve()'s (gpus_available, cpus_available) from a cluster's resources, or, for None (the
+    Ray started here), (None: resolve() counts this machine's GPUs itself, Ray's CPU count)."""
+    if cluster is None:
+        return None, local_cpus()
+    return int(cluster.get("GPU", 0)), int(cluster.get("CPU", 0))
+
+
 def this_machine(cfg: TrainConfig) -> dict[str, int]:
     """{"GPU": n} for a GPU run, {"CPU": n} for a CPU one: what its workers can take here."""
     return {"GPU": local_gpus()} if cfg.device == "gpu" else {"CPU": local_cpus()}

@@ -466,8 +466,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     (`final`), RunAborted on a second Ctrl-C."""
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
-        joins = ray.is_initialized() or ray_address or os.environ.get("RAY_ADDRESS")
-        plan = preflight.check(cfg, machine=None if joins else capacity.this_machine(cfg))
+        plan = preflight.check(cfg, machine=capacity.this_machine(cfg)
+                               if starts_its_own_ray(ray_address) else None)
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
     with claimed_run_dir(cfg, lineage=lineage, what=what,
                          on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
@@ -522,11 +522,16 @@ def cluster_resources(address: str | None = None) -> dict | None:
     joins (the argument or RAY_ADDRESS: that Ray is up already), without starting a Ray of its
     own; None when there is no cluster to join (count this machine's, as the local Ray will).
     Under `ray job submit` the driver runs on the head node, which often has no GPU of its own."""
-    if not ray.is_initialized():
-        if not (address or os.environ.get("RAY_ADDRESS")):
-            return None
-        init_ray(address)
+    if starts_its_own_ray(address):
+        return None
+    init_ray(address)  # a no-op when this process is in a Ray already
     return ray.cluster_resources()
+
+
+def starts_its_own_ray(address: str | None = None) -> bool:
+    """Whether a run here would start a Ray of its own on this machine: no Ray joined yet and
+    none named (the argument, else RAY_ADDRESS)."""
+    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
 
 
 def init_ray(address: str | None = None) -> None:

@@ -82,7 +82,7 @@ from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
 from raygpt.ray import capacity
-from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run
+from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,
                                check_space, main, pin_for_trials,
                                preflight_sweep, space_items, trial_config)
@@ -433,7 +433,7 @@ def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
     checkpoint when it resumes."""
     plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
     preflight_sweep(TrainConfig.from_dict(plan.base), {}, sweep_dir,
-                    on_this_machine=_starts_its_own_ray(ray_address))
+                    on_this_machine=starts_its_own_ray(ray_address))
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
         plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
@@ -450,22 +450,14 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
     (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
     if settings["early_stop"] not in ("asha", "none"):
         raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
-    resources = cluster_resources(ray_address)  # None: the Ray started here, this machine
-    pinned = pin_for_trials(base, None if resources is None else int(resources.get("GPU", 0)),
-                            capacity.local_cpus() if resources is None
-                            else int(resources.get("CPU", 0)))
+    pinned = pin_for_trials(base, *capacity.for_resolve(cluster_resources(ray_address)))
     upper = _upper(space["max_steps"]) if "max_steps" in space else pinned.max_steps
     settings["max_t"] = int(upper) if upper is not None and upper > 0 else None
     if settings["early_stop"] == "asha" and settings["max_t"] is None:
         raise ConfigError("--early-stop asha: expected -x/--max-steps >= 1 (ASHA needs the "
                           "trials' length), found -1 (one epoch)")
-    preflight_sweep(pinned, space, sweep_dir, on_this_machine=_starts_its_own_ray(ray_address))
+    preflight_sweep(pinned, space, sweep_dir, on_this_machine=starts_its_own_ray(ray_address))
     return pinned
-
-
-def _starts_its_own_ray(address: str | None) -> bool:
-    """Whether this sweep's Ray is one it starts on this machine (no cluster given or joined)."""
-    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
 
 
 @contextlib.contextmanager
