@@ -14,6 +14,13 @@ Permissions: the temporary file is created with mode 0666 and the process's umas
 directory's default ACL) narrows it, as for any file a program creates; `tempfile.mkstemp`'s
 0600 would make DONE, MANIFEST, shards and model files unreadable to the other users of a shared
 run directory whatever their umask says.
+
+Private paths: what raygpt keeps on a node in a shared temp directory (the compile cache, the
+checkpoint copies, the staging roots) and the artifact signing key are loaded as code or as
+training state, so each is used only when it is a real directory (or file) owned by this user
+that no other user may read or write: `private_dir` makes or checks one, `check_private_dir`
+checks one, `open_private_file` opens one. A name another user made first in /tmp (a directory,
+or a symlink to a directory they write) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 # what a filesystem answers when it does not fsync directories (not an I/O failure)
@@ -101,3 +109,67 @@ def fsync_directory(path: str | os.PathLike) -> None:
             raise
     finally:
         os.close(fd)
+
+
+class NotPrivateError(PermissionError):
+    """A path raygpt loads code or state from is not private to this user; the message names it."""
+
+
+def private_dir(path: str | os.PathLike, what: str) -> Path:
+    """The directory `path` (its parents made as needed), created private to this user (mode
+    0700) if it is missing, then checked as `check_private_dir` does: a name that another user
+    made first, or a symlink, is refused (NotPrivateError naming it and `what` it is for)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)  # never follows a planted symlink: EEXIST, then lstat says what
+    except FileExistsError:
+        pass
+    check_private_dir(path, what)
+    return path
+
+
+def check_private_dir(path: str | os.PathLike, what: str) -> None:
+    """NotPrivateError unless `path` is a real directory (not a symlink) owned by this user
+    with no group or other permission bits; the message names `path` and `what` it is for."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise NotPrivateError(f"{path}: expected a private {what}, cannot stat it ({e})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise NotPrivateError(f"{path}: expected a private {what}, found a symlink (to "
+                              f"{os.readlink(path)!r}); refusing to use it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotPrivateError(f"{path}: expected a private {what}, found another kind of file")
+    _check_owner_only(st, path, what)
+
+
+def open_private_file(path: str | os.PathLike, what: str) -> int:
+    """A read-only descriptor of the regular file `path`, owned by this user with no group or
+    other permission bits (checked on the open file: O_NOFOLLOW refuses a symlink, fstat sees
+    the file that was opened); NotPrivateError naming it otherwise. FileNotFoundError passes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotPrivateError(f"{path}: expected a private {what}, found a symlink (to "
+                                  f"{os.readlink(path)!r}); refusing to use it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotPrivateError(f"{path}: expected a private {what}, found another kind of file")
+        _check_owner_only(st, path, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_owner_only(st: os.stat_result, path, what: str) -> None:
+    if st.st_uid != os.getuid():
+        raise NotPrivateError(f"{path}: expected a {what} owned by uid {os.getuid()}, found one "
+                              f"owned by uid {st.st_uid}; refusing to use it")
+    if st.st_mode & 0o077:
+        raise NotPrivateError(f"{path}: expected a {what} only its owner can use (no group or "
+                              f"other permissions), found mode {stat.S_IMODE(st.st_mode):04o}")

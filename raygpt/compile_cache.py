@@ -9,8 +9,9 @@ replacement node fills its local caches from them before its first step instead 
 raygpt's own Triton kernels, which those artifacts do not carry, go beside them in a bundle
 (raygpt.kernel_bundle, COMPILE_ARTIFACTS/<key>.kernels.zip) that a new node installs into its
 Triton cache before it launches any of them (the restore's re-derive is the first).
-Per user, private (0700, owned by this user: compiled code is loaded from it, so a directory
-another user of the node made first is refused), as torch's own /tmp/torchinductor_<user>.
+The node's cache is per user and private (atomic_file.private_dir: compiled code is loaded from
+it, so a directory another user of the node made first, or a symlink in its place, is refused),
+as torch's own /tmp/torchinductor_<user>.
 
 AOTAutograd's cache skips, by default, any graph with a custom autograd.Function in it (torch
 cannot tell whether the Function's Python changed since the entry was made), and raygpt's loss,
@@ -43,6 +44,7 @@ import tempfile
 
 import torch
 
+from raygpt.atomic_file import NotPrivateError, private_dir
 from raygpt.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -83,13 +85,10 @@ def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
     """Point Inductor's and Triton's on-disk caches at the node-local `root` (unless set), and
     let them keep raygpt's graphs whole (trust_raygpt_functions)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.stat(root)
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise PermissionError(f"{root}: the node's compile cache must be private to user "
-                                  f"{os.getuid()} (found owner {st.st_uid}, mode "
-                                  f"{oct(st.st_mode & 0o777)}); remove it or set "
-                                  f"TORCHINDUCTOR_CACHE_DIR")
+        try:
+            private_dir(root, "compile cache")
+        except NotPrivateError as e:
+            raise NotPrivateError(f"{e}; remove it or set TORCHINDUCTOR_CACHE_DIR") from None
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", root)
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
                                                            "triton_user"))
@@ -194,8 +193,10 @@ def _artifacts_marker(cache_dir: str, name: str) -> str:
 
 
 def _touch(path: str) -> None:
+    """Create the marker `path` in the node's private cache (O_NOFOLLOW: never through a link)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    open(path, "w").close()
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o600))
 
 
 @dataclasses.dataclass

@@ -155,3 +155,78 @@ def test_move_local_file_renames_and_copies_whole_where_mounts_differ(tmp_path, 
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError):
         atomic_file.move_local_file(tmp_path / "missing", target)
+
+
+# ---------------------------------------------------------------------- private paths
+
+def test_a_private_dir_is_made_0700_whatever_the_umask_and_kept(tmp_path):
+    path = tmp_path / "parent" / "cache"
+    old = os.umask(0)
+    try:
+        assert atomic_file.private_dir(path, "compile cache") == path
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+    (path / "entry").write_text("kept")
+    atomic_file.private_dir(path, "compile cache")  # a later process: the same directory
+    assert (path / "entry").read_text() == "kept"
+
+
+def test_a_name_someone_else_made_first_in_a_shared_temp_dir_is_refused(tmp_path, monkeypatch):
+    """Issue 43: a symlink planted at the name (to a directory that passes every check through
+    the link, as its owner can make it pass while it is checked), a directory the group may
+    use, another owner's directory, a file: NotPrivateError naming the path and what it is
+    for, and nothing is created through a link."""
+    target = tmp_path / "attackers"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "raygpt_cache_1000"
+    link.symlink_to(target)
+    with pytest.raises(atomic_file.NotPrivateError) as e:
+        atomic_file.private_dir(link, "compile cache")
+    assert str(e.value) == (f"{link}: expected a private compile cache, found a symlink (to "
+                            f"{str(target)!r}); refusing to use it")
+    dangling = tmp_path / "raygpt_dangling"
+    dangling.symlink_to(tmp_path / "not_yet")
+    with pytest.raises(atomic_file.NotPrivateError, match="found a symlink"):
+        atomic_file.private_dir(dangling, "compile cache")
+    assert os.listdir(target) == [] and not (tmp_path / "not_yet").exists()
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)
+    with pytest.raises(atomic_file.NotPrivateError) as e:
+        atomic_file.private_dir(shared, "compile cache")
+    assert str(e.value) == (f"{shared}: expected a compile cache only its owner can use (no "
+                            f"group or other permissions), found mode 0770")
+    shared.chmod(0o700)
+    uid = os.lstat(shared).st_uid
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(atomic_file.NotPrivateError) as e:
+        atomic_file.private_dir(shared, "compile cache")
+    assert str(e.value) == (f"{shared}: expected a compile cache owned by uid {uid + 1}, found "
+                            f"one owned by uid {uid}; refusing to use it")
+    monkeypatch.undo()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(atomic_file.NotPrivateError, match="found another kind of file"):
+        atomic_file.private_dir(a_file, "compile cache")
+
+
+def test_open_private_file_refuses_links_and_shared_files(tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(b"secret")
+    key.chmod(0o600)
+    fd = atomic_file.open_private_file(key, "key file")
+    assert os.read(fd, 10) == b"secret"
+    os.close(fd)
+    link = tmp_path / "link"
+    link.symlink_to(key)
+    with pytest.raises(atomic_file.NotPrivateError, match=f"^{link}: .*found a symlink"):
+        atomic_file.open_private_file(link, "key file")
+    key.chmod(0o604)
+    with pytest.raises(atomic_file.NotPrivateError, match="found mode 0604"):
+        atomic_file.open_private_file(key, "key file")
+    with pytest.raises(atomic_file.NotPrivateError, match="another kind of file"):
+        atomic_file.open_private_file(tmp_path, "key file")
+    with pytest.raises(FileNotFoundError):
+        atomic_file.open_private_file(tmp_path / "none", "key file")

@@ -13,11 +13,12 @@ MANIFEST fixes: it can make a resume faster, never different.
 
 Where: `<temp dir>/raygpt_local_ckpt_<uid>/<run key>/step_<N>/<name>`, the run key a hash of
 the run directory's URI (two runs of one user on a node never share files); private to the user
-(0700, checked as the staging root is: a directory another user made first is refused, and the
-copies are then not kept). Each rank keeps the copies of the files it wrote for its last
-KEEP_STEPS checkpoints (the newest may not be complete when a worker is lost: the resume then
-goes to the one before) and removes its copies when its run finishes; a run that never finished
-here leaves its directory until a save of any run on the node finds it STALE_S old.
+(`atomic_file.private_dir`: a directory another user made first, or a symlink planted in its
+place, is refused, and the copies are then not kept). Each rank keeps the copies of the files
+it wrote for its last KEEP_STEPS checkpoints (the newest may not be complete when a worker is
+lost: the resume then goes to the one before) and removes its copies when its run finishes; a
+run that never finished here leaves its directory until a save of any run on the node finds it
+STALE_S old.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from raygpt.atomic_file import check_private_dir, private_dir
 from raygpt.checkpointing import protocol as ck
 
 log = logging.getLogger(__name__)
@@ -112,12 +114,14 @@ class LocalCopies:
             self.dir.rmdir()
 
     def _step_dir(self, step: int, create: bool = False) -> Path:
-        if create:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-        ck.check_private_dir(self.root)  # what is read from here is loaded as training state
-        if create:
-            self.dir.mkdir(mode=0o700, exist_ok=True)
-            (self.dir / ck.step_dir(step)).mkdir(mode=0o700, exist_ok=True)
+        # what is read from here is loaded as training state: a root another user made first
+        # (a directory, or a symlink to one they write) is refused
+        if not create:
+            check_private_dir(self.root, "checkpoint copy directory")
+            return self.dir / ck.step_dir(step)
+        private_dir(self.root, "checkpoint copy directory")
+        self.dir.mkdir(mode=0o700, exist_ok=True)  # inside the private root: ours
+        (self.dir / ck.step_dir(step)).mkdir(mode=0o700, exist_ok=True)
         return self.dir / ck.step_dir(step)
 
     # ------------------------------------------------------------------ load side

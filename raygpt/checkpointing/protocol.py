@@ -35,13 +35,13 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from raygpt import atomic_file
 from raygpt.llmc.state_file import json_default
 from raygpt.storage import MAX_JSON_BYTES, FileTooLarge, RunDir, read_json_bounded
 
@@ -608,23 +608,11 @@ def _process_alive(pid: int) -> bool:
 
 def check_private_dir(path: str | os.PathLike) -> None:
     """CheckpointError unless `path` is a real directory (not a symlink), owned by this user,
-    that no other user may read or write (mode 0700 or narrower)."""
+    that no other user may read or write (atomic_file.check_private_dir's rule)."""
     try:
-        st = os.lstat(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: expected a private staging directory, cannot stat it ({e})")
-    if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(f"{path}: expected a private staging directory, found a symlink "
-                              f"(to {os.readlink(path)!r}); refusing to write checkpoint files there")
-    if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointError(f"{path}: expected a private staging directory, found another kind "
-                              f"of file")
-    if st.st_uid != os.getuid():
-        raise CheckpointError(f"{path}: expected a staging directory owned by uid {os.getuid()}, "
-                              f"found one owned by uid {st.st_uid}; refusing to write there")
-    if st.st_mode & 0o077:
-        raise CheckpointError(f"{path}: expected a staging directory only its owner can use "
-                              f"(mode 0700), found mode {stat.S_IMODE(st.st_mode):04o}")
+        atomic_file.check_private_dir(path, "staging directory")
+    except atomic_file.NotPrivateError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def stage_dir(tmp_root: str | os.PathLike, step: int) -> Path:

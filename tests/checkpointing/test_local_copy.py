@@ -206,3 +206,22 @@ def test_copies_kept_for_the_last_checkpoints_only_and_never_outside_a_private_d
     copies.keep(20, stage, ["a.bin"])
     os.chmod(root, 0o755)
     assert copies.read(20, "a.bin", 3) is None
+
+
+def test_a_symlink_planted_at_the_local_copy_root_keeps_and_reads_nothing(tmp_path):
+    """Issue 43: another user of the node plants the root's name as a symlink to a directory
+    (one that looks private through the link): no copy is kept through it, none is read from
+    it, and the save goes on."""
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "a.bin").write_bytes(b"abc")
+    target = tmp_path / "attackers"
+    target.mkdir(mode=0o700)
+    planted = tmp_path / "raygpt_local_ckpt_1000"
+    planted.symlink_to(target)
+    copies = LocalCopies("s3://bucket/run", planted)
+    copies.keep(4, stage, ["a.bin"])  # never raises: the rank's save goes on
+    assert os.listdir(target) == [] and copies.kept == []
+    (target / copies.dir.name / step_dir(4)).mkdir(parents=True)
+    (target / copies.dir.name / step_dir(4) / "a.bin").write_bytes(b"abc")
+    assert copies.read(4, "a.bin", 3) is None  # what the link's owner put there is not read

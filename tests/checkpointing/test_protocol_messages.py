@@ -619,7 +619,7 @@ def test_private_dir_refusals_name_the_path_and_the_reason(tmp_path, monkeypatch
     with pytest.raises(CheckpointError) as e:
         ck.check_private_dir(link)
     assert str(e.value) == (f"{link}: expected a private staging directory, found a symlink (to "
-                            f"{str(tmp_path)!r}); refusing to write checkpoint files there")
+                            f"{str(tmp_path)!r}); refusing to use it")
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
     ck.check_private_dir(shared)
@@ -628,7 +628,7 @@ def test_private_dir_refusals_name_the_path_and_the_reason(tmp_path, monkeypatch
         with pytest.raises(CheckpointError) as e:
             ck.check_private_dir(shared)
         assert str(e.value) == (f"{shared}: expected a staging directory only its owner can use "
-                                f"(mode 0700), found mode {mode:04o}")
+                                f"(no group or other permissions), found mode {mode:04o}")
     shared.chmod(0o500)  # narrower than 0700 is private too
     ck.check_private_dir(shared)
     shared.chmod(0o700)
@@ -637,7 +637,7 @@ def test_private_dir_refusals_name_the_path_and_the_reason(tmp_path, monkeypatch
         ck.check_private_dir(shared)
     uid = os.lstat(shared).st_uid
     assert str(e.value) == (f"{shared}: expected a staging directory owned by uid {uid + 1}, "
-                            f"found one owned by uid {uid}; refusing to write there")
+                            f"found one owned by uid {uid}; refusing to use it")
 
 
 def test_stage_root_and_dirs_carry_their_labels(tmp_path, monkeypatch):
