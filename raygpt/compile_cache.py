@@ -13,6 +13,13 @@ The node's cache is per user and private (atomic_file.private_dir: compiled code
 it, so a directory another user of the node made first, or a symlink in its place, is refused),
 as torch's own /tmp/torchinductor_<user>.
 
+Both run-directory files are signed with the user's key (raygpt.signed_file; the session's
+`artifact_key`) and checked before a byte of them is unpickled or installed: the run directory
+may be on storage that others can write. A file that does not verify (an older run's unsigned
+one, one another key signed, a forged one) is not loaded; the run compiles, as with none, and
+rank 0 replaces it with its own signed file after its first step, so the next new node starts
+warm again. Without a key (a session that has none) the run compiles and stores nothing.
+
 AOTAutograd's cache skips, by default, any graph with a custom autograd.Function in it (torch
 cannot tell whether the Function's Python changed since the entry was made), and raygpt's loss,
 attention and embedding are such Functions: a warm start then re-traced and re-partitioned the
@@ -44,8 +51,10 @@ import tempfile
 
 import torch
 
+from raygpt import signed_file
 from raygpt.atomic_file import NotPrivateError, private_dir
 from raygpt.config import TrainConfig
+from raygpt.signed_file import ArtifactKey
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +136,20 @@ def compile_artifacts_name(cfg: TrainConfig, device_name: str) -> str:
     return f"{COMPILE_ARTIFACTS}/{key.hexdigest()[:20]}.bin"
 
 
-def load_compile_artifacts(run_dir, name: str, cache_dir: str) -> bool:
-    """Fill this node's caches from the run's artifacts, once per node (a marker in the local
-    cache says they are in); True when the run has artifacts. A damaged file only costs a
+def load_compile_artifacts(run_dir, name: str, cache_dir: str, key: ArtifactKey) -> bool:
+    """Fill this node's caches from the run's artifacts `name`, once per node (a marker in the
+    local cache says they are in); True when the run has artifacts this node can use, False
+    when it has none signed by `key` (then rank 0 stores its own). A damaged file only costs a
     compilation: torch checks what it loads, and the loop compiles as if there were none."""
     if not run_dir.exists(name):
         return False
     marker = _artifacts_marker(cache_dir, name)
     if not os.path.exists(marker):
+        artifacts = _signed_payload(run_dir, name, key, "compiling")
+        if artifacts is None:
+            return False
         try:
-            torch.compiler.load_cache_artifacts(run_dir.read_bytes(name))
+            torch.compiler.load_cache_artifacts(artifacts)
         except Exception as e:  # noqa: BLE001 - a cache: compiling is always a correct fallback
             log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: compiled artifacts not loaded "
                         f"({e}); compiling")
@@ -150,18 +163,21 @@ def kernels_name(name: str) -> str:
     return name.removesuffix(".bin") + ".kernels.zip"
 
 
-def load_kernel_bundle(run_dir, name: str, cache_dir: str) -> bool:
-    """Install the run's bundle of raygpt's Triton kernels into this node's Triton cache, once
-    per node (a marker, as for the artifacts); True when the run has one. A bundle that cannot be
-    read or installed only costs Triton's compiling them: a warning says which file and why."""
+def load_kernel_bundle(run_dir, name: str, cache_dir: str, key: ArtifactKey) -> bool:
+    """Install the run's bundle `name` of raygpt's Triton kernels into this node's Triton
+    cache, once per node (a marker, as for the artifacts); True when the run has one this node
+    can use, False when it has none signed by `key`. A bundle that cannot be read or installed
+    only costs Triton's compiling them: a warning says which file and why."""
     if not run_dir.exists(name):
         return False
     marker = _artifacts_marker(cache_dir, name)
     if not os.path.exists(marker):
         from raygpt import kernel_bundle
-        try:
-            kernel_bundle.install(kernel_bundle.read_bundle(run_dir.read_bytes(name),
-                                                            run_dir.uri(name)))
+        bundle = _signed_payload(run_dir, name, key, "Triton compiles raygpt's kernels")
+        if bundle is None:
+            return False
+        try:  # the bundle's own checks too (CRCs, plain names): a damaged file installs nothing
+            kernel_bundle.install(kernel_bundle.read_bundle(bundle, run_dir.uri(name)))
         except (kernel_bundle.BundleError, ImportError, OSError) as e:
             log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: raygpt's kernels not installed "
                         f"({e}); Triton compiles them")
@@ -170,21 +186,36 @@ def load_kernel_bundle(run_dir, name: str, cache_dir: str) -> bool:
     return True
 
 
-def save_kernel_bundle(run_dir, name: str, cache_dir: str) -> None:
-    """Store the Triton kernels raygpt launched in this process (none on a CPU) beside the run."""
+def _signed_payload(run_dir, name: str, key: ArtifactKey, fallback: str) -> bytes | None:
+    """The payload of the run's file `name` when `key` signed it for that name, else None with
+    one warning naming the file (nothing of it is used: it may have been planted)."""
+    try:
+        return signed_file.verified(key, name, run_dir.read_bytes(name))
+    except signed_file.NotSigned as e:
+        log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: not signed by this user's key "
+                    f"({e}); {fallback}")
+    except OSError as e:
+        log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: cannot read it ({e}); {fallback}")
+    return None
+
+
+def save_kernel_bundle(run_dir, name: str, cache_dir: str, key: ArtifactKey) -> None:
+    """Store the Triton kernels raygpt launched in this process (none on a CPU) beside the run,
+    signed with `key` (replacing whatever file had the name)."""
     from raygpt import kernel_bundle
     kernels = kernel_bundle.launched_kernels()
     if kernels:
-        run_dir.write_bytes_atomic(name, kernel_bundle.write_bundle(kernels))
+        run_dir.write_bytes_atomic(name, signed_file.sign(key, name,
+                                                          kernel_bundle.write_bundle(kernels)))
         _touch(_artifacts_marker(cache_dir, name))
 
 
-def save_compile_artifacts(run_dir, name: str, cache_dir: str) -> None:
-    """Store what this process compiled (the first step's graphs, validation's) beside the run;
-    this node's cache has them already."""
+def save_compile_artifacts(run_dir, name: str, cache_dir: str, key: ArtifactKey) -> None:
+    """Store what this process compiled (the first step's graphs, validation's) beside the run,
+    signed with `key` (replacing whatever file had the name); this node's cache has them."""
     artifacts = torch.compiler.save_cache_artifacts()
     if artifacts is not None:
-        run_dir.write_bytes_atomic(name, artifacts[0])
+        run_dir.write_bytes_atomic(name, signed_file.sign(key, name, artifacts[0]))
         _touch(_artifacts_marker(cache_dir, name))
 
 
@@ -202,11 +233,13 @@ def _touch(path: str) -> None:
 @dataclasses.dataclass
 class CompileCache:
     """A compiling run's caches: the run's artifacts file (`name`), this node's cache directory,
-    and whether the run had artifacts and a kernel bundle when this process started (then there
-    is nothing new to store)."""
+    the key its run-directory files are signed with (None: neither loaded nor stored), and
+    whether the run had usable artifacts and a kernel bundle when this process started (then
+    there is nothing new to store)."""
 
     name: str
     cache_dir: str
+    key: ArtifactKey | None
     had_artifacts: bool
     had_kernels: bool = False
 
@@ -214,15 +247,21 @@ class CompileCache:
     def for_run(cls, cfg: TrainConfig, session) -> "CompileCache":
         name = compile_artifacts_name(cfg, session.device_name)
         cache_dir = use_node_compile_cache()
+        key = session.artifact_key
         cuda = session.device.type == "cuda"
         if cuda:  # raygpt's Triton kernels, noted as they compile (a CPU run has none)
             from raygpt import kernel_bundle
             kernel_bundle.record_compiled_kernels()
-        return cls(name, cache_dir, load_compile_artifacts(session.run_dir, name, cache_dir),
-                   cuda and load_kernel_bundle(session.run_dir, kernels_name(name), cache_dir))
+        if key is None:
+            return cls(name, cache_dir, None, False)
+        return cls(name, cache_dir, key,
+                   load_compile_artifacts(session.run_dir, name, cache_dir, key),
+                   cuda and load_kernel_bundle(session.run_dir, kernels_name(name), cache_dir, key))
 
     def save_if_new(self, run_dir) -> None:
+        if self.key is None:
+            return
         if not self.had_artifacts:
-            save_compile_artifacts(run_dir, self.name, self.cache_dir)
+            save_compile_artifacts(run_dir, self.name, self.cache_dir, self.key)
         if not self.had_kernels:
-            save_kernel_bundle(run_dir, kernels_name(self.name), self.cache_dir)
+            save_kernel_bundle(run_dir, kernels_name(self.name), self.cache_dir, self.key)

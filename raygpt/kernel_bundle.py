@@ -20,7 +20,9 @@ its files; each file is the member `<key>/<file>`. Installing writes the files t
 own cache manager (`triton.runtime.cache.get_cache_manager`: TRITON_CACHE_DIR, or a manager
 the user configured) and the group last, as Triton does, so a kernel half installed is a miss,
 never a broken hit. A kernel compiled for another GPU or Triton has another key and is simply
-never looked up.
+never looked up. The checks here (CRCs, plain names) catch damage, not an author: in the run
+directory a bundle travels signed with the user's key (raygpt.signed_file), checked by
+raygpt.compile_cache before `read_bundle` sees a byte of it.
 
 Reader and writer are side by side: `write_bundle` / `read_bundle`; `record_compiled_kernels`
 and `launched_kernels` collect what this process compiled, `install` puts a bundle's kernels

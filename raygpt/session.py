@@ -1,7 +1,8 @@
 """What the training loop needs from its surroundings, without importing Ray.
 
 A `Session` says who this worker is (rank, world, device), where the run directory is, which
-checkpoint the surroundings want it to resume from, and how to publish a checkpoint. Under Ray
+checkpoint the surroundings want it to resume from, how to publish a checkpoint, and the key
+that signs the compiled code this run keeps in its run directory. Under Ray
 Train that is `raygpt.ray.worker.RaySession` (ray.train.report with a Checkpoint, a driver-side
 callback writes DONE and MANIFEST); `LocalSession` is the same protocol for a single process
 without Ray, which publishes a checkpoint by copying it into the run directory itself.
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from raygpt.signed_file import ArtifactKey
 from raygpt.storage import RunDir
 
 
@@ -22,6 +24,9 @@ class Session:
     world: int = 1
     device: torch.device = torch.device("cpu")
     run_dir: RunDir
+    # the user's key for the compiled artifacts in the run directory (raygpt.signed_file); None:
+    # none are loaded or stored, a compiled run compiles on every node
+    artifact_key: ArtifactKey | None = None
 
     @property
     def device_name(self) -> str:
@@ -74,9 +79,11 @@ class LocalSession(Session):
     """One process, no Ray: rank 0 of 1, publishing checkpoints straight into the run dir (its
     files moved in by rename when the run dir is local, on the staging directory's filesystem)."""
 
-    def __init__(self, run_dir: RunDir, device: torch.device | None = None):
+    def __init__(self, run_dir: RunDir, device: torch.device | None = None,
+                 artifact_key: ArtifactKey | None = None):
         self.run_dir = run_dir
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.artifact_key = artifact_key
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta,
                           times=None):

@@ -1,8 +1,10 @@
-"""Small shared pieces for the tests: tiny configs and reading a run's records."""
+"""Small shared pieces for the tests: tiny configs, reading a run's records, its log lines."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from pathlib import Path
 
 from raygpt.config import TrainConfig
@@ -15,6 +17,20 @@ def tiny_config(run_dir, **overrides) -> TrainConfig:
                 device="cpu", num_workers=1, compile=False, warmup_steps=2)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+@contextlib.contextmanager
+def log_lines(name: str, level: int = logging.WARNING):
+    """The messages logger `name` emits at `level` or above while the block runs (raygpt's
+    loggers do not propagate to the root, where pytest's caplog listens)."""
+    logger, lines = logging.getLogger(name), []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def records(run_dir) -> list[dict]:

@@ -18,8 +18,10 @@ graph and hide causes, see the CPU test). Sampling runs the model eagerly.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,8 @@ import torch
 from tests.ops.interpreter import needs_triton
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# the user's key in these checks' processes (a driver hands its workers the same key)
+TEST_KEY_BYTES = bytes(range(32))
 
 
 def compile_counts() -> dict[str, int]:
@@ -175,8 +179,12 @@ def check_new_node_starts_warm(tmp_path, device: str) -> str:
         # re-derive) came in the run's kernel bundle: the new node compiles none of them.
         # Inductor's copies of its triton_op kernels (the loss gradient, the attention) are
         # compiled there under other keys than node A's, so they are printed, not bundled.
+        from raygpt.signed_file import ArtifactKey, verified
+
         [bundle] = [a for a in new["artifacts"] if a.endswith(".kernels.zip")]
-        with zipfile.ZipFile(Path(run_dir, COMPILE_ARTIFACTS, bundle)) as z:
+        name = f"{COMPILE_ARTIFACTS}/{bundle}"
+        signed = Path(run_dir, name).read_bytes()
+        with zipfile.ZipFile(io.BytesIO(verified(ArtifactKey(TEST_KEY_BYTES), name, signed))) as z:
             bundled = [(k["group"], k["key"]) for k in json.loads(z.read("index.json"))["kernels"]]
         ours = [k for k in new["triton_compiled"] if k[0].startswith("raygpt.")]
         assert not ours, f"the new node compiled raygpt's kernels {ours}; bundled: {bundled}"
@@ -278,6 +286,116 @@ def test_the_node_compile_cache_is_private_to_its_user(tmp_path, monkeypatch):
         use_node_compile_cache(str(shared))
 
 
+class _CreatesAFile:
+    """Unpickled, opens (creates) `path`: what a planted pickle could do with any code."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _planted_artifacts(outside: Path) -> bytes:
+    """An artifacts file as torch.compiler.save_cache_artifacts writes one, made by someone who
+    can write the run directory: an autotune entry whose key is a path (torch writes its
+    content there) and an Inductor graph whose pickle creates a file when torch unpickles it
+    (at load with Triton bundling on, else at the first cache lookup). Loaded by torch, it
+    creates outside/written and outside/pickled."""
+    from torch.compiler._cache import (CacheArtifactFactory, CacheArtifactManager,
+                                       _serialize_single_cache)
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    serializer.extend([
+        ("autotune", [CacheArtifactFactory.create("autotune", str(outside / "written"), b"{}")]),
+        ("inductor", [CacheArtifactFactory.create(
+            "inductor", "fplanted", pickle.dumps(_CreatesAFile(str(outside / "pickled"))))])])
+    return serializer.to_bytes()
+
+
+def test_a_planted_artifacts_file_is_never_loaded_and_is_replaced_by_a_signed_one(
+        tmp_path, monkeypatch):
+    """Issue 43: a file someone else wrote at the run's artifacts name (unsigned, or signed
+    with another key) is not unpickled: nothing it would create exists, one warning names it,
+    the run compiles as with none, and rank 0's save after the first step replaces it with a
+    file signed by the user's key, which the next new node loads."""
+    import torch._inductor.config
+
+    from raygpt import compile_cache, signed_file
+    from raygpt.signed_file import ArtifactKey
+    from raygpt.storage import open_run_dir
+    from tests.helpers import log_lines
+
+    key, other = ArtifactKey(TEST_KEY_BYTES), ArtifactKey(bytes(32))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "node"))
+    monkeypatch.setattr(torch._inductor.config, "bundle_triton_into_fx_graph_cache", True)
+    rd, name = open_run_dir(str(tmp_path / "run")), "compile_cache/abc.bin"
+    node = str(tmp_path / "node")
+    planted = _planted_artifacts(outside)
+    for how, data in (("unsigned", planted), ("other key", signed_file.sign(other, name, planted))):
+        rd.write_bytes_atomic(name, data)
+        with log_lines(compile_cache.__name__) as warnings:
+            loaded = compile_cache.load_compile_artifacts(rd, name, node, key)
+        assert os.listdir(outside) == [], how  # nothing of it ran
+        assert loaded is False, how  # as with no file: rank 0 stores its own
+        [warning] = warnings
+        assert warning.startswith(f"raygpt | WARNING: {rd.uri(name)}: not signed by this "
+                                  f"user's key ("), (how, warning)
+        assert warning.endswith("); compiling"), (how, warning)
+        assert not os.path.exists(compile_cache._artifacts_marker(node, name)), how
+
+    # the run compiled; its first step's save replaces the planted file, signed
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled", None))
+    compile_cache.CompileCache(name, node, key, had_artifacts=False).save_if_new(rd)
+    assert signed_file.verified(key, name, rd.read_bytes(name)) == b"compiled"
+
+
+def test_without_a_key_no_artifacts_are_loaded_or_stored(tmp_path, monkeypatch):
+    """A session with no key (artifact_key None): the run's artifacts file is not read, and
+    nothing is stored after the first step; the run just compiles."""
+    from raygpt import compile_cache
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from tests.helpers import tiny_config
+
+    rd = open_run_dir(str(tmp_path / "run"))
+    monkeypatch.setattr(compile_cache, "use_node_compile_cache", lambda: str(tmp_path / "node"))
+    monkeypatch.setattr(rd, "read_bytes", lambda name: pytest.fail(f"read {name}"))
+    cfg = tiny_config(tmp_path / "run", compile=True).resolve(0)
+    name = compile_cache.compile_artifacts_name(cfg, "cpu")
+    rd.write_bytes_atomic(name, b"whatever")
+    cache = compile_cache.CompileCache.for_run(cfg, LocalSession(rd, torch.device("cpu")))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled", None))
+    cache.save_if_new(rd)
+    assert cache.key is None and (tmp_path / "run" / name).read_bytes() == b"whatever"
+
+
+def test_a_symlink_planted_at_the_node_cache_path_is_refused(tmp_path, monkeypatch):
+    """Issue 43: another user of the node plants /tmp/raygpt_compile_cache_<uid> as a symlink
+    before this user's first run. Pointed, while it is checked, at a private directory of this
+    user's (the check saw 0700 and this uid through the link), and afterwards at their own, it
+    would have Inductor and Triton load their code: a symlink is refused as such, naming the
+    path, and nothing is written through it."""
+    from raygpt.atomic_file import NotPrivateError
+    from raygpt.compile_cache import use_node_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    target = tmp_path / "looks_private"
+    target.mkdir(mode=0o700)
+    planted = tmp_path / "raygpt_compile_cache_1000"
+    planted.symlink_to(target)
+    with pytest.raises(NotPrivateError) as e:
+        use_node_compile_cache(str(planted))
+    assert str(e.value).startswith(f"{planted}: expected a private compile cache, found a "
+                                   f"symlink")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.listdir(target) == []
+
+
 # ---------------------------------------------------------------------- the checks (subprocess)
 
 def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
@@ -289,6 +407,7 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     from raygpt.kernel_bundle import raygpt_kernel_names
     from raygpt.loop import train
     from raygpt.session import LocalSession
+    from raygpt.signed_file import ArtifactKey
     from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
@@ -306,7 +425,8 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     cfg = tiny_config(run_dir, compile=True, max_steps=6, val_every=0, checkpoint_every=2, resume=1,
                       device="gpu" if device == "cuda" else "cpu"
                       ).resolve(1 if device == "cuda" else 0)
-    train(cfg, LocalSession(open_run_dir(run_dir), torch.device(device)))
+    train(cfg, LocalSession(open_run_dir(run_dir), torch.device(device),
+                            ArtifactKey(TEST_KEY_BYTES)))
     recs = [r for r in read_history(open_run_dir(run_dir)) if r["kind"] == "train"]
     c = torch._dynamo.utils.counters
     print(json.dumps({"counters": {**c["inductor"], **c["aot_autograd"]},
@@ -324,12 +444,13 @@ def _check_artifacts_unit(mode: str, run_dir: str, cache_dir: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     from raygpt.compile_cache import (_artifacts_marker, load_compile_artifacts,
                                       save_compile_artifacts, use_node_compile_cache)
+    from raygpt.signed_file import ArtifactKey
     from raygpt.storage import open_run_dir
 
     torch.set_num_threads(1)
-    rd, name = open_run_dir(run_dir), "compile_cache/unit.bin"
+    rd, name, key = open_run_dir(run_dir), "compile_cache/unit.bin", ArtifactKey(TEST_KEY_BYTES)
     use_node_compile_cache()
-    loaded = load_compile_artifacts(rd, name, cache_dir) if mode == "load" else False
+    loaded = load_compile_artifacts(rd, name, cache_dir, key) if mode == "load" else False
     from raygpt.model import fused_classifier_loss
 
     def step(x, w, t):  # forward and backward through one of raygpt's autograd Functions
@@ -340,7 +461,7 @@ def _check_artifacts_unit(mode: str, run_dir: str, cache_dir: str) -> None:
     x = torch.randn(8, 4, generator=g, requires_grad=True)
     torch.compile(step)(x, torch.randn(16, 4, generator=g), torch.arange(8)).backward()
     if mode == "save":
-        save_compile_artifacts(rd, name, cache_dir)
+        save_compile_artifacts(rd, name, cache_dir, key)
     c, a = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
     print(json.dumps({"loaded": loaded, "hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"],
                       "aot_hit": a["autograd_cache_hit"], "aot_bypass": a["autograd_cache_bypass"],
@@ -352,6 +473,7 @@ def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None =
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     from raygpt.loop import train
     from raygpt.session import LocalSession
+    from raygpt.signed_file import ArtifactKey
     from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
@@ -373,7 +495,8 @@ def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None =
     cfg = tiny_config(run_dir, compile=True, device="gpu" if device == "cuda" else "cpu",
                       max_steps=4, val_every=0,
                       checkpoint_every=2).resolve(1 if device == "cuda" else 0)
-    session = CountingSession(open_run_dir(run_dir), torch.device(device))
+    session = CountingSession(open_run_dir(run_dir), torch.device(device),
+                              ArtifactKey(TEST_KEY_BYTES))
     assert compile_counts()["dynamo_frames"] == 0
     train(cfg, session)
     counts = session.per_step + [compile_counts()]  # the last: after the final checkpoint

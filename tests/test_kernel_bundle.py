@@ -12,10 +12,14 @@ import zipfile
 
 import pytest
 
-from raygpt import compile_cache, kernel_bundle
+from raygpt import compile_cache, kernel_bundle, signed_file
 from raygpt.kernel_bundle import BundleError, Kernel
+from raygpt.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
+from tests.helpers import log_lines
 from tests.ops.interpreter import needs_triton
+
+KEY = ArtifactKey(bytes(range(32)))  # the user's
 
 
 def _kernel(name: str, payload: bytes = b"\x7fELF cubin") -> Kernel:
@@ -218,36 +222,32 @@ def test_a_run_stores_its_kernels_and_a_new_node_installs_them_once(tmp_path, mo
     name = compile_cache.kernels_name("compile_cache/abc.bin")
     assert name == "compile_cache/abc.kernels.zip"
     monkeypatch.setattr(kernel_bundle, "launched_kernels", lambda: KERNELS)
-    compile_cache.save_kernel_bundle(run_dir, name, str(tmp_path / "node_a"))
+    compile_cache.save_kernel_bundle(run_dir, name, str(tmp_path / "node_a"), KEY)
     assert run_dir.exists(name)
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "node_b" / "triton"))
     node_b = str(tmp_path / "node_b")
-    assert compile_cache.load_kernel_bundle(run_dir, name, node_b) is True
+    assert compile_cache.load_kernel_bundle(run_dir, name, node_b, KEY) is True
     assert all(k.group in (get_cache_manager(k.key).get_group(k.group) or {})
                for k in KERNELS[:2])
     assert get_cache_manager(MODULE.key).get_file(LAUNCHER) is not None
     installs = []
     monkeypatch.setattr(kernel_bundle, "install", lambda ks: installs.append(ks))
-    assert compile_cache.load_kernel_bundle(run_dir, name, node_b) is True
+    assert compile_cache.load_kernel_bundle(run_dir, name, node_b, KEY) is True
     assert installs == []  # the node's marker: not read again
 
+    # signed, but damaged before it was signed: the bundle's own checks refuse it
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "node_c" / "triton"))
-    (tmp_path / "run" / name).write_bytes(b"PK\x03\x04 not a whole archive")
+    damaged = b"PK\x03\x04 not a whole archive"
+    run_dir.write_bytes_atomic(name, signed_file.sign(KEY, name, damaged))
     with pytest.raises(BundleError):
-        kernel_bundle.read_bundle(run_dir.read_bytes(name), name)
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger(compile_cache.__name__).addHandler(handler)
-    try:
-        assert compile_cache.load_kernel_bundle(run_dir, name, str(tmp_path / "node_c")) is True
-    finally:
-        logging.getLogger(compile_cache.__name__).removeHandler(handler)
-    assert installs == [] and any(run_dir.uri(name) in r.getMessage() for r in records)
+        kernel_bundle.read_bundle(damaged, name)
+    with log_lines(compile_cache.__name__) as warnings:
+        assert compile_cache.load_kernel_bundle(run_dir, name, str(tmp_path / "node_c"),
+                                                KEY) is True
+    assert installs == [] and any(run_dir.uri(name) in w for w in warnings)
     assert compile_cache.load_kernel_bundle(run_dir, "compile_cache/none.kernels.zip",
-                                            node_b) is False
+                                            node_b, KEY) is False
 
 
 def test_a_cpu_run_stores_no_bundle(tmp_path, monkeypatch):
@@ -255,5 +255,36 @@ def test_a_cpu_run_stores_no_bundle(tmp_path, monkeypatch):
     stores its own after its first step."""
     run_dir = open_run_dir(str(tmp_path / "run"))
     monkeypatch.setattr(kernel_bundle, "launched_kernels", lambda: [])
-    compile_cache.save_kernel_bundle(run_dir, "compile_cache/abc.kernels.zip", str(tmp_path))
+    compile_cache.save_kernel_bundle(run_dir, "compile_cache/abc.kernels.zip", str(tmp_path), KEY)
     assert not run_dir.exists("compile_cache/abc.kernels.zip")
+
+
+@needs_triton
+def test_a_planted_bundle_installs_nothing_in_the_triton_cache(tmp_path, monkeypatch):
+    """Issue 43: a well-formed bundle that someone who can write the run directory put there (a
+    C module named like Triton's launcher: native code Triton imports), unsigned or signed with
+    another key, is not installed: the node's Triton cache stays empty, one warning names the
+    file, and the run's first step stores this user's own signed bundle in its place."""
+    run_dir, node = open_run_dir(str(tmp_path / "run")), str(tmp_path / "node")
+    name = compile_cache.kernels_name("compile_cache/abc.bin")
+    triton_cache = tmp_path / "node" / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_cache))
+    launcher = Kernel(hashlib.sha256(b"planted").hexdigest(), None,
+                      {LAUNCHER: b"\x7fELF code that runs when Triton imports it"})
+    planted = kernel_bundle.write_bundle([launcher])
+    other = ArtifactKey(bytes(32))
+    for how, data in (("unsigned", planted), ("other key", signed_file.sign(other, name, planted))):
+        run_dir.write_bytes_atomic(name, data)
+        with log_lines(compile_cache.__name__) as warnings:
+            loaded = compile_cache.load_kernel_bundle(run_dir, name, node, KEY)
+        assert not triton_cache.exists() or list(triton_cache.rglob("*")) == [], how
+        assert loaded is False, how  # as with none: rank 0 stores its own
+        [warning] = warnings
+        assert warning.startswith(f"raygpt | WARNING: {run_dir.uri(name)}: not signed by this "
+                                  f"user's key ("), (how, warning)
+
+    monkeypatch.setattr(kernel_bundle, "launched_kernels", lambda: KERNELS)
+    compile_cache.CompileCache("compile_cache/abc.bin", node, KEY, had_artifacts=True,
+                               had_kernels=False).save_if_new(run_dir)
+    ours = signed_file.verified(KEY, name, run_dir.read_bytes(name))
+    assert kernel_bundle.read_bundle(ours, name) == KERNELS

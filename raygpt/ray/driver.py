@@ -29,6 +29,11 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
   (SIGINT) is a SIGTERM; a second aborts at once. Ray Train installs its own SIGINT handler
   when `fit()` starts its controller (it aborts the run without a checkpoint), so
   `RaygptTrainer` puts raygpt's in its place.
+- A compiled run's workers get the user's signing key for the compiled artifacts they keep in
+  the run directory (raygpt.signed_file: read on this machine, or made on the first compiled
+  run) in Ray Train's train_loop_config, which Ray keeps in memory: never in the TrainConfig
+  (config.json is in the run directory) nor in the runtime environment (Ray's dashboard shows
+  its variables).
 - Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.errors`) end
   the run at once: the worker raises `RunStopped`, and `StopOnRunStopped`, the controller's
   failure policy, answers RAISE instead of spending the retry budget on them (`RunFailed.final`
@@ -60,7 +65,7 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import preflight
+from raygpt import preflight, signed_file
 from raygpt.checkpointing import local_copy, protocol as ck
 from raygpt.checkpointing.protocol import finalize_checkpoint
 from raygpt.config import TrainConfig, absolute_paths
@@ -392,11 +397,13 @@ def create_control(name: str, timeout_s: float = 60.0):
             time.sleep(0.5)
 
 
-def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ()) -> RaygptTrainer:
+def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
+                  artifact_key: signed_file.ArtifactKey | None = None) -> RaygptTrainer:
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
     cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
     Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
-    any extra controller callbacks.
+    any extra controller callbacks. `artifact_key` reaches the workers' sessions (None: they
+    neither load nor store compiled artifacts).
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
     snapshot is first brought back to the checkpoints that exist (see raygpt.ray.snapshot), or
@@ -411,7 +418,8 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = ())
     use_gpu = cfg.device == "gpu"
     return RaygptTrainer(
         train_func,
-        train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name},
+        train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name,
+                           "artifact_key": artifact_key},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
                                                   else (cfg.min_workers, cfg.num_workers)),
@@ -450,7 +458,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         plan: list[str] | None = None, callbacks: tuple = (), stop_at_step: int | None = None,
         control_name: str | None = None, lineage: str | None = None,
         what: str = "raygpt train", argv: list[str] | None = None,
-        cwd: str | None = None) -> dict:
+        cwd: str | None = None, artifact_key: signed_file.ArtifactKey | None = None) -> dict:
     """Run one training job under Ray Train and return rank 0's summary: a `raygpt train`, and
     each sweep trial and WSD stable phase (raygpt.ray.sweep) alike. `cfg` is resolved; `adapted`
     are resolve()'s notes on defaults it fitted to the data (printed and recorded). Every input
@@ -461,13 +469,17 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     report from that step arrives), `control_name` (the run's control actor, which a scheduler
     finds by name), `lineage`/`what` (the run directory's lease: a retry of the same trial takes
     it over at once, any other job is refused), `argv`/`cwd` (the command config.json records:
-    the sweep driver's). Raises ConfigError for a bad input, RunFailed once the run's own retry
-    budget (cfg.max_failures) is spent or at once when a worker's error would only recur
-    (`final`), RunAborted on a second Ctrl-C."""
+    the sweep driver's), `artifact_key` (the sweep driver's: a trial's driver may run on
+    another machine; by default a compiled run reads this machine's,
+    `signed_file.load_or_create_key`). Raises ConfigError for a bad input, RunFailed once the
+    run's own retry budget (cfg.max_failures) is spent or at once when a worker's error would
+    only recur (`final`), RunAborted on a second Ctrl-C."""
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
         plan = preflight.check(cfg, machine=capacity.this_machine(cfg)
                                if starts_its_own_ray(ray_address) else None)
+    if cfg.compile and artifact_key is None:
+        artifact_key = signed_file.load_or_create_key()
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
     with claimed_run_dir(cfg, lineage=lineage, what=what,
                          on_lost=lambda why: [c.request.remote("stop") for c in stop_requests]
@@ -488,7 +500,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         extra = list(callbacks)
         if stop_at_step is not None:
             extra.append(_StopAtStep(stop_at_step, control))
-        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra))
+        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra),
+                                artifact_key=artifact_key)
         trainer.on_sigint = driver_signals.on_sigint
         t0 = time.time()
         try:

@@ -77,6 +77,7 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
+from raygpt import signed_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.errors import EXIT_BAD_INPUT
@@ -88,6 +89,7 @@ from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_tot
                                preflight_sweep, space_items, trial_config)
 from raygpt.runlog.history import read_history
 from raygpt.schedule import wsd_decay_start
+from raygpt.signed_file import ArtifactKey
 from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact
 
 log = logging.getLogger(__name__)
@@ -282,8 +284,11 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     return True
 
 
-def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
-    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/.
+def raygpt_trial(config: dict, plan: dict, lineage: str | None = None,
+                 artifact_key: ArtifactKey | None = None) -> None:
+    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/, its
+    compiled artifacts signed with the sweep driver's `artifact_key` (a trial's own driver may
+    run on another machine, whose key would not verify another trial's or a restored sweep's).
 
     A run that failed in a way a re-run would repeat (a bad input, a stop raygpt decided) sends
     Tune its verdict as a last result before raising, so the sweep's driver does not re-run
@@ -299,7 +304,8 @@ def raygpt_trial(config: dict, plan: dict, lineage: str | None = None) -> None:
         trial_id = tune.get_context().get_trial_id()
         run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
             lineage=f"{lineage}/{trial_id}" if lineage else None, what="raygpt sweep trial",
-            argv=list(plan.command) or None, cwd=plan.cwd or None, adapted=adapted)
+            argv=list(plan.command) or None, cwd=plan.cwd or None, adapted=adapted,
+            artifact_key=artifact_key)
     except (ConfigError, RunFailed) as e:
         code = EXIT_BAD_INPUT if isinstance(e, ConfigError) else e.exit_code if e.final else None
         if code is not None:
@@ -502,8 +508,12 @@ def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
     concurrent = s.get("max_concurrent") or max_concurrent_trials(ray.cluster_resources(), base)
     if plan.mode == "wsd_branch":
         run_stable_phase(plan, lineage)
+    # this machine's key, for every trial wherever Tune places its driver: with_parameters
+    # keeps it in Ray's object store (Tune's tuner.pkl leaves the trainable out)
+    key = (signed_file.load_or_create_key()
+           if base.compile or "compile" in (space or {}) else None)
     trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict(),
-                                                         lineage=lineage),
+                                                         lineage=lineage, artifact_key=key),
                                     TRIAL_DRIVER_RESOURCES)
     tune_fs, tune_root = _tune_storage(plan.sweep_dir)
     if restore:

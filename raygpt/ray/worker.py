@@ -4,7 +4,7 @@ the loop talks to Ray through (`RaySession`), the driver's control actor the wor
 
 The loop (raygpt.loop) knows nothing of Ray: everything it needs (rank, device, the checkpoint
 Ray restored, reporting metrics and checkpoints, requests from the driver, Ray's preemption
-notice) comes through `RaySession`.
+notice, the driver's key for the compiled artifacts) comes through `RaySession`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
 from raygpt.session import Session
+from raygpt.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ class RunControl:
 
 
 class RaySession(Session):
-    def __init__(self, cfg: TrainConfig, control_name: str | None):
+    def __init__(self, cfg: TrainConfig, control_name: str | None,
+                 artifact_key: ArtifactKey | None = None):
+        self.artifact_key = artifact_key  # the driver's (train_loop_config), never the run dir's
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device() if cfg.device == "gpu" else torch.device("cpu")
@@ -195,7 +198,8 @@ def train_func(config: dict) -> None:
         torch.set_num_threads(config.get("threads_per_worker", 1))
     _quiet_report_log()
     try:
-        summary = train(cfg, RaySession(cfg, config.get("control_name")))
+        summary = train(cfg, RaySession(cfg, config.get("control_name"),
+                                        config.get("artifact_key")))
     except Exception as e:
         code = stop_code(e)  # classified here, where the exception still has its cause
         if code is None:

@@ -239,6 +239,64 @@ def test_a_trial_runs_the_single_run_trainer_with_its_callbacks(cluster, tmp_pat
     assert kwargs["run_config"].failure_config.max_failures == cfg.max_failures
 
 
+def test_a_compiled_runs_workers_get_the_drivers_key_outside_its_config(cluster, tmp_path,
+                                                                          monkeypatch):
+    """The signing key of the compiled artifacts (raygpt.signed_file) goes to the workers in
+    train_loop_config beside the config, read from this machine's key file; the config (written
+    to config.json in the run directory) and the workers' environment (on Ray's dashboard)
+    do not hold it."""
+    from raygpt import signed_file
+    from raygpt.ray import driver
+
+    built = []
+
+    class Recorder:
+        def __init__(self, train_loop_per_worker, **kwargs):
+            built.append(kwargs)
+
+        def fit(self):
+            return type("Result", (), {"metrics": {}})()
+
+    monkeypatch.setattr(driver, "RaygptTrainer", Recorder)
+    monkeypatch.setenv(signed_file.KEY_ENV, str(tmp_path / "artifact.key"))
+    cfg = tiny(output_dir=str(tmp_path / "run"), compile=True).resolve(0)
+    driver.run(cfg)
+    [kwargs] = built
+    secret = signed_file.load_or_create_key().secret
+    assert kwargs["train_loop_config"]["artifact_key"].secret == secret
+    stored = json.dumps([kwargs["train_loop_config"]["cfg"], kwargs["run_config"].worker_runtime_env],
+                        default=str) + (tmp_path / "run" / "config.json").read_text()
+    assert secret.hex() not in stored and "artifact_key" not in stored
+
+
+def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, monkeypatch):
+    """Tune may place a trial's driver on any node: each gets the sweep driver's key through
+    with_parameters (Ray's object store), not its node's own, and the plan (sweep.json) does
+    not hold it."""
+    from raygpt import signed_file
+
+    class Stop(Exception):
+        pass
+
+    given = {}
+
+    def with_parameters(trainable, **kwargs):
+        given.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(sweep.tune, "with_parameters", with_parameters)
+    monkeypatch.setenv(signed_file.KEY_ENV, str(tmp_path / "artifact.key"))
+    base = tiny(output_dir=str(tmp_path / "base"), compile=True).resolve(0)
+    plan = sweep.SweepPlan(sweep_dir=str(tmp_path / "sweep"), mode="grid",
+                           user_base=base.to_dict(), base=base.to_dict(),
+                           settings={"max_concurrent": 1})
+    with pytest.raises(Stop):
+        sweep._fit(plan, {"learning_rate": tune.grid_search([1e-3])})
+    secret = signed_file.load_or_create_key().secret
+    assert given["artifact_key"].secret == secret
+    assert secret.hex() not in json.dumps(given["plan"]) and "artifact_key" not in given["plan"]
+
+
 def test_an_existing_sweep_is_never_started_over_silently(cluster, tmp_path):
     sweep.write_plan(open_run_dir(str(tmp_path)), sweep.SweepPlan(
         sweep_dir=str(tmp_path), mode="grid", user_base={}, base={}))
