@@ -191,7 +191,11 @@ def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
         raise ConfigError(f"{where}: format: expected {PLAN_FORMAT!r}, found "
                           f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
     if d.get("version") != PLAN_VERSION:
-        raise ConfigError(f"{where}: version: expected {PLAN_VERSION}, found {d.get('version')!r}")
+        older = (" (an earlier raygpt's sweep, which lists no trials: its status and resume "
+                 "needed Tune's pickled state; run it again with --overwrite)"
+                 if d.get("version") == 1 else "")
+        raise ConfigError(f"{where}: version: expected {PLAN_VERSION}, found "
+                          f"{d.get('version')!r}{older}")
     fields = {f.name for f in dataclasses.fields(SweepPlan)}
     plan = SweepPlan(**{k: v for k, v in d.items() if k in fields})
     check_plan(plan, where)

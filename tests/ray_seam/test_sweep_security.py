@@ -128,6 +128,20 @@ def test_resume_restores_nothing_of_tunes_and_runs_only_unfinished_trials(tmp_pa
                             "trial_001": [(0, 4.0), (4, 3.5), (8, 3.2)]}
     assert not marker.exists()
 
+    # a trial Tune gave up on stays an error, unless --retry-errored: then it runs with a clean
+    # verdict and its failures still counted
+    ledger = sweep.read_ledger(open_run_dir(str(d2)))
+    ledger["trial_001"].update(status="error", failures=3, stopped=2, error="bad input")
+    sweep.write_ledger(open_run_dir(str(d2)), ledger)
+    assert sweep.collect_rows(str(d2))[1].status == "error"
+    fits.clear()
+    sweep.resume_sweep(str(d2))
+    assert fits == []  # nothing to run: the results are written from what there is
+    sweep.resume_sweep(str(d2), retry_errored=True)
+    ((names, kw),) = fits
+    assert names == ["trial_001"] and kw["ledger"]["trial_001"] == {
+        "status": "pending", "failures": 3, "stopped": None, "error": "", "trial_id": "b2"}
+
 
 def test_asha_replay_rebuilds_the_rungs_by_trial_name():
     asha = sweep.GracefulASHA(time_attr="step", max_t=12, grace_period=4, reduction_factor=2,
