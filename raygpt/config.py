@@ -43,9 +43,17 @@ MODEL_SHAPES = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
 for _depth in range(1, 7):
     MODEL_SHAPES[_depth] = (64 * _depth, _depth)
 
-# Fields a --config file may not set: where the run writes and whether it may delete or resume
-# are the command line's to say (a config file is often someone else's), and so is arming faults.
-CONFIG_FILE_FORBIDDEN = ("output_dir", "overwrite", "resume", "fault", "allow_fault_injection")
+# Fields only the command line gives, never a file (a --config file, a sweep's sweep.json): such a
+# file often lives where others can write (a shared sweep directory), and each of these lets its
+# writer act as the user who runs it. `fault`, `allow_fault_injection`: arm kills and bad inputs;
+# `storage_endpoint`: the server that serves and receives the run directory's files (and sees the
+# AWS access key id); `mlflow`: the server (or local directory) that receives every metric and
+# the config, with the MLFLOW_TRACKING_* credentials of the environment. Data and model paths
+# (-i, -j, -e) stay a file's to say: they are read as data, never run.
+COMMAND_LINE_ONLY = {"fault": "--fault", "allow_fault_injection": "--allow-fault-injection",
+                     "storage_endpoint": "--storage-endpoint", "mlflow": "--mlflow"}
+# ...and a --config file may not name where the run writes, nor whether it may delete or resume.
+CONFIG_FILE_FORBIDDEN = ("output_dir", "overwrite", "resume", *COMMAND_LINE_ONLY)
 CONFIG_FILE_MAX_BYTES = 1 << 20
 
 
@@ -611,9 +619,37 @@ def read_config_file(path: str) -> dict:
     forbidden = sorted(set(d) & set(CONFIG_FILE_FORBIDDEN))
     if forbidden:
         raise ConfigError(f"--config {path}: may not set {forbidden} (where a run writes, whether "
-                          f"it overwrites or resumes, and fault injection are given on the "
-                          f"command line: -o, --overwrite, -y, --fault)")
+                          f"it overwrites or resumes, fault injection, the storage endpoint and "
+                          f"the MLflow server are given on the command line: -o, --overwrite, "
+                          f"-y, {', '.join(COMMAND_LINE_ONLY.values())})")
     return d
+
+
+def config_read_back(d, where: str) -> "TrainConfig":
+    """A TrainConfig that raygpt wrote into a directory and reads back (a sweep's base config):
+    typed like a --config file, and refused (ConfigError naming `where` and the field) when it
+    sets a COMMAND_LINE_ONLY field to anything but its default, since whoever can write the
+    directory could have. raygpt writes such configs with those fields at their defaults
+    (`without_command_line_only`) and takes them from the reading command's own line."""
+    cfg = TrainConfig.from_dict(d, where)
+    default = TrainConfig()
+    for name, flag in COMMAND_LINE_ONLY.items():
+        value = getattr(cfg, name)
+        if value != getattr(default, name):
+            raise ConfigError(f"{where}: {name}: expected {getattr(default, name)!r} (only the "
+                              f"command line sets it: {flag}), found {value!r}")
+    return cfg
+
+
+def command_line_only(cfg: "TrainConfig") -> dict:
+    """The COMMAND_LINE_ONLY fields of `cfg`: what a process hands on beside a stored config."""
+    return {name: getattr(cfg, name) for name in COMMAND_LINE_ONLY}
+
+
+def without_command_line_only(cfg: "TrainConfig") -> "TrainConfig":
+    """`cfg` with every COMMAND_LINE_ONLY field at its default: what raygpt stores in a file."""
+    default = TrainConfig()
+    return cfg.with_overrides({name: getattr(default, name) for name in COMMAND_LINE_ONLY})
 
 
 def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:

@@ -6,11 +6,21 @@ is `base.with_overrides(trial_config)`, so there is no second config system.
 
 A sweep directory holds
 
-    sweep.json             the plan (format "raygpt-sweep", version 1): base config, mode, settings
-    tune/                  Ray Tune's experiment; `resume_sweep` hands it to `Tuner.restore`
+    sweep.json             the plan (format "raygpt-sweep", version 2): base config, mode,
+                           settings, and every trial by name with its overrides
+    ledger.json            the sweep driver's record of each trial's Tune outcome (status,
+                           failures, raygpt's stop verdict), written as Tune reports them
+    tune/, tune.2/ ...     Ray Tune's experiments: the first fit's, then one per resume
     trials/<trial name>/   one raygpt run directory per trial: checkpoints, main.log, loss history
     stable/                WSD branch mode only: the shared stable phase, trained once
     results.txt, results.json, best_config.json, val_loss.png    written when the sweep ends
+
+The directory is shared storage that others may write, so nothing read from it runs as code:
+raygpt never reads Tune's own state back (tuner.pkl, params.pkl, error.pkl and
+basic-variant-state-*.json are cloudpickles, experiment_state-*.json embeds them), and every
+config it reads back is checked like a --config file (`config.config_read_back`: fault
+injection, the storage endpoint and the MLflow server come only from the command line). Status,
+plot and resume read sweep.json, ledger.json and the trials' own loss histories, bounded.
 
 How a trial runs (Ray Train V2's documented Train-inside-Tune pattern): the Tune trial is a small
 driver (`raygpt_trial`) that builds the same `TorchTrainer` a single run builds (`train_func`,
@@ -19,6 +29,11 @@ directory) and forwards the loop's validation reports to Tune (`TuneReportCallba
 driver reserves no CPU or GPU (only a token amount of memory, because a Tune bundle cannot be
 empty), so the cluster's CPUs or GPUs go to the training workers, and `max_concurrent_trials` is
 the number of trials whose workers fit at once.
+
+The trials are concrete before Tune starts (`trials.expand_trials`: the grid crossed, each random
+domain drawn from an RNG seeded with the base's seed) and stored in sweep.json; Tune gets a
+grid over their names (`{"trial": grid_search([...])}`), each name its trial's Tune and run
+directory name, so which trials exist and where each one's run lives is known from raygpt's JSON.
 
 Early stopping is ASHA on validation loss against step (`GracefulASHA`), with one change: a trial
 ASHA stops is asked to checkpoint and stop through its run's control actor (what a driver's
@@ -44,8 +59,12 @@ instead of refusing it. A trial that raygpt stopped because a restart would meet
 policy (its controller re-runs any failed trial while `num_failures <= max_failures`), so the
 trial reports the verdict as its last result and `_NoRetryOfStoppedTrials`, a Tune callback on
 the sweep's driver, sets that trial's budget to zero before its error arrives. When the sweep's
-own driver dies, `resume_sweep` restores Tune's experiment: finished trials stay finished,
-unfinished ones continue from their checkpoints.
+own driver dies, `resume_sweep` (-y 1) starts a new Tune experiment over the trials that have
+not finished (judged from each trial's run directory and the ledger: a trial whose run wrote its
+end record is done or stopped, one Tune gave up on stays an error unless --retry-errored), each
+continuing its run directory from its newest verified checkpoint. Tune's ASHA state is not
+restored; its rungs are rebuilt from every trial's validation curve (`GracefulASHA.replay`), so a
+resumed trial is still compared with all the sweep's results, the finished trials' included.
 
 WSD branches (`run_wsd_branches`): llm.c's WSD holds the peak LR until step
 `int(0.8f * max_steps)` and then decays, so the steps before the shortest branch's decay start S
@@ -79,15 +98,16 @@ from ray.tune.schedulers import ASHAScheduler
 
 from raygpt import signed_file
 from raygpt.checkpointing import protocol as ck
-from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
+from raygpt.config import (RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig, command_line_only,
+                           config_read_back, without_command_line_only)
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
-from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, _branch_totals, _plain,
-                               check_space, main, pin_for_trials,
-                               preflight_sweep, space_items, trial_config)
-from raygpt.runlog.history import read_history
+from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
+                               _branch_totals, _plain, check_space, check_trials, expand_trials,
+                               main, pin_for_trials, preflight_sweep, space_items, trial_config)
+from raygpt.runlog.history import iter_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.signed_file import ArtifactKey
 from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact
@@ -96,7 +116,8 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "sweep.json"
 PLAN_FORMAT = "raygpt-sweep"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+LEDGER_FILE, LEDGER_FORMAT, LEDGER_VERSION = "ledger.json", "raygpt-sweep-ledger", 1
 TUNE_DIR = "tune"
 TRIALS_DIR = "trials"
 STABLE_DIR = "stable"
@@ -138,6 +159,9 @@ class SweepPlan:
     """The sweep driver's command line (argv), recorded in every trial's config.json."""
     cwd: str = ""
     """The sweep driver's working directory, likewise."""
+    trials: list = field(default_factory=list)
+    """Every trial, [{"name": "trial_000", "overrides": {field: value}}] (`trials.expand_trials`):
+    its Tune trial name, its run directory under trials/, and its config over `base`."""
 
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **dataclasses.asdict(self)}
@@ -146,7 +170,9 @@ class SweepPlan:
 def write_plan(sweep: RunDir, plan: SweepPlan) -> None:
     """sweep.json, with every credential a URI in it carries redacted (`storage.redact`): the
     plan's paths are only for people to read; `read_plan` takes the sweep directory from its
-    caller, and the trials get the plan from the driver's memory, not from this file."""
+    caller, and the trials get the plan from the driver's memory, not from this file. The
+    plan's configs hold no COMMAND_LINE_ONLY field (`config.without_command_line_only`):
+    `read_plan` refuses one."""
     text = json.dumps(plan.to_dict(), indent=1, sort_keys=True)
     sweep.write_bytes_atomic(PLAN_FILE, redact(text).encode())
 
@@ -167,9 +193,133 @@ def read_plan(sweep: RunDir, sweep_dir: str | None = None) -> SweepPlan:
         raise ConfigError(f"{where}: format: expected {PLAN_FORMAT!r}, found "
                           f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
     if d.get("version") != PLAN_VERSION:
-        raise ConfigError(f"{where}: version: expected {PLAN_VERSION}, found {d.get('version')!r}")
+        older = (" (an earlier raygpt's sweep, which lists no trials: its status and resume "
+                 "needed Tune's pickled state; run it again with --overwrite)"
+                 if d.get("version") == 1 else "")
+        raise ConfigError(f"{where}: version: expected {PLAN_VERSION}, found "
+                          f"{d.get('version')!r}{older}")
     fields = {f.name for f in dataclasses.fields(SweepPlan)}
-    return SweepPlan(**{k: v for k, v in d.items() if k in fields})
+    plan = SweepPlan(**{k: v for k, v in d.items() if k in fields})
+    check_plan(plan, where)
+    return plan
+
+
+# settings key -> the types its value may have (sweep.json is read back from shared storage)
+_SETTING_TYPES = {"num_samples": (int,), "max_concurrent": (int, type(None)),
+                  "early_stop": (str,), "grace_period": (int, type(None)),
+                  "reduction_factor": (int, float), "trial_retries": (int,),
+                  "max_t": (int, type(None))}
+
+
+def check_plan(plan: SweepPlan, where: str) -> None:
+    """A plan read back from a sweep directory, checked as untrusted input (anyone who can write
+    the directory could have written it): its configs as a --config file's would be (no fault
+    injection, storage endpoint or MLflow server: `config.config_read_back`), its trials' names
+    and overrides (`trials.check_trials`), its settings' types. ConfigError naming the field."""
+    if plan.mode not in ("grid", "wsd_branch"):
+        raise ConfigError(f"{where}: mode: expected 'grid' or 'wsd_branch', found {plan.mode!r}")
+    base = config_read_back(plan.base, f"{where}: base")
+    config_read_back(plan.user_base, f"{where}: user_base")
+    check_trials(base, plan.trials, f"{where}: trials")
+    if not isinstance(plan.settings, dict):
+        raise ConfigError(f"{where}: settings: expected an object, found {plan.settings!r}")
+    for key, types in _SETTING_TYPES.items():
+        value = plan.settings.get(key)
+        if key in plan.settings and (not isinstance(value, types) or isinstance(value, bool)):
+            raise ConfigError(f"{where}: settings.{key}: expected "
+                              f"{' or '.join(t.__name__ for t in types)}, found {value!r}")
+    if plan.settings.get("early_stop", "none") not in ("asha", "none"):
+        raise ConfigError(f"{where}: settings.early_stop: expected 'asha' or 'none', found "
+                          f"{plan.settings['early_stop']!r}")
+    for key in ("shared_step", "stable_max_steps"):
+        value = getattr(plan, key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{where}: {key}: expected an int or null, found {value!r}")
+    if not (isinstance(plan.command, list) and all(isinstance(a, str) for a in plan.command)
+            and isinstance(plan.cwd, str)):
+        raise ConfigError(f"{where}: command, cwd: expected a list of strings and a string")
+
+
+# ====================================================================== the ledger (ledger.json)
+
+# A trial's Tune outcome as the sweep driver last heard it: "pending" (not started, or waiting
+# to be re-run), "running", "terminated" (its trainable returned) or "error" (Tune gave up).
+TUNE_STATUSES = ("pending", "running", "terminated", "error")
+
+
+def ledger_entry(status: str = "pending") -> dict:
+    """`failures`: the trial's failed attempts; `stopped`, `error`: raygpt's stop verdict (exit
+    code and message) when raygpt stopped the trial; `trial_id`: Tune's id of its last attempt."""
+    return {"status": status, "failures": 0, "stopped": None, "error": "", "trial_id": ""}
+
+
+def write_ledger(sweep: RunDir, entries: dict) -> None:
+    doc = {"format": LEDGER_FORMAT, "version": LEDGER_VERSION, "trials": entries}
+    sweep.write_bytes_atomic(LEDGER_FILE, redact(json.dumps(doc, indent=1, sort_keys=True)).encode())
+
+
+def read_ledger(sweep: RunDir) -> dict:
+    """{trial name: entry} from ledger.json ({} before the driver wrote one), every entry
+    checked as untrusted input; ConfigError naming the file and the field."""
+    where = sweep.uri(LEDGER_FILE)
+    if not sweep.exists(LEDGER_FILE):
+        return {}
+    try:
+        d = read_json_bounded(sweep, LEDGER_FILE)
+    except ValueError as e:
+        raise ConfigError(f"{where}: expected JSON, found unreadable content ({e})") from e
+    if not isinstance(d, dict) or d.get("format") != LEDGER_FORMAT or d.get("version") != LEDGER_VERSION:
+        raise ConfigError(f"{where}: expected format {LEDGER_FORMAT!r} version {LEDGER_VERSION}")
+    trials = d.get("trials")
+    if not isinstance(trials, dict):
+        raise ConfigError(f"{where}: trials: expected an object of trial entries")
+    out = {}
+    for name, e in trials.items():
+        ok = (TRIAL_NAME_RE.match(name) and isinstance(e, dict)
+              and e.get("status") in TUNE_STATUSES
+              and isinstance(e.get("failures"), int) and not isinstance(e.get("failures"), bool)
+              and (e.get("stopped") is None or type(e.get("stopped")) is int)
+              and isinstance(e.get("error"), str) and isinstance(e.get("trial_id"), str))
+        if not ok:
+            raise ConfigError(f"{where}: trials.{name}: expected an entry like "
+                              f"{ledger_entry()}, found {str(e)[:200]}")
+        out[name] = {k: e[k] for k in ledger_entry()}
+    return out
+
+
+class TrialLedger(tune.Callback):
+    """Writes ledger.json as Tune reports each trial's start, failure, end and raygpt's stop
+    verdict: what `raygpt status` and `resume_sweep` know of a trial besides its run directory,
+    in raygpt's JSON rather than in Tune's (pickled) experiment state."""
+
+    def __init__(self, sweep_dir: str, entries: dict):
+        self.sweep_dir, self.entries = sweep_dir, entries
+
+    def _update(self, trial, **changes) -> None:
+        entry = self.entries.setdefault(trial.config["trial"], ledger_entry())
+        entry.update(changes, trial_id=trial.trial_id)
+        write_ledger(open_run_dir(self.sweep_dir), self.entries)
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._update(trial, status="running")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        entry = self.entries.get(trial.config["trial"], {})
+        if result.get(STOPPED_KEY) is not None and entry.get("stopped") is None:
+            self._update(trial, stopped=int(result[STOPPED_KEY]),
+                         error=str(result.get(STOPPED_MESSAGE_KEY, "")))
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        self._update(trial, status="pending", failures=self._failures(trial) + 1)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._update(trial, status="error", failures=self._failures(trial) + 1)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._update(trial, status="terminated")
+
+    def _failures(self, trial) -> int:
+        return self.entries.get(trial.config["trial"], {}).get("failures", 0)
 
 
 # ====================================================================== configs (pure)
@@ -248,19 +398,40 @@ class GracefulASHA(ASHAScheduler):
     would take its Ray Train controller with it, leave its workers' placement group to Ray
     Train's best-effort cleaner (which can hold the CPUs or GPUs for good) and end the run
     without a final checkpoint; a stopped run ends like any run stopped by its operator and can
-    be continued later with -y 1. Tune sees the trial finish on its own a step or two later."""
+    be continued later with -y 1. Tune sees the trial finish on its own a step or two later.
+
+    ASHA's bookkeeping keys a trial by its sweep name (`_ByName`), which a resumed sweep's new
+    Tune experiment keeps, so `replay` can rebuild the rungs from the trials' own histories."""
 
     def __init__(self, *, time_attr: str, max_t: int, **kwargs):
         super().__init__(time_attr=time_attr, max_t=max_t, **kwargs)
         self.time_key, self.max_t = time_attr, max_t
         self.stopping: set = set()  # trial ids whose run was asked to stop
 
+    def replay(self, curves: dict) -> None:
+        """Record {trial name: [(step, val_loss)]} in the rungs as if Tune had reported them,
+        deciding nothing: a resumed sweep's ASHA compares each trial with every result so far."""
+        for name, curve in curves.items():
+            key = _ByName(name)
+            super().on_trial_add(None, key)
+            for step, loss in curve:
+                super().on_trial_result(None, key, {self.time_key: step, self.metric: loss})
+
+    def on_trial_add(self, tune_controller, trial):
+        super().on_trial_add(tune_controller, _ByName.of(trial))
+
+    def on_trial_complete(self, tune_controller, trial, result):
+        super().on_trial_complete(tune_controller, _ByName.of(trial), result)
+
+    def on_trial_remove(self, tune_controller, trial):
+        super().on_trial_remove(tune_controller, _ByName.of(trial))
+
     def on_trial_result(self, tune_controller, trial, result):
         if trial.trial_id in self.stopping or STOPPED_KEY in result:
             # decided already (results until it stops are late), or raygpt's stop verdict,
             # which is not a validation result: the trial's error follows it
             return self.CONTINUE
-        decision = super().on_trial_result(tune_controller, trial, result)
+        decision = super().on_trial_result(tune_controller, _ByName.of(trial), result)
         if decision != self.STOP:
             return decision
         if result.get(self.time_key, 0) >= self.max_t:
@@ -273,9 +444,21 @@ class GracefulASHA(ASHAScheduler):
         return self.CONTINUE
 
 
+class _ByName:
+    """A trial as ASHA's bookkeeping sees it: `trial_id` is the trial's sweep name (the "trial"
+    of its Tune config), the same in every Tune experiment of the sweep."""
+
+    def __init__(self, name: str):
+        self.trial_id = name
+
+    @classmethod
+    def of(cls, trial) -> "_ByName":
+        return cls(getattr(trial, "config", {}).get("trial", trial.trial_id))
+
+
 def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     """Give a branch trial the shared stable-phase checkpoint, unless its run directory already
-    has a verified checkpoint of its own (a retried or restored trial continues from that).
+    has a verified checkpoint of its own (a retried or resumed trial continues from that).
     Returns True when it copied."""
     if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
         return False
@@ -284,21 +467,25 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     return True
 
 
-def raygpt_trial(config: dict, plan: dict, lineage: str | None = None,
+def raygpt_trial(config: dict, plan: dict, command_line: dict, lineage: str | None = None,
                  artifact_key: ArtifactKey | None = None) -> None:
-    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/, its
-    compiled artifacts signed with the sweep driver's `artifact_key` (a trial's own driver may
-    run on another machine, whose key would not verify another trial's or a restored sweep's).
+    """The Tune trainable: one trial = one raygpt run in <sweep>/trials/<trial name>/, its config
+    the plan's base + the command line's own fields (`config.command_line_only`) + the trial's
+    overrides from the plan (`config` is {"trial": its name}); its compiled artifacts signed with
+    the sweep driver's `artifact_key` (a trial's own driver may run on another machine, whose key
+    would not verify another trial's or a resumed sweep's).
 
     A run that failed in a way a re-run would repeat (a bad input, a stop raygpt decided) sends
     Tune its verdict as a last result before raising, so the sweep's driver does not re-run
     the trial (`_NoRetryOfStoppedTrials`); any other failure is Tune's to retry."""
     plan = SweepPlan(**{k: v for k, v in plan.items() if k not in ("format", "version")})
-    name = tune.get_context().get_trial_name()
+    name = config["trial"]
+    overrides = next(t["overrides"] for t in plan.trials if t["name"] == name)
     run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
     try:
         adapted: list[str] = []
-        cfg = trial_config(TrainConfig.from_dict(plan.base), config, run_dir, notes=adapted)
+        base = TrainConfig.from_dict(plan.base).with_overrides(command_line)
+        cfg = trial_config(base, overrides, run_dir, notes=adapted)
         if plan.mode == "wsd_branch":
             seed_branch(plan, open_run_dir(run_dir))
         trial_id = tune.get_context().get_trial_id()
@@ -319,7 +506,7 @@ class _NoRetryOfStoppedTrials(tune.Callback):
     error. A trial raygpt stopped reports STOPPED_KEY as its last result, and Tune's function
     trainable delivers that result (this callback runs on it) before the trial's error, so the
     trial's budget is zero when Tune decides: it ends in ERROR, not re-run. A trial that (re)starts
-    gets the sweep's budget back (a restored sweep's --retry-errored re-runs such trials)."""
+    gets the sweep's budget back (a resumed sweep's --retry-errored re-runs such trials)."""
 
     def __init__(self, trial_retries: int):
         self.trial_retries = trial_retries
@@ -348,8 +535,10 @@ def _tune_storage(sweep_dir: str) -> tuple:
 class TrialRow:
     name: str
     trial_id: str
+    """Tune's id of the trial's last attempt ("" before it started)."""
     status: str
-    """done (reached max_steps) | stopped (early-stopped by the scheduler) | error | pending | running"""
+    """done (reached max_steps) | stopped (ended early: the scheduler, an operator) | error |
+    pending | running | unreadable (its history could not be read: `error` says why)"""
     overrides: dict
     val_loss: float
     step: int | None
@@ -364,7 +553,7 @@ class TrialRow:
     """raygpt's exit code when raygpt stopped the trial and Tune did not re-run it (2: a bad
     input, 1: a stop raygpt decided), else None."""
     error: str = ""
-    """That stop's message."""
+    """That stop's message (or why the history is unreadable)."""
 
 
 @dataclass
@@ -392,11 +581,14 @@ def run_sweep(base: TrainConfig, space: dict, sweep_dir: str, *, num_samples: in
     settings = dict(num_samples=num_samples, early_stop=early_stop, grace_period=grace_period,
                     reduction_factor=reduction_factor, max_concurrent=max_concurrent,
                     trial_retries=trial_retries)
+    trials = expand_trials(space, num_samples, base.seed)
     pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
-        plan = _new_plan("grid", base, pinned, sweep_dir, settings, lease=lease)
-        return _fit(plan, space, lineage=lease.token)
+        plan = _new_plan("grid", without_command_line_only(base), without_command_line_only(pinned),
+                         sweep_dir, settings, lease=lease, trials=trials)
+        return _fit(plan, [t["name"] for t in trials], experiment=TUNE_DIR,
+                    command_line=command_line_only(base), lineage=lease.token)
 
 
 def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str, *,
@@ -422,28 +614,68 @@ def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str
     shared = shared_stable_step(totals)
     settings = dict(num_samples=1, early_stop="none", grace_period=None, reduction_factor=2.0,
                     max_concurrent=max_concurrent, trial_retries=trial_retries)
+    trials = expand_trials(space, 1, base.seed)
     # the stable phase is the shortest branch's config: among the trials checked
     pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
-        plan = _new_plan("wsd_branch", base, pinned, sweep_dir, settings,
-                         shared_step=shared, stable_max_steps=totals[0], lease=lease)
-        return _fit(plan, space, lineage=lease.token)
+        plan = _new_plan("wsd_branch", without_command_line_only(base),
+                         without_command_line_only(pinned), sweep_dir, settings,
+                         shared_step=shared, stable_max_steps=totals[0], lease=lease, trials=trials)
+        return _fit(plan, [t["name"] for t in trials], experiment=TUNE_DIR,
+                    command_line=command_line_only(base), lineage=lease.token)
 
 
-def resume_sweep(sweep_dir: str, *, ray_address: str | None = None,
-                 retry_errored: bool = False) -> SweepReport:
-    """Continue a sweep whose driver died: Tune's experiment is restored (finished trials are not
-    run again; unfinished ones continue from their own checkpoints). The plan's base config is
-    checked before Ray starts (its files may have changed since); each trial checks its own
-    checkpoint when it resumes."""
+def resume_sweep(sweep_dir: str, *, command_line: dict | None = None,
+                 ray_address: str | None = None, retry_errored: bool = False) -> SweepReport:
+    """Continue a sweep whose driver died (-y 1): a new Tune experiment (`next_experiment`) over
+    the trials that have not finished (`needs_resume`), each continuing its own run directory
+    from its newest verified checkpoint; finished trials are not run again. Nothing of Tune's
+    earlier experiments is read (their state is pickled); ASHA's rungs are rebuilt from every
+    trial's validation curve. `command_line`: this command's COMMAND_LINE_ONLY fields (fault
+    injection, storage endpoint, MLflow server), which sweep.json never holds. The plan's base
+    config is checked before Ray starts (its files may have changed since); each trial checks
+    its own checkpoint when it resumes."""
+    command_line = dict(command_line or {})
     plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
-    preflight_sweep(TrainConfig.from_dict(plan.base), {}, sweep_dir,
+    preflight_sweep(TrainConfig.from_dict(plan.base).with_overrides(command_line), {}, sweep_dir,
                     on_this_machine=starts_its_own_ray(ray_address))
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
-        plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
-        return _fit(plan, None, restore=True, retry_errored=retry_errored, lineage=lease.token)
+        sweep = open_run_dir(_abs(sweep_dir))
+        plan = read_plan(sweep, _abs(sweep_dir))
+        ledger = read_ledger(sweep)
+        rows = trial_rows(plan, ledger)
+        todo = [r.name for r in rows if needs_resume(r.status, retry_errored)]
+        experiment = next_experiment(sweep)
+        log.info(f"raygpt sweep | {plan.sweep_dir} | resuming {len(todo)} of {len(rows)} "
+                 f"trial(s) as Tune experiment {experiment}/" + (
+                     "; ASHA's rungs rebuilt from every trial's validation curve"
+                     if plan.settings.get("early_stop") == "asha" else ""))
+        if not todo:
+            return summarize(plan.sweep_dir)
+        for name in todo:  # a re-run errored trial starts with a clean verdict, its count kept
+            ledger[name] = {**ledger.get(name, ledger_entry()), "status": "pending",
+                            "stopped": None, "error": ""}
+        return _fit(plan, todo, experiment=experiment, command_line=command_line,
+                    lineage=lease.token, ledger=ledger,
+                    replay={r.name: r.val_curve for r in rows})
+
+
+def needs_resume(status: str, retry_errored: bool) -> bool:
+    """Whether a resumed sweep runs a trial again: one that has not finished (pending, running
+    when the driver died, its history unreadable), and with --retry-errored one Tune gave up on."""
+    return status not in ("done", "stopped", "error") or (status == "error" and retry_errored)
+
+
+def next_experiment(sweep: RunDir) -> str:
+    """The Tune experiment directory of this fit: tune/ for the sweep's first, tune.2/, tune.3/
+    ... for each resume. A new one each time: raygpt never restores one of Tune's."""
+    name, n = TUNE_DIR, 1
+    while sweep.exists(name):
+        n += 1
+        name = f"{TUNE_DIR}.{n}"
+    return name
 
 
 def _ensure_ray(address: str | None) -> None:
@@ -501,45 +733,54 @@ def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str,
     return plan
 
 
-def _fit(plan: SweepPlan, space: dict | None, *, restore: bool = False,
-         retry_errored: bool = False, lineage: str | None = None) -> SweepReport:
-    base = TrainConfig.from_dict(plan.base)
+def _fit(plan: SweepPlan, names: list[str], *, experiment: str, command_line: dict,
+         lineage: str | None = None, ledger: dict | None = None,
+         replay: dict | None = None) -> SweepReport:
+    """Run the plan's trials `names` as Tune experiment `experiment` (a grid over the names),
+    recording their outcomes in ledger.json; `replay`: {trial name: val curve} for ASHA's
+    rungs (a resumed sweep)."""
+    base = TrainConfig.from_dict(plan.base).with_overrides(command_line)
     s = plan.settings
     concurrent = s.get("max_concurrent") or max_concurrent_trials(ray.cluster_resources(), base)
     if plan.mode == "wsd_branch":
-        run_stable_phase(plan, lineage)
+        run_stable_phase(plan, command_line, lineage)
     # this machine's key, for every trial wherever Tune places its driver: with_parameters
     # keeps it in Ray's object store (Tune's tuner.pkl leaves the trainable out)
-    key = (signed_file.load_or_create_key()
-           if base.compile or "compile" in (space or {}) else None)
+    compiled = base.compile or any(t["overrides"].get("compile") for t in plan.trials)
+    key = signed_file.load_or_create_key() if compiled else None
     trainable = tune.with_resources(tune.with_parameters(raygpt_trial, plan=plan.to_dict(),
+                                                         command_line=command_line,
                                                          lineage=lineage, artifact_key=key),
                                     TRIAL_DRIVER_RESOURCES)
     tune_fs, tune_root = _tune_storage(plan.sweep_dir)
-    if restore:
-        tuner = tune.Tuner.restore(f"{tune_root.rstrip('/')}/{TUNE_DIR}", trainable=trainable,
-                                   resume_unfinished=True, resume_errored=retry_errored,
-                                   storage_filesystem=tune_fs)
-    else:
-        scheduler = None
-        if s["early_stop"] == "asha":
-            grace = s.get("grace_period") or _default_grace(base, s["max_t"])
-            scheduler = GracefulASHA(
-                time_attr="step", max_t=s["max_t"], grace_period=min(grace, s["max_t"]),
-                reduction_factor=s["reduction_factor"])
-        tuner = tune.Tuner(
-            trainable, param_space=space,
-            tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
-                                        num_samples=s["num_samples"],
-                                        max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(
-                name=TUNE_DIR, storage_path=tune_root, storage_filesystem=tune_fs,
-                failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
-                callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"])]))
-    log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | up to {concurrent} concurrent "
-             f"trial(s) | early stop {s['early_stop']}" + (" | restored" if restore else ""))
+    scheduler = None
+    if s["early_stop"] == "asha":
+        grace = s.get("grace_period") or _default_grace(base, s["max_t"])
+        scheduler = GracefulASHA(
+            time_attr="step", max_t=s["max_t"], grace_period=min(grace, s["max_t"]),
+            reduction_factor=s["reduction_factor"], metric="val_loss", mode="min")
+        scheduler.replay(replay or {})
+    tuner = tune.Tuner(
+        trainable, param_space={"trial": tune.grid_search(list(names))},
+        tune_config=tune.TuneConfig(
+            # a scheduler that names its metric must be the only one to (Tune refuses both)
+            metric=None if scheduler else "val_loss", mode=None if scheduler else "min",
+            scheduler=scheduler, num_samples=1, max_concurrent_trials=concurrent,
+            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+        run_config=tune.RunConfig(
+            name=experiment, storage_path=tune_root, storage_filesystem=tune_fs,
+            failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
+            callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"]),
+                       TrialLedger(plan.sweep_dir, ledger if ledger is not None else {})]))
+    log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | {len(names)} trial(s), up to "
+             f"{concurrent} concurrent | early stop {s['early_stop']} | Tune experiment {experiment}/")
     tuner.fit()
     return summarize(plan.sweep_dir, max_concurrent=concurrent)
+
+
+def _trial_name(trial) -> str:
+    """A trial's Tune name and directory: its sweep name, which is also its run directory's."""
+    return trial.config["trial"]
 
 
 def _default_grace(base: TrainConfig, max_t: int) -> int:
@@ -548,7 +789,7 @@ def _default_grace(base: TrainConfig, max_t: int) -> int:
     return max(every, math.ceil(max_t / 4 / every) * every)
 
 
-def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
+def run_stable_phase(plan: SweepPlan, command_line: dict, lineage: str | None = None) -> int:
     """Train the WSD stable phase once (skipped when its checkpoint at S already verifies) and
     return S. The run is the branches' own config with max_steps = the shortest branch total, so
     its LR up to S is every branch's LR up to S; it checkpoints at S and is stopped there."""
@@ -556,7 +797,7 @@ def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
     S = plan.shared_step
     if stable.exists(ck.step_dir(S)) and not ck.verify_checkpoint(stable, S):
         return S
-    base = TrainConfig.from_dict(plan.base)
+    base = TrainConfig.from_dict(plan.base).with_overrides(command_line)
     every = base.checkpoint_every if base.checkpoint_every and S % base.checkpoint_every == 0 else S
     adapted: list[str] = []
     cfg = trial_config(base, {"max_steps": plan.stable_max_steps, "checkpoint_every": every},
@@ -576,78 +817,110 @@ def run_stable_phase(plan: SweepPlan, lineage: str | None = None) -> int:
 # ====================================================================== results
 
 def collect_rows(sweep_dir: str) -> list[TrialRow]:
-    """One row per Tune trial, from Tune's experiment state (config, status, retries) and the
-    trial's own loss history (val curve, final step, skips, rewinds), sorted by val loss."""
-    plan = read_plan(open_run_dir(sweep_dir), _abs(sweep_dir))
-    analysis = tune.ExperimentAnalysis(join_uri(plan.sweep_dir, TUNE_DIR))
-    rows = []
-    for trial in analysis.trials:
-        name = str(trial)
-        run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
-        records = read_history(open_run_dir(run_dir))
-        curve = val_curve(records)
-        end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
-        last = trial.last_result or {}
-        done = end is not None and not end.get("stopped_early", True)
-        status = ("done" if done else "stopped" if trial.status == "TERMINATED"
-                  else trial.status.lower())
-        verdict = _stop_verdict(analysis, trial) if trial.status == "ERROR" else {}
-        stopped = verdict.get(STOPPED_KEY)
-        src = end if end is not None else last
-        rows.append(TrialRow(
-            name=name, trial_id=trial.trial_id, status=status,
-            overrides={k: _plain(v) for k, v in trial.config.items()},
-            val_loss=curve[-1][1] if curve else float("nan"),
-            step=src.get("step", curve[-1][0] if curve else None),
-            skips=int(src.get("skips", 0)), rewinds=int(src.get("rewinds", 0)),
-            # re-runs: every failure but an errored trial's last one was followed by one
-            retries=int(trial.num_failures) - (trial.status == "ERROR"), run_dir=run_dir,
-            val_curve=curve, stopped=None if stopped is None else int(stopped),
-            error=str(verdict.get(STOPPED_MESSAGE_KEY, "")) if stopped is not None else ""))
+    """One row per trial of the plan, sorted by val loss: `trial_rows` of the sweep directory."""
+    sweep = open_run_dir(_abs(sweep_dir))
+    plan = read_plan(sweep, _abs(sweep_dir))
+    rows = trial_rows(plan, read_ledger(sweep))
     rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
     return rows
 
 
+def trial_rows(plan: SweepPlan, ledger: dict) -> list[TrialRow]:
+    """One row per trial, in the plan's order, from raygpt's JSON only: the plan (name,
+    overrides), the ledger (Tune's outcome, retries, raygpt's stop verdict) and the trial's own
+    loss history (val curve, final step, skips, rewinds). A history that cannot be read makes
+    its row "unreadable", with why, not the whole report fail."""
+    rows = []
+    for t in plan.trials:
+        name = t["name"]
+        run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
+        entry = ledger.get(name, ledger_entry())
+        try:
+            curve, end = trial_progress(open_run_dir(run_dir))
+            status, problem = trial_status(end, entry["status"]), ""
+        except (OSError, ValueError) as e:
+            curve, end, status, problem = [], None, "unreadable", redact(" ".join(str(e).split()))
+        errored = status == "error"
+        src = end or {}
+        rows.append(TrialRow(
+            name=name, trial_id=entry["trial_id"], status=status,
+            overrides=dict(t["overrides"]),
+            val_loss=curve[-1][1] if curve else float("nan"),
+            step=_count(src.get("step"), curve[-1][0] if curve else None),
+            skips=_count(src.get("skips"), 0), rewinds=_count(src.get("rewinds"), 0),
+            # re-runs: every failure but an errored trial's last one was followed by one
+            retries=max(0, entry["failures"] - errored), run_dir=run_dir, val_curve=curve,
+            stopped=entry["stopped"] if errored else None,
+            error=entry["error"] if errored and entry["stopped"] is not None else problem))
+    return rows
+
+
+def trial_status(end: dict | None, tune_status: str) -> str:
+    """done (its run reached max_steps) | stopped (its run ended early: ASHA, an operator) |
+    error (Tune gave up on it) | running | pending, from the run's last attempt's end record
+    (`trial_progress`) and the ledger's Tune status."""
+    if end is not None and end.get("stopped_early", True) is False:
+        return "done"
+    if tune_status == "error":
+        return "error"
+    if end is not None or tune_status == "terminated":
+        return "stopped"
+    return tune_status
+
+
+def trial_progress(run_dir: RunDir) -> tuple[list[tuple[int, float]], dict | None]:
+    """(the validation curve, the end record of the run's last attempt or None) of a trial's loss
+    history, streamed (`iter_history`: torn lines skipped) keeping only the val records. An end
+    record counts only if no attempt started after it (a re-run that is still going)."""
+    vals, end = [], None
+    for r in iter_history(run_dir):
+        kind = r.get("kind")
+        if kind in ("start", "resume"):
+            end = None
+        elif kind == "end":
+            end = r
+        elif kind == "val":
+            vals.append(r)
+    return val_curve(vals), end
+
+
+def _val_point(r: dict) -> tuple[int, float] | None:
+    """(step, val_loss) of a val record, None when its fields are not numbers (a damaged line)."""
+    step, loss = r.get("step"), r.get("val_loss")
+    if type(step) is not int or not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        return None
+    return step, float(loss)
+
+
+def _count(value, default):
+    """A count (step, skips, rewinds) read from a history record, `default` when it is not one."""
+    return value if type(value) is int and value >= 0 else default
+
+
 def sweep_status(sweep_dir: str) -> str:
     """`raygpt status SWEEP_DIR`: the plan, every trial's row as of now (the table results.txt
-    gets at the end, from Tune's experiment state and the trials' own histories, so a running
-    or interrupted sweep shows too), and how to look closer."""
+    gets at the end, from the plan, the ledger and the trials' own histories, so a running or
+    interrupted sweep shows too), and how to look closer."""
     plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
     head = f"sweep {plan.sweep_dir} | mode {plan.mode}"
-    try:
-        rows = collect_rows(plan.sweep_dir)
-    except ValueError as e:  # Tune has not written its experiment state yet
-        return f"{head} | no trial state yet ({' '.join(str(e).split())})"
+    rows = collect_rows(plan.sweep_dir)
     counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(r.status for r in rows).items()))
     ended = open_run_dir(plan.sweep_dir).exists(RESULTS_TXT)
+    unreadable = [f"{r.name}: {r.error}" for r in rows if r.status == "unreadable"]
     return "\n".join([
-        f"{head} | {len(rows)} trial(s): {counts}" + ("" if ended else " (as of now: no results.txt yet)"),
-        format_table(rows),
+        f"{head} | {len(rows)} trial(s)" + (f": {counts}" if counts else "")
+        + ("" if ended else " (as of now: no results.txt yet)"),
+        format_table(rows), *unreadable,
         f"one trial: raygpt status {join_uri(plan.sweep_dir, TRIALS_DIR)}/<trial>"])
-
-
-def _stop_verdict(analysis, trial) -> dict:
-    """The result in which raygpt stopped an errored trial ({} when it did not): usually its last
-    result, but a validation result forwarded by the run's Ray Train controller (another process)
-    can reach Tune after the trial's own verdict, so the trial's results are searched, newest
-    first."""
-    last = trial.last_result or {}
-    if last.get(STOPPED_KEY) is not None:
-        return last
-    frame = analysis.trial_dataframes.get(trial.trial_id)
-    if frame is None or STOPPED_KEY not in frame:
-        return {}
-    rows = frame[frame[STOPPED_KEY].notna()]
-    return {} if rows.empty else rows.iloc[-1].to_dict()
 
 
 def val_curve(records: list[dict]) -> list[tuple[int, float]]:
     """[(step, val_loss)] ascending, the latest record of each step winning (a step validated
-    again after a resume or rewind)."""
+    again after a resume or rewind); a record whose fields are not numbers is left out."""
     latest = {}
     for r in records:
-        if r.get("kind") == "val":
-            latest[int(r["step"])] = float(r["val_loss"])
+        if r.get("kind") == "val" and (point := _val_point(r)) is not None:
+            latest[point[0]] = point[1]
     return sorted(latest.items())
 
 
@@ -713,7 +986,7 @@ def stable_curve(plan: SweepPlan) -> list[tuple[int, float]] | None:
     """The WSD stable phase's validation curve (branch mode: drawn under the branches'), else None."""
     if plan.mode != "wsd_branch":
         return None
-    return val_curve(read_history(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))))
+    return trial_progress(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR)))[0]
 
 
 def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
@@ -778,8 +1051,8 @@ def space_from_args(ns, items: list | None = None) -> dict:
 def run_from_args(ns, items: list, base: TrainConfig) -> SweepReport:
     """Run (or, with -y 1, resume) the sweep the command line describes."""
     if base.resume == 1:
-        return resume_sweep(base.output_dir, ray_address=ns.address,
-                            retry_errored=ns.retry_errored)
+        return resume_sweep(base.output_dir, command_line=command_line_only(base),
+                            ray_address=ns.address, retry_errored=ns.retry_errored)
     if ns.wsd_branches:
         return run_wsd_branches(base, _branch_totals(ns.wsd_branches), base.output_dir,
                                 space=space_from_args(ns, items),

@@ -4,6 +4,9 @@ machine's CPU count (raygpt.ray.capacity).
 
 - `pin_for_trials` / `trial_config`: the base every trial overrides (hardware resolved on the
   driver, paths absolute) and one trial's run config (`base.with_overrides(trial_config)`);
+- `expand_trials` / `check_trials`: the sweep's trials made concrete (named, every random
+  domain drawn) before Tune starts, as sweep.json stores them, and that list checked when it is
+  read back from the (shared, writable by others) sweep directory;
 - `known_trial_points` / `preflight_sweep`: every trial config that can be known before Tune
   samples (grid values and choice categories crossed, the ends of numeric ranges) through the
   single run's driver-side checks (raygpt.preflight), and the sweep directory's filesystem;
@@ -21,18 +24,22 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 
 import numpy as np
 
 from raygpt import preflight
-from raygpt.config import (ConfigError, FlagParser, SpikeConfig, TrainConfig, absolute_paths,
-                           output_dir_with_endpoint, parse_args)
+from raygpt.config import (CONFIG_FILE_FORBIDDEN, ConfigError, FlagParser, SpikeConfig,
+                           TrainConfig, absolute_paths, output_dir_with_endpoint, parse_args)
 from raygpt.ray import capacity
 
-# Fields that place a run, not configure it: the sweep sets them (never a search-space key) and
-# best_config.json leaves them out.
-PLACEMENT_FIELDS = ("output_dir", "resume", "overwrite", "fault", "allow_fault_injection")
+# Fields that place or arm a run, not configure it: the sweep's own command line gives them
+# (never a search-space key, nor a stored trial's overrides) and best_config.json leaves them out,
+# as a --config file may not set them.
+PLACEMENT_FIELDS = CONFIG_FILE_FORBIDDEN
+# A trial's name, which is also its run directory under <sweep>/trials/ (so never a path).
+TRIAL_NAME_RE = re.compile(r"^trial_[0-9]{3,9}$")
 # Known trial configs checked before Ray starts, at most (a larger product is checked one
 # search-space key at a time against the base).
 MAX_PREFLIGHT_POINTS = 4096
@@ -87,6 +94,66 @@ def check_space(base: TrainConfig, space: dict) -> None:
                               f"(expected a training field)")
         value = current["spike"].get(key[6:]) if key.startswith("spike.") else current.get(key)
         base.with_overrides({key: value})  # raises ConfigError naming an unknown key
+
+
+def trial_name(index: int) -> str:
+    return f"trial_{index:03d}"
+
+
+def expand_trials(space: dict, num_samples: int, seed: int) -> list[dict]:
+    """The sweep's trials, made concrete before Tune starts: [{"name", "overrides"}], every
+    combination of the grid values, `num_samples` times (Tune's own order: each sample runs the
+    whole grid), each random domain (choice, uniform, loguniform...) drawn with its own
+    `.sample()` from one RNG seeded with `seed`. The list is stored in sweep.json, so which
+    trials exist and what each overrides is raygpt's own JSON, never Tune's state."""
+    if num_samples < 1:
+        raise ConfigError(f"--num-samples: expected >= 1, found {num_samples}")
+    rng = np.random.default_rng(seed)
+    grid = [k for k, v in space.items() if isinstance(v, dict) and "grid_search" in v]
+    points = [{}]
+    for key in grid:
+        points = [{**p, key: v} for p in points for v in space[key]["grid_search"]]
+    out = []
+    for _ in range(num_samples):
+        for point in points:
+            overrides = {}
+            for key, value in space.items():
+                if key in point:
+                    overrides[key] = _plain(point[key])
+                elif hasattr(value, "sample") and known_values(value) is not None:
+                    overrides[key] = _plain(value.sample(random_state=rng))
+                elif isinstance(value, (bool, int, float, str)) or value is None:
+                    overrides[key] = value
+                else:
+                    raise ConfigError(f"search space key {key!r}: expected a grid, a choice, a "
+                                      f"numeric range or a constant, found {value!r}")
+            out.append({"name": trial_name(len(out)), "overrides": overrides})
+    return out
+
+
+def check_trials(base: TrainConfig, trials, where: str) -> list[dict]:
+    """A stored trial list (`expand_trials`' shape) checked as untrusted input: every name a
+    TRIAL_NAME_RE (it becomes a directory), unique, every override a training field of a type
+    it takes (no PLACEMENT_FIELDS). ConfigError naming `where` and the trial."""
+    if not isinstance(trials, list):
+        raise ConfigError(f"{where}: expected a list of trials, found {type(trials).__name__}")
+    seen = set()
+    for i, t in enumerate(trials):
+        name = t.get("name") if isinstance(t, dict) else None
+        if not isinstance(name, str) or not TRIAL_NAME_RE.match(name) or name in seen:
+            raise ConfigError(f"{where}[{i}]: name: expected a new name like 'trial_000', found "
+                              f"{name!r}")
+        seen.add(name)
+        overrides = t.get("overrides")
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{where}[{i}] ({name}): overrides: expected an object, found "
+                              f"{type(overrides).__name__}")
+        try:
+            check_space(base, overrides)
+            base.with_overrides(overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{where}[{i}] ({name}): {e}") from None
+    return trials
 
 
 def known_values(value) -> list | None:

@@ -3,15 +3,15 @@
 The pure parts (trial configs, search-space checks, the plan file, best config, table) first;
 then the trainer-equivalence check, then four real sweeps of a 1-layer model: scheduler kinds
 ranked by validation loss, trials killed mid-run (resumed inside Ray Train, and re-run by Tune),
-a sweep whose driver is SIGKILLed and restored, and WSD branches from one stable checkpoint.
+a sweep whose driver is SIGKILLed and resumed, and WSD branches from one stable checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -137,7 +137,7 @@ def test_plan_file_round_trip_and_checks(tmp_path):
     assert sweep.read_plan(d) == plan
     raw = json.loads(d.read_bytes(sweep.PLAN_FILE))
     d.write_bytes_atomic(sweep.PLAN_FILE, json.dumps({**raw, "version": 99}).encode())
-    with pytest.raises(ConfigError, match=r"sweep.json: version: expected 1, found 99"):
+    with pytest.raises(ConfigError, match=r"sweep.json: version: expected 2, found 99"):
         sweep.read_plan(d)
     d.write_bytes_atomic(sweep.PLAN_FILE, json.dumps({**raw, "format": "other"}).encode())
     with pytest.raises(ConfigError, match=r"sweep.json: format: expected 'raygpt-sweep'"):
@@ -147,15 +147,19 @@ def test_plan_file_round_trip_and_checks(tmp_path):
 
 
 def test_status_and_plot_of_a_sweep_directory_before_its_trials_and_with_a_bad_plan(tmp_path, capsys):
-    """A sweep directory whose trials have not started (no Tune state yet) gets a status line
-    saying so; one whose sweep.json is damaged gets one line naming the file, exit 2, from both
-    commands (no traceback)."""
+    """A sweep directory whose trials have not started shows them pending (the plan lists them
+    before Tune starts); one whose sweep.json is damaged gets one line naming the file, exit 2,
+    from both commands (no traceback)."""
     d = open_run_dir(str(tmp_path))
-    sweep.write_plan(d, sweep.SweepPlan(sweep_dir=str(tmp_path), mode="grid",
-                                        user_base=tiny().to_dict(), base=tiny().to_dict(),
-                                        settings={"num_samples": 1}))
+    sweep.write_plan(d, sweep.SweepPlan(
+        sweep_dir=str(tmp_path), mode="grid", user_base=tiny().to_dict(), base=tiny().to_dict(),
+        settings={"num_samples": 1},
+        trials=trials.expand_trials({"scheduler": tune.grid_search(KINDS)}, 1, seed=0)))
     assert cli_main(["status", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.startswith(f"sweep {tmp_path} | mode grid | no trial state yet (")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"sweep {tmp_path} | mode grid | 4 trial(s): 4 pending (as of now: no results.txt yet)"
+    assert [line.split()[1:4] for line in out[2:6]] == [
+        [f"trial_00{i}", "pending", f"scheduler={kind}"] for i, kind in enumerate(KINDS)]
     d.write_bytes_atomic(sweep.PLAN_FILE, b"{not json")
     for command in ("status", "plot"):
         assert cli_main([command, str(tmp_path)]) == 2
@@ -432,8 +436,8 @@ def test_tune_does_not_rerun_a_trial_raygpt_stopped_but_reruns_a_killed_one(clus
     assert len(resume) == 1 and 2 <= resume[0]["resumed_from"] <= kill["at_step"], resume
     assert bad["at_step"] == max(8, resume[0]["resumed_from"])
     assert train_steps(recs, attempt=2) == list(range(resume[0]["resumed_from"], bad["at_step"]))
-    (trial,) = tune.ExperimentAnalysis(str(tmp_path / "s" / "tune")).trials
-    assert (trial.status, trial.num_failures) == ("ERROR", 2)
+    entry = sweep.read_ledger(open_run_dir(str(tmp_path / "s")))[row.name]
+    assert (entry["status"], entry["failures"], entry["stopped"]) == ("error", 2, 2)
     # each Tune attempt recorded its launch, the sweep's command line in both
     launches = [json.loads((run / name).read_text()) for name in ("config.1.json", "config.json")]
     assert [x["launch"] for x in launches] == [1, 2]
@@ -451,17 +455,17 @@ def interrupted_sweep(cluster, tmp_path_factory):
     controller had not yet taken from a killed worker has no DONE), so its Ray Train run fails
     and Tune re-runs the trial. Once the
     8-step trial has finished and the re-run is training, the driver itself is SIGKILLed; then
-    resume_sweep restores the sweep in this process. Returns what the tests below compare."""
+    Tune's state files are replaced by pickles whose loading would create a file (what anyone who
+    can write the sweep directory could plant), and resume_sweep continues the sweep in this
+    process without opening them. Returns what the tests below compare."""
     sweep_dir = tmp_path_factory.mktemp("interrupted") / "s"
     cmd = [sys.executable, str(REPO / "experiments" / "sweep_shakespeare.py"),
            "-e", "d1", "-b", "4", "-t", "32", "-u", "2", "-v", "4", "-m", "1", "-s", "0",
            "-n", "4", "--num-workers", "1", "--log-every", "1000", "-o", str(sweep_dir),
            "--grid", "max_steps=8,40", "--early-stop", "none", "--max-failures", "0",
            "--trial-retries", "1", "--fault", "kill:rank=0,step=10,after=4", "--address", cluster]
-    # Tune snapshots its state every >= 10 s by default; every second keeps the test short
-    env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "1",
+    env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # polls
     log_path = sweep_dir.parent / "driver.log"
     with open(log_path, "wb") as log:
         driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -469,12 +473,11 @@ def interrupted_sweep(cluster, tmp_path_factory):
         def short_done_long_rerun_training():
             assert driver.poll() is None, log_path.read_text()[-3000:]
             try:
-                trials = tune.ExperimentAnalysis(str(sweep_dir / "tune")).trials
-            except Exception:  # not written yet, or caught mid-write
+                rows = sweep.collect_rows(str(sweep_dir))
+            except ConfigError:  # sweep.json not written yet
                 return None
-            # Tune snapshots a running trial as PENDING (so that a restore starts it again)
-            status = {t.config["max_steps"]: (str(t), t.status) for t in trials}
-            if len(status) < 2 or status[8][1] != "TERMINATED" or status[40][1] == "TERMINATED":
+            status = {r.overrides["max_steps"]: (r.name, r.status) for r in rows}
+            if status[8][1] != "done" or status[40][1] in ("done", "stopped"):
                 return None
             long_dir = sweep_dir / "trials" / status[40][0]
             if not (long_dir / "loss_history.jsonl").exists():
@@ -491,9 +494,28 @@ def interrupted_sweep(cluster, tmp_path_factory):
     short_history = (sweep_dir / "trials" / short / "loss_history.jsonl").read_bytes()
     long_before = records(sweep_dir / "trials" / long)
     status_before = sweep.sweep_status(str(sweep_dir))  # `raygpt status` of the dead sweep
+    marker = sweep_dir.parent / "pwned"
+    payload = pickle.dumps(CreatesFile(marker))
+    tune_dir = sweep_dir / "tune"
+    for state in [*tune_dir.glob("experiment_state-*.json")]:
+        state.write_text(json.dumps({"trial_data": {"_type": "CLOUDPICKLE_FALLBACK",
+                                                    "value": payload.hex()}}))
+    for pkl in [tune_dir / "tuner.pkl", *tune_dir.glob("*/params.pkl")]:
+        pkl.write_bytes(payload)
     report = sweep.resume_sweep(str(sweep_dir))
     return dict(sweep_dir=sweep_dir, short=short, long=long, short_history=short_history,
-                long_before=long_before, status_before=status_before, report=report)
+                long_before=long_before, status_before=status_before, report=report,
+                pickle_loaded=marker.exists())
+
+
+class CreatesFile:
+    """Unpickling this creates `path`: a stand-in for any code a planted pickle would run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
 
 
 def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
@@ -514,8 +536,10 @@ def test_killed_trial_is_rerun_by_tune_from_its_checkpoint(interrupted_sweep):
 
 def test_sweep_resumes_after_its_driver_is_killed(interrupted_sweep):
     s = interrupted_sweep
-    # before the restore, `raygpt status` read the dead sweep's state: both trials, one done
-    # (Tune's last snapshot holds the re-run trial as pending, so that a restore starts it)
+    assert not s["pickle_loaded"]  # the planted Tune state was never opened
+    assert (s["sweep_dir"] / "tune.2").is_dir()  # a new Tune experiment over the unfinished trial
+    # before the resume, `raygpt status` read the dead sweep's state: both trials, one done
+    # (the ledger holds the re-run trial as running, or pending if it died before starting)
     head, _, *table, _ = s["status_before"].splitlines()
     status = {line.split()[1]: line.split()[2] for line in table}
     assert set(status) == {s["short"], s["long"]} and status[s["short"]] == "done", table
