@@ -9,7 +9,9 @@ Two small files at the top of a run (or sweep) directory, reader and writer side
   when it is this user's (`owner_problem`): on a local or NFS directory the marker file must be
   a regular file (lstat: a symlink is refused) owned by this process's uid, and the uid it
   records must be that uid; on an object store, where objects have no owner raygpt can read,
-  the user name it records must be this user's. `--overwrite` deletes only a directory that
+  the user name it records must be this user's (a guard against mistakes between colleagues,
+  not against whoever holds the bucket's write credentials: they can delete it anyway).
+  `--overwrite` deletes only a directory that
   carries this user's marker of the right kind, and never one of `refused_overwrite_target`'s
   places (`/`, the home directory, the current directory or one of their ancestors, a bucket
   root, an empty `-o`).
@@ -48,6 +50,7 @@ import getpass
 import json
 import logging
 import os
+import pwd
 import socket
 import stat
 import threading
@@ -120,6 +123,19 @@ def refused_overwrite_target(uri: str, *, home: str | None = None, cwd: str | No
 
 
 # ---------------------------------------------------------------------- the marker
+
+def _user() -> str:
+    """This process's user name: the password database's for its uid ($USER can be set to
+    anything), else getpass's, else "uid<N>" (a container without passwd)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (KeyError, OSError):
+        pass
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name at all: the uid says it
+        return f"uid{os.geteuid()}"
+
 
 def _lstat(run_dir: RunDir, rel: str) -> os.stat_result:
     """The entry itself on a local or NFS directory, not what a symlink there points to."""
@@ -220,15 +236,13 @@ def check_overwrite(run_dir: RunDir, kind: str, uri: str) -> None:
                             f"{marker.get('kind')!r} directory, expected a {kind!r} directory")
 
 
-# ---------------------------------------------------------------------- the lease
-
 def check_fresh_start(target: RunDir, kind: str, given: str, overwrite: bool) -> None:
     """The one rule for starting afresh where a run (or a sweep) already is: refused without
     --overwrite (-y 1 resumes it), and with it only over a directory `check_overwrite` allows."""
     if not overwrite:
-        raise ConfigError(f"-o/--output-dir {redact(target.uri())}: expected an empty or new "
-                          f"{kind} directory, found an existing {kind}; pass -y 1 to resume it or "
-                          f"--overwrite to start fresh over it")
+        raise RunDirRefused(f"-o/--output-dir {redact(target.uri())}: expected an empty or new "
+                            f"{kind} directory, found an existing {kind}; pass -y 1 to resume it "
+                            f"or --overwrite to start fresh over it")
     check_overwrite(target, kind, given)
 
 
@@ -241,12 +255,7 @@ def delete_for_fresh_start(target: RunDir, kind: str, lease: "Lease | None") -> 
         lease.renew()
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container without passwd): the uid says it
-        return f"uid{os.getuid()}"
-
+# ---------------------------------------------------------------------- the lease
 
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
