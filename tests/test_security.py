@@ -362,6 +362,9 @@ def test_a_foreign_main_log_is_never_truncated_adopted_or_deleted(tmp_path):
         message = str(e.value)
         assert "\n" not in message and str(shared) in message, flags
         assert "'main.log', 'notes.txt'" in message and "name a new or empty directory" in message
+        if flags.get("resume"):
+            assert ("-y 1 resumes only a raygpt run of yours, and it holds neither a config.json "
+                    "in raygpt's format nor a complete raygpt checkpoint") in message
         assert _tree(shared) == before, flags  # byte for byte, and no file added
 
 
@@ -391,8 +394,8 @@ def test_sweep_o_on_a_directory_holding_anything_else_is_refused_before_anything
     assert marker["kind"] == "sweep" and marker["uid"] == os.geteuid()
     with pytest.raises(ConfigError, match="found an existing sweep"):
         sweep._new_plan("grid", base, base, str(new), {})
-    sweep._new_plan("grid", base.with_overrides({"overwrite": True}),
-                    base, str(new), {})
+    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new), {})
+    assert ownership.read_marker(open_run_dir(new))["run_id"] != marker["run_id"]  # started over
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
