@@ -95,7 +95,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _compact(argv: list[str]) -> int:
-    from raygpt.runlog.segments import compact_main
+    from raygpt.runlog.compact import compact_main
     return compact_main(argv)
 
 

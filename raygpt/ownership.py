@@ -2,12 +2,24 @@
 
 Two small files at the top of a run (or sweep) directory, reader and writer side by side:
 
-- `raygpt_run.json`, the marker: written once when raygpt creates the directory (format,
-  version, kind "run" | "sweep", a run id, who created it and when). `--overwrite` deletes only a
-  directory that carries it, and never one of `refused_overwrite_target`'s places (`/`, the
-  home directory, the current directory or one of their ancestors, a bucket root, an empty
-  `-o`). A run directory from before the marker existed holds no marker: raygpt refuses to
-  overwrite it and says to delete it by hand (`-y 1` still resumes it, and marks it).
+- `raygpt_run.json`, the marker: written once, by raygpt, into a directory it created or found
+  empty (format, version, kind "run" | "sweep", a run id, when, and its owner: user name,
+  numeric uid and host). A directory becomes a run or a sweep only that way (`claim_dir`): one
+  that holds anything else is refused, and nothing in it is written. A marker is honoured only
+  when it is this user's (`owner_problem`): on a local or NFS directory the marker file must be
+  a regular file (lstat: a symlink is refused) owned by this process's uid, and the uid it
+  records must be that uid; on an object store, where objects have no owner raygpt can read,
+  the user name it records must be this user's (a guard against mistakes between colleagues,
+  not against whoever holds the bucket's write credentials: they can delete it anyway).
+  `--overwrite` deletes only a directory that
+  carries this user's marker of the right kind, and never one of `refused_overwrite_target`'s
+  places (`/`, the home directory, the current directory or one of their ancestors, a bucket
+  root, an empty `-o`).
+- A run from a raygpt before markers holds none. `-y 1` adopts it (marks it and resumes) only
+  when it shows it is a raygpt run this user wrote: a `config.json` in raygpt's format or a
+  complete checkpoint (DONE, a raygpt MANIFEST and every file it lists), owned by this uid on a
+  local or NFS directory. Adopting writes the marker and nothing else; every other existing
+  file is left as it is. `--overwrite` of an unmarked run is refused: delete it by hand.
 - `raygpt_lease.json`, the lease: one writer per run directory. The driver (or a sweep trial)
   that runs a job holds it; it names the holder (user, host, pid, a token) and when it expires,
   and a heartbeat thread renews it every `ttl_s / 4`. A second job is refused with a line naming
@@ -38,11 +50,16 @@ import getpass
 import json
 import logging
 import os
+import pwd
 import socket
+import stat
 import threading
 import time
 import uuid
+from typing import Callable
 
+from raygpt import run_config
+from raygpt.checkpointing import protocol as ck
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.faults import announce as announce_faults
 from raygpt.faults import armed_spec
@@ -58,10 +75,11 @@ RUN_LOGS = frozenset({LOSS_HISTORY, LOSS_HISTORY_LOG.folder, MAIN_LOG_LAYOUT.leg
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
+MARKER_VERSION = 2  # 2 records the owner's uid; 1 only "created_by": "user@host"
 LEASE = "raygpt_lease.json"
 LEASE_FORMAT = "raygpt-lease"
 _LOCK = ".raygpt_lease.lock"
-VERSION = 1
+LEASE_VERSION = 1
 DEFAULT_TTL_S = float(os.environ.get("RAYGPT_LEASE_TTL_S", "60"))
 
 
@@ -106,10 +124,32 @@ def refused_overwrite_target(uri: str, *, home: str | None = None, cwd: str | No
 
 # ---------------------------------------------------------------------- the marker
 
+def _user() -> str:
+    """This process's user name: the password database's for its uid ($USER can be set to
+    anything), else getpass's, else "uid<N>" (a container without passwd)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (KeyError, OSError):
+        pass
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name at all: the uid says it
+        return f"uid{os.geteuid()}"
+
+
+def _lstat(run_dir: RunDir, rel: str) -> os.stat_result:
+    """The entry itself on a local or NFS directory, not what a symlink there points to."""
+    return os.lstat(run_dir.local_path(rel))
+
+
 def read_marker(run_dir: RunDir) -> dict | None:
-    """The marker's fields, None when there is none; RunDirRefused when it is not raygpt's."""
+    """The marker's fields, None when there is none; RunDirRefused when it is not raygpt's (or,
+    on a local or NFS directory, not a regular file: a symlink could lend a stranger's marker)."""
     if not run_dir.exists(MARKER):
         return None
+    if run_dir.is_local and not stat.S_ISREG(_lstat(run_dir, MARKER).st_mode):
+        raise RunDirRefused(f"{run_dir.uri(MARKER)}: expected a regular file written by raygpt, "
+                            f"found a symlink or another kind of entry; remove it by hand")
     try:
         d = read_json_bounded(run_dir, MARKER)
     except ValueError as e:
@@ -118,46 +158,91 @@ def read_marker(run_dir: RunDir) -> dict | None:
         found = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise RunDirRefused(f"{run_dir.uri(MARKER)}: format: expected {MARKER_FORMAT!r}, "
                             f"found {found!r}")
+    if d.get("version", 1) not in (1, MARKER_VERSION):
+        raise RunDirRefused(f"{run_dir.uri(MARKER)}: version: expected 1 or {MARKER_VERSION}, "
+                            f"found {d.get('version')!r} (a newer raygpt's?)")
     return d
 
 
 def write_marker(run_dir: RunDir, kind: str, **fields) -> dict:
-    """Mark `run_dir` as raygpt's (kind "run" or "sweep"); returns the marker."""
-    marker = {"format": MARKER_FORMAT, "version": VERSION, "kind": kind,
-              "run_id": uuid.uuid4().hex, "created": time.time(),
-              "created_by": f"{_user()}@{socket.gethostname()}", **fields}
+    """Mark `run_dir` as raygpt's (kind "run" or "sweep") and this user's; returns the marker."""
+    user, host = _user(), socket.gethostname()
+    marker = {"format": MARKER_FORMAT, "version": MARKER_VERSION, "kind": kind,
+              "run_id": uuid.uuid4().hex, "created": time.time(), "user": user,
+              "uid": os.geteuid(), "host": host, "created_by": f"{user}@{host}", **fields}
     run_dir.write_bytes_atomic(MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     return marker
 
 
-def check_overwrite(run_dir: RunDir, kind: str, uri: str) -> None:
-    """Raise RunDirRefused unless `--overwrite` may delete `run_dir` (named `uri` by the user):
-    not a refused place, and marked as raygpt's of this kind."""
+def marker_owner(marker: dict) -> tuple[object, object]:
+    """(user name, uid or None) a marker records; version 1 recorded only "user@host"."""
+    if marker.get("version", 1) >= 2:
+        return marker.get("user"), marker.get("uid")
+    created_by = marker.get("created_by")
+    return (created_by.rsplit("@", 1)[0] if isinstance(created_by, str) else None), None
+
+
+def owner_problem(marker: dict, file_uid: int | None, user: str, uid: int) -> str | None:
+    """Why `marker` does not make its directory this user's (`user`, `uid`), or None.
+    `file_uid`: the marker file's owner on a local or NFS filesystem; None on an object store,
+    whose objects have no owner raygpt can read, so there the recorded user name is compared."""
+    rec_user, rec_uid = marker_owner(marker)
+    named = (f"{rec_user} (uid {rec_uid})" if rec_uid is not None
+             else repr(rec_user) if rec_user is not None else "no one")
+    if file_uid is not None:
+        if file_uid != uid:
+            return f"the file is owned by uid {file_uid}, not by you (uid {uid})"
+        if rec_uid is None:  # a version-1 marker: its user name is all it records
+            return None if rec_user == user else f"it names {named} as its owner, not you ({user})"
+        if isinstance(rec_uid, bool) or rec_uid != uid:  # a file copied or edited to look ours
+            return f"it names {named} as its owner, not you (uid {uid})"
+        return None
+    return None if rec_user == user else f"it names {named} as its owner, not you ({user})"
+
+
+def check_marker_ours(run_dir: RunDir, marker: dict, doing: str) -> None:
+    """RunDirRefused, one line naming `doing` (the flag or command), unless `marker` is this
+    user's (`owner_problem`)."""
+    file_uid = _lstat(run_dir, MARKER).st_uid if run_dir.is_local else None
+    why = owner_problem(marker, file_uid, _user(), os.geteuid())
+    if why:
+        raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, its {MARKER} is not yours: "
+                            f"{why}; raygpt writes and deletes only directories it marked for "
+                            f"you: name a directory of your own, or ask its owner")
+
+
+def check_overwrite_target(uri: str) -> None:
+    """RunDirRefused when `--overwrite` names one of `refused_overwrite_target`'s places."""
     why = refused_overwrite_target(uri)
     if why:
         raise RunDirRefused(redact(f"--overwrite {uri!r}: refused, {why}; name the run directory "
                                    f"itself (e.g. -o runs/NAME or s3://BUCKET/PREFIX/NAME)"))
+
+
+def check_overwrite(run_dir: RunDir, kind: str, uri: str) -> None:
+    """Raise RunDirRefused unless `--overwrite` may delete `run_dir` (named `uri` by the user):
+    not a refused place, and marked as raygpt's of this kind by this user."""
+    check_overwrite_target(uri)
     marker = read_marker(run_dir)
     if marker is None:
         raise RunDirRefused(
-            f"--overwrite {run_dir.uri()}: refused, the directory holds no {MARKER} (raygpt marks "
-            f"every run directory it creates; this one is from an older raygpt or is not "
-            f"raygpt's); check what is in it and delete it by hand if it is yours to delete, or "
-            f"resume it with -y 1")
+            f"--overwrite {redact(run_dir.uri())}: refused, the directory holds no {MARKER} "
+            f"(raygpt marks every directory it creates; this one is from an older raygpt or is "
+            f"not raygpt's); check what is in it and delete it by hand if it is yours to delete, "
+            f"or resume it with -y 1 if it is a raygpt run of yours")
+    check_marker_ours(run_dir, marker, "--overwrite")
     if marker.get("kind") != kind:
-        raise RunDirRefused(f"--overwrite {run_dir.uri()}: refused, {MARKER} says it is a "
+        raise RunDirRefused(f"--overwrite {redact(run_dir.uri())}: refused, {MARKER} says it is a "
                             f"{marker.get('kind')!r} directory, expected a {kind!r} directory")
 
-
-# ---------------------------------------------------------------------- the lease
 
 def check_fresh_start(target: RunDir, kind: str, given: str, overwrite: bool) -> None:
     """The one rule for starting afresh where a run (or a sweep) already is: refused without
     --overwrite (-y 1 resumes it), and with it only over a directory `check_overwrite` allows."""
     if not overwrite:
-        raise ConfigError(f"-o/--output-dir {redact(target.uri())}: expected an empty or new "
-                          f"{kind} directory, found an existing {kind}; pass -y 1 to resume it or "
-                          f"--overwrite to start fresh over it")
+        raise RunDirRefused(f"-o/--output-dir {redact(target.uri())}: expected an empty or new "
+                            f"{kind} directory, found an existing {kind}; pass -y 1 to resume it "
+                            f"or --overwrite to start fresh over it")
     check_overwrite(target, kind, given)
 
 
@@ -170,12 +255,7 @@ def delete_for_fresh_start(target: RunDir, kind: str, lease: "Lease | None") -> 
         lease.renew()
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container without passwd): the uid says it
-        return f"uid{os.getuid()}"
-
+# ---------------------------------------------------------------------- the lease
 
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -230,7 +310,7 @@ class Lease:
 
     def _record(self, acquired: float) -> dict:
         now = self.clock()
-        return {"format": LEASE_FORMAT, "version": VERSION, "token": self.token,
+        return {"format": LEASE_FORMAT, "version": LEASE_VERSION, "token": self.token,
                 "lineage": self.lineage, "user": _user(), "host": socket.gethostname(),
                 "pid": os.getpid(), "what": self.what, "acquired": acquired, "renewed": now,
                 "expires": now + self.ttl_s}
@@ -351,35 +431,162 @@ def is_own_file(name: str) -> bool:
 
 # ---------------------------------------------------------------------- claiming a run directory
 
+def foreign_entries(run_dir: RunDir) -> list[str]:
+    """The names in `run_dir` other than this module's own files ([] when it does not exist)."""
+    return [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
+
+
+def holds_run(run_dir: RunDir) -> bool:
+    """Whether `run_dir` holds a run's logs (either layout) or a checkpoint directory."""
+    return any(n in RUN_LOGS or n.startswith("step_") for n in run_dir.listdir())
+
+
+def _run_evidence(run_dir: RunDir) -> str | None:
+    """The file that shows an unmarked directory is a run raygpt wrote: config.json in
+    raygpt's format, else the MANIFEST of its newest complete checkpoint; None when neither."""
+    if run_dir.exists(run_config.CONFIG_FILE):
+        try:
+            rec = read_json_bounded(run_dir, run_config.CONFIG_FILE)
+        except ValueError:
+            rec = None
+        if (isinstance(rec, dict) and rec.get("format") == run_config.FORMAT
+                and isinstance(rec.get("config"), dict)):
+            return run_config.CONFIG_FILE
+    step = ck.find_latest_verified(run_dir, warn=lambda _: None, hashes=False)
+    return None if step is None else f"{ck.step_dir(step)}/{ck.MANIFEST}"
+
+
+def why_not_a_run_of_yours(run_dir: RunDir) -> str | None:
+    """None when an unmarked directory (a run from before markers) shows it is a raygpt run of
+    this user's (`_run_evidence`, and on a local or NFS directory that file is a regular file
+    owned by this uid; an object store has no owner to compare); else what it lacks."""
+    rel = _run_evidence(run_dir)
+    if rel is None:
+        return (f"it holds neither a {run_config.CONFIG_FILE} in raygpt's format nor a "
+                f"complete raygpt checkpoint")
+    if run_dir.is_local:
+        st, uid = _lstat(run_dir, rel), os.geteuid()
+        if not stat.S_ISREG(st.st_mode):
+            return f"its {rel} is not a regular file"
+        if st.st_uid != uid:
+            return f"its {rel} is owned by uid {st.st_uid}, not by you (uid {uid})"
+    return None
+
+
+def _check_dir_owner(run_dir: RunDir) -> None:
+    """An existing empty local directory is marked only when it is this uid's (the directory a
+    shared, group-writable parent lets one create is not another user's to take)."""
+    if not (run_dir.is_local and run_dir.exists()):
+        return
+    owner, uid = os.stat(run_dir.local_path()).st_uid, os.geteuid()
+    if owner != uid:
+        raise RunDirRefused(f"-o/--output-dir {run_dir.uri()}: refused, the directory is owned by "
+                            f"uid {owner}, not by you (uid {uid}); name a new directory (raygpt "
+                            f"creates it)")
+
+
+def check_claim(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunDir], bool],
+                resume: bool = False, overwrite: bool = False) -> str:
+    """What claiming `run_dir` for a `kind` job does, or RunDirRefused (one line) saying why
+    not; reads only. `holds(run_dir)`: whether a run (or sweep) is there already.
+    "use": this user's marker of this kind (a resume, or nothing there yet);
+    "replace": the same with a run there and --overwrite: delete it, then mark afresh;
+    "mark": new or empty (only this module's own files): mark it;
+    "adopt": -y 1 on a run from before markers that `why_not_a_run_of_yours` accepts: mark it.
+    Anything else (foreign files, another user's marker, another kind's) is refused."""
+    where = redact(run_dir.uri())
+    if overwrite:  # a place --overwrite must never name is refused whatever it holds
+        check_overwrite_target(given)
+    marker = read_marker(run_dir)
+    if marker is not None:
+        check_marker_ours(run_dir, marker, "-o/--output-dir")
+        if marker.get("kind") != kind:
+            raise RunDirRefused(f"-o/--output-dir {where}: refused, {MARKER} says it is a "
+                                f"{marker.get('kind')!r} directory, expected a {kind!r} "
+                                f"directory; name another directory")
+        if holds(run_dir) and not resume:
+            check_fresh_start(run_dir, kind, given, overwrite)
+            return "replace"
+        return "use"
+    names = foreign_entries(run_dir)
+    if not names:
+        _check_dir_owner(run_dir)
+        return "mark"
+    premarker = kind == "run" and holds(run_dir)
+    why_not = why_not_a_run_of_yours(run_dir) if premarker else None
+    if premarker and why_not is None:
+        if resume:
+            return "adopt"
+        if overwrite:
+            check_overwrite(run_dir, kind, given)  # raises: no marker
+        raise RunDirRefused(f"-o/--output-dir {where}: expected an empty or new run directory, "
+                            f"found a run from a raygpt without run-directory markers (no "
+                            f"{MARKER}); pass -y 1 to resume it (raygpt marks it then), or "
+                            f"delete it by hand to start afresh there")
+    examples = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    adopt = (f"; -y 1 resumes only a raygpt run of yours, and {why_not}" if premarker and resume
+             else "")
+    raise RunDirRefused(f"-o/--output-dir {where}: refused, expected an empty or new {kind} "
+                        f"directory, found {len(names)} entries raygpt did not create for a "
+                        f"{kind} (no {MARKER}; e.g. {examples}){adopt}; nothing in it was "
+                        f"changed: name a new or empty directory")
+
+
+def claim_dir(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunDir], bool],
+              resume: bool = False, overwrite: bool = False, lease: "Lease | None" = None) -> dict:
+    """The one way a directory becomes a raygpt run or sweep (`check_claim`'s actions); returns
+    its marker. Checked before `lease` is taken (a refusal writes nothing) and again under it,
+    so what is deleted or marked is what was checked. A lease this call took is released again
+    if the second check refuses."""
+    args = dict(holds=holds, resume=resume, overwrite=overwrite)
+    check_claim(run_dir, kind, given, **args)
+    took = lease is not None and not lease.held
+    if took:
+        lease.acquire()  # RunDirBusy (a ConfigError) when another job holds it
+    try:
+        action = check_claim(run_dir, kind, given, **args)
+    except RunDirRefused:
+        if took:
+            lease.release()
+        raise
+    if action == "replace":
+        delete_for_fresh_start(run_dir, kind, lease)
+    run_dir.makedirs("")
+    if action == "use":
+        return read_marker(run_dir)
+    return write_marker(run_dir, kind, **({"adopted": True} if action == "adopt" else {}))
+
+
+def check_own_run(run_dir: RunDir, doing: str) -> None:
+    """For a command that changes an existing run in place (`raygpt compact`): RunDirRefused
+    unless `run_dir` carries this user's run marker, or is an unmarked run from before markers
+    that `why_not_a_run_of_yours` accepts. Marks nothing."""
+    marker = read_marker(run_dir)
+    if marker is not None:
+        check_marker_ours(run_dir, marker, doing)
+        if marker.get("kind") != "run":
+            raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, {MARKER} says it is a "
+                                f"{marker.get('kind')!r} directory, expected a run directory")
+        return
+    why_not = why_not_a_run_of_yours(run_dir)
+    if why_not:
+        raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, expected a raygpt run "
+                            f"directory of yours, found no {MARKER} and {why_not}")
+
+
 def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
-    """Never overwrite a run silently, never delete what is not a run. A directory that holds a
-    run needs -y 1 (resume) or --overwrite (start fresh: only over a directory raygpt marked as
-    a run, never `/`, the home or current directory, a bucket root or an empty -o); a directory
-    that holds anything else is refused. `lease` (not yet held) is taken after the checks and
-    before anything is deleted, so a live run is never deleted. A new run directory is marked
-    (`ownership.MARKER`); a pre-marker run resumed with -y 1 is marked then."""
+    """Claim the run directory `cfg.output_dir` (`claim_dir`): never overwrite a run silently,
+    never write into or delete what raygpt did not mark for this user. A run there needs -y 1
+    (resume) or --overwrite (start fresh: only over a directory raygpt marked as this user's
+    run, never `/`, the home or current directory, a bucket root or an empty -o). `lease`
+    (not yet held) is taken after the checks and before anything is deleted, so a live run
+    is never deleted."""
     if not cfg.output_dir.strip():
         raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
                           f"{refused_overwrite_target(cfg.output_dir)}")
     run_dir = open_run_dir(cfg.output_dir)
-    names = [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
-    holds_run = any(n in RUN_LOGS or n.startswith("step_") for n in names)
-    marker = read_marker(run_dir)
-    fresh_over_run = holds_run and cfg.resume != 1
-    if fresh_over_run:
-        check_fresh_start(run_dir, "run", cfg.output_dir, cfg.overwrite)
-    elif names and not holds_run and marker is None:
-        raise ConfigError(f"-o/--output-dir {redact(run_dir.uri())}: expected an empty or new run "
-                          f"directory, found {len(names)} entries that are not a raygpt run "
-                          f"(e.g. {', '.join(repr(n) for n in names[:3])}); name a new directory")
-    if lease is not None:
-        lease.acquire()  # RunDirBusy (a ConfigError) when another job holds it
-    if fresh_over_run:
-        delete_for_fresh_start(run_dir, "run", lease)
-        marker = None
-    run_dir.makedirs("")
-    if marker is None:
-        write_marker(run_dir, "run", adopted=holds_run and not fresh_over_run)
+    claim_dir(run_dir, "run", cfg.output_dir, holds=holds_run, resume=cfg.resume == 1,
+              overwrite=cfg.overwrite, lease=lease)
     return run_dir
 
 

@@ -187,7 +187,7 @@ def test_fresh_start_over_an_existing_run_is_refused(uninterrupted):
     from raygpt.config import ConfigError
     from raygpt.ownership import prepare_run_dir
     full_dir, cfg, _ = uninterrupted
-    with pytest.raises(ConfigError, match="pass -y 1 to resume it or --overwrite"):
+    with pytest.raises(ConfigError, match="pass -y 1 to resume it"):
         prepare_run_dir(cfg)
 
 

@@ -113,16 +113,37 @@ def test_overwrite_never_deletes_the_current_or_home_directory_or_an_empty_o(tmp
         tiny_config("").resolve(0)
 
 
-def test_overwrite_needs_the_marker_and_a_resume_marks_an_older_run(tmp_path, capsys):
+def _raygpt_config(d) -> None:
+    """The config.json a raygpt run writes at its launch (run_config's format)."""
+    from raygpt.run_config import CONFIG_FILE, FORMAT
+    record = {"format": FORMAT, "version": 1, "launch": 1, "config": tiny_config(d).to_dict()}
+    open_run_dir(d).write_bytes_atomic(CONFIG_FILE, json.dumps(record).encode())
+
+
+def _tree(d) -> dict:
+    """{relative path: bytes (None for a directory)} of everything under `d`: what "unchanged,
+    byte for byte" compares."""
+    return {str(p.relative_to(d)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(d.rglob("*"))}
+
+
+def test_overwrite_needs_the_marker_and_a_resume_adopts_only_an_older_raygpt_run(tmp_path, capsys):
+    """A run from before markers (raygpt's config.json) is adopted by -y 1: marked, with every
+    file it holds left byte for byte; only then may --overwrite delete it."""
     old = tmp_path / "old"
     _fake_run(old, marked=False)
+    _raygpt_config(old)
+    before = _tree(old)
     with pytest.raises(ConfigError, match=f"holds no {MARKER}.*delete it by hand"):
         prepare_run_dir(tiny_config(old, overwrite=True))
-    assert (old / LOSS_HISTORY).exists() and (old / "step_00000004").is_dir()
-    prepare_run_dir(tiny_config(old, resume=1))  # -y 1: the user says it is a run
+    with pytest.raises(ConfigError, match="without run-directory markers.*pass -y 1"):
+        prepare_run_dir(tiny_config(old))
+    assert _tree(old) == before
+    prepare_run_dir(tiny_config(old, resume=1))  # -y 1: raygpt's own run, marked now
     marker = ownership.read_marker(open_run_dir(old))
     assert marker["kind"] == "run" and marker["adopted"] is True
-    assert (old / LOSS_HISTORY).exists()
+    assert marker["uid"] == os.geteuid() and marker["user"] and marker["host"]
+    assert {k: v for k, v in _tree(old).items() if k != MARKER} == before  # nothing rewritten
     prepare_run_dir(tiny_config(old, overwrite=True))  # marked now: a fresh start over it
     assert sorted(os.listdir(old)) == [MARKER]
     assert "--overwrite: deleting the run" in capsys.readouterr().out
@@ -132,13 +153,16 @@ def test_overwrite_needs_the_marker_and_a_resume_marks_an_older_run(tmp_path, ca
     ownership.write_marker(open_run_dir(swept), "sweep")
     with pytest.raises(ConfigError, match="'sweep' directory, expected a 'run'"):
         prepare_run_dir(tiny_config(swept, overwrite=True))
+    with pytest.raises(ConfigError, match="'sweep' directory, expected a 'run'"):
+        prepare_run_dir(tiny_config(swept, resume=1))  # nor a run write into a sweep
 
 
 def test_a_new_run_in_a_directory_holding_something_else_is_refused(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "thesis.tex").write_text("years of work")
-    with pytest.raises(ConfigError, match="1 entries that are not a raygpt run.*thesis.tex"):
+    with pytest.raises(ConfigError, match="1 entries raygpt did not create for a run.*thesis.tex"
+                                          ".*name a new or empty directory"):
         prepare_run_dir(tiny_config(docs))
     assert os.listdir(docs) == ["thesis.tex"]
     fresh = tmp_path / "new"
@@ -194,8 +218,9 @@ def test_overwrite_of_an_s3_bucket_root_is_refused_and_nothing_is_deleted(s3):
     names = {i.base_name for i in fs.get_file_info(pafs.FileSelector("bucket"))}
     assert {LOSS_HISTORY, "main.log", "customers.csv", MARKER} <= names
     # a run under a prefix is a run directory like any other
-    _fake = f"bucket/runs/a"
+    _fake = f"bucket/runs/a"  # a run from before markers: its loss history and config.json
     _put(fs, f"{_fake}/{LOSS_HISTORY}", b"{}\n")
+    _put(fs, f"{_fake}/config.json", json.dumps({"format": "raygpt-config", "config": {}}).encode())
     with pytest.raises(ConfigError, match=f"holds no {MARKER}"):
         prepare_run_dir(tiny_config(uri(_fake), overwrite=True))
     prepare_run_dir(tiny_config(uri(_fake), resume=1))
@@ -316,6 +341,171 @@ def test_a_claim_refuses_a_second_job_and_releases_on_the_way_out(tmp_path):
     with claimed_run_dir(cfg.with_overrides({"resume": 1})):  # -y 1 right after: no waiting
         pass
     assert not open_run_dir(cfg.output_dir).exists(LEASE)
+
+
+# ====================================================================== 3. nothing that is not ours
+
+def test_a_foreign_main_log_is_never_truncated_adopted_or_deleted(tmp_path):
+    """A shared directory holding a colleague's main.log (a name raygpt's runs use) and a file
+    beside it: -y 1 used to mark it adopted (then the run's Logger truncated main.log) and a
+    later --overwrite deleted both. Every claim is refused in one line, before anything is
+    written (not even the lease's files)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "main.log").write_bytes(b"s:1 trl:9.9999\na colleague's line, no newline")
+    (shared / "notes.txt").write_bytes(b"keep me")
+    before = _tree(shared)
+    for flags in (dict(resume=1), dict(overwrite=True), dict(resume=1, overwrite=True), {}):
+        with pytest.raises(ConfigError) as e:
+            with claimed_run_dir(tiny_config(shared, **flags)):
+                pass
+        message = str(e.value)
+        assert "\n" not in message and str(shared) in message, flags
+        assert "'main.log', 'notes.txt'" in message and "name a new or empty directory" in message
+        if flags.get("resume"):
+            assert ("-y 1 resumes only a raygpt run of yours, and it holds neither a config.json "
+                    "in raygpt's format nor a complete raygpt checkpoint") in message
+        assert _tree(shared) == before, flags  # byte for byte, and no file added
+
+
+def test_sweep_o_on_a_directory_holding_anything_else_is_refused_before_anything_is_written(tmp_path):
+    """`raygpt sweep -o DIR` used to mark any directory a sweep (and --overwrite then deleted
+    it): refused before Ray starts (`_checked_before_ray`) and again where the plan is written
+    (`_new_plan`), with or without --overwrite; no marker, no file added."""
+    from raygpt.ray import sweep
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.csv").write_bytes(b"lr,loss\n")
+    before = _tree(mine)
+    base = tiny_config(mine)
+    for b in (base, base.with_overrides({"overwrite": True})):
+        with pytest.raises(ConfigError, match=r"found 1 entries raygpt did not create for a sweep "
+                                              r"\(no raygpt_run.json; e.g. 'results.csv'\)"):
+            sweep._checked_before_ray(b, {"learning_rate": 1e-3}, str(mine),
+                                      {"early_stop": "none"}, None)
+        with pytest.raises(ConfigError, match="entries raygpt did not create for a sweep"):
+            sweep._new_plan("grid", b, b, str(mine), {}, lease=None)
+        assert _tree(mine) == before
+    # a new directory becomes this user's sweep; a second plan needs --overwrite
+    new = tmp_path / "new"
+    sweep._new_plan("grid", base, base, str(new), {})
+    marker = ownership.read_marker(open_run_dir(new))
+    assert marker["kind"] == "sweep" and marker["uid"] == os.geteuid()
+    with pytest.raises(ConfigError, match="found an existing sweep"):
+        sweep._new_plan("grid", base, base, str(new), {})
+    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new), {})
+    assert ownership.read_marker(open_run_dir(new))["run_id"] != marker["run_id"]  # started over
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_another_uids_marker_directory_or_run_is_refused(tmp_path):
+    """On shared storage (NFS, umask 002) another user's run can be writable: its marker, an
+    empty directory of theirs, or their run from before markers is never claimed."""
+    run = tmp_path / "run"
+    _fake_run(run, marked=True)
+    os.chown(run / MARKER, 4242, 4242)
+    before = _tree(run)
+    for flags in (dict(overwrite=True), dict(resume=1), {}):
+        with pytest.raises(ConfigError, match=f"{MARKER} is not yours: the file is owned by uid "
+                                              f"4242, not by you \\(uid 0\\)"):
+            prepare_run_dir(tiny_config(run, **flags), Lease(open_run_dir(run)))
+        assert _tree(run) == before, flags
+    with pytest.raises(ConfigError, match="--overwrite .*owned by uid 4242"):
+        ownership.check_overwrite(open_run_dir(run), "run", str(run))
+    empty = tmp_path / "theirs"
+    empty.mkdir()
+    os.chown(empty, 4242, 4242)
+    with pytest.raises(ConfigError, match="the directory is owned by uid 4242"):
+        prepare_run_dir(tiny_config(empty))
+    assert os.listdir(empty) == []
+    old = tmp_path / "old"
+    _fake_run(old, marked=False)
+    _raygpt_config(old)
+    os.chown(old / "config.json", 4242, 4242)
+    with pytest.raises(ConfigError, match="config.json is owned by uid 4242"):
+        prepare_run_dir(tiny_config(old, resume=1))
+    assert not (old / MARKER).exists()
+
+
+def test_a_marker_that_names_another_owner_or_is_a_link_is_refused(tmp_path):
+    """A marker copied from another user's run (or edited), a version-1 marker of another user,
+    a symlink to someone's marker, and on an object store a marker of another user name."""
+    run = tmp_path / "run"
+    _fake_run(run, marked=True)
+    record = json.loads((run / MARKER).read_text())
+    other = os.geteuid() + 1
+    (run / MARKER).write_text(json.dumps({**record, "uid": other}))
+    before = _tree(run)
+    with pytest.raises(ConfigError, match=rf"names \S+ \(uid {other}\) as its owner, not you"):
+        prepare_run_dir(tiny_config(run, overwrite=True))
+    (run / MARKER).write_text(json.dumps({"format": "raygpt-run-dir", "version": 1, "kind": "run",
+                                          "created_by": "mallory@elsewhere"}))
+    with pytest.raises(ConfigError, match="names 'mallory' as its owner"):
+        prepare_run_dir(tiny_config(run, resume=1))
+    elsewhere = tmp_path / "elsewhere"
+    ownership.write_marker(open_run_dir(elsewhere), "run")
+    (run / MARKER).unlink()
+    (run / MARKER).symlink_to(elsewhere / MARKER)
+    with pytest.raises(ConfigError, match="expected a regular file written by raygpt, found a symlink"):
+        prepare_run_dir(tiny_config(run, overwrite=True))
+    assert {k: v for k, v in _tree(run).items() if k != MARKER} == \
+        {k: v for k, v in before.items() if k != MARKER}
+    from tests.helpers import memory_fs
+    store = open_run_dir((memory_fs(), f"/owned-{os.getpid()}-{time.time_ns()}"))
+    ownership.write_marker(store, "run")
+    record = json.loads(store.read_bytes(MARKER))
+    store.write_bytes_atomic(MARKER, json.dumps({**record, "user": "mallory"}).encode())
+    with pytest.raises(ConfigError, match="names mallory \\(uid .*\\) as its owner, not you"):
+        ownership.check_overwrite(store, "run", "s3://bucket/runs/x")
+
+
+def test_owner_problem_compares_the_file_owner_and_the_recorded_uid_or_user():
+    v2 = {"version": 2, "user": "ann", "uid": 1000}
+    assert ownership.owner_problem(v2, 1000, "ann", 1000) is None
+    assert ownership.owner_problem(v2, 1000, "ann-in-a-container", 1000) is None  # the uid decides
+    assert "owned by uid 1001" in ownership.owner_problem(v2, 1001, "ann", 1000)
+    assert "names ann (uid 1000)" in ownership.owner_problem(v2, 1001, "bob", 1001)
+    assert ownership.owner_problem(v2, None, "ann", 1234) is None  # object store: the user name
+    assert "not you (bob)" in ownership.owner_problem(v2, None, "bob", 1000)
+    v1 = {"version": 1, "created_by": "ann@host-a"}
+    assert ownership.owner_problem(v1, 1000, "ann", 1000) is None
+    assert "names 'ann'" in ownership.owner_problem(v1, 1000, "bob", 1000)
+    assert "names no one" in ownership.owner_problem({"version": 1}, None, "ann", 1000)
+
+
+def test_compact_takes_the_runs_lease_and_touches_only_a_run_of_yours(s3, capsys):
+    """`raygpt compact` beside a live run could hide the parts it stores and deletes what it
+    merged: refused, naming the holder, while the lease is held; done once it is released.
+    A prefix that is not a raygpt run of this user's is never compacted."""
+    from raygpt.cli import main
+    fs, uri = s3
+    prefix = "bucket/compacted"
+    rd = open_run_dir(uri(prefix))
+    ownership.write_marker(rd, "run")
+    for seq in range(3):
+        _put(fs, f"{prefix}/main_log/part-{seq:08d}-aaaaaaaa.log", f"s:{seq} trl:1.0\n".encode())
+
+    def listing(p):
+        return sorted(i.path for i in fs.get_file_info(pafs.FileSelector(p, recursive=True)))
+    holder = Lease(rd, what="raygpt train", settle_s=0.05)
+    holder.acquire()
+    before = listing(prefix)
+    assert main(["compact", uri(prefix)]) == 1
+    err = capsys.readouterr().err
+    assert "pid" in err and "(raygpt train) holds its lease" in err and SECRET not in err
+    assert listing(prefix) == before
+    holder.release()
+    assert main(["compact", uri(prefix)]) == 0
+    assert "main.log: 3 segments merged" in capsys.readouterr().out
+    assert fs.get_file_info(pafs.FileSelector(f"{prefix}/main_log"))[0].base_name == "base-00000002.log"
+    other = "bucket/someone-else"
+    _put(fs, f"{other}/main.log", b"theirs\n")
+    _put(fs, f"{other}/main_log/part-00000000-bbbbbbbb.log", b"s:0 trl:1.0\n")
+    before = listing(other)
+    assert main(["compact", uri(other)]) == 1
+    assert "expected a raygpt run directory of yours" in capsys.readouterr().err
+    assert listing(other) == before
 
 
 # ====================================================================== 4. a Ray of one's own

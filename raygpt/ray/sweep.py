@@ -101,7 +101,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.config import (RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig, command_line_only,
                            config_read_back, without_command_line_only)
 from raygpt.errors import EXIT_BAD_INPUT
-from raygpt.ownership import Lease, check_fresh_start, delete_for_fresh_start, read_marker, write_marker
+from raygpt.ownership import Lease, check_claim, claim_dir
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
@@ -637,6 +637,8 @@ def resume_sweep(sweep_dir: str, *, command_line: dict | None = None,
     config is checked before Ray starts (its files may have changed since); each trial checks
     its own checkpoint when it resumes."""
     command_line = dict(command_line or {})
+    # this user's sweep only: another's (or a directory raygpt did not mark) is refused unread
+    check_claim(open_run_dir(_abs(sweep_dir)), "sweep", sweep_dir, holds=_holds_sweep, resume=True)
     plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
     preflight_sweep(TrainConfig.from_dict(plan.base).with_overrides(command_line), {}, sweep_dir,
                     on_this_machine=starts_its_own_ray(ray_address))
@@ -686,6 +688,9 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
                         ray_address: str | None) -> TrainConfig:
     """The base pinned for the trials, with the settings and every known trial config checked
     (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
+    # the sweep directory first: one that is not this user's is refused before anything is written
+    check_claim(open_run_dir(_abs(sweep_dir)), "sweep", sweep_dir, holds=_holds_sweep,
+                overwrite=base.overwrite)
     if settings["early_stop"] not in ("asha", "none"):
         raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
     pinned = pin_for_trials(base, *capacity.for_resolve(cluster_resources(ray_address)))
@@ -718,19 +723,19 @@ def _abs(path: str) -> str:
 
 def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str,
               settings: dict, lease: Lease | None = None, **wsd) -> SweepPlan:
-    """Refuse to clobber an existing sweep, write sweep.json (`pinned`: the checked base)."""
+    """Claim the sweep directory (new or empty, or this user's sweep with --overwrite: a run's
+    own rule, `ownership.claim_dir`), write sweep.json (`pinned`: the checked base)."""
     sweep = open_run_dir(_abs(sweep_dir))
-    if sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR):
-        check_fresh_start(sweep, "sweep", sweep_dir, base.overwrite)  # a run's own rule
-        delete_for_fresh_start(sweep, "sweep", lease)
+    claim_dir(sweep, "sweep", sweep_dir, holds=_holds_sweep, overwrite=base.overwrite, lease=lease)
     plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
                      settings=settings, command=list(getattr(sys, "orig_argv", sys.argv)),
                      cwd=os.getcwd(), **wsd)
-    sweep.makedirs("")
-    if read_marker(sweep) is None:
-        write_marker(sweep, "sweep")
     write_plan(sweep, plan)
     return plan
+
+
+def _holds_sweep(sweep: RunDir) -> bool:
+    return sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR)
 
 
 def _fit(plan: SweepPlan, names: list[str], *, experiment: str, command_line: dict,

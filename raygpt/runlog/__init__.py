@@ -5,7 +5,8 @@
     history.py      loss_history.jsonl and samples.jsonl: schema, writer, the one reader
     mainlog.py      main.log in llm.c's line format
     segments.py     the logs on object stores: immutable part objects, read back as one file,
-                    compacted on request (`raygpt compact`)
+                    merged into one base object by `compact`
+    compact.py      `raygpt compact RUN_DIR`: that merge for each log, under the run's lease
     console.py      the step line, and the `raygpt` logger every module's messages go through
     tensorboard.py  TensorBoard event files, and their reader
     tracking.py     W&B and MLflow

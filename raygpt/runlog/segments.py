@@ -32,7 +32,7 @@ those collected since the last seal (less than `interval_s` old, fewer than `max
 any sealed part whose put had not finished (normally the one in flight, if any; up to
 `max_queued` when the store falls behind). Compaction is for a run that is not writing: a
 part stored by a live writer while `compact` runs, numbered at or below the new base, would be
-hidden by it.
+hidden by it; `raygpt compact` (raygpt.runlog.compact) holds the run directory's lease.
 
 Reading (`read_lines`): a part that does not end with a newline was cut short (a writer killed
 during a non-atomic write, e.g. on a filesystem seen through fsspec). When it is the newest
@@ -47,7 +47,6 @@ import collections
 import concurrent.futures
 import logging
 import re
-import sys
 import threading
 import time
 import uuid
@@ -379,8 +378,9 @@ def compact(run_dir: RunDir, layout: LogLayout) -> dict:
     """Merge the log's stored layout (single file or base, and every part) into one base object;
     delete what it replaces only after the base is stored and read back equal. Returns
     {"parts": n merged, "bytes": size of the base, "base": its name or None if nothing to do}.
-    Meant for a run that is not writing: a part stored while this runs is kept (not deleted)
-    unless its number is at or below the base's."""
+    Meant for a run that is not writing (`raygpt compact`, raygpt.runlog.compact, holds the run's
+    lease): a part stored while this runs is kept (not deleted) unless its number is at or below
+    the base's."""
     if run_dir.is_local:
         return {"parts": 0, "bytes": 0, "base": None}  # a local log is one file already
     listing = _listing(run_dir, layout)  # one listing: what is merged is what is deleted
@@ -404,33 +404,3 @@ def compact(run_dir: RunDir, layout: LogLayout) -> dict:
             run_dir.delete_file(f"{layout.folder}/{name}")
     run_dir.delete_file(layout.legacy)  # folded into the base
     return {"parts": len(merged_parts), "bytes": len(data), "base": base}
-
-
-def compact_main(argv: list[str]) -> int:
-    """`raygpt compact RUN_DIR`: merge each log's segments into one base object."""
-    import argparse
-
-    from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
-    from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
-    from raygpt.storage import open_run_dir, redact
-
-    p = argparse.ArgumentParser(prog="raygpt compact", description=(
-        "Merge the segments of a run's logs (loss_history/, main_log/, samples/ part objects on an "
-        "object store) into one object each; the parts are deleted only after the merged object "
-        "is stored and read back. For a run that is not writing. A local run directory has one "
-        "file per log already: nothing to do."))
-    p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
-    args = p.parse_args(argv)
-    try:
-        run_dir = open_run_dir(args.run_dir)
-        for layout in (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG):
-            done = compact(run_dir, layout)
-            if done["base"] is None:
-                print(f"{layout.legacy}: nothing to compact")
-            else:
-                print(f"{layout.legacy}: {done['parts']} segments merged into "
-                      f"{redact(run_dir.uri(done['base']))} ({done['bytes']:,} bytes)")
-    except (OSError, ValueError) as e:
-        print(f"raygpt compact: error: {redact(str(e))}", file=sys.stderr)
-        return 1
-    return 0

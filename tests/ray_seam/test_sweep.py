@@ -302,6 +302,8 @@ def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, 
 
 
 def test_an_existing_sweep_is_never_started_over_silently(cluster, tmp_path):
+    from raygpt.ownership import write_marker
+    write_marker(open_run_dir(str(tmp_path)), "sweep")  # what a sweep's driver writes first
     sweep.write_plan(open_run_dir(str(tmp_path)), sweep.SweepPlan(
         sweep_dir=str(tmp_path), mode="grid", user_base={}, base={}))
     with pytest.raises(ConfigError, match="found an existing sweep; pass -y 1 to resume it"):

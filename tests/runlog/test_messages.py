@@ -13,7 +13,7 @@ COMMAND_OUTPUT = {
     "raygpt/ray/trials.py": {"main"},                         # raygpt sweep's help and exit line
     "raygpt/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
     "raygpt/tokenizer.py": {"main"},                          # raygpt prepare's shard list
-    "raygpt/runlog/segments.py": {"compact_main"},            # raygpt compact's report
+    "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
 }
 
 

@@ -269,7 +269,9 @@ def test_leftover_parts_below_a_base_are_not_read_twice(rd):
 
 def test_raygpt_compact_on_a_local_run_directory_has_nothing_to_do(tmp_path, capsys):
     from raygpt.cli import main
+    from raygpt.ownership import write_marker
 
+    write_marker(open_run_dir(tmp_path), "run")  # compact changes only a run of this user's
     (tmp_path / "loss_history.jsonl").write_text(line(0))
     assert main(["compact", str(tmp_path)]) == 0
     assert "loss_history.jsonl: nothing to compact" in capsys.readouterr().out
