@@ -406,21 +406,25 @@ def compact(run_dir: RunDir, layout: LogLayout) -> dict:
     return {"parts": len(merged_parts), "bytes": len(data), "base": base}
 
 
-def compact_main(argv: list[str]) -> int:
-    """`raygpt compact RUN_DIR`: merge each log's segments into one base object."""
+def compact_parser():
+    """`raygpt compact`'s argparse parser."""
     import argparse
-
-    from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
-    from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
-    from raygpt.storage import open_run_dir, redact
-
     p = argparse.ArgumentParser(prog="raygpt compact", description=(
         "Merge the segments of a run's logs (loss_history/, main_log/, samples/ part objects on an "
         "object store) into one object each; the parts are deleted only after the merged object "
         "is stored and read back. For a run that is not writing. A local run directory has one "
         "file per log already: nothing to do."))
     p.add_argument("run_dir", help="the run directory: a path or an s3:// / gs:// URI")
-    args = p.parse_args(argv)
+    return p
+
+
+def compact_main(argv: list[str]) -> int:
+    """`raygpt compact RUN_DIR`: merge each log's segments into one base object."""
+    from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
+    from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
+    from raygpt.storage import open_run_dir, redact
+
+    args = compact_parser().parse_args(argv)
     try:
         run_dir = open_run_dir(args.run_dir)
         for layout in (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG):
