@@ -19,7 +19,8 @@ import os
 import sys
 
 from raygpt import __version__
-from raygpt.config import EXIT_CODES, ConfigError, absolute_paths, build_parser, parse_args
+from raygpt.config import (EXIT_CODES, ConfigError, FlagParser, absolute_paths, build_parser,
+                           parse_args)
 from raygpt.ray import capacity
 
 COMMANDS = {
@@ -109,6 +110,31 @@ def build_main_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND",
                    help="one of: " + ", ".join(COMMANDS))
     return p
+
+
+def parser_for(command: str | None) -> argparse.ArgumentParser:
+    """The argparse parser that reads `raygpt COMMAND`'s arguments (None: `raygpt` itself), built
+    without starting Ray or running anything, for checks of quoted command lines
+    (tests/test_docs.py). `sweep` reads its own options and every train flag, as
+    raygpt.ray.trials.main does in two passes."""
+    if command is None:
+        return build_main_parser()
+    if command == "train":
+        return build_parser("raygpt train")
+    if command == "sweep":
+        from raygpt.ray.trials import build_sweep_parser
+        return FlagParser(prog="raygpt sweep", allow_abbrev=False, add_help=False,
+                          parents=[build_sweep_parser(), build_parser("raygpt sweep")])
+    if command in ("status", "plot"):
+        from raygpt import report
+        return report.status_parser() if command == "status" else report.plot_parser()
+    if command == "prepare":
+        from raygpt.tokenizer import prepare_parser
+        return prepare_parser()
+    if command == "compact":
+        from raygpt.runlog.compact import build_parser as compact_parser
+        return compact_parser()
+    raise ValueError(f"unknown command {command!r}: expected one of {', '.join(COMMANDS)}")
 
 
 def main(argv: list[str] | None = None) -> int:

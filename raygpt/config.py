@@ -382,7 +382,7 @@ class TrainConfig:
         if c.sample_every is None:
             c.sample_every = 50
         if c.checkpoint_every is None:
-            # measured cost: README "Checkpoint cost" (under 1% of step time on CPU)
+            # measured cost: docs/performance.md, "Checkpoint cost" (under 1% of step time on CPU)
             c.checkpoint_every = 100 if on_gpu else 50
         if c.precision is None:
             c.precision = "bf16" if on_gpu else "fp32"

@@ -567,7 +567,7 @@ def _open_checked(run_dir: str, endpoint: str) -> str:
     return uri
 
 
-def status_main(argv: list[str]) -> int:
+def status_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (complete? --verify: hashed), "
         "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput; "
@@ -575,7 +575,11 @@ def status_main(argv: list[str]) -> int:
     p.add_argument("run_dir", help="the run directory (or a sweep's): a path or an s3:// / gs:// URI")
     _verify_flags(p)
     _storage_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def status_main(argv: list[str]) -> int:
+    args = status_parser().parse_args(argv)
     try:
         run_dir = _open_checked(args.run_dir, args.storage_endpoint)
         try:
@@ -607,7 +611,7 @@ def _plot_sweep(uri: str, out: str | None, not_a_run: FileNotFoundError) -> str:
     return f"raygpt plot: wrote {path} ({trials} trial(s))"
 
 
-def plot_main(argv: list[str]) -> int:
+def plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raygpt plot", description=(
         "Write a PNG of a run: train/val loss, lr, grad norm and tok/s, with skipped steps, "
         "rewinds, failures, resumes and checkpoints marked; of a sweep directory, every trial's "
@@ -618,7 +622,11 @@ def plot_main(argv: list[str]) -> int:
                         "<run name>_plot.png here for a remote one)")
     _verify_flags(p)
     _storage_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def plot_main(argv: list[str]) -> int:
+    args = plot_parser().parse_args(argv)
     try:
         uri = _open_checked(args.run_dir, args.storage_endpoint)
     except ValueError as e:

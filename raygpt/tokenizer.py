@@ -113,7 +113,8 @@ def prepare_shards(text_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def prepare_parser() -> argparse.ArgumentParser:
+    """`raygpt prepare`'s (and `python -m raygpt.tokenizer`'s) argparse parser."""
     p = argparse.ArgumentParser(prog="python -m raygpt.tokenizer",
                                 description="Tokenize a text file into llm.c GPT-2 token shards.")
     p.add_argument("input", help="UTF-8 text file")
@@ -121,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="shard name prefix (default: the input's stem)")
     p.add_argument("--val-tokens", type=int, default=32768, help="tokens in the validation shard")
     p.add_argument("--shard-tokens", type=int, default=10**8, help="max tokens per train shard")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = prepare_parser().parse_args(argv)
     try:
         paths = prepare_shards(args.input, args.out_dir, name=args.name, val_tokens=args.val_tokens,
                                shard_tokens=args.shard_tokens)

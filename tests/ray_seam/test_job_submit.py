@@ -12,7 +12,8 @@ machine finds it), token auth with a fresh token. Teardown stops exactly the pro
 test started (the `ray start --block` process and its process group), never `ray stop`, which
 would stop every Ray on the machine.
 
-The stop is given RAY_JOB_STOP_WAIT_TIME_S=60 through the job's runtime env, as README says:
+The stop is given RAY_JOB_STOP_WAIT_TIME_S=60 through the job's runtime env, as
+docs/cluster.md says:
 with Ray's default of 3 s the driver is SIGKILLed while the final checkpoint is being stored,
 before it can write DONE/MANIFEST, and that checkpoint is left incomplete (the resume then
 takes the previous one).
