@@ -16,6 +16,7 @@ import pytest
 from raygpt.cli import main as cli_main
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.ray import sweep, trials
+from raygpt import ownership
 from raygpt.storage import open_run_dir
 
 
@@ -45,6 +46,7 @@ def hand_built_sweep(tmp_path, *, finished=True):
     """A two-trial sweep as raygpt leaves it: trial_000 done at step 12, trial_001 stopped early
     by ASHA at step 8 (or, unless `finished`, interrupted at step 8 with no end record)."""
     d = tmp_path / "s"
+    ownership.write_marker(open_run_dir(str(d)), "sweep")  # raygpt made it, for this user
     items = [{"name": "trial_000", "overrides": {"scheduler": "cosine"}},
              {"name": "trial_001", "overrides": {"scheduler": "wsd"}}]
     sweep.write_plan(open_run_dir(str(d)), sweep.SweepPlan(
@@ -141,6 +143,23 @@ def test_resume_restores_nothing_of_tunes_and_runs_only_unfinished_trials(tmp_pa
     ((names, kw),) = fits
     assert names == ["trial_001"] and kw["ledger"]["trial_001"] == {
         "status": "pending", "failures": 3, "stopped": None, "error": "", "trial_id": "b2"}
+
+
+def test_resume_of_a_sweep_that_is_not_this_users_is_refused_unread(tmp_path, monkeypatch):
+    """-y 1 over a sweep directory raygpt did not mark (or whose marker is another user's) is
+    one line; nothing in it is read as a plan, written, or leased."""
+    d = hand_built_sweep(tmp_path)
+    (d / ownership.MARKER).unlink()
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    monkeypatch.setattr(sweep, "_ensure_ray", lambda address: pytest.fail("Ray started"))
+    with pytest.raises(ownership.RunDirRefused, match="expected an empty or new sweep directory"):
+        sweep.resume_sweep(str(d))
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+    marker = ownership.write_marker(open_run_dir(str(d)), "sweep")
+    (d / ownership.MARKER).write_text(json.dumps({**marker, "uid": marker["uid"] + 1}))
+    with pytest.raises(ownership.RunDirRefused, match="not"):
+        sweep.resume_sweep(str(d))
+    assert not (d / ownership.LEASE).exists()
 
 
 def test_asha_replay_rebuilds_the_rungs_by_trial_name():
