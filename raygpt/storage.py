@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
-from raygpt.atomic_file import (RefusedPath, atomic_local_file, make_dirs_below, move_local_file,
+from raygpt.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
                                 open_local_append, open_local_read, write_local_atomic)
 
 log = logging.getLogger(__name__)

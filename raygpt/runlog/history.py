@@ -47,7 +47,8 @@ WARNED_LINES = 3  # damaged lines of one log warned about one by one; the rest a
 def iter_records(lines, name: str):
     """The records (JSON objects) among JSONL `lines` (bytes). A line that is not one (torn by
     a crash mid-append, overlong, nested too deep to parse, not an object) is skipped: the
-    first WARNED_LINES each with a warning naming the file and the line, then one count."""
+    first WARNED_LINES each with a warning naming the file and the line (its number in the
+    log read as one file, segments included), then one count."""
     skipped = 0
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():

@@ -138,14 +138,17 @@ def read_lines(run_dir: RunDir, layout: LogLayout):
     then each part above it. A torn or oversized part is handled as the module docstring says."""
     sizes = run_dir.file_sizes(layout.folder)
     plan = _plan(run_dir, layout, _listing(run_dir, layout, sorted(sizes)))
-    yield from _read_plan(run_dir, layout, plan, sizes)
+    yield from _read_plan(run_dir, layout, plan, sizes, skip_oversized=True)
 
 
-def _read_part(run_dir: RunDir, rel: str) -> bytes | None:
-    """A part's bytes, None (with a warning) when it is larger than MAX_PART_BYTES."""
+def _read_part(run_dir: RunDir, rel: str, skip_oversized: bool) -> bytes | None:
+    """A part's bytes; larger than MAX_PART_BYTES: None with a warning (`skip_oversized`), else
+    FileTooLarge naming it."""
     try:
         return run_dir.read_bytes(rel, max_bytes=MAX_PART_BYTES)
     except FileTooLarge:
+        if not skip_oversized:
+            raise
         _warn_oversized(run_dir, rel, "more")
         return None
 
@@ -156,9 +159,11 @@ def _warn_oversized(run_dir: RunDir, rel: str, size) -> None:
                           f"found {size if isinstance(size, str) else f'{size:,}'} bytes"))
 
 
-def _read_plan(run_dir: RunDir, layout: LogLayout, plan, sizes: dict[str, int] | None = None):
-    """The lines of `plan`'s files in order; `sizes` ({name in the folder: bytes}, as listed)
-    skips oversized parts before a byte is read and bounds the bytes read ahead."""
+def _read_plan(run_dir: RunDir, layout: LogLayout, plan, sizes: dict[str, int] | None = None, *,
+               skip_oversized: bool = False):
+    """The lines of `plan`'s files in order. `sizes` ({name in the folder: bytes}, as listed)
+    bounds the bytes read ahead; an oversized part is skipped with a warning (readers:
+    `skip_oversized`) or raises FileTooLarge (a merge must not drop it)."""
     for rel, kind in plan:
         if kind != "part":
             yield from run_dir.iter_lines(rel)  # streamed: a base may be a week's history
@@ -168,8 +173,8 @@ def _read_plan(run_dir: RunDir, layout: LogLayout, plan, sizes: dict[str, int] |
         if kind != "part":
             continue
         size = sizes.get(rel.rpartition("/")[2], 0)
-        if size > MAX_PART_BYTES:
-            _warn_oversized(run_dir, rel, size)
+        if size > MAX_PART_BYTES and skip_oversized:
+            _warn_oversized(run_dir, rel, size)  # unread: a listed size needs no byte of it
         else:
             parts.append((rel, size))
     # a week at 30 s is ~20k parts: read one after another at an object store's ~30 ms per GET
@@ -181,7 +186,7 @@ def _read_plan(run_dir: RunDir, layout: LogLayout, plan, sizes: dict[str, int] |
         for i, (rel, size) in enumerate(parts):
             while queued < len(parts) and len(ahead) < READ_AHEAD and (
                     not ahead or in_flight + parts[queued][1] <= READ_AHEAD_BYTES):
-                ahead.append(pool.submit(_read_part, run_dir, parts[queued][0]))
+                ahead.append(pool.submit(_read_part, run_dir, parts[queued][0], skip_oversized))
                 in_flight += parts[queued][1]
                 queued += 1
             data = ahead.popleft().result()
