@@ -19,9 +19,11 @@ import os
 import sys
 
 from raygpt import __version__
+from raygpt.atomic_file import RefusedPath
 from raygpt.config import (EXIT_CODES, ConfigError, FlagParser, absolute_paths, build_parser,
                            parse_args)
 from raygpt.ray import capacity
+from raygpt.terminal import printable, printable_lines
 
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
@@ -46,21 +48,22 @@ def _train(argv: list[str]) -> int:
         plan = preflight.check(cfg, machine=None if os.environ.get("RAY_ADDRESS")
                                else capacity.this_machine(cfg))
     except ConfigError as e:
-        print(f"raygpt: error: {e}", file=sys.stderr)
+        print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return 2
     from raygpt.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
     from raygpt.ray.driver import RunAborted, RunFailed, run
 
     try:
         summary = run(cfg, adapted=adapted, plan=plan)
-    except ConfigError as e:
-        print(f"raygpt: error: {e}", file=sys.stderr)
+    except (ConfigError, RefusedPath) as e:  # RefusedPath: a link planted in the run directory
+        print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RunFailed as e:  # exit code by cause: a bad input met in a worker is 2, else 1
-        print(f"raygpt: {'error: ' if e.exit_code == EXIT_BAD_INPUT else ''}{e}", file=sys.stderr)
+        print(f"raygpt: {'error: ' if e.exit_code == EXIT_BAD_INPUT else ''}"
+              f"{printable_lines(str(e))}", file=sys.stderr)  # a report of several lines
         return e.exit_code
     except RunAborted as e:
-        print(f"raygpt: {e}", file=sys.stderr)
+        print(f"raygpt: {printable(e)}", file=sys.stderr)
         return e.exit_code
     return EXIT_FINISHED if not summary.get("stopped_early") else EXIT_STOPPED
 

@@ -609,10 +609,12 @@ def read_config_file(path: str) -> dict:
     if len(data) > CONFIG_FILE_MAX_BYTES:
         raise ConfigError(f"--config {path}: expected a JSON file of at most "
                           f"{CONFIG_FILE_MAX_BYTES:,} bytes, found a larger one")
+    from raygpt.storage import JSONError, parse_json  # pyarrow: imported only when used
     try:
-        d = json.loads(data.decode("utf-8"))
-    except ValueError as e:
-        raise ConfigError(f"--config {path}: expected a JSON object of config fields ({e})") from e
+        d = parse_json(data, f"--config {path}")
+    except JSONError as e:
+        raise ConfigError(f"--config {path}: expected a JSON object of config fields "
+                          f"({e.reason})") from e
     if not isinstance(d, dict):
         raise ConfigError(f"--config {path}: expected a JSON object of config fields, "
                           f"found {type(d).__name__}")

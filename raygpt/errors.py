@@ -17,6 +17,7 @@ Exit codes of `raygpt train` and `experiments/shakespeare.py`:
 
 from __future__ import annotations
 
+from raygpt.atomic_file import RefusedPath
 from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
@@ -56,9 +57,12 @@ def stop_code(exc: BaseException) -> int | None:
     and TrackingError (a --wandb / --mlflow tracker that cannot start: a URI MLflow refuses, a
     W&B login that is missing, a corrupt tracking.json), unless the error was caused by an
     OSError: a read that failed on a flaky mount or object store, or a tracking server that
-    did not answer, may succeed on the next attempt."""
+    did not answer, may succeed on the next attempt. A RefusedPath (a symbolic link planted in
+    the run directory), raised or behind a background append's error, is bad input too."""
     if isinstance(exc, RunStopped):
         return exc.exit_code
+    if any(isinstance(e, RefusedPath) for e in _chain(exc)):
+        return EXIT_BAD_INPUT
     if isinstance(exc, TrainingStopped):
         return EXIT_FAILED
     if isinstance(exc, (ConfigError, CheckpointError, StateFileError, ShardError, TrackingError)):
@@ -67,11 +71,13 @@ def stop_code(exc: BaseException) -> int | None:
 
 
 def _caused_by_os_error(exc: BaseException) -> bool:
-    seen = set()
-    cause = exc.__cause__ or exc.__context__
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(isinstance(cause, OSError) for cause in _chain(exc)[1:])
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and its causes (explicit, else implicit), each once."""
+    out: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in out):
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out

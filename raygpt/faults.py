@@ -54,6 +54,7 @@ from raygpt.checkpointing.protocol import done_path
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
 from raygpt.runlog import segments
+from raygpt.storage import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,8 @@ def read_fired(run_dir, *, keep: int = 50) -> tuple[int, list[dict]]:
     out = []
     for name in names:
         try:
-            rec = json.loads(run_dir.read_bytes(f"{FIRED}/{name}", max_bytes=1 << 16) or b"{}")
+            rel = f"{FIRED}/{name}"
+            rec = parse_json(run_dir.read_bytes(rel, max_bytes=1 << 16) or b"{}", run_dir.uri(rel))
         except (OSError, ValueError):
             rec = None
         if not isinstance(rec, dict):
@@ -281,7 +283,7 @@ def read_armed(run_dir, *, keep: int = 5) -> tuple[int, list[dict]]:
     count, last = 0, []
     for raw in segments.read_lines(run_dir, RECORD_LOG):
         try:
-            rec = json.loads(raw)
+            rec = parse_json(raw, RECORD)
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("spec"), str):

@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from raygpt.atomic_file import write_local_atomic
 from raygpt.checkpointing import protocol as ck
 from raygpt.faults import WHAT as FAULT_WHAT
 from raygpt.faults import read_armed, read_fired
 from raygpt.runlog import segments
 from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG, GoodputTally, iter_history
-from raygpt.storage import RunDir, open_run_dir, redact
+from raygpt.storage import RunDir, open_run_dir
+from raygpt.terminal import printable, printable_lines
 
 Progress = Callable[[str], None]
 
@@ -85,14 +89,19 @@ _EVENT_LISTS = {"skip": "skips", "rewind": "rewinds", "failure": "failures", "st
 _NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",)}
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_step(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _well_formed(r: dict) -> bool:
     """A train or val record whose numbers are numbers (the history is untrusted input: a
     record that is not is counted as malformed and left out, rather than crash the report)."""
-    def num(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    return (isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
-            and all(num(r.get(k)) for k in _NUMBERS[r["kind"]])
-            and (r.get("dt") is None or num(r.get("dt"))))
+    return (_is_step(r.get("step")) and all(_is_number(r.get(k)) for k in _NUMBERS[r["kind"]])
+            and (r.get("dt") is None or _is_number(r.get("dt"))))
 
 
 def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | None = None, *,
@@ -112,6 +121,9 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
             view.records.append(r)
         tally.add(r)
         kind = r.get("kind")
+        if not isinstance(kind, str):  # the history is untrusted: a kind must be a name
+            view.counts["malformed"] = view.counts.get("malformed", 0) + 1
+            continue
         view.counts[kind] = view.counts.get(kind, 0) + 1
         t = r.get("time")
         if isinstance(t, (int, float)) and t > view.last_time:
@@ -223,8 +235,8 @@ def run_state(view: RunView) -> str:
         return "empty"
     if last.get("kind") == "end":
         if last.get("stopped_early"):
-            return f"stopped early at step {last['step']} (resume with -y 1)"
-        return f"finished at step {last['step']}"
+            return f"stopped early at step {last.get('step')} (resume with -y 1)"
+        return f"finished at step {last.get('step')}"
     if last.get("kind") == "failure":
         return "failed (Ray restarts it if the retry budget allows)"
     return "running, or died without a word (no end record yet)"
@@ -254,7 +266,7 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
         where = (f"{step + 1}/{total} steps ({100 * (step + 1) / total:.1f}%)" if total
                  else f"{step + 1} steps")
         recent = [view.train[s] for s in sorted(view.train)[-20:]]
-        dts = sum(r.get("dt", 0.0) for r in recent)
+        dts = sum(r.get("dt") or 0.0 for r in recent)
         avg_tps = sum(tokens_per_step(r) for r in recent) / dts if dts > 0 else float("nan")
         val_step = max(view.val) if view.val else None
         val = f"val {view.val[val_step]:.4f} (step {val_step})" if val_step is not None else "val n/a"
@@ -343,14 +355,15 @@ def resume_lines(view: RunView) -> list[str]:
     resumes = [r for r in view.attempts if r.get("kind") == "resume"]
     if not resumes:
         return [f"audit     {a.get('message', '')}" for a in view.audits[-1:]]
-    audits = {a.get("attempt"): a for a in view.audits}
-    newest = max((r.get("attempt") or 0 for r in view.attempts), default=0)
+    audits = {a["attempt"]: a for a in view.audits if isinstance(a.get("attempt"), int)}
+    newest = max((r["attempt"] for r in view.attempts if isinstance(r.get("attempt"), int)),
+                 default=0)
     out = []
     for i, r in enumerate(resumes):
         attempt, lost = r.get("attempt"), r.get("steps_lost")
         head = f"attempt {attempt} from step {r.get('resumed_from')}"
         n = f"{lost} step(s)" if isinstance(lost, int) else "steps"  # older records lack it
-        if attempt in audits:
+        if isinstance(attempt, int) and attempt in audits:
             verdict = f"{n} re-done: {audits[attempt].get('message', '')}"
         elif lost == 0:
             verdict = "no step to re-do (it resumed where the run stopped): nothing to audit"
@@ -367,15 +380,6 @@ def resume_lines(view: RunView) -> list[str]:
     return out
 
 
-def printable(text: str) -> str:
-    """`text` safe to print to a terminal: credentials in URIs redacted (storage.redact), and
-    every control or format character (terminal escape sequences, carriage returns, bidi
-    overrides; strings in a run directory are untrusted) shown as a visible escape instead."""
-    return "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100
-                                              else f"\\u{ord(c):04x}")
-                   for c in redact(str(text)))
-
-
 STATUS_RECENT = 20  # train steps (and events of each kind) `raygpt status` keeps in memory
 STATUS_FAULTS = 50  # fired faults `raygpt status` lists (the newest)
 
@@ -388,7 +392,8 @@ def run_status(run_dir_uri, *, verify: str = "quick", progress: Progress | None 
     from raygpt.run_config import format_launches, read_launches
     text = format_status(load_run(run_dir_uri, verify=verify, progress=progress,
                                   recent=STATUS_RECENT))
-    launches = format_launches(read_launches(open_run_dir(run_dir_uri)))
+    skipped: list[str] = []
+    launches = format_launches(read_launches(open_run_dir(run_dir_uri), skipped=skipped), skipped)
     return "\n".join([text, *launches]) if launches else text
 
 
@@ -433,7 +438,11 @@ def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
     val_steps = sorted(view.val)
 
     def at_loss(v):  # a non-finite loss is drawn at the top of the curve, not dropped
-        return v if v is not None and math.isfinite(v) else top
+        return v if _is_number(v) and math.isfinite(v) else top
+
+    # events are drawn at their step: one whose step is not a step is left out (untrusted input)
+    skips = [r for r in view.skips if _is_step(r.get("step"))]
+    rewinds = [r for r in view.rewinds if _is_step(r.get("step"))]
 
     return {
         "train_loss": (steps, losses),
@@ -443,11 +452,11 @@ def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
         "lr": (steps, [r["lr"] for r in train]),
         "grad_norm": (steps, [r["norm"] for r in train]),
         "tok_per_s": (steps, [throughput(r) for r in train]),
-        "skips": ([r["step"] for r in view.skips], [at_loss(r.get("loss")) for r in view.skips]),
-        "rewinds": ([r["step"] for r in view.rewinds], []),
+        "skips": ([r["step"] for r in skips], [at_loss(r.get("loss")) for r in skips]),
+        "rewinds": ([r["step"] for r in rewinds], []),
         "failures": ([r["at_step"] for r in view.failures], []),
         "resumes": ([r["resumed_from"] for r in view.attempts
-                     if r.get("kind") == "resume" and r.get("resumed_from") is not None], []),
+                     if r.get("kind") == "resume" and _is_step(r.get("resumed_from"))], []),
         "checkpoints_verified": ([c.step for c in view.checkpoints if c.ok], []),
         "checkpoints_unusable": ([c.step for c in view.checkpoints if not c.ok], []),
     }
@@ -521,10 +530,27 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
         axes["norm"].set_yscale("log")  # a spike of 100x should not flatten the rest
     axes["loss"].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     for r in view.rewinds:
+        if not _is_step(r.get("step")):
+            continue
         axes["loss"].annotate(f"-> {r.get('to_step')}", (r["step"], 0.95), fontsize=7,
                               xycoords=axes["loss"].get_xaxis_transform(), color="tab:red")
-    fig.savefig(out_png, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    _store_png(run_dir_uri, out_png, png.getvalue())
     return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
+
+
+def _store_png(run_dir_uri, out_png, data: bytes) -> None:
+    """Write the PNG whole (a temporary file renamed over `out_png`): a link planted at
+    run/plot.png is replaced, never written through; inside a local run directory no link
+    below its root is followed either (RunDir's writer)."""
+    run_dir = open_run_dir(run_dir_uri)
+    out = os.path.abspath(out_png)
+    rel = os.path.relpath(out, run_dir.root) if run_dir.is_local else ".."
+    if rel != ".." and not rel.startswith("../"):  # inside the run directory
+        run_dir.write_bytes_atomic(rel, data)
+    else:
+        write_local_atomic(out, [data])
 
 
 def _read_back(artists: list, kind: str) -> tuple[list, list]:
@@ -590,7 +616,7 @@ def status_main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2
-    print(text)
+    print(printable_lines(text))  # a guard: every part above made its values printable already
     return 0
 
 

@@ -31,12 +31,14 @@ import time
 from importlib import metadata
 
 from raygpt import __version__
-from raygpt.config import PACKAGE_DIR, TrainConfig
-from raygpt.storage import RunDir, redact
+from raygpt.config import PACKAGE_DIR, ConfigError, TrainConfig
+from raygpt.storage import RunDir, read_json_bounded, redact
+from raygpt.terminal import printable
 
 CONFIG_FILE = "config.json"
 FORMAT, VERSION = "raygpt-config", 1
 _KEPT_RE = re.compile(r"^config\.(\d+)\.json$")
+MAX_CONFIG_BYTES = 1 << 20  # a record is a few KB: every TrainConfig field, argv, versions
 
 
 def launch_record(cfg: TrainConfig, *, launch: int, argv: list[str] | None = None,
@@ -61,7 +63,12 @@ def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = 
     kept = [int(m.group(1)) for n in run_dir.listdir(files_only=True) if (m := _KEPT_RE.match(n))]
     launch = max(kept, default=0) + 1
     if run_dir.exists(CONFIG_FILE):
-        run_dir.write_bytes_atomic(f"config.{launch}.json", run_dir.read_bytes(CONFIG_FILE))
+        try:  # bounded, and never through a link: a planted one is not copied into the run
+            previous = run_dir.read_bytes(CONFIG_FILE, max_bytes=MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{e} (the previous launch's record, kept before this launch's "
+                              f"is written: move it away to start anew)") from e
+        run_dir.write_bytes_atomic(f"config.{launch}.json", previous)
         launch += 1
     record = launch_record(cfg, launch=launch, argv=argv, adapted=adapted, plan=plan, cwd=cwd,
                            cluster=cluster)
@@ -71,20 +78,24 @@ def write_launch(run_dir: RunDir, cfg: TrainConfig, *, argv: list[str] | None = 
     return json.loads(text)
 
 
-def read_launches(run_dir: RunDir) -> list[dict]:
-    """Every launch's record, oldest first (config.1.json ... config.json); a file that is not
-    a raygpt config record is skipped."""
+def read_launches(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict]:
+    """Every launch's record, oldest first (config.1.json ... config.json). A file that is not
+    a raygpt config record (larger than MAX_CONFIG_BYTES, a link, not JSON, another format) is
+    skipped, and why is added to `skipped` (one line each)."""
     names = sorted((int(m.group(1)), n) for n in run_dir.listdir(files_only=True)
                    if (m := _KEPT_RE.match(n)))
     names = [n for _, n in names] + ([CONFIG_FILE] if run_dir.exists(CONFIG_FILE) else [])
     out = []
     for name in names:
         try:
-            rec = json.loads(run_dir.read_bytes(name).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
+            rec = read_json_bounded(run_dir, name, max_bytes=MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            rec = e
         if isinstance(rec, dict) and rec.get("format") == FORMAT and isinstance(rec.get("config"), dict):
             out.append(rec)
+        elif skipped is not None:
+            skipped.append(str(rec) if isinstance(rec, Exception) else
+                           f"{run_dir.uri(name)}: expected a {FORMAT!r} record, found another")
     return out
 
 
@@ -110,16 +121,20 @@ def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def format_launches(launches: list[dict]) -> list[str]:
+def format_launches(launches: list[dict], skipped: list[str] = ()) -> list[str]:
     """`raygpt status`'s lines about what ran: the newest launch's command, hardware, versions
-    and config, what resolution adapted, and what each later launch changed."""
+    and config, what resolution adapted, and what each later launch changed; then a line per
+    record `read_launches` skipped. Each line is `printable` (the records are untrusted)."""
+    lines = [f"{'launch' if i == 0 and not launches else '':<10}skipped {why}"
+             for i, why in enumerate(skipped)]
     if not launches:
-        return []
+        return [printable(line) for line in lines]
     try:
-        return _launch_lines(launches)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited config.json
-        return [f"launch    {len(launches)} launch(es); {CONFIG_FILE} not as raygpt writes it "
-                f"({type(e).__name__}: {e})"]
+        lines = _launch_lines(launches) + lines
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as e:  # hand-edited
+        lines = [f"launch    {len(launches)} launch(es); {CONFIG_FILE} not as raygpt writes it "
+                 f"({type(e).__name__}: {e})"] + lines
+    return [printable(line) for line in lines]
 
 
 def _launch_lines(launches: list[dict]) -> list[str]:

@@ -40,7 +40,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
-from raygpt.atomic_file import move_local_file, write_local_atomic
+from raygpt.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
+                                open_local_append, open_local_read, write_local_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class RunDir:
         p = self.path(rel)
         return p if self.is_local else f"{self.fs.type_name}://{p.lstrip('/')}"
 
+    def _relative(self, path: str) -> str:
+        """`path` (as the filesystem lists it) relative to the root."""
+        return path.strip("/")[len(self.root.strip("/")):].strip("/")
+
     def _info(self, rel: str) -> pafs.FileInfo:
         return self.fs.get_file_info(self.path(rel))
 
@@ -118,6 +123,13 @@ class RunDir:
         return sorted({i.base_name for i in infos
                        if not files_only or i.type == pafs.FileType.File})
 
+    def file_sizes(self, rel: str = "") -> dict[str, int]:
+        """{name: bytes} of the files directly under `rel` (one listing); {} when it does not
+        exist."""
+        self._drain()
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
+        return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+
     def size_of(self, rel: str) -> int:
         self._drain()
         info = self._info(rel)
@@ -132,8 +144,16 @@ class RunDir:
         self._drain()
         if not self.exists(rel):
             raise FileNotFoundError(f"{self.uri(rel)}: no such file")
-        with self.fs.open_input_stream(self.path(rel)) as f:
+        with self._open_read(rel) as f:
             return _read_at_most(f, max_bytes, self.uri(rel))
+
+    def _open_read(self, rel: str):
+        """A binary stream of a file: on a local run directory opened through no symbolic link
+        below the root and only if it is a regular file (RefusedPath: a planted link to
+        /dev/zero or to another user's secret is never read, nor copied on into the run)."""
+        if self.is_local:
+            return open_local_read(self.local_path(rel), root=self.root)
+        return self.fs.open_input_stream(self.path(rel))
 
     def iter_lines(self, rel: str, *, max_line: int = 1 << 20, chunk_bytes: int = 1 << 20):
         """The file's lines (bytes, without the newline), streamed in `chunk_bytes` chunks:
@@ -141,7 +161,7 @@ class RunDir:
         `max_line` bytes is yielded as its first `max_line` bytes followed by b"..." (never a
         valid JSON record), so a hostile file cannot make a reader hold it whole."""
         self._drain()
-        with self.fs.open_input_stream(self.path(rel)) as f:
+        with self._open_read(rel) as f:
             pending, overlong = b"", False
             while chunk := f.read(chunk_bytes):
                 parts = (pending + chunk).split(b"\n")
@@ -160,7 +180,7 @@ class RunDir:
         /dev/zero does not stream forever)."""
         self._drain()
         h = hashlib.sha256()
-        with self.fs.open_input_stream(self.path(rel)) as f:
+        with self._open_read(rel) as f:
             seen = 0
             while chunk := f.read(_CHUNK):
                 seen += len(chunk)
@@ -172,11 +192,17 @@ class RunDir:
 
     # ------------------------------------------------------------------ writes
     def makedirs(self, rel: str = "") -> None:
+        """Make a directory and its missing parents; on a local run directory never through a
+        symbolic link below the root (RefusedPath): run/checkpoints -> /elsewhere is refused."""
         self._drain()
-        self.fs.create_dir(self.path(rel), recursive=True)
+        if self.is_local:
+            make_dirs_below(self.root, self.local_path(rel))
+        else:
+            self.fs.create_dir(self.path(rel), recursive=True)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        """Readers see the old content or all of `data`, never a partial file."""
+        """Readers see the old content or all of `data`, never a partial file. Locally a link
+        at `rel` is replaced, never written through, and one above it refused (RefusedPath)."""
         self._drain()
         parent = rel.strip("/").rpartition("/")[0]
         self.makedirs(parent)
@@ -184,7 +210,7 @@ class RunDir:
             with self.fs.open_output_stream(self.path(rel)) as f:  # one PUT: atomic on object stores
                 f.write(data)
             return
-        write_local_atomic(self.local_path(rel), [data])
+        write_local_atomic(self.local_path(rel), [data], root=self.root)
 
     def make_durable(self, rels) -> None:
         """Make files and directories (their entries) that something else wrote durable, without
@@ -194,7 +220,7 @@ class RunDir:
         if not self.is_local:
             return
         for rel in rels:
-            _fsync_path(self.local_path(rel))
+            _fsync_path(self.local_path(rel), follow=not rel.strip("/"))  # the root may be a link
 
     def append_text(self, rel: str, text: str) -> None:
         """Append `text` (UTF-8), whole lines, to a file of a local / NFS run directory: append
@@ -214,28 +240,23 @@ class RunDir:
             self._append_now(rel, text)
 
     def _append_now(self, rel: str, text: str) -> None:
-        if rel not in self._line_checked:  # once per file: a crash may have torn its last line
-            self._line_checked.add(rel)
-            if self._ends_torn(rel):
-                text = "\n" + text  # the fragment stays a line of its own, which readers skip
-        target = self.local_path(rel)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "a", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def _ends_torn(self, rel: str) -> bool:
-        """True when the file is non-empty and its last byte is not a newline."""
+        os.makedirs(self.root, exist_ok=True)
+        # O_APPEND|O_NOFOLLOW below a link-free path: a planted run/main.log -> ~/.bashrc is
+        # refused (RefusedPath), never appended to
+        fd = open_local_append(self.local_path(rel), root=self.root)
         try:
-            with open(self.local_path(rel), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() == 0:
-                    return False
-                f.seek(-1, os.SEEK_END)
-                return f.read(1) != b"\n"
-        except FileNotFoundError:
-            return False
+            data = text.encode("utf-8")
+            if rel not in self._line_checked:  # once per file: a crash may have torn its last line
+                self._line_checked.add(rel)
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    data = b"\n" + data  # the fragment stays a line of its own, which readers skip
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def background_appends(self, enabled: bool = True):
@@ -313,9 +334,16 @@ class RunDir:
         for src in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             dst = f"{rel.strip('/')}/{src.relative_to(local_dir).as_posix()}"
             self.makedirs(dst.rpartition("/")[0])
-            with open(src, "rb") as fin, self.fs.open_output_stream(self.path(dst)) as fout:
+            with open(src, "rb") as fin, self._open_write(dst) as fout:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
+
+    def _open_write(self, rel: str):
+        """A binary stream that stores a whole file at `rel` when closed: locally an atomic
+        write (no link followed), on an object store one upload."""
+        if self.is_local:
+            return atomic_local_file(self.local_path(rel), root=self.root)
+        return self.fs.open_output_stream(self.path(rel))
 
     def move_dir_in(self, local_dir: str | os.PathLike, rel: str) -> None:
         """Put the files under a local directory into `rel` (created if needed), each whole under
@@ -327,15 +355,15 @@ class RunDir:
         directory)."""
         local_dir = Path(local_dir)
         if self.is_local:
-            self.local_path().mkdir(parents=True, exist_ok=True)  # a new run's root, to stat
+            os.makedirs(self.root, exist_ok=True)  # a new run's root, to stat
         if not self.is_local or not self._same_device(local_dir):
             self.upload_dir(local_dir, rel)
             return
         dest = self.local_path(rel)
         for src in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             target = dest / src.relative_to(local_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            move_local_file(src, target)
+            self.makedirs(target.parent.relative_to(self.root).as_posix())
+            move_local_file(src, target, root=self.root)
 
     def _same_device(self, local_dir: Path) -> bool:
         """Whether `local_dir` and this (local) run directory's root are on one filesystem,
@@ -356,7 +384,7 @@ class RunDir:
             sub = info.path.strip("/")[len(base):].strip("/")
             dst = Path(local_dir) / sub
             dst.parent.mkdir(parents=True, exist_ok=True)
-            with self.fs.open_input_stream(info.path) as fin, open(dst, "wb") as fout:
+            with self._open_read(self._relative(info.path)) as fin, open(dst, "wb") as fout:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
 
@@ -431,17 +459,38 @@ def _read_at_most(f, max_bytes: int | None, name: str) -> bytes:
 
 def read_json_bounded(run_dir: "RunDir", rel: str, max_bytes: int = MAX_JSON_BYTES):
     """Parse a JSON file of a run directory, reading at most `max_bytes`; ValueError (naming
-    the file) when it is larger, not UTF-8, or not JSON."""
-    data = run_dir.read_bytes(rel, max_bytes=max_bytes)
+    the file) when it is larger, a link, not UTF-8, or not JSON (`parse_json`)."""
+    return parse_json(run_dir.read_bytes(rel, max_bytes=max_bytes), run_dir.uri(rel))
+
+
+class JSONError(ValueError):
+    """An untrusted JSON value that does not parse: `where` (the file, and the line where there
+    is one) and `reason`, one line."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason = where, reason
+
+
+def parse_json(data: bytes | str, where: str, *, line: int | None = None):
+    """The one parse of a JSON value read from a file that raygpt does not control (anything in
+    a run or sweep directory): JSONError naming `where` (and `line`) when it is not UTF-8, not
+    JSON, or nested deeper than the parser's recursion allows (a line of 200,000 '[' makes
+    json.loads raise RecursionError, which no reader expects)."""
+    where = f"{where}: line {line}" if line is not None else where
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data)
+    except RecursionError:
+        raise JSONError(where, "expected JSON, found arrays or objects nested too deep to "
+                               "parse") from None
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ValueError(f"{run_dir.uri(rel)}: expected UTF-8 JSON ({e})") from e
+        raise JSONError(where, f"expected JSON ({e})") from e
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory by name (a read-only descriptor is enough on Linux)."""
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_path(path: Path, *, follow: bool) -> None:
+    """fsync a file or a directory by name (a read-only descriptor is enough on Linux); unless
+    `follow`, a link there is refused (ELOOP); a FIFO is never waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
     try:
         os.fsync(fd)
     finally:

@@ -20,7 +20,8 @@ def record_order(monkeypatch):
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("rename"), real_replace(a, b)))
+    monkeypatch.setattr(os, "replace", lambda a, b, **kw: (events.append("rename"),
+                                                           real_replace(a, b, **kw)))
     return events
 
 
@@ -145,7 +146,7 @@ def test_move_local_file_renames_and_copies_whole_where_mounts_differ(tmp_path, 
     src.write_bytes(b"other" * 1000)
     inode = src.stat().st_ino
 
-    def refuse(a, b):
+    def refuse(a, b, **kw):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "rename", refuse)

@@ -85,3 +85,21 @@ def test_credentials_in_a_uri_are_not_stored(tmp_path):
     rec = json.loads(text)
     assert rec["config"]["output_dir"] == "s3://***@bucket/runs/x"
     assert rec["command"]["line"].endswith("-o s3://***@bucket/runs/x")
+
+
+def test_records_that_cannot_be_read_are_skipped_and_said_each_in_one_printable_line(tmp_path):
+    rd = open_run_dir(tmp_path)
+    write_launch(rd, TrainConfig(output_dir=str(tmp_path)).resolve(0), argv=["raygpt", "\x1b[2J"])
+    rd.write_bytes_atomic("config.1.json", b"[" * 200_000)
+    rd.write_bytes_atomic("config.2.json", b'{"format": "other"}')
+    (tmp_path / "config.3.json").write_bytes(b" " * ((1 << 20) + 1))
+    skipped = []
+    assert len(read_launches(rd, skipped=skipped)) == 1
+    assert skipped == [
+        f"{tmp_path}/config.1.json: expected JSON, found arrays or objects nested too deep to parse",
+        f"{tmp_path}/config.2.json: expected a 'raygpt-config' record, found another",
+        f"{tmp_path}/config.3.json: expected at most 1,048,576 bytes, found more"]
+    lines = format_launches(read_launches(rd), skipped)
+    assert "raygpt '\\x1b[2J'" in lines[0] and not any("\x1b" in line for line in lines)
+    assert lines[-3:] == [f"          skipped {why}" for why in skipped]
+    assert format_launches([], skipped[:1]) == [f"launch    skipped {skipped[0]}"]

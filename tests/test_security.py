@@ -610,7 +610,7 @@ def test_a_manifest_linked_to_dev_zero_is_refused_without_reading_it_all(tmp_pat
     manifest.symlink_to("/dev/zero")
     t0 = time.monotonic()
     problems = ck.verify_checkpoint(rd, 2)
-    assert "expected at most" in problems[-1]
+    assert "is a symbolic link; raygpt never reads through links" in problems[-1]
     assert ck.find_latest_verified(rd, warn=lambda m: None) == 1
     assert [c.ok for c in check_checkpoints(rd, verify="quick")] == [True, False]
     # a listed file that is a link to /dev/zero (listed as empty) is not hashed forever either
@@ -734,3 +734,285 @@ def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path):
     for _ in range(40):
         small.next_batch()
     assert small.open_shards == 2
+
+
+# ====================================================================== 7. a shared run directory
+# (issue 43: NFS with umask 002, where another user can plant files and links)
+
+_CONTROL = ("\x1b", "\x07", "\r", "\x08", "\x9b", "\u202e", "\u2066")  # ESC, BEL, CR, BS, CSI, bidi
+_HOSTILE = "\x1b]0;pwned\x07\x1b[2J\rfine\x08\x9b1A\u202egnp.exe\u2066"
+
+
+def _history(run, records) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / LOSS_HISTORY).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+_TRAINED = [{"kind": "start", "step": 0, "time": 1, "attempt": 1, "max_steps": 4},
+            {"kind": "train", "step": 0, "loss": 3.0, "norm": 1.0, "lr": 1e-3, "tokens": 64,
+             "dt": 0.1, "time": 2, "attempt": 1},
+            {"kind": "train", "step": 1, "loss": 2.9, "norm": 1.0, "lr": 1e-3, "tokens": 128,
+             "dt": 0.1, "time": 3, "attempt": 1}]
+
+
+def _status(argv, capsys) -> tuple[int, str, str]:
+    from raygpt.report import status_main
+    code = status_main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plot_replaces_a_planted_plot_png_link_and_never_writes_through_it(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from raygpt.report import plot_main
+    run, victim = tmp_path / "run", tmp_path / "victim" / "thesis.tex"
+    _history(run, _TRAINED)
+    victim.parent.mkdir()
+    victim.write_text("years of work")
+    (run / "plot.png").symlink_to(victim)
+    assert plot_main([str(run)]) == 0
+    assert victim.read_text() == "years of work"
+    assert not (run / "plot.png").is_symlink()
+    assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # -o naming a link elsewhere: the link is replaced as well, its target never written
+    (tmp_path / "out.png").symlink_to(victim)
+    assert plot_main([str(run), "-o", str(tmp_path / "out.png")]) == 0
+    assert victim.read_text() == "years of work" and not (tmp_path / "out.png").is_symlink()
+
+
+def test_a_planted_main_log_link_stops_the_run_with_one_line_and_its_target_is_unchanged(tmp_path):
+    """A resume (-y 1) appends to main.log and the loss history: a link planted at either is
+    refused (O_NOFOLLOW), the run stops as a bad input (no retry would get past it), and the
+    file the link points at is untouched."""
+    import torch
+
+    from raygpt.atomic_file import RefusedPath
+    from raygpt.errors import EXIT_BAD_INPUT, stop_code
+    from raygpt.loop import train
+    from raygpt.runlog.history import RunHistory, append_record
+    from raygpt.session import LocalSession
+
+    victim = tmp_path / "victim_bashrc"
+    victim.write_text("alias ls=ls\n")
+    cfg = tiny_config(tmp_path / "run", max_steps=2, checkpoint_every=2).resolve(0)
+    with claimed_run_dir(cfg) as (cfg, run_dir):
+        train(cfg, LocalSession(run_dir, torch.device("cpu")))
+    planted = tmp_path / "run" / "main.log"
+    planted.unlink()
+    planted.symlink_to(victim)
+    with pytest.raises(Exception) as e:
+        with claimed_run_dir(cfg.with_overrides({"resume": 1, "max_steps": 4})) as (c, rd):
+            train(c, LocalSession(rd, torch.device("cpu")))
+    message = str(e.value)
+    assert f"{planted}: is a symbolic link; raygpt never writes through links in a run " \
+           f"directory" in message and "\n" not in message, message
+    assert stop_code(e.value) == EXIT_BAD_INPUT
+    assert victim.read_text() == "alias ls=ls\n"
+    # the loss history: its resume read refuses the link already, and so would its append
+    history = tmp_path / "run" / LOSS_HISTORY
+    history.unlink()
+    history.symlink_to(victim)
+    rd = open_run_dir(tmp_path / "run")
+    with pytest.raises(RefusedPath, match="never reads through links"):
+        RunHistory(rd, cfg, enabled=True).begin_attempt(resumed_from=2, note=None)
+    with pytest.raises(RefusedPath, match=f"{history}: is a symbolic link; raygpt never writes"):
+        append_record(rd, {"kind": "failure", "time": 1})
+    assert victim.read_text() == "alias ls=ls\n"
+
+
+def test_no_write_read_or_append_goes_through_a_link_below_the_root_and_the_root_may_be_one(
+        tmp_path):
+    from raygpt.atomic_file import RefusedPath
+    from raygpt.run_config import write_launch
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "MANIFEST.json").write_text('{"secret": 1}')
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "chosen").symlink_to(real)  # -o /data/run where /data -> /mnt: the user's link
+    rd = open_run_dir(tmp_path / "chosen" / "run")
+    rd.write_bytes_atomic("config.json", b"{}")
+    rd.append_text("main.log", "s:0 trl:1.0\n")
+    rd.makedirs("step_00000002")
+    assert rd.read_bytes("config.json") == b"{}" and (real / "run" / "main.log").exists()
+
+    run = real / "run"
+    (run / "step_00000004").symlink_to(elsewhere)  # a symlinked subdirectory
+    (run / "tensorboard").symlink_to(elsewhere)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model_00000004.bin").write_bytes(b"weights")
+    refused = "is a symbolic link; raygpt never writes through links in a run directory"
+    for write in (lambda: rd.write_bytes_atomic("step_00000004/DONE_00000004", b""),
+                  lambda: rd.append_text("step_00000004/log.jsonl", "{}\n"),
+                  lambda: rd.makedirs("tensorboard/run1"),
+                  lambda: rd.move_dir_in(staged, "step_00000004"),
+                  lambda: rd.upload_dir(staged, "step_00000004")):
+        named = tmp_path / "chosen" / "run"  # as the user spelled it
+        with pytest.raises(RefusedPath, match=f"{named / 'step_00000004'}: {refused}|"
+                                              f"{named / 'tensorboard'}: {refused}"):
+            write()
+    from types import SimpleNamespace
+
+    from raygpt.ray.worker import store_by_rename  # Ray's upload of a rank's files, by rename
+    with pytest.raises(RefusedPath, match=f"{run / 'step_00000004'}: {refused}"):
+        store_by_rename(SimpleNamespace(path=str(staged), filesystem=None), "step_00000004",
+                        dest=run / "step_00000004")
+    assert sorted(os.listdir(elsewhere)) == ["MANIFEST.json"]
+    assert (staged / "model_00000004.bin").exists()
+    # reads: neither through the linked directory nor through a link at the file's own name
+    with pytest.raises(RefusedPath, match="raygpt never reads through links"):
+        rd.read_bytes("step_00000004/MANIFEST.json")
+    (run / "config.json").unlink()
+    (run / "config.json").symlink_to(elsewhere / "MANIFEST.json")
+    with pytest.raises(RefusedPath, match="config.json: is a symbolic link"):
+        rd.read_bytes("config.json")
+    # a launch never copies a planted config.json's target into the run (config.1.json)
+    with pytest.raises(ConfigError, match="config.json: is a symbolic link"):
+        write_launch(rd, tiny_config(rd.root).resolve(0), argv=["raygpt"])
+    assert not (run / "config.1.json").exists()
+    # an atomic write over a link replaces the link, never its target
+    rd.write_bytes_atomic("config.json", b"{}")
+    assert not (run / "config.json").is_symlink()
+    assert (elsewhere / "MANIFEST.json").read_text() == '{"secret": 1}'
+    # a planted FIFO is refused, not waited on
+    os.mkfifo(run / "fifo.json")
+    with pytest.raises(RefusedPath, match="expected a regular file, found a FIFO"):
+        rd.read_bytes("fifo.json")
+    with pytest.raises(RefusedPath, match="expected a regular file, found a FIFO"):
+        rd.append_text("fifo.json", "{}\n")
+
+
+def test_status_prints_no_control_character_from_any_file(tmp_path, capsys, caplog):
+    """ESC sequences, CR, backspace, C1 CSI and bidi overrides planted in config.json's command
+    line, the loss history's string fields, a failure record, a fired fault, a segment's name
+    and a sweep's mode and settings: `raygpt status` prints each as a visible escape."""
+    from raygpt.run_config import write_launch
+    from raygpt.ray import sweep
+
+    run = tmp_path / "run"
+    _history(run, _TRAINED + [
+        {"kind": "skip", "step": 1, "reason": _HOSTILE, "time": 4},
+        {"kind": "failure", "causes": {_HOSTILE: f"OSError: {_HOSTILE}\nckpts     forged"},
+         "time": 5},
+        {"kind": "resume", "step": 0, "resumed_from": _HOSTILE, "attempt": 2, "time": 6},
+        {"kind": "audit", "step": 1, "message": _HOSTILE, "attempt": 2, "time": 7},
+        {"kind": "rewind", "step": _HOSTILE, "to_step": _HOSTILE, "time": 8},
+        {"kind": "end", "step": _HOSTILE, "time": 9}])
+    rd = open_run_dir(run)
+    write_launch(rd, tiny_config(run).resolve(0), argv=["raygpt", "train", _HOSTILE],
+                 adapted=[_HOSTILE])
+    record = json.loads(rd.read_bytes("config.json"))
+    record["config"]["model"] = _HOSTILE
+    rd.write_bytes_atomic("config.1.json", json.dumps(record).encode())
+    rd.write_bytes_atomic("faults/fired/kill_r0_s1", json.dumps(
+        {"kind": _HOSTILE, "fault": _HOSTILE, "detail": _HOSTILE, "time": 1}).encode())
+    rd.append_text("fault_injection.jsonl", json.dumps({"spec": _HOSTILE, "sources": [_HOSTILE]}) + "\n")
+    rd.write_bytes_atomic(f"loss_history/{_HOSTILE}", b"")
+    code, out, err = _status([str(run)], capsys)
+    assert code == 0, err
+    shown = out + err + caplog.text
+    for bad in _CONTROL:
+        assert bad not in shown, (repr(bad), shown)
+    assert "\\x1b]0;pwned\\x07" in out and "\\u202egnp.exe" in out
+    assert not any(line.startswith("ckpts     forged") for line in out.splitlines())
+
+    sweep_dir = tmp_path / "sweep"
+    plan = sweep.SweepPlan(sweep_dir=str(sweep_dir), mode=_HOSTILE, user_base={}, base={},
+                           settings={_HOSTILE: _HOSTILE})
+    sweep.write_plan(open_run_dir(sweep_dir), plan)
+    code, out, err = _status([str(sweep_dir)], capsys)
+    assert code == 0, err
+    for bad in _CONTROL:
+        assert bad not in out + err, (repr(bad), out + err)
+    assert "\\x1b]0;pwned\\x07" in out
+    # an error that quotes a file: one line, escaped
+    (sweep_dir / sweep.PLAN_FILE).write_text(json.dumps({"format": _HOSTILE}))
+    code, out, err = _status([str(sweep_dir)], capsys)
+    assert code == 2 and err.count("\n") == 1 and not any(bad in err for bad in _CONTROL), err
+
+
+@pytest.mark.timeout(120)
+def test_status_reads_a_sparse_6_gb_segment_and_a_config_linked_to_dev_zero_in_bounded_memory(
+        tmp_path, capsys, caplog):
+    run = tmp_path / "run"
+    _history(run, _TRAINED)
+    (run / "loss_history").mkdir()
+    huge = run / "loss_history" / "part-00000001-0badf00d.jsonl"
+    huge.touch()
+    os.truncate(huge, 6 << 30)  # sparse: 6 GB of zeros that take no disk
+    (run / "config.json").symlink_to("/dev/zero")
+    big_config = run / "config.1.json"
+    big_config.touch()
+    os.truncate(big_config, 6 << 30)
+    t0 = time.monotonic()
+    tracemalloc.start()
+    try:
+        code, out, err = _status([str(run)], capsys)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert code == 0, err
+    assert "2/4 steps" in out  # the history before the planted segment is all there
+    assert peak < 64 << 20, peak
+    assert time.monotonic() - t0 < 30
+    assert f"{huge}: skipped, unread: expected a segment of at most" in err + caplog.text
+    assert f"skipped {run / 'config.json'}: is a symbolic link" in out
+    assert f"skipped {big_config}: expected at most 1,048,576 bytes, found more" in out
+
+
+_DEEP = b"[" * 200_000
+
+
+def test_json_nested_too_deep_is_one_line_in_every_reader(tmp_path, capsys, caplog):
+    """A line of 200,000 '[' makes json.loads raise RecursionError: the loss history (status and
+    a resume's read), config.json, a MANIFEST, the fault record, tracking.json, sweep.json and
+    the run-dir marker each report it as one line naming the file, or skip that line."""
+    from raygpt.checkpointing.protocol import verify_checkpoint
+    from raygpt.faults import read_armed
+    from raygpt.ray import sweep
+    from raygpt.runlog.history import RunHistory, iter_history
+    from raygpt.runlog.tracking import TRACKING_FILE, TrackingError, read_ids
+
+    run = tmp_path / "run"
+    _history(run, _TRAINED)
+    with open(run / LOSS_HISTORY, "ab") as f:
+        f.write(_DEEP + b"\n")
+        f.write(b'{"kind":"train","step":2,"loss":2.8,"norm":1.0,"lr":0.001,"tokens":192,'
+                b'"dt":0.1,"time":4,"attempt":1}\n')
+    (run / "config.json").write_bytes(_DEEP)
+    (run / RECORD).write_bytes(_DEEP + b"\n")
+    rd = open_run_dir(run)
+    _checkpoint(rd, 2)
+    (run / ck.step_dir(2) / ck.MANIFEST).write_bytes(_DEEP)
+
+    code, out, err = _status([str(run)], capsys)
+    assert code == 0, err
+    assert "3/4 steps" in out
+    assert f"{run / LOSS_HISTORY}: line 4: skipped (expected JSON, found arrays or objects nested " \
+           f"too deep to parse)" in err + caplog.text
+    assert f"skipped {run / 'config.json'}: expected JSON, found arrays or objects nested too " \
+           f"deep" in out
+    assert "NOT usable: step 2: step_00000002/MANIFEST.json: unreadable: expected JSON, found " \
+           "arrays or objects nested too deep to parse" in out
+    # the resume's read of the history: the attempt numbering and the audit still work
+    assert [r["step"] for r in iter_history(rd) if r["kind"] == "train"] == [0, 1, 2]
+    history = RunHistory(rd, tiny_config(run), enabled=True)
+    assert history.begin_attempt(resumed_from=2, note=None) == 2
+    history.close()
+    assert read_armed(rd) == (0, [])
+    rd.write_bytes_atomic(TRACKING_FILE, _DEEP)
+    with pytest.raises(TrackingError, match="nested too deep"):
+        read_ids(rd)
+    ownership_marker = run / MARKER
+    ownership_marker.write_bytes(_DEEP)
+    with pytest.raises(ConfigError, match="nested too deep|expected"):
+        prepare_run_dir(tiny_config(run, resume=1))
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    (sweep_dir / sweep.PLAN_FILE).write_bytes(_DEEP)
+    capsys.readouterr()  # the warnings of the reads above
+    code, out, err = _status([str(sweep_dir)], capsys)
+    assert code == 2 and "sweep.json" in err and "nested too deep" in err and err.count("\n") == 1
+    assert verify_checkpoint(rd, 2)

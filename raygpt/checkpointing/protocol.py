@@ -43,7 +43,8 @@ from typing import Callable
 
 from raygpt import atomic_file
 from raygpt.llmc.state_file import json_default
-from raygpt.storage import MAX_JSON_BYTES, FileTooLarge, RunDir, read_json_bounded
+from raygpt.storage import (MAX_JSON_BYTES, FileTooLarge, JSONError, RunDir, parse_json,
+                            read_json_bounded)
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +254,11 @@ def _load_manifest(run_dir: RunDir, step: int) -> tuple[dict | None, str | None]
     if not run_dir.exists(rel):
         return None, "missing (the checkpoint was never completed)"
     try:
-        manifest = json.loads(run_dir.read_bytes(rel, max_bytes=MAX_JSON_BYTES).decode("utf-8"))
+        manifest = parse_json(run_dir.read_bytes(rel, max_bytes=MAX_JSON_BYTES), run_dir.uri(rel))
     except FileTooLarge:
         return None, f"unreadable: expected at most {MAX_JSON_BYTES:,} bytes of JSON, found more"
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"unreadable: expected JSON ({e})"
+    except JSONError as e:
+        return None, f"unreadable: {e.reason}"
     except OSError as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:

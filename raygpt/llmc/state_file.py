@@ -268,11 +268,12 @@ def _read_trailer(src: "_Source", off: int, n: int) -> dict:
     if src.size != off + length:
         raise StateFileError(f"{name}: file size: expected {off + length} bytes (end of the trailer), "
                               f"found {src.size}")
+    from raygpt.storage import JSONError, parse_json  # pyarrow: not needed to write a state file
     try:
-        payload = json.loads(bytes(src.read(off, length)).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        payload = parse_json(bytes(src.read(off, length)), name)
+    except JSONError as e:
         raise StateFileError(f"{name}: raygpt trailer JSON: expected UTF-8 JSON, found an unreadable "
-                              f"payload ({e})")
+                              f"payload ({e.reason})")
     if not (isinstance(payload, dict) and isinstance(payload.get("loader"), dict)
             and isinstance(payload.get("extras"), dict)):
         raise StateFileError(f"{name}: raygpt trailer JSON: expected an object with 'loader' and "

@@ -27,14 +27,13 @@ being half-understood.
 
 from __future__ import annotations
 
-import json
 
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
     _CheckpointManagerState, _TrainingResultState,
 )
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.storage import RunDir
+from raygpt.storage import MAX_JSON_BYTES, RunDir, parse_json
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 
@@ -47,9 +46,9 @@ def reconcile_snapshot(run_dir: RunDir) -> list[str]:
     rebuilt from the complete checkpoints (DONE and MANIFEST present)."""
     if not run_dir.exists(SNAPSHOT):
         return []
-    text = run_dir.read_bytes(SNAPSHOT).decode("utf-8", errors="replace")
-    try:
-        raw = json.loads(text)
+    try:  # bounded: a snapshot larger than that is not Ray's, and is rebuilt like a torn one
+        text = run_dir.read_bytes(SNAPSHOT, max_bytes=MAX_JSON_BYTES).decode("utf-8", errors="replace")
+        raw = parse_json(text, run_dir.uri(SNAPSHOT))
     except ValueError:
         _write(run_dir, _rebuilt(run_dir))
         return ["<torn snapshot rebuilt>"]

@@ -23,7 +23,7 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 from raygpt import signals
-from raygpt.atomic_file import fsync_directory, move_local_file
+from raygpt.atomic_file import fsync_directory, make_dirs_below, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
@@ -176,9 +176,9 @@ def store_by_rename(checkpoint, dir_name: str, *, dest: Path, times: dict | None
     names durable. Each file appears whole under its final name (a rename), and the checkpoint
     is complete only once the finalizer writes DONE and MANIFEST."""
     src = Path(checkpoint.path)
-    dest.mkdir(exist_ok=True)
+    make_dirs_below(dest.parent, dest)  # a link planted at the step directory is refused
     for name in sorted(os.listdir(src)):
-        move_local_file(src / name, dest / name)  # a rename (a copy where mounts differ)
+        move_local_file(src / name, dest / name, root=dest.parent)  # a rename (or a copy)
     fsync_directory(dest)
     fsync_directory(dest.parent)
     if times is not None:

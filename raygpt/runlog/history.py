@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 from raygpt.runlog import segments
 from raygpt.runlog.segments import LogFile, LogLayout
-from raygpt.storage import RunDir
+from raygpt.storage import JSONError, RunDir, parse_json
+from raygpt.terminal import printable
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +41,33 @@ SAMPLES_LOG = LogLayout(SAMPLES, "samples", "jsonl")
 FLUSH_AFTER = frozenset({"start", "resume", "rewind", "end"})
 
 
+WARNED_LINES = 3  # damaged lines of one log warned about one by one; the rest are counted
+
+
 def iter_records(lines, name: str):
-    """The complete records among JSONL `lines` (bytes); a torn line (a crash mid-append) or an
-    overlong one is skipped with a warning."""
-    for raw in lines:
+    """The records (JSON objects) among JSONL `lines` (bytes). A line that is not one (torn by
+    a crash mid-append, overlong, nested too deep to parse, not an object) is skipped: the
+    first WARNED_LINES each with a warning naming the file and the line (its number in the
+    log read as one file, segments included), then one count."""
+    skipped = 0
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            log.warning(f"raygpt | WARNING: {name}: skipping a torn line {raw[:60]!r}")
-            continue
+            rec = parse_json(raw, name, line=number)
+        except JSONError as e:
+            rec = e
         if isinstance(rec, dict):
             yield rec
+            continue
+        skipped += 1
+        if skipped <= WARNED_LINES:
+            why = rec.reason if isinstance(rec, JSONError) else f"expected a JSON object, found " \
+                                                                f"{type(rec).__name__}"
+            log.warning(printable(f"raygpt | WARNING: {name}: line {number}: skipped ({why}): "
+                                  f"{raw[:60]!r}"))
+    if skipped > WARNED_LINES:
+        log.warning(printable(f"raygpt | WARNING: {name}: {skipped} damaged lines skipped in all"))
 
 
 def parse_jsonl(data: bytes, name: str) -> list[dict]:
@@ -138,9 +154,18 @@ def steps_logged(records: list[dict]) -> dict[int, float]:
     even one that repeats the loss) are ignored."""
     out: dict[int, float] = {}
     for rec in records:
-        if "step" in rec and "loss" in rec and "event" not in rec:
-            out[int(rec["step"])] = float(rec["loss"])
+        if "step" in rec and "loss" in rec and "event" not in rec and _is_int(rec["step"]) \
+                and _is_number(rec["loss"]):  # a hand-edited record is not a loss to compare
+            out[rec["step"]] = float(rec["loss"])
     return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def trajectory_losses(records) -> dict[int, float]:
@@ -152,7 +177,7 @@ def trajectory_losses(records) -> dict[int, float]:
     out: dict[int, float] = {}
     for r in records:
         kind = r.get("kind")
-        if kind == "rewind" and isinstance(r.get("to_step"), int):
+        if kind == "rewind" and _is_int(r.get("to_step")):
             for s in [s for s in out if s >= r["to_step"]]:
                 del out[s]
         elif kind == "train":
@@ -193,7 +218,8 @@ class RunHistory:
         if not self.enabled:
             return 0
         records = read_history(self.run_dir)
-        self.attempt = 1 + max((r.get("attempt") or 0 for r in records), default=0)
+        self.attempt = 1 + max((r["attempt"] for r in records if _is_int(r.get("attempt"))),
+                               default=0)
         if resumed_from is not None:
             earlier = trajectory_losses(records)
             self.audit = ResumeAudit({s: l for s, l in earlier.items() if s >= resumed_from},
@@ -256,12 +282,13 @@ def recovery_split(last_step_time: float | None, failure_time: float, start: dic
     (`last_step_time`) to its record (`failure_time`), the new attempt's start-up marks
     (`start`: its record's time and "startup"), its first step's record, and the record of the
     last step it re-trained (`caught_up_time`, the first step's when none was lost)."""
-    marks = dict((start or {}).get("startup") or {})
+    marks = (start or {}).get("startup")
+    marks = marks if isinstance(marks, dict) else {}  # the records are untrusted input
     t = [last_step_time, failure_time, marks.get("group_up"), marks.get("process_group"),
          marks.get("restore_started"), None, marks.get("state_loaded"), first_step_time,
          caught_up_time]
     load_s = marks.get("load_s")
-    if t[6] is not None and isinstance(load_s, (int, float)):
+    if _is_number(t[6]) and _is_number(load_s):
         t[5] = t[6] - load_s  # checkpoint verified: state loading began
     parts = {}
     for name, a, b in zip(RECOVERY_PARTS, t, t[1:]):
@@ -336,7 +363,7 @@ class GoodputTally:
                     rec["start"] = r
                     # a restart with no checkpoint to resume from trains every step again
                     lost = r.get("steps_lost") if kind == "resume" else self.next_step
-                    from_step = r.get("resumed_from") or 0
+                    from_step = r.get("resumed_from") if _is_int(r.get("resumed_from")) else 0
                     rec["steps_retrained"] = lost if isinstance(lost, int) and lost > 0 else 0
                     rec["catch_up_step"] = from_step + rec["steps_retrained"] - 1
         elif kind == "train":
@@ -345,7 +372,7 @@ class GoodputTally:
                     continue
                 if rec["first_step_time"] is None:
                     rec["first_step_time"] = t
-                if isinstance(r.get("step"), int) and r["step"] >= rec["catch_up_step"]:
+                if _is_int(r.get("step")) and r["step"] >= rec["catch_up_step"]:
                     rec["caught_up_time"] = t
             self.open = [rec for rec in self.open if rec["caught_up_time"] is None]
             self.last_step_time = t
@@ -354,7 +381,7 @@ class GoodputTally:
 
     def add(self, r: dict) -> None:
         t = r.get("time", 0)
-        if not isinstance(t, (int, float)):
+        if not _is_number(t) or not math.isfinite(t):
             return
         if self.since is not None and t < self.since:
             return
@@ -363,9 +390,9 @@ class GoodputTally:
             self.first_time = t
         self.last_time = t
         kind = r.get("kind")
-        if kind == "train":
+        if kind == "train" and _is_int(r.get("step")):
             dt = r.get("dt", 0.0)
-            self.latest[r.get("step")] = dt if isinstance(dt, (int, float)) else 0.0
+            self.latest[r["step"]] = dt if _is_number(dt) and math.isfinite(dt) else 0.0
             still = [f for f in self.pending if not t > f]
             self.recoveries += [t - f for f in self.pending if t > f]
             self.pending = still

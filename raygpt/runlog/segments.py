@@ -38,6 +38,9 @@ Reading (`read_lines`): a part that does not end with a newline was cut short (a
 during a non-atomic write, e.g. on a filesystem seen through fsspec). When it is the newest
 part the cut line is dropped with a warning (the writer died there; nothing after it can be
 missing). Anywhere else it is an error naming the part: lines are missing from the middle.
+A part larger than MAX_PART_BYTES is not one raygpt wrote (a part holds `max_lines` lines,
+about 3 MB by default): it is skipped with a warning naming it, unread, so a planted sparse
+file of gigabytes costs neither memory nor time. The single file and a base are streamed.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from raygpt.storage import RunDir
+from raygpt.storage import FileTooLarge, RunDir
+from raygpt.terminal import printable
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ DEFAULT_INTERVAL_S = 30.0
 DEFAULT_MAX_LINES = 10_000
 DEFAULT_MAX_QUEUED = 8
 READ_AHEAD = 16  # parts a reader fetches at once
+READ_AHEAD_BYTES = 64 << 20  # ... and at most this many bytes of them (as listed)
+MAX_PART_BYTES = 256 << 20  # a larger part is skipped unread (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,14 @@ class CorruptSegment(ValueError):
     """A segment that cannot be read as part of the log; the message names it."""
 
 
-def _listing(run_dir: RunDir, layout: LogLayout):
-    """(bases, parts, others) of the segment folder: bases [(seq, name)], parts
-    [(seq, writer, name)], sorted; names that are neither (left alone, warned about)."""
+def _listing(run_dir: RunDir, layout: LogLayout, names=None):
+    """(bases, parts, others) of the segment folder (or of `names` listed in it): bases
+    [(seq, name)], parts [(seq, writer, name)], sorted; names that are neither (left alone,
+    warned about)."""
     part_re = re.compile(rf"part-(\d{{8}})-([0-9a-f]{{8}})\.{re.escape(layout.ext)}\Z")
     base_re = re.compile(rf"base-(\d{{8}})\.{re.escape(layout.ext)}\Z")
     bases, parts, others = [], [], []
-    for name in run_dir.listdir(layout.folder, files_only=True):
+    for name in run_dir.listdir(layout.folder, files_only=True) if names is None else names:
         if m := part_re.match(name):
             parts.append((int(m[1]), m[2], name))
         elif m := base_re.match(name):
@@ -102,8 +109,9 @@ def _plan(run_dir: RunDir, layout: LogLayout, listing=None):
     """What a reader reads, in order: [(rel, kind)] with kind "legacy", "base" or "part"."""
     bases, parts, others = listing or _listing(run_dir, layout)
     for name in others:
-        log.warning(f"raygpt | WARNING: {run_dir.uri(f'{layout.folder}/{name}')}: not a segment "
-                    f"of {layout.legacy} (expected part-<8 digits>-<8 hex>.{layout.ext}); ignored")
+        log.warning(printable(f"raygpt | WARNING: {run_dir.uri(f'{layout.folder}/{name}')}: not a "
+                              f"segment of {layout.legacy} (expected part-<8 digits>-<8 hex>."
+                              f"{layout.ext}); ignored"))
     plan = []
     covered = -1
     if bases:
@@ -126,25 +134,64 @@ def stored_bytes(run_dir: RunDir, layout: LogLayout) -> int:
 
 def read_lines(run_dir: RunDir, layout: LogLayout):
     """The log's lines (bytes, without newlines) in order: the single file or the newest base,
-    then each part above it. A torn part is handled as the module docstring says."""
-    yield from _read_plan(run_dir, layout, _plan(run_dir, layout))
+    then each part above it. A torn or oversized part is handled as the module docstring says."""
+    sizes = run_dir.file_sizes(layout.folder)
+    plan = _plan(run_dir, layout, _listing(run_dir, layout, sorted(sizes)))
+    yield from _read_plan(run_dir, layout, plan, sizes, skip_oversized=True)
 
 
-def _read_plan(run_dir: RunDir, layout: LogLayout, plan):
+def _read_part(run_dir: RunDir, rel: str, skip_oversized: bool) -> bytes | None:
+    """A part's bytes; larger than MAX_PART_BYTES: None with a warning (`skip_oversized`), else
+    FileTooLarge naming it."""
+    try:
+        return run_dir.read_bytes(rel, max_bytes=MAX_PART_BYTES)
+    except FileTooLarge:
+        if not skip_oversized:
+            raise
+        _warn_oversized(run_dir, rel, "more")
+        return None
+
+
+def _warn_oversized(run_dir: RunDir, rel: str, size) -> None:
+    log.warning(printable(f"raygpt | WARNING: {run_dir.uri(rel)}: skipped, unread: expected a "
+                          f"segment of at most {MAX_PART_BYTES:,} bytes (what raygpt writes), "
+                          f"found {size if isinstance(size, str) else f'{size:,}'} bytes"))
+
+
+def _read_plan(run_dir: RunDir, layout: LogLayout, plan, sizes: dict[str, int] | None = None, *,
+               skip_oversized: bool = False):
+    """The lines of `plan`'s files in order. `sizes` ({name in the folder: bytes}, as listed)
+    bounds the bytes read ahead; an oversized part is skipped with a warning (readers:
+    `skip_oversized`) or raises FileTooLarge (a merge must not drop it)."""
     for rel, kind in plan:
         if kind != "part":
             yield from run_dir.iter_lines(rel)  # streamed: a base may be a week's history
-    parts = [rel for rel, kind in plan if kind == "part"]  # after the base, in order
+    sizes = sizes or {}
+    parts = []  # after the base, in order
+    for rel, kind in plan:
+        if kind != "part":
+            continue
+        size = sizes.get(rel.rpartition("/")[2], 0)
+        if size > MAX_PART_BYTES and skip_oversized:
+            _warn_oversized(run_dir, rel, size)  # unread: a listed size needs no byte of it
+        else:
+            parts.append((rel, size))
     # a week at 30 s is ~20k parts: read one after another at an object store's ~30 ms per GET
-    # that is minutes, so up to READ_AHEAD parts are fetched at once, still yielded in order
+    # that is minutes, so up to READ_AHEAD parts (READ_AHEAD_BYTES) are fetched at once, still
+    # yielded in order
     with concurrent.futures.ThreadPoolExecutor(READ_AHEAD) as pool:
         ahead: collections.deque = collections.deque()
-        queued = 0
-        for i, rel in enumerate(parts):
-            while queued < len(parts) and len(ahead) < READ_AHEAD:
-                ahead.append(pool.submit(run_dir.read_bytes, parts[queued]))
+        queued = in_flight = 0
+        for i, (rel, size) in enumerate(parts):
+            while queued < len(parts) and len(ahead) < READ_AHEAD and (
+                    not ahead or in_flight + parts[queued][1] <= READ_AHEAD_BYTES):
+                ahead.append(pool.submit(_read_part, run_dir, parts[queued][0], skip_oversized))
+                in_flight += parts[queued][1]
                 queued += 1
-            data = ahead.popleft().result()  # a part is small (at most max_lines lines)
+            data = ahead.popleft().result()
+            in_flight -= size
+            if data is None:
+                continue
             if data and not data.endswith(b"\n"):
                 if i != len(parts) - 1:
                     raise CorruptSegment(

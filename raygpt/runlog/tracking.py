@@ -158,9 +158,10 @@ def read_ids(run_dir: RunDir) -> dict:
     """{"wandb": {"id", "project"}, "mlflow": {"uri", "run_id"}} kept by an earlier attempt."""
     if not run_dir.exists(TRACKING_FILE):
         return {}
+    from raygpt.storage import MAX_JSON_BYTES, read_json_bounded
     try:
-        ids = json.loads(run_dir.read_bytes(TRACKING_FILE))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        ids = read_json_bounded(run_dir, TRACKING_FILE, MAX_JSON_BYTES)
+    except ValueError as e:  # larger than the bound, a link, not JSON, nested too deep
         raise TrackingError(f"{run_dir.uri(TRACKING_FILE)}: expected a JSON object of tracker run "
                             f"ids, found unreadable content ({e})") from e
     if not isinstance(ids, dict):

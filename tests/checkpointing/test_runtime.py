@@ -63,7 +63,8 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
         return real_fsync(fd)
 
     def replace(src, dst, *a, **kw):
-        events.append(("rename", os.path.abspath(dst)))
+        where = os.readlink(f"/proc/self/fd/{kw['dst_dir_fd']}") if kw.get("dst_dir_fd") else ""
+        events.append(("rename", os.path.abspath(os.path.join(where, dst))))  # dst: a name in it
         return real_replace(src, dst, *a, **kw)
 
     monkeypatch.setattr(os, "fsync", fsync)

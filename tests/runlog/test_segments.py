@@ -453,3 +453,26 @@ def test_a_part_stored_while_compaction_runs_is_neither_merged_nor_read_twice(rd
     assert segments.compact(racing, LOSS_HISTORY_LOG)["base"] == "loss_history/base-00000002.jsonl"
     assert steps(read_history(rd)) == [0, 1, 2, 3]
     assert rd.listdir("loss_history") == ["base-00000002.jsonl", "part-00000003-bbbbbbbb.jsonl"]
+
+
+def test_a_part_larger_than_any_raygpt_writes_is_skipped_unread_and_said(rd, monkeypatch, capsys,
+                                                                        caplog):
+    """A part above MAX_PART_BYTES (a planted one: raygpt's hold `max_lines` lines) is skipped
+    by its listed size, before a byte is read, with a warning naming it; the rest read on.
+    A part that grows past the bound after the listing is cut off at the bound the same way."""
+    monkeypatch.setattr(segments, "MAX_PART_BYTES", 100)
+    rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(0, "00000000"), line(0).encode())
+    rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(1, "00000000"), b" " * 101 + b"\n")
+    rd.write_bytes_atomic(LOSS_HISTORY_LOG.part(2, "00000000"), line(2).encode())
+    read, real = [], type(rd).read_bytes
+    monkeypatch.setattr(type(rd), "read_bytes", lambda self, rel, **kw: (
+        read.append(rel), real(self, rel, **kw))[1])
+    assert steps(read_history(rd)) == [0, 2]
+    assert not any("part-00000001" in r for r in read)
+    assert "part-00000001-00000000.jsonl: skipped, unread: expected a segment of at most 100 " \
+           "bytes (what raygpt writes), found 102 bytes" in capsys.readouterr().err + caplog.text
+    monkeypatch.setattr(type(rd), "file_sizes", lambda self, rel="": {
+        n: 0 for n in self.listdir(rel, files_only=True)})  # a listing that predates the growth
+    assert steps(read_history(rd)) == [0, 2]
+    assert "part-00000001-00000000.jsonl: skipped, unread: expected a segment of at most 100 " \
+           "bytes (what raygpt writes), found more bytes" in capsys.readouterr().err + caplog.text
