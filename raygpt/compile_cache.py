@@ -55,11 +55,14 @@ from raygpt import signed_file
 from raygpt.atomic_file import NotPrivateError, private_dir
 from raygpt.config import TrainConfig
 from raygpt.signed_file import ArtifactKey
+from raygpt.storage import FileTooLarge
 
 log = logging.getLogger(__name__)
 
 NODE_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"raygpt_compile_cache_{os.getuid()}")
 COMPILE_ARTIFACTS = "compile_cache"
+# read at most this much before the signature is checked: a planted file cannot exhaust memory
+MAX_ARTIFACT_BYTES = 4 << 30
 
 
 @functools.cache
@@ -190,8 +193,8 @@ def _signed_payload(run_dir, name: str, key: ArtifactKey, fallback: str) -> byte
     """The payload of the run's file `name` when `key` signed it for that name, else None with
     one warning naming the file (nothing of it is used: it may have been planted)."""
     try:
-        return signed_file.verified(key, name, run_dir.read_bytes(name))
-    except signed_file.NotSigned as e:
+        return signed_file.verified(key, name, run_dir.read_bytes(name, max_bytes=MAX_ARTIFACT_BYTES))
+    except (signed_file.NotSigned, FileTooLarge) as e:
         log.warning(f"raygpt | WARNING: {run_dir.uri(name)}: not signed by this user's key "
                     f"({e}); {fallback}")
     except OSError as e:

@@ -536,12 +536,12 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
                               xycoords=axes["loss"].get_xaxis_transform(), color="tab:red")
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    _store_png(run_dir_uri, out_png, png.getvalue())
+    store_png(run_dir_uri, out_png, png.getvalue())
     return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
 
 
-def _store_png(run_dir_uri, out_png, data: bytes) -> None:
-    """Write the PNG whole (a temporary file renamed over `out_png`): a link planted at
+def store_png(run_dir_uri, out_png, data: bytes) -> None:
+    """Write the PNG (of a run or a sweep directory) whole (a temporary file renamed over `out_png`): a link planted at
     run/plot.png is replaced, never written through; inside a local run directory no link
     below its root is followed either (RunDir's writer)."""
     run_dir = open_run_dir(run_dir_uri)

@@ -144,10 +144,10 @@ class RunDir:
         self._drain()
         if not self.exists(rel):
             raise FileNotFoundError(f"{self.uri(rel)}: no such file")
-        with self._open_read(rel) as f:
+        with self.open_read(rel) as f:
             return _read_at_most(f, max_bytes, self.uri(rel))
 
-    def _open_read(self, rel: str):
+    def open_read(self, rel: str):
         """A binary stream of a file: on a local run directory opened through no symbolic link
         below the root and only if it is a regular file (RefusedPath: a planted link to
         /dev/zero or to another user's secret is never read, nor copied on into the run)."""
@@ -161,7 +161,7 @@ class RunDir:
         `max_line` bytes is yielded as its first `max_line` bytes followed by b"..." (never a
         valid JSON record), so a hostile file cannot make a reader hold it whole."""
         self._drain()
-        with self._open_read(rel) as f:
+        with self.open_read(rel) as f:
             pending, overlong = b"", False
             while chunk := f.read(chunk_bytes):
                 parts = (pending + chunk).split(b"\n")
@@ -180,7 +180,7 @@ class RunDir:
         /dev/zero does not stream forever)."""
         self._drain()
         h = hashlib.sha256()
-        with self._open_read(rel) as f:
+        with self.open_read(rel) as f:
             seen = 0
             while chunk := f.read(_CHUNK):
                 seen += len(chunk)
@@ -334,11 +334,11 @@ class RunDir:
         for src in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             dst = f"{rel.strip('/')}/{src.relative_to(local_dir).as_posix()}"
             self.makedirs(dst.rpartition("/")[0])
-            with open(src, "rb") as fin, self._open_write(dst) as fout:
+            with open(src, "rb") as fin, self.open_write(dst) as fout:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
 
-    def _open_write(self, rel: str):
+    def open_write(self, rel: str):
         """A binary stream that stores a whole file at `rel` when closed: locally an atomic
         write (no link followed), on an object store one upload."""
         if self.is_local:
@@ -372,21 +372,6 @@ class RunDir:
             return os.stat(self.local_path()).st_dev == os.stat(local_dir).st_dev
         except OSError:
             return False
-
-    def download_dir(self, rel: str, local_dir: str | os.PathLike) -> None:
-        """Copy every file under `rel` into a local directory (created if needed)."""
-        base = self.path(rel).strip("/")
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), recursive=True))
-        for info in infos:
-            if info.type != pafs.FileType.File:
-                continue
-            # some filesystems return '/a/b' for a selector on 'a': compare without slashes
-            sub = info.path.strip("/")[len(base):].strip("/")
-            dst = Path(local_dir) / sub
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            with self._open_read(self._relative(info.path)) as fin, open(dst, "wb") as fout:
-                while chunk := fin.read(_CHUNK):
-                    fout.write(chunk)
 
 
 class _Writer:

@@ -354,6 +354,25 @@ def test_a_planted_artifacts_file_is_never_loaded_and_is_replaced_by_a_signed_on
     assert signed_file.verified(key, name, rd.read_bytes(name)) == b"compiled"
 
 
+def test_a_planted_artifacts_file_is_read_only_up_to_its_bound(tmp_path, monkeypatch):
+    """Before its signature is checked a file is read at most MAX_ARTIFACT_BYTES: one past it is
+    one warning and not loaded; one at it is read (and here refused as unsigned)."""
+    from raygpt import compile_cache
+    from raygpt.signed_file import ArtifactKey
+    from raygpt.storage import open_run_dir
+    from tests.helpers import log_lines
+
+    monkeypatch.setattr(compile_cache, "MAX_ARTIFACT_BYTES", 1000)
+    rd, name = open_run_dir(str(tmp_path / "run")), "compile_cache/abc.bin"
+    for size, says in ((1001, "expected at most 1,000 bytes"), (1000, "no raygpt signature")):
+        rd.write_bytes_atomic(name, b"x" * size)
+        with log_lines(compile_cache.__name__) as warnings:
+            assert compile_cache.load_compile_artifacts(rd, name, str(tmp_path / "node"),
+                                                        ArtifactKey(bytes(32))) is False
+        [warning] = warnings
+        assert says in warning and warning.endswith("; compiling"), warning
+
+
 def test_without_a_key_no_artifacts_are_loaded_or_stored(tmp_path, monkeypatch):
     """A session with no key (artifact_key None): the run's artifacts file is not read, and
     nothing is stored after the first step; the run just compiles."""

@@ -922,11 +922,11 @@ def test_status_prints_no_control_character_from_any_file(tmp_path, capsys, capl
     plan = sweep.SweepPlan(sweep_dir=str(sweep_dir), mode=_HOSTILE, user_base={}, base={},
                            settings={_HOSTILE: _HOSTILE})
     sweep.write_plan(open_run_dir(sweep_dir), plan)
-    code, out, err = _status([str(sweep_dir)], capsys)
-    assert code == 0, err
+    code, out, err = _status([str(sweep_dir)], capsys)  # the mode is refused, quoted escaped
+    assert code == 2 and err.count("\n") == 1, err
     for bad in _CONTROL:
         assert bad not in out + err, (repr(bad), out + err)
-    assert "\\x1b]0;pwned\\x07" in out
+    assert "mode: expected 'grid' or 'wsd_branch'" in err and "\\x1b]0;pwned\\x07" in err
     # an error that quotes a file: one line, escaped
     (sweep_dir / sweep.PLAN_FILE).write_text(json.dumps({"format": _HOSTILE}))
     code, out, err = _status([str(sweep_dir)], capsys)

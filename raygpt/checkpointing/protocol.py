@@ -698,8 +698,7 @@ def copy_checkpoint(src: RunDir, dst: RunDir, step: int) -> None:
     last = (done_file(step), MANIFEST)
     names = src.listdir(sdir, files_only=True)
     for name in [n for n in names if n not in last] + [done_file(step)]:
-        with src.fs.open_input_stream(src.path(f"{sdir}/{name}")) as fin, \
-                dst.fs.open_output_stream(dst.path(f"{sdir}/{name}")) as fout:
+        with src.open_read(f"{sdir}/{name}") as fin, dst.open_write(f"{sdir}/{name}") as fout:
             while chunk := fin.read(8 << 20):
                 fout.write(chunk)
     dst.write_bytes_atomic(f"{sdir}/{MANIFEST}", src.read_bytes(f"{sdir}/{MANIFEST}"))

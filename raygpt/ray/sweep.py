@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -107,6 +108,7 @@ from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, start
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
                                _branch_totals, _plain, check_space, check_trials, expand_trials,
                                main, pin_for_trials, preflight_sweep, space_items, trial_config)
+from raygpt.report import store_png
 from raygpt.runlog.history import iter_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.signed_file import ArtifactKey
@@ -960,9 +962,11 @@ def best_config(user_base: TrainConfig, overrides: dict) -> dict:
     return out
 
 
-def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title: str = "") -> str | None:
-    """PNG of validation loss against step, one line per trial. matplotlib is optional (the
-    `plot` extra): without it no plot is written and None is returned."""
+def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_curve=None,
+                    title: str = "") -> str | None:
+    """PNG of validation loss against step, one line per trial, stored whole at `path` (never
+    through a link: `report.store_png`). matplotlib is optional (the `plot` extra): without it
+    no plot is written and None is returned."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -983,7 +987,9 @@ def plot_val_curves(rows: list[TrialRow], path: str, *, stable_curve=None, title
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.savefig(path, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    store_png(sweep_dir, path, png.getvalue())
     return path
 
 
@@ -1005,7 +1011,7 @@ def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
     name = Path(plan.sweep_dir).name
     if out is None:
         out = str(sweep.local_path(PLOT)) if sweep.is_local else f"{name or 'sweep'}_{PLOT}"
-    return plot_val_curves(rows, out, stable_curve=stable_curve(plan),
+    return plot_val_curves(rows, plan.sweep_dir, out, stable_curve=stable_curve(plan),
                            title=f"{name}: validation loss"), len(rows)
 
 
@@ -1028,7 +1034,8 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         best_path = sweep.uri(BEST_CONFIG)
     plot_path = None
     if sweep.is_local:
-        plot_path = plot_val_curves(rows, str(sweep.local_path(PLOT)), stable_curve=stable_curve(plan),
+        plot_path = plot_val_curves(rows, plan.sweep_dir, str(sweep.local_path(PLOT)),
+                                    stable_curve=stable_curve(plan),
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")
     log.info(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}")
     for r in rows:

@@ -105,6 +105,18 @@ def test_status_and_plot_read_json_only_never_tunes_pickles(tmp_path, capsys):
     assert not marker.exists()
 
 
+def test_plot_replaces_a_link_planted_at_the_sweeps_png_never_its_target(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    d = hand_built_sweep(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (d / sweep.PLOT).symlink_to(victim)
+    assert cli_main(["plot", str(d)]) == 0
+    assert victim.read_text() == "precious"
+    assert not (d / sweep.PLOT).is_symlink()
+    assert (d / sweep.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_resume_restores_nothing_of_tunes_and_runs_only_unfinished_trials(tmp_path, monkeypatch):
     """-y 1 over a sweep whose trials all finished: no Tune experiment, no pickle opened, the
     results written from JSON. Over one with an interrupted trial: a new Tune experiment
