@@ -238,3 +238,21 @@ def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, 
     ("*.txt", "corpus")])
 def test_default_name_is_the_inputs_own(given, name):
     assert prepare.default_name([given]) == name
+
+
+def test_fineweb_edu_recipe_in_miniature(local_ray, tmp_path, monkeypatch):
+    """experiments/fineweb_edu.py --miniature: a generated Parquet corpus prepared on Ray Data,
+    then trained on (the recipe's own two steps), and run again: the prepare has nothing to do
+    and the run resumes."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import fineweb_edu
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    monkeypatch.chdir(tmp_path)
+    assert fineweb_edu.main(["--miniature", "-x", "4", "-n", "2", "-v", "2"]) == 0
+    root = tmp_path / "runs" / "fineweb_edu_mini"
+    assert json.loads((root / "shards" / "manifest.json").read_text())["documents"] == 1200
+    assert (root / "run" / "step_00000004" / "DONE_00000004").exists()
+    assert fineweb_edu.main(["--miniature", "-x", "6", "-n", "2", "-v", "2", "-y", "1"]) == 0
+    assert (root / "run" / "step_00000006" / "DONE_00000006").exists()
