@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raygpt.config import DEFAULT_TRAIN, TrainConfig
-from raygpt.data import DistributedDataLoader
+from raygpt.data.loader import DistributedDataLoader
 from raygpt.model import GPT, GPTConfig
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.ray.driver import run

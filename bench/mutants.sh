@@ -9,7 +9,7 @@
 #   bench/mutants.sh schedule outlier     # some of them
 #   MUTANTS_DIR=/tmp/x bench/mutants.sh   # scratch directory (default /tmp/raygpt-mutants)
 #   MUTANTS_REV=HEAD bench/mutants.sh     # a commit's tree instead of the working tree
-#   MUTANTS_ONLY='raygpt.data.x_merge_ranges__mutmut_*' bench/mutants.sh data
+#   MUTANTS_ONLY='raygpt.data.loader.x_merge_ranges__mutmut_*' bench/mutants.sh data
 #                                         # only the mutants matching these fnmatch patterns
 #   MUTANTS_TESTS='tests/test_x.py' bench/mutants.sh data   # another test selection
 #
@@ -50,7 +50,7 @@ candidates_for() {
     outlier)    echo "tests/test_outlier.py" ;;
     optim)      echo "tests/test_optim.py" ;;
     state)      echo "tests/test_state.py" ;;
-    data)       echo "tests/test_data.py tests/llmc/test_shards.py" ;;
+    data)       echo "tests/data/test_loader.py tests/llmc/test_shards.py" ;;
     checkpoint) echo "tests/checkpointing/test_protocol_messages.py tests/checkpointing/test_protocol.py
                       tests/llmc/test_state_file.py" ;;
     loop)       echo "tests/test_loop_steps.py" ;;

@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 
 from raygpt.config import TrainConfig
-from raygpt.data import DistributedDataLoader
+from raygpt.data.loader import DistributedDataLoader
 from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32

@@ -2,7 +2,7 @@
 
     raygpt train [llm.c flags | long options]   run a job under Ray Train
     raygpt sweep [sweep options] [train flags]   a Ray Tune sweep whose trials are raygpt runs
-    raygpt prepare INPUT.txt -o OUT_DIR          tokenize a text file into llm.c shards
+    raygpt prepare INPUT... -o OUT_DIR           tokenize a corpus into llm.c shards on Ray Data
     raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
     raygpt status SWEEP_DIR                      every trial's row of a sweep, as of now
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
@@ -28,7 +28,7 @@ from raygpt.terminal import printable, printable_lines
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
     "sweep": "a Ray Tune sweep over train flags; every trial a full raygpt run",
-    "prepare": "tokenize a UTF-8 text file into llm.c token shards (GPT-2 BPE, offline)",
+    "prepare": "tokenize Parquet, JSON Lines or text (local or s3://) into llm.c shards, on Ray Data",
     "status": "a run at a glance from its run directory (or a sweep's trials from its directory)",
     "plot": "a PNG of a run's loss, lr, grad norm, tok/s and events, or of a sweep's val curves",
     "compact": "merge the log segments of a run on an object store into one object per log",
@@ -84,8 +84,8 @@ def _sweep(argv: list[str]) -> int:
 
 
 def _prepare(argv: list[str]) -> int:
-    from raygpt import tokenizer
-    return tokenizer.main(argv)
+    from raygpt.ray.prepare import main as prepare_main
+    return prepare_main(argv)
 
 
 def _status(argv: list[str]) -> int:
@@ -132,7 +132,7 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
         from raygpt import report
         return report.status_parser() if command == "status" else report.plot_parser()
     if command == "prepare":
-        from raygpt.tokenizer import prepare_parser
+        from raygpt.ray.prepare import build_parser as prepare_parser
         return prepare_parser()
     if command == "compact":
         from raygpt.runlog.compact import build_parser as compact_parser

@@ -716,7 +716,7 @@ def _model_file_block_size(model: str) -> int:
 def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
     """Token counts of the shards matching `pattern` (headers only), None when nothing matches
     (validate() says so); a bad header is a ConfigError naming the flag and the file."""
-    from raygpt.data import shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.data.loader import shard_token_counts  # numpy/torch: only when resolving
     from raygpt.llmc.shards import ShardError
     if not pattern or not glob.glob(pattern):
         return None
@@ -748,7 +748,7 @@ def _fit_validation(c: "TrainConfig", notes: list[str]) -> None:
     ranks beyond the data sit validation out (`data.ranks_with_data`). The defaults cover as much
     of the validation set as DEFAULT_VAL_BATCHES batches can without reading a sample twice,
     with the largest micro-batch (at most B) that does so."""
-    from raygpt.data import ranks_with_data
+    from raygpt.data.loader import ranks_with_data
     if not c.input_val_bin or c.val_every <= 0:  # validation off: nothing to fit
         c.val_batch_size = c.batch_size if c.val_batch_size is None else c.val_batch_size
         c.val_batches = DEFAULT_VAL_BATCHES if c.val_batches is None else c.val_batches

@@ -32,7 +32,7 @@ from raygpt import compile_cache, signals, tokenizer
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
+from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
 from raygpt.llmc.model_file import load_model_file

@@ -33,7 +33,7 @@ from __future__ import annotations
 import uuid
 
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data import ranks_with_data, shard_token_counts, tokens_needed
+from raygpt.data.loader import ranks_with_data, shard_token_counts, tokens_needed
 from raygpt.llmc.shards import ShardError
 
 

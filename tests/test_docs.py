@@ -11,6 +11,7 @@ renamed in raygpt/config.py and not in the docs fails here.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import re
 import shlex
@@ -27,9 +28,11 @@ LINKED_PAGES = sorted([*PAGES, *(ROOT / "bench").rglob("*.md")])  # bench's jour
 
 # `python -m MODULE` that is a raygpt command line, and the command it is
 MODULES = {"raygpt": None, "raygpt.cli": None, "raygpt.ray.sweep": "sweep",
-           "raygpt.tokenizer": "prepare"}
+           "raygpt.ray.prepare": "prepare"}
 # experiments/SCRIPT.py and the command it runs (the script's own main says which)
-SCRIPTS = {"shakespeare.py": "train", "sweep_shakespeare.py": "sweep"}
+SCRIPTS = {"shakespeare.py": "train", "sweep_shakespeare.py": "sweep", "fineweb_edu.py": "train"}
+# scripts with options of their own (their build_parser) before the command's flags
+RECIPES = {"fineweb_edu.py"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # RUN_DIR, N, JOB_ID: a value left to the reader
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>", "<", "(", ")", "&"}
 
@@ -154,7 +157,8 @@ def commands_in(text: str, where: str, inline: bool) -> list[Quoted]:
             script = toks[i + 1].rpartition("/")[2]
             assert script in SCRIPTS and (ROOT / "experiments" / script).exists(), \
                 f"{where}: {toks[i + 1]}: no such experiment script"
-            rest = [SCRIPTS[script]] + toks[i + 2:]
+            rest = [SCRIPTS[script]] + (recipe_rest(script, toks[i + 2:]) if script in RECIPES
+                                        else toks[i + 2:])
         if rest is None:
             continue
         end = next((k for k, t in enumerate(rest) if t in SHELL_OPERATORS), len(rest))
@@ -162,6 +166,15 @@ def commands_in(text: str, where: str, inline: bool) -> list[Quoted]:
         command = rest[0] if rest and rest[0] in COMMANDS else None
         found.append(Quoted(where, text, command, rest[1:] if command else rest, inline))
     return found
+
+
+def recipe_rest(script: str, argv: list[str]) -> list[str]:
+    """What a recipe script passes on to its command: argv less the script's own options (an
+    option it does not know is passed on, and fails there as it would for a user)."""
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "experiments" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser().parse_known_args(argv)[1]
 
 
 def quoted_commands() -> list[Quoted]:

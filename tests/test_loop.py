@@ -266,7 +266,8 @@ def test_performance_fields_reach_the_loop(tmp_path, monkeypatch):
     --loss-impl and --no-ce-kernel reach the model, --compile-mode reaches torch.compile."""
     import gc
 
-    from raygpt import data, loop
+    from raygpt import loop
+    from raygpt.data import loader as data
 
     calls = {"prefetch": 0, "freeze": 0}
     real_prefetch = data.DistributedDataLoader.prefetch

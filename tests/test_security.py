@@ -21,7 +21,7 @@ import pytest
 from raygpt.checkpointing import protocol as ck
 from raygpt import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.data import DistributedDataLoader
+from raygpt.data.loader import DistributedDataLoader
 from raygpt.llmc.shards import write_shard
 from raygpt.faults import RECORD, armed_spec, plan_for
 from raygpt.runlog.history import LOSS_HISTORY

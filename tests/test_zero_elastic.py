@@ -81,7 +81,7 @@ def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     from raygpt.optim import AdamW, FlatParameters
     from raygpt.session import LocalSession
     from raygpt.state import TrainState
-    from raygpt.data import DistributedDataLoader
+    from raygpt.data.loader import DistributedDataLoader
 
     run(cfg_for(tmp_path, zero_stage=1, max_steps=4))
     cfg = cfg_for(tmp_path, zero_stage=0, num_workers=1, max_steps=4)

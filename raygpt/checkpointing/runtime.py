@@ -41,7 +41,7 @@ from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
 from raygpt.config import TrainConfig
-from raygpt.data import merge_ranges
+from raygpt.data.loader import merge_ranges
 from raygpt.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file

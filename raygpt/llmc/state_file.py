@@ -60,7 +60,7 @@ _MT_MATRIX_A = (0x0, 0x9908B0DF)  # llm.c re-seeds with 5489 if these differ, so
 # (llm.c's own freshly seeded state, left_ = 1 and next_ = 0, maps back to p = 624.) The reader
 # inverts it as p = 625 - left_. seed_ is unused by llm.c; raygpt stores the loader seed there.
 
-# Loader-state keys (raygpt/data.py's state dict). Those in _LOADER_HEADER_KEYS always live in
+# Loader-state keys (raygpt/data/loader.py's state dict). Those in _LOADER_HEADER_KEYS always live in
 # llm.c's header, those in _LOADER_SHUFFLE_KEYS in llm.c's shuffle section when should_shuffle;
 # every other key (epoch, skip_ranges, seed, num_shards, ...) goes to the trailer JSON.
 LOADER_KEYS = ("epoch", "shard_pos", "sample_pos", "should_shuffle", "shard_indices",

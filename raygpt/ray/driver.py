@@ -323,7 +323,7 @@ class RaygptTrainer(TorchTrainer):
         # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead.
         # Ray's datasets callback starts a DatasetManager actor (a process importing Ray Data)
         # on every worker-group start, datasets or not; raygpt's workers read their own shards
-        # (raygpt.data), so without datasets it only costs each start and restart a process.
+        # (raygpt.data.loader), so without datasets it only costs each start and restart a process.
         callbacks = [c for c in super()._create_default_callbacks()
                      if not isinstance(c, PlacementGroupCleanerCallback)
                      and not (isinstance(c, DatasetsCallback) and not self.datasets)]

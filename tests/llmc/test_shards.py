@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from raygpt.data import DistributedDataLoader
+from raygpt.data.loader import DistributedDataLoader
 from raygpt.llmc.shards import (HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION, ShardError, read_shard,
                                 read_shard_header, write_shard)
 

@@ -204,7 +204,7 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
     import torch
 
     from raygpt.checkpointing.runtime import Checkpointer
-    from raygpt.data import DistributedDataLoader
+    from raygpt.data.loader import DistributedDataLoader
     from raygpt.loop import build_model
     from raygpt.optim import AdamW, FlatParameters
     from raygpt.session import Session

@@ -12,7 +12,7 @@ COMMAND_OUTPUT = {
     "raygpt/cli.py": {"_train"},                              # raygpt train's exit line
     "raygpt/ray/trials.py": {"main"},                         # raygpt sweep's help and exit line
     "raygpt/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
-    "raygpt/tokenizer.py": {"main"},                          # raygpt prepare's shard list
+    "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
 }
 

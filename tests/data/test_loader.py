@@ -1,4 +1,4 @@
-"""Tests of raygpt.data: the loader's global stream, its state and skips (the llm.c shard format
+"""Tests of raygpt.data.loader: the loader's global stream, its state and skips (the llm.c shard format
 itself: tests/llmc/test_shards.py).
 
 The test shards carry their own coordinates: token p of shard s is s*1000 + p, so the first token
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt.data import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
+from raygpt.data.loader import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
 from raygpt.llmc.shards import ShardError, read_shard, write_shard
 
-VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "raygpt", "data_files",
+VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "..", "raygpt", "data_files",
                             "tiny_shakespeare_val.bin")
 
 
@@ -451,10 +451,10 @@ def test_a_prefetched_batch_goes_stale_when_the_cursor_or_skip_list_moves(tmp_pa
 
 
 # ------------------------------------------------------------------------ sizes and loader state
-# (bench/mutants.sh survivors of raygpt/data.py)
+# (bench/mutants.sh survivors of raygpt/data/loader.py)
 
 def test_tokens_needed_and_ranks_with_data():
-    from raygpt.data import ranks_with_data, tokens_needed
+    from raygpt.data.loader import ranks_with_data, tokens_needed
     assert tokens_needed(2, 4, 3) == 25  # llm.c: B*T*world + 1
     # (min - 1) // (B*T) ranks at most, capped at the world size, never below 0
     assert ranks_with_data([25, 100], 2, 4, 8) == 3
@@ -465,7 +465,7 @@ def test_tokens_needed_and_ranks_with_data():
 
 
 def test_shard_token_counts_reads_headers_in_glob_order(tmp_path):
-    from raygpt.data import shard_token_counts
+    from raygpt.data.loader import shard_token_counts
     pattern = make_shards(tmp_path, [30, 12, 50])
     got = shard_token_counts(pattern)
     assert [os.path.basename(p) for p, _ in got] == ["shard_000000.bin", "shard_000001.bin",

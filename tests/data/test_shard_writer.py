@@ -1,0 +1,126 @@
+"""Tests of raygpt.data.shard_writer: the cut against llm.c's own loop, the progress a rerun
+starts from, the manifest's reader and writer, and publishing (no Ray)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from raygpt.data import shard_writer as sw
+from raygpt.llmc.shards import read_shard
+from raygpt.storage import open_run_dir
+
+
+def llmc_fineweb_cut(docs: list[np.ndarray], shard_size: int) -> list[np.ndarray]:
+    """llm.c's dev/data/fineweb.py main loop, restated: a document that does not fit fills the
+    shard, the shard is written, and the document's rest starts the next one."""
+    shards, buf, count = [], np.empty(shard_size, dtype=np.uint16), 0
+    for tokens in docs:
+        while count + len(tokens) >= shard_size:  # llm.c's else-branch, once per filled shard
+            remainder = shard_size - count
+            buf[count:] = tokens[:remainder]
+            shards.append(buf.copy())
+            tokens, count = tokens[remainder:], 0
+        buf[count:count + len(tokens)] = tokens
+        count += len(tokens)
+    if count:
+        shards.append(buf[:count].copy())
+    return shards
+
+
+def _cut(docs, shard_size, val_tokens=None):
+    out = []
+    cutter = sw.ShardCutter(shard_size, val_tokens or shard_size,
+                            lambda i, t: out.append((i, t.copy())))
+    for d in docs:
+        cutter.add(d)
+    cutter.finish()
+    return out
+
+
+@pytest.mark.parametrize("shard_size", [1, 7, 64, 1000, 5000])
+def test_cut_is_llmc_fineweb_byte_for_byte(shard_size):
+    rng = np.random.default_rng(0)
+    # empty documents (EOT only), one longer than several shards, and exact fits
+    lengths = [1, 1, 300, 64, 63, 1, 2000, 7, 7, 0, 5]
+    docs = [rng.integers(0, 50257, n).astype(np.uint16) for n in lengths]
+    got = _cut(docs, shard_size)
+    want = llmc_fineweb_cut(docs, shard_size)
+    assert [i for i, _ in got] == list(range(len(want)))
+    assert [t.tobytes() for _, t in got] == [t.tobytes() for t in want]
+
+
+def test_val_tokens_sizes_shard_zero_alone():
+    stream = np.arange(25, dtype=np.uint16)
+    got = _cut([stream[:4], stream[4:]], shard_size=10, val_tokens=3)
+    assert [t.tolist() for _, t in got] == [[0, 1, 2], list(range(3, 13)), list(range(13, 23)),
+                                            [23, 24]]
+    assert _cut([np.zeros(0, dtype=np.uint16)], 4) == []
+    with pytest.raises(ValueError, match="expected integers >= 1"):
+        sw.ShardCutter(0, 1, print)
+
+
+def test_names_and_bytes_are_llmcs():
+    assert sw.shard_name("edu_fineweb", 0) == "edu_fineweb_val_000000.bin"
+    assert sw.shard_name("edu_fineweb", 12) == "edu_fineweb_train_000012.bin"
+    data = sw.shard_bytes(np.array([5, 65535], dtype=np.uint16))
+    header = np.frombuffer(data[:1024], dtype="<i4")
+    assert header[:3].tolist() == [20240520, 1, 2] and not header[3:].any()
+    assert data[1024:] == b"\x05\x00\xff\xff" and len(data) == 1028
+
+
+def test_restart_point_is_the_unit_the_last_shard_ended_in():
+    p = sw.Progress("id", shards=[{"name": "a", "tokens": 10, "sha256": ""},
+                                  {"name": "b", "tokens": 7, "sha256": ""}],
+                    units=[[5, 1], [9, 2], [4, 3]])
+    assert p.restart_point() == (2, 3, 3)  # 17 tokens done: unit 2 holds tokens 14..17
+    p.shards = p.shards[:1]
+    assert p.restart_point() == (1, 5, 1)  # 10 tokens done: unit 1 holds tokens 5..13
+    p.shards.append({"name": "b", "tokens": 7, "sha256": ""})
+    p.units = [[5, 1], [12, 2]]  # the shard ended exactly at a unit's end
+    assert p.restart_point() == (2, 0, 3)
+    assert sw.Progress("id").restart_point() == (0, 0, 0)
+
+
+def test_progress_and_manifest_round_trip_and_refuse_foreign_files(tmp_path):
+    out = open_run_dir(str(tmp_path))
+    p = sw.Progress("abc", [{"name": "x_val_000000.bin", "tokens": 3, "sha256": "00"}], [[3, 1]])
+    sw.write_progress(out, p)
+    assert sw.read_progress(out) == p
+    m = sw.make_manifest(name="x", identity_hex="abc", inputs=[("a.txt", 10)], text_field="text",
+                         shard_size=8, val_tokens=8, tokenizer_sha256="f", documents=1,
+                         shards=p.shards)
+    sw.write_manifest(out, m)
+    assert sw.read_manifest(out) == m and m["tokens"] == 3
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "format": "other"}))
+    with pytest.raises(sw.PrepareError, match=r"manifest.json: format/version: expected 'raygpt-shards' 1"):
+        sw.read_manifest(out)
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "shards": [{"name": "../x"}]}))
+    with pytest.raises(sw.PrepareError, match="manifest.json: expected raygpt-shards fields"):
+        sw.read_manifest(out)
+    (tmp_path / "manifest.json").write_text("[" * 200_000)
+    with pytest.raises(sw.PrepareError, match="manifest.json: expected raygpt-shards JSON"):
+        sw.read_manifest(out)
+
+
+def test_publish_moves_staged_shards_then_writes_the_manifest_and_can_be_repeated(tmp_path):
+    out = open_run_dir(str(tmp_path))
+    shards = [sw.write_staged_shard(out, sw.shard_name("n", i), np.full(i + 1, i, np.uint16))
+              for i in range(3)]
+    assert shards[1]["sha256"] == hashlib.sha256(
+        (tmp_path / ".prepare" / "n_train_000001.bin").read_bytes()).hexdigest()
+    m = sw.make_manifest(name="n", identity_hex="i", inputs=[], text_field="text", shard_size=3,
+                         val_tokens=1, tokenizer_sha256="f", documents=3, shards=shards)
+    # a kill between two moves: the first shard is already in place
+    (tmp_path / ".prepare" / "n_val_000000.bin").rename(tmp_path / "n_val_000000.bin")
+    sw.publish(out, m)
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["manifest.json", "n_train_000001.bin", "n_train_000002.bin", "n_val_000000.bin"]
+    assert read_shard(tmp_path / "n_train_000002.bin").tolist() == [2, 2, 2]
+    assert sw.read_manifest(out)["shards"] == shards
+    (tmp_path / "n_train_000002.bin").unlink()
+    with pytest.raises(sw.PrepareError, match="n_train_000002.bin: expected the shard of 3 tokens"):
+        sw.publish(out, m)

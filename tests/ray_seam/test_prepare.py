@@ -1,0 +1,258 @@
+"""`raygpt prepare` on Ray Data (raygpt.ray.prepare): generated Parquet, JSON Lines and text
+corpora prepared locally and on a local S3 server, compared byte for byte with an independent
+statement of llm.c's fineweb rule; a prepare killed with SIGKILL and rerun; every bad input one
+line, exit 2, nothing under a final name."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from raygpt.ray import prepare
+from raygpt.tokenizer import EOT, get_encoding
+from tests.helpers import S3Server
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "raygpt" / "data_files"
+
+
+def expected_shards(docs: list[str], shard_size: int, val_tokens: int | None = None) -> list[bytes]:
+    """llm.c's rule, stated independently: <|endoftext|> + encode_ordinary(text) per document,
+    the stream cut into shards (shard 0 of val_tokens), each a 256-int32 header then uint16."""
+    enc = get_encoding()
+    stream = []
+    for d in docs:
+        stream += [EOT] + enc.encode_ordinary(d)
+    cuts, pos, size = [], 0, val_tokens or shard_size
+    while pos < len(stream):
+        cuts.append(stream[pos:pos + size])
+        pos, size = pos + size, shard_size
+    out = []
+    for c in cuts:
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = [20240520, 1, len(c)]
+        out.append(header.tobytes() + np.array(c, dtype="<u2").tobytes())
+    return out
+
+
+def make_corpus(root: Path) -> list[str]:
+    """Two Parquet files (several row groups, unicode, empty texts, one document longer than a
+    shard) and a gzipped JSON Lines file; returns every document in the rule's order."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = ["the", "Ray", "naïve", "café", "日本語", "🙂", "shard", "token", "\n", "  "]
+    def text(n):
+        return " ".join(rng.choice(words, n))
+    a = [text(int(rng.integers(0, 40))) for _ in range(45)] + ["", text(900)]  # long: > a shard
+    b = [text(int(rng.integers(0, 60))) for _ in range(30)]
+    c = [text(int(rng.integers(0, 20))) for _ in range(25)] + [""]
+    pq.write_table(pa.table({"text": b, "n": list(range(len(b)))}), root / "b.parquet",
+                   row_group_size=7)
+    pq.write_table(pa.table({"text": a}), root / "a.parquet", row_group_size=10)
+    with gzip.open(root / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        for t in c:
+            f.write(json.dumps({"text": t, "meta": {"x": 1}}) + "\n")
+    return a + b + c  # sorted path order: a.parquet, b.parquet, c.jsonl.gz
+
+
+def bins(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("*.bin"))
+
+
+def _settings(inputs, out, **kw):
+    return prepare.PrepareSettings(tuple(map(str, inputs)), str(out), **kw)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 9])
+def test_corpus_is_llmcs_rule_byte_for_byte_whatever_the_blocks(local_ray, tmp_path, num_blocks):
+    docs = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    manifest = prepare.run(prepare.plan(_settings([tmp_path / "corpus"], out, shard_size=300)),
+                           num_blocks=num_blocks)
+    want = expected_shards(docs, 300)
+    names = ["corpus_val_000000.bin"] + [f"corpus_train_{i:06d}.bin" for i in range(1, len(want))]
+    assert bins(out) == sorted(names)
+    assert [(out / n).read_bytes() for n in names] == want
+    assert manifest["documents"] == len(docs) == 103
+    assert [s["name"] for s in manifest["shards"]] == names
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert [i["size"] for i in manifest["inputs"]] == \
+        [os.path.getsize(tmp_path / "corpus" / f) for f in ("a.parquet", "b.parquet", "c.jsonl.gz")]
+    assert not (out / ".prepare").exists()
+
+
+def test_vendored_tiny_shakespeare_is_reproduced(local_ray, tmp_path):
+    """The bundled shards are llm.c's tinyshakespeare recipe: blank-line documents, the first
+    32,768 tokens held out."""
+    out = tmp_path / "ts"
+    rc = prepare.main([str(DATA / "input.txt"), "-o", str(out), "--name", "tiny_shakespeare",
+                       "--val-tokens", "32768"])
+    assert rc == 0
+    assert bins(out) == ["tiny_shakespeare_train_000001.bin", "tiny_shakespeare_val_000000.bin"]
+    assert (out / "tiny_shakespeare_val_000000.bin").read_bytes() == \
+        (DATA / "tiny_shakespeare_val.bin").read_bytes()
+    assert (out / "tiny_shakespeare_train_000001.bin").read_bytes() == \
+        (DATA / "tiny_shakespeare_train.bin").read_bytes()
+
+
+def test_from_and_into_a_bucket(local_ray, tmp_path, monkeypatch):
+    docs = make_corpus(tmp_path / "corpus")
+    with S3Server() as s3:
+        fs = s3.fs()
+        fs.create_dir("data")
+        for f in sorted((tmp_path / "corpus").iterdir()):
+            with fs.open_output_stream(f"data/edu/{f.name}", compression=None) as w:
+                w.write(f.read_bytes())
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        # credentials in the URIs: Ray's workers (started before this test) open the same ones
+        creds = f"s3://{s3.KEY}:{s3.SECRET}@"
+        rc = prepare.main([f"{creds}data/edu/*", "-o", f"{creds}data/shards", "--shard-size",
+                           "500", "--storage-endpoint", s3.endpoint])
+        assert rc == 0
+        listed = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("data/shards")))
+        want = expected_shards(docs, 500)
+        names = ["edu_val_000000.bin"] + [f"edu_train_{i:06d}.bin" for i in range(1, len(want))]
+        assert listed == sorted(names + ["manifest.json"])
+        for n, data in zip(names, want):
+            with fs.open_input_stream(f"data/shards/{n}") as r:
+                assert r.read() == data
+        # the manifest names the inputs without the URI's credentials
+        with fs.open_input_stream("data/shards/manifest.json") as r:
+            manifest = r.read().decode()
+        assert json.loads(manifest)["inputs"][0]["uri"] == "s3://data/edu/a.parquet"
+        assert s3.SECRET not in manifest
+
+
+def test_rerun_of_a_complete_prepare_says_so_and_changes_nothing(local_ray, tmp_path, capsys):
+    make_corpus(tmp_path / "corpus")
+    args = [str(tmp_path / "corpus"), "-o", str(tmp_path / "out"), "--shard-size", "400"]
+    assert prepare.main(args) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    capsys.readouterr()
+    assert prepare.main(args) == 0
+    said = capsys.readouterr().out
+    assert "is complete" in said and "nothing to do" in said
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+    # the same output for other settings is refused, naming the manifest
+    assert prepare.main(args[:-1] + ["401"]) == 2
+    assert "holds a complete prepare of other inputs or settings" in capsys.readouterr().err
+
+
+def test_a_killed_prepare_resumes_without_redoing_finished_shards(tmp_path):
+    """SIGKILL to the whole process group (driver and its Ray) once the first shards are staged;
+    the rerun continues from them and ends with the shards an uninterrupted prepare writes."""
+    corpus_dir = tmp_path / "big"
+    corpus_dir.mkdir()
+    rng = np.random.default_rng(1)
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "naïve", "🙂"])
+    docs = [" ".join(rng.choice(words, 300)) for _ in range(6000)]
+    pq.write_table(pa.table({"text": docs}), corpus_dir / "big.parquet", row_group_size=100)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "raygpt", "prepare", str(corpus_dir), "-o", str(out),
+           "--shard-size", "20000"]
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress, deadline = out / ".prepare" / "progress.json", time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and first.poll() is None:
+            if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(60)
+    assert not (out / "manifest.json").exists(), "the prepare ended before it could be killed"
+    staged = json.loads(progress.read_text())["shards"]
+    assert bins(out) == []  # nothing under a final name
+    inode = (out / ".prepare" / staged[0]["name"]).stat().st_ino
+
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600, start_new_session=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"continuing the prepare in {out} after {len(staged)}" in second.stderr
+    want = expected_shards(docs, 20000)
+    names = ["big_val_000000.bin"] + [f"big_train_{i:06d}.bin" for i in range(1, len(want))]
+    assert bins(out) == sorted(names)
+    assert [(out / n).read_bytes() for n in names] == want
+    assert (out / staged[0]["name"]).stat().st_ino == inode  # moved, not written again
+
+
+@pytest.mark.parametrize("case", ["null_late", "missing_field", "bad_utf8", "foreign_output",
+                                  "missing_input", "bad_shard_size"])
+def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, tmp_path, capsys,
+                                                                     case):
+    corpus_dir = tmp_path / "c"
+    corpus_dir.mkdir()
+    pq.write_table(pa.table({"text": [f"fine {i} " * 30 for i in range(40)]}),
+                   corpus_dir / "a.parquet", row_group_size=5)
+    late = [json.dumps({"text": "ok"})] * 5 + [json.dumps({"text": None})]
+    (corpus_dir / "z.jsonl").write_text("\n".join(late) + "\n")
+    out = tmp_path / "out"
+    args = [str(corpus_dir), "-o", str(out), "--shard-size", "50"]
+    expected = {
+        "null_late": rf"{corpus_dir}/z.jsonl: line 6: field 'text': expected a string, found null",
+        "missing_field": rf"{corpus_dir}/a.parquet: --text-field 'body': expected a column",
+        "bad_utf8": rf"{corpus_dir}/z.jsonl: line 2: expected UTF-8 JSON, found byte 0xff",
+        "foreign_output": rf"-o {out}: expected an empty or new directory, found notes.txt",
+        "missing_input": rf"{tmp_path}/nope: expected an existing file, glob, directory or URI",
+        "bad_shard_size": r"--shard-size: expected an integer >= 1, found 0",
+    }[case]
+    if case == "missing_field":
+        args += ["--text-field", "body"]
+    elif case == "bad_utf8":
+        (corpus_dir / "z.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    elif case == "foreign_output":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "missing_input":
+        args[0] = str(tmp_path / "nope")
+    elif case == "bad_shard_size":
+        args[-1] = "0"
+    assert prepare.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("raygpt prepare: error: "), err
+    assert re.search(expected, err[0]), err[0]
+    assert bins(out) == [] and not (out / "manifest.json").exists()
+    if case == "foreign_output":
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("given,name", [
+    ("book.txt", "book"), ("data/book.jsonl.gz", "book"), ("dir/", "dir"),
+    ("s3://KEY:SECRET@data/edu/*", "edu"), ("s3://b/fineweb/sample/10BT/*.parquet", "10BT"),
+    ("dir/part-*.parquet", "dir"), ("s3://b/x.parquet?endpoint_override=h:9000", "x"),
+    ("*.txt", "corpus")])
+def test_default_name_is_the_inputs_own(given, name):
+    assert prepare.default_name([given]) == name
+
+
+def test_fineweb_edu_recipe_in_miniature(local_ray, tmp_path, monkeypatch):
+    """experiments/fineweb_edu.py --miniature: a generated Parquet corpus prepared on Ray Data,
+    then trained on (the recipe's own two steps), and run again: the prepare has nothing to do
+    and the run resumes."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import fineweb_edu
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    monkeypatch.chdir(tmp_path)
+    assert fineweb_edu.main(["--miniature", "-x", "4", "-n", "2", "-v", "2"]) == 0
+    root = tmp_path / "runs" / "fineweb_edu_mini"
+    assert json.loads((root / "shards" / "manifest.json").read_text())["documents"] == 1200
+    assert (root / "run" / "step_00000004" / "DONE_00000004").exists()
+    assert fineweb_edu.main(["--miniature", "-x", "6", "-n", "2", "-v", "2", "-y", "1"]) == 0
+    assert (root / "run" / "step_00000006" / "DONE_00000006").exists()
