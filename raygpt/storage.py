@@ -338,6 +338,17 @@ class RunDir:
                 while chunk := fin.read(_CHUNK):
                     fout.write(chunk)
 
+    def move_file(self, src: str, dst: str) -> None:
+        """Rename the file `src` to `dst` inside this run directory; locally without following
+        a link below the root on either side (a link at `dst` is replaced), on an object store a
+        copy then a delete."""
+        self._drain()
+        if not self.is_local:
+            self.fs.move(self.path(src), self.path(dst))
+            return
+        self.open_read(src).close()  # RefusedPath for a link at or above the source
+        move_local_file(self.local_path(src), self.local_path(dst), root=self.root)
+
     def open_write(self, rel: str):
         """A binary stream that stores a whole file at `rel` when closed: locally an atomic
         write (no link followed), on an object store one upload."""

@@ -57,6 +57,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/atomic_file.py", "open_local_append"): "O_APPEND|O_NOFOLLOW, directories walked without links",
     ("raygpt/storage.py", "RunDir.write_bytes_atomic"): "object stores only (no links); local: atomic_file",
     ("raygpt/storage.py", "RunDir.open_write"): "object stores only (no links); local: atomic_file",
+    ("raygpt/storage.py", "RunDir.move_file"): "object stores only (no links); local: atomic_file",
     ("raygpt/checkpointing/local_copy.py", "LocalCopies.keep"):
         "hard links into the private node-local copy root (atomic_file.private_dir)",
     ("raygpt/checkpointing/runtime.py", "Checkpointer._write_files"):

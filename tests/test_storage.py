@@ -357,3 +357,25 @@ def test_a_refused_request_names_missing_credentials_or_refused_ones(tmp_path):
         "the endpoint does not answer (unreachable, or it timed out): When listing objects under key "
         "'r' in bucket 'b': AWS Error NETWORK_CONNECTION during ListObjectsV2 operation: curlCode: "
         "7, Could not connect to server")
+
+
+def test_move_file_renames_inside_the_run_directory(run_dir: RunDir):
+    run_dir.write_bytes_atomic(".prepare/a.bin", b"shard")
+    run_dir.move_file(".prepare/a.bin", "a.bin")
+    assert run_dir.read_bytes("a.bin") == b"shard" and not run_dir.exists(".prepare/a.bin")
+
+
+def test_move_file_replaces_a_link_at_its_target_and_refuses_one_at_its_source(local_run_dir,
+                                                                              tmp_path):
+    from raygpt.atomic_file import RefusedPath
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    local_run_dir.write_bytes_atomic("staged.bin", b"shard")
+    (tmp_path / "run" / "final.bin").symlink_to(victim)
+    local_run_dir.move_file("staged.bin", "final.bin")
+    assert victim.read_bytes() == b"precious"
+    assert not (tmp_path / "run" / "final.bin").is_symlink()
+    (tmp_path / "run" / "planted.bin").symlink_to(victim)
+    with pytest.raises(RefusedPath, match="planted.bin: is a symbolic link"):
+        local_run_dir.move_file("planted.bin", "other.bin")
+    assert victim.read_bytes() == b"precious" and not (tmp_path / "run" / "other.bin").exists()

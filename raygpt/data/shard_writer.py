@@ -222,7 +222,7 @@ def publish(out: RunDir, manifest: dict) -> None:
         staged, final = f"{STAGING}/{s['name']}", s["name"]
         expected = HEADER_INTS * 4 + 2 * s["tokens"]
         if out.exists(staged):
-            out.fs.move(out.path(staged), out.path(final))
+            out.move_file(staged, final)
         elif not (out.exists(final) and out.size_of(final) == expected):
             raise PrepareError(f"{out.uri(final)}: expected the shard of {s['tokens']:,} tokens "
                                f"(staged in {out.uri(STAGING)}), found neither")
