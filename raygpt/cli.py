@@ -8,6 +8,9 @@
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
     raygpt plot SWEEP_DIR [-o OUT.png]           every trial's validation curve of a sweep
     raygpt compact RUN_DIR                       merge a run's log segments (object stores)
+    raygpt export RUN_DIR -o DIR                 a checkpoint as a Hugging Face GPT-2 folder
+    raygpt sample RUN_DIR --prompt TEXT          generate text from a checkpoint
+    raygpt eval RUN_DIR --hellaswag FILE         HellaSwag acc_norm of a checkpoint, llm.c's way
 
 Every command takes --help. Exit codes (train and sweep): see `EXIT_CODES` in raygpt.config.
 """
@@ -32,6 +35,9 @@ COMMANDS = {
     "status": "a run at a glance from its run directory (or a sweep's trials from its directory)",
     "plot": "a PNG of a run's loss, lr, grad norm, tok/s and events, or of a sweep's val curves",
     "compact": "merge the log segments of a run on an object store into one object per log",
+    "export": "a checkpoint's model as a Hugging Face GPT-2 folder (transformers loads it offline)",
+    "sample": "generate text from a checkpoint's model, streamed to the terminal",
+    "eval": "HellaSwag acc_norm of a checkpoint's model, scored as llm.c scores it",
 }
 
 
@@ -115,6 +121,13 @@ def build_main_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _trained(command: str):
+    def handler(argv: list[str]) -> int:
+        from raygpt import trained  # torch, and transformers for export: only when asked
+        return getattr(trained, f"{command}_main")(argv)
+    return handler
+
+
 def parser_for(command: str | None) -> argparse.ArgumentParser:
     """The argparse parser that reads `raygpt COMMAND`'s arguments (None: `raygpt` itself), built
     without starting Ray or running anything, for checks of quoted command lines
@@ -131,6 +144,9 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
     if command in ("status", "plot"):
         from raygpt import report
         return report.status_parser() if command == "status" else report.plot_parser()
+    if command in ("export", "sample", "eval"):
+        from raygpt import trained
+        return getattr(trained, f"{command}_parser")()
     if command == "prepare":
         from raygpt.ray.prepare import build_parser as prepare_parser
         return prepare_parser()
@@ -143,7 +159,8 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handlers = {"train": _train, "sweep": _sweep, "prepare": _prepare, "status": _status,
-                "plot": _plot, "compact": _compact}
+                "plot": _plot, "compact": _compact, "export": _trained("export"),
+                "sample": _trained("sample"), "eval": _trained("eval")}
     if argv and argv[0] in handlers:
         return handlers[argv[0]](argv[1:])
     parser = build_main_parser()

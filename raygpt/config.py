@@ -138,9 +138,10 @@ class TrainConfig:
     """Seeds init, the data shuffle and stochastic rounding."""
 
     # ==== model (-e)
-    model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE")
-    """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M) or an llm.c model_*.bin
-    file to start from. Default: d12 on GPUs, d4 on CPUs."""
+    model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE|DIR")
+    """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M), an llm.c model_*.bin
+    file, or a Hugging Face GPT-2 folder (config.json, model.safetensors: `raygpt export` writes
+    one) to start from. Default: d12 on GPUs, d4 on CPUs."""
     precision: str | None = knob(None, section="model", choices=("bf16", "fp32"))
     """bf16 (working weights bf16, fp32 master) or fp32. Default: bf16 on GPUs, fp32 on CPUs."""
     z_loss: float = knob(0.0, section="model")
@@ -475,8 +476,9 @@ class TrainConfig:
             need(depth in MODEL_SHAPES, "-e/--model",
                  f"d{{{','.join(str(d) for d in sorted(MODEL_SHAPES))}}} or a model_*.bin file", self.model)
         else:
-            need(os.path.isfile(self.model), "-e/--model",
-                 "dN (N in 1-6, 12, 24, 36, 48) or an existing llm.c model_*.bin file", self.model)
+            need(os.path.isfile(self.model) or os.path.isfile(os.path.join(self.model, "config.json")),
+                 "-e/--model", "dN (N in 1-6, 12, 24, 36, 48), an existing llm.c model_*.bin file "
+                 "or a Hugging Face GPT-2 folder (config.json, model.safetensors)", self.model)
         need(self.min_workers is None or 1 <= self.min_workers <= self.num_workers,
              "--min-workers", f"an integer in [1, --num-workers={self.num_workers}]", self.min_workers)
         for world in range(self.min_workers or self.num_workers, self.num_workers + 1):

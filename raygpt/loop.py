@@ -74,6 +74,9 @@ def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) ->
     if cfg.depth is not None:
         model = (GPT(GPTConfig.from_depth(cfg.depth), init_seed=cfg.seed) if init
                  else GPT.empty(GPTConfig.from_depth(cfg.depth)))
+    elif os.path.isdir(cfg.model):  # a Hugging Face GPT-2 folder (raygpt export writes one)
+        from raygpt.hf import load_hf
+        model = load_hf(cfg.model)
     else:
         model = load_model_file(cfg.model)
     # the performance fields: --loss-impl, --no-ce-kernel, --ce-chunk-rows, --sdpa-backend,

@@ -30,6 +30,8 @@ MANIFEST and checks sizes (the workers verify every hash when they load the chec
 
 from __future__ import annotations
 
+import os
+
 import uuid
 
 from raygpt.config import ConfigError, TrainConfig
@@ -127,13 +129,21 @@ def check_data(cfg: TrainConfig) -> list[str]:
 
 def check_model(cfg: TrainConfig) -> None:
     """An -e model_*.bin file: llm.c's header (magic, version, shape), its size, and T against
-    its max_seq_len. dN names need nothing (validate() checked them)."""
+    its max_seq_len; an -e Hugging Face folder: its config and every tensor's shape (hf.check_hf).
+    dN names need nothing (validate() checked them)."""
     if cfg.depth is not None:
         return
     from raygpt.llmc.model_file import ModelFileError, read_model_header
     path = cfg.model
     try:
-        gpt, _ = read_model_header(path)
+        if os.path.isdir(path):  # a Hugging Face GPT-2 folder: its config and weights checked
+            from raygpt.hf import HFError, check_hf
+            try:
+                gpt = check_hf(path)
+            except HFError as e:
+                raise ConfigError(f"-e/--model: {e}") from None
+        else:
+            gpt, _ = read_model_header(path)
     except (ModelFileError, OSError) as e:
         raise ConfigError(f"-e/--model: {e}") from None
     if cfg.seq_len > gpt.block_size:

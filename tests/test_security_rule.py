@@ -68,6 +68,10 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/signed_file.py", "_create_key"):
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",
     ("raygpt/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
+    ("raygpt/hf.py", "export_hf"):
+        "a private mkdtemp folder beside the new or empty -o, renamed onto it when complete",
+    ("raygpt/hf.py", "write_gpt2_tokenizer"):
+        "vocab.json and merges.txt in a TemporaryDirectory, for transformers 4 to read",
     ("raygpt/ray/sweep.py", "plot_val_curves"):
         "savefig into io.BytesIO; stored by report.store_png (atomic_file)",
 }

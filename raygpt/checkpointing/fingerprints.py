@@ -21,6 +21,9 @@ def model_source(model: str, depth: int | None) -> str:
     first and last MiB: the header with every dimension is in the first), not by its path."""
     if depth is not None:
         return model
+    if os.path.isdir(model):
+        from raygpt.hf import hf_fingerprint
+        return hf_fingerprint(model)
     size = os.path.getsize(model)
     return f"llm.c model file, {size} bytes, ends sha256 {file_ends_sha256(model, size)}"
 

@@ -14,6 +14,7 @@ COMMAND_OUTPUT = {
     "raygpt/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
     "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
+    "raygpt/trained.py": {"export_main", "sample_main", "eval_main"},  # export, sample, eval
 }
 
 

@@ -1,0 +1,116 @@
+"""HellaSwag, completion style, exactly as llm.c's `dev/data/hellaswag.py` scores it.
+
+An example is a context and four endings. Each ending is scored by the model's mean
+cross-entropy over the ending's own tokens (context tokens, then the ending's with a leading
+space: `encode(" " + ending)`), and the ending with the lowest mean loss is the prediction;
+accuracy over examples is llm.c's acc_norm. The four rows of an example go through the model as
+one batch, padded at the end (causal attention: padding never reaches the scored positions).
+
+The file is the official JSON Lines (`hellaswag_val.jsonl`: `ctx`, `endings`, `label`); raygpt
+cannot download it. `read_examples` checks every line before anything is scored, naming the line
+of the first that is not an example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+import torch.nn.functional as F
+
+from raygpt import tokenizer
+
+MAX_LINE_BYTES = 1 << 20
+
+
+class HellaSwagError(ValueError):
+    """The file is not HellaSwag's JSON Lines; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    ctx: str
+    endings: tuple[str, str, str, str]
+    label: int
+
+
+def read_examples(path: str) -> list[Example]:
+    """Every example of a HellaSwag JSON Lines file, each line checked (HellaSwagError naming the
+    file, the line and the field)."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise HellaSwagError(f"{path}: line {n}: expected at most {MAX_LINE_BYTES:,} "
+                                         f"bytes, found more")
+                if raw.strip():
+                    out.append(_example(raw, path, n))
+    except OSError as e:
+        raise HellaSwagError(f"{path}: cannot read ({e})") from None
+    if not out:
+        raise HellaSwagError(f"{path}: expected HellaSwag examples (JSON Lines), found none")
+    return out
+
+
+def _example(raw: bytes, path: str, n: int) -> Example:
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise HellaSwagError(f"{path}: line {n}: expected a JSON object ({str(e)[:120]})") from None
+    if not isinstance(d, dict):
+        raise HellaSwagError(f"{path}: line {n}: expected a JSON object, found {type(d).__name__}")
+    ctx, endings, label = d.get("ctx"), d.get("endings"), d.get("label")
+    if not isinstance(ctx, str):
+        raise HellaSwagError(f"{path}: line {n}: ctx: expected a string, found {ctx!r:.60}")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise HellaSwagError(f"{path}: line {n}: endings: expected a list of 4 strings, found "
+                             f"{endings!r:.80}")
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
+        raise HellaSwagError(f"{path}: line {n}: label: expected 0, 1, 2 or 3, found {label!r}")
+    return Example(ctx, tuple(endings), label)
+
+
+def render(example: Example) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, mask), both (4, T) int64: each row the context's tokens then one ending's
+    (with its leading space), zero-padded; the mask 1 on the ending's tokens."""
+    ctx = tokenizer.encode(example.ctx)
+    rows, masks = [], []
+    for ending in example.endings:
+        end = tokenizer.encode(" " + ending)
+        rows.append(ctx + end)
+        masks.append([0] * len(ctx) + [1] * len(end))
+    T = max(len(r) for r in rows)
+    tokens = torch.zeros((4, T), dtype=torch.long)
+    mask = torch.zeros((4, T), dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        tokens[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(m)] = torch.tensor(m)
+    return tokens, mask
+
+
+def predict(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> int:
+    """The ending whose tokens have the lowest mean loss, from the (4, T, V) logits of its rows."""
+    shift_logits = logits[:, :-1, :].float()                                  # (4, T-1, V)
+    shift_tokens = tokens[:, 1:]                                              # (4, T-1)
+    losses = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
+                             shift_tokens.reshape(-1), reduction="none").view(4, -1)
+    shift_mask = mask[:, 1:].to(losses.dtype)                                 # (4, T-1)
+    mean = (losses * shift_mask).sum(dim=1) / shift_mask.sum(dim=1)           # (4,)
+    return int(mean.argmin().item())
+
+
+@torch.no_grad()
+def score(model, examples: list[Example], device, *, progress=None) -> tuple[int, int]:
+    """(correct, total) acc_norm of `model` (raygpt's GPT: logits from `model(tokens)`) on the
+    examples, one batched forward pass of four rows per example."""
+    model.eval()
+    correct = 0
+    for i, ex in enumerate(examples):
+        tokens, mask = render(ex)
+        tokens, mask = tokens.to(device), mask.to(device)
+        correct += predict(model(tokens), tokens, mask) == ex.label
+        if progress is not None:
+            progress(i + 1, len(examples), correct)
+    return correct, len(examples)

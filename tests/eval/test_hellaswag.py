@@ -1,0 +1,103 @@
+"""raygpt.eval.hellaswag: the score against an independent statement of llm.c's completion-style
+scoring, and every malformed line refused naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raygpt.eval import hellaswag
+from raygpt.model import GPT, GPTConfig
+from raygpt.tokenizer import get_encoding
+
+
+def llmc_prediction(model, ex: hellaswag.Example) -> int:
+    """llm.c's rule, one ending at a time, no padding: the mean loss over the ending's tokens
+    (encoded with a leading space, after the context's), lowest wins."""
+    enc = get_encoding()
+    ctx = enc.encode_ordinary(ex.ctx)
+    means = []
+    for ending in ex.endings:
+        end = enc.encode_ordinary(" " + ending)
+        row = torch.tensor([ctx + end])
+        with torch.no_grad():
+            logits = model(row)[0]                                   # (T, V)
+        losses = F.cross_entropy(logits[:-1], row[0, 1:], reduction="none")
+        means.append(losses[len(ctx) - 1:].mean().item())
+    return min(range(4), key=means.__getitem__)
+
+
+def examples(n: int) -> list[hellaswag.Example]:
+    import random
+    rng = random.Random(0)
+    words = ["the", "man", "is", "sitting", "on", "a", "roof", "naïve", "café", "He", "she",
+             "starts", "pulling", "up", "shingles", "."]
+    def text(k):
+        return " ".join(rng.choice(words) for _ in range(k))
+    return [hellaswag.Example(text(rng.randint(3, 20)),
+                              tuple(text(rng.randint(1, 12)) for _ in range(4)), rng.randrange(4))
+            for _ in range(n)]
+
+
+def test_score_is_llmcs_completion_style_acc_norm():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_depth(2, block_size=128), init_seed=3).eval()
+    exs = examples(40)
+    want = [llmc_prediction(model, ex) for ex in exs]
+    got = []
+    for ex in exs:
+        tokens, mask = hellaswag.render(ex)
+        with torch.no_grad():
+            got.append(hellaswag.predict(model(tokens), tokens, mask))
+    assert got == want
+    assert len(set(want)) > 1  # the check is not vacuous: the model prefers different endings
+    correct, total = hellaswag.score(model, exs, torch.device("cpu"))
+    assert (correct, total) == (sum(p == ex.label for p, ex in zip(want, exs)), 40)
+
+
+def test_render_puts_the_context_then_each_ending_with_its_leading_space():
+    enc = get_encoding()
+    ex = hellaswag.Example("A man is on a roof.", ("he sits", "x", "he is ripping it up", "y"), 2)
+    tokens, mask = hellaswag.render(ex)
+    ctx = enc.encode_ordinary(ex.ctx)
+    for i, ending in enumerate(ex.endings):
+        end = enc.encode_ordinary(" " + ending)
+        n = len(ctx) + len(end)
+        assert tokens[i, :n].tolist() == ctx + end and not tokens[i, n:].any()
+        assert mask[i].tolist() == [0] * len(ctx) + [1] * len(end) + [0] * (tokens.shape[1] - n)
+
+
+GOOD = {"ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3}
+
+
+@pytest.mark.parametrize("line,message", [
+    ("not json", "line 2: expected a JSON object"),
+    ("[1]", "line 2: expected a JSON object, found list"),
+    (json.dumps({**GOOD, "ctx": None}), "line 2: ctx: expected a string"),
+    (json.dumps({**GOOD, "endings": ["a", "b", "c"]}), "line 2: endings: expected a list of 4 strings"),
+    (json.dumps({**GOOD, "endings": ["a", "b", "c", 4]}), "line 2: endings: expected a list of 4 strings"),
+    (json.dumps({**GOOD, "label": 4}), "line 2: label: expected 0, 1, 2 or 3, found 4"),
+    (json.dumps({**GOOD, "label": -1}), "line 2: label: expected 0, 1, 2 or 3, found -1"),
+    (json.dumps({**GOOD, "label": True}), "line 2: label: expected 0, 1, 2 or 3, found True"),
+    ("[" * 100_000, "line 2: expected a JSON object"),
+])
+def test_a_malformed_line_is_refused_naming_it(tmp_path, line, message):
+    f = tmp_path / "hs.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + line + "\n")
+    with pytest.raises(hellaswag.HellaSwagError, match=f"hs.jsonl: {message}") as e:
+        hellaswag.read_examples(str(f))
+    assert "\n" not in str(e.value)
+
+
+def test_read_examples_reads_every_line_and_refuses_an_empty_file(tmp_path):
+    f = tmp_path / "hs.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({**GOOD, "label": 0}) + "\n")
+    assert [ex.label for ex in hellaswag.read_examples(str(f))] == [3, 0]
+    f.write_text("\n")
+    with pytest.raises(hellaswag.HellaSwagError, match="expected HellaSwag examples"):
+        hellaswag.read_examples(str(f))
+    with pytest.raises(hellaswag.HellaSwagError, match="cannot read"):
+        hellaswag.read_examples(str(tmp_path / "missing.jsonl"))
