@@ -197,6 +197,11 @@ class TrainConfig:
     """Tokens per generated sample (-g)."""
     watch_every: int = knob(50, section="eval", may_change_on_resume=True)
     """Every N steps log watch metrics: clipped fraction, max logit, update/param ratios."""
+    hellaswag: str = knob("", section="eval", metavar="FILE", may_change_on_resume=True)
+    """HellaSwag's hellaswag_val.jsonl (a path or URI), scored as llm.c scores it (acc_norm,
+    llm.c's -h 1) every --hellaswag-every steps, the examples spread over the ranks; '' is off."""
+    hellaswag_every: int | None = knob(None, section="eval", may_change_on_resume=True)
+    """Score HellaSwag every N steps and at the last. Default: -v (its validation steps)."""
 
     # ==== checkpoints and resuming (-n -nk -nm -y)
     checkpoint_every: int | None = knob(None, section="checkpoint", short="-n",
@@ -382,6 +387,8 @@ class TrainConfig:
             c.max_steps = 200 if on_gpu else 100
         if c.sample_every is None:
             c.sample_every = 50
+        if c.hellaswag_every is None:
+            c.hellaswag_every = c.val_every if c.hellaswag else 0
         if c.checkpoint_every is None:
             # measured cost: docs/performance.md, "Checkpoint cost" (under 1% of step time on CPU)
             c.checkpoint_every = 100 if on_gpu else 50
@@ -674,14 +681,15 @@ def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with every local path it names made absolute against this process's working
     directory (and ~ as the user's home): the run directory, the train and validation shard
-    globs, an -e model file. The driver does it before anything reads them; Ray's workers run
+    globs, an -e model file, a HellaSwag file. The driver does it before anything reads them; Ray's workers run
     with another working directory, where a path given relative to the user's would name
     nothing (or something else). URIs, an empty -o (refused by validate(), never made the
     working directory), an empty -j (validation off) and a dN model spec are left as they are."""
     def absolute(path: str) -> str:  # ~ too: a quoted glob ('~/data/*.bin') reaches us as typed
         return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
 
-    paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin)}
+    paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin),
+             "hellaswag": absolute(cfg.hellaswag)}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
         paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
     if cfg.depth is None and cfg.model:

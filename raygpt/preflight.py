@@ -47,6 +47,7 @@ def check(cfg: TrainConfig, *, machine: dict[str, int] | None = None) -> list[st
     if machine is not None:
         check_fits_this_machine(cfg, machine)
     check_model(cfg)  # first of the files: resolve() may have taken T from this file's header
+    check_hellaswag(cfg)
     facts = check_data(cfg)
     facts += check_resume(cfg)
     check_trackers(cfg)
@@ -149,6 +150,33 @@ def check_model(cfg: TrainConfig) -> None:
     if cfg.seq_len > gpt.block_size:
         raise ConfigError(f"-t/--seq-len: expected at most {gpt.block_size} (max_seq_len of "
                           f"{path}), found {cfg.seq_len}")
+
+
+def check_hellaswag(cfg: TrainConfig) -> None:
+    """--hellaswag: every line an example (ctx, 4 endings, a label), and each example within the
+    model's context window, before Ray starts."""
+    if not cfg.hellaswag:
+        return
+    from raygpt.eval import hellaswag
+    try:
+        examples = hellaswag.read_examples(cfg.hellaswag, cfg.storage_endpoint)
+    except hellaswag.HellaSwagError as e:
+        raise ConfigError(f"--hellaswag: {e}") from None
+    longest = max(hellaswag.render(ex)[0].shape[1] for ex in examples)
+    limit = _block_size(cfg)
+    if longest > limit:
+        raise ConfigError(f"--hellaswag {cfg.hellaswag}: expected examples of at most {limit} "
+                          f"tokens (the model's context), found one of {longest}")
+
+
+def _block_size(cfg: TrainConfig) -> int:
+    if cfg.depth is not None:
+        return 1024  # GPTConfig.from_depth's
+    if os.path.isdir(cfg.model):
+        from raygpt.hf import check_hf
+        return check_hf(cfg.model).block_size
+    from raygpt.llmc.model_file import read_model_header
+    return read_model_header(cfg.model)[0].block_size
 
 
 # ---------------------------------------------------------------------- resume

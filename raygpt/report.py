@@ -64,6 +64,7 @@ class RunView:
     train: dict[int, dict] = field(default_factory=dict)       # step -> latest train record
     superseded: list[dict] = field(default_factory=list)       # train records a later one replaced
     val: dict[int, float] = field(default_factory=dict)        # step -> latest val loss
+    evals: dict[int, float] = field(default_factory=dict)      # step -> latest HellaSwag acc_norm
     skips: list[dict] = field(default_factory=list)
     rewinds: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)         # each with "at_step" added
@@ -86,7 +87,8 @@ _EVENT_LISTS = {"skip": "skips", "rewind": "rewinds", "failure": "failures", "st
                 "resume": "attempts", "audit": "audits", "end": "ends"}
 
 
-_NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",)}
+_NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",),
+            "eval": ("hellaswag",)}
 
 
 def _is_number(v) -> bool:
@@ -98,7 +100,7 @@ def _is_step(v) -> bool:
 
 
 def _well_formed(r: dict) -> bool:
-    """A train or val record whose numbers are numbers (the history is untrusted input: a
+    """A train, val or eval record whose numbers are numbers (the history is untrusted input: a
     record that is not is counted as malformed and left out, rather than crash the report)."""
     return (_is_step(r.get("step")) and all(_is_number(r.get(k)) for k in _NUMBERS[r["kind"]])
             and (r.get("dt") is None or _is_number(r.get("dt"))))
@@ -131,7 +133,7 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
         if kind not in ("audit", "watch"):
             view.last_record = r
         step = r.get("step")
-        if kind in ("train", "val") and not _well_formed(r):
+        if kind in _NUMBERS and not _well_formed(r):
             view.counts["malformed"] = view.counts.get("malformed", 0) + 1
             continue
         if kind == "train":
@@ -142,11 +144,12 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
             if not keep_all and len(view.train) > 2 * recent:
                 for s in sorted(view.train)[:-recent]:
                     del view.train[s]
-        elif kind == "val":
-            view.val[step] = r.get("val_loss")
-            if not keep_all and len(view.val) > 2 * recent:
-                for s in sorted(view.val)[:-recent]:
-                    del view.val[s]
+        elif kind in ("val", "eval"):
+            series = view.val if kind == "val" else view.evals
+            series[step] = r.get("val_loss" if kind == "val" else "hellaswag")
+            if not keep_all and len(series) > 2 * recent:
+                for s in sorted(series)[:-recent]:
+                    del series[s]
         elif kind in _EVENT_LISTS:
             getattr(view, _EVENT_LISTS[kind]).append(
                 {**r, "at_step": last_trained} if kind == "failure" else r)
@@ -270,7 +273,9 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
         avg_tps = sum(tokens_per_step(r) for r in recent) / dts if dts > 0 else float("nan")
         val_step = max(view.val) if view.val else None
         val = f"val {view.val[val_step]:.4f} (step {val_step})" if val_step is not None else "val n/a"
-        lines.append(f"progress  {where} | loss {rec['loss']:.4f} | {val} | "
+        hs = (f" | HellaSwag {view.evals[max(view.evals)]:.4f} (step {max(view.evals)})"
+              if view.evals else "")
+        lines.append(f"progress  {where} | loss {rec['loss']:.4f} | {val}{hs} | "
                      f"lr {rec['lr']:.2e} | norm {rec['norm']:.4f}")
         eta = ""
         if total and dts > 0 and step + 1 < total:
@@ -449,6 +454,7 @@ def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
         "train_loss_superseded": ([r["step"] for r in view.superseded],
                                   [at_loss(r["loss"]) for r in view.superseded]),
         "val_loss": (val_steps, [view.val[s] for s in val_steps]),
+        "hellaswag": (sorted(view.evals), [view.evals[s] for s in sorted(view.evals)]),
         "lr": (steps, [r["lr"] for r in train]),
         "grad_norm": (steps, [r["norm"] for r in train]),
         "tok_per_s": (steps, [throughput(r) for r in train]),
@@ -473,6 +479,8 @@ _STYLE = {
     "lr": ("lr", "line", dict(color="tab:green", lw=1.0, label="lr")),
     "grad_norm": ("norm", "line", dict(color="tab:purple", lw=1.0, label="grad norm")),
     "tok_per_s": ("speed", "line", dict(color="tab:brown", lw=1.0, label="tok/s")),
+    "hellaswag": ("eval", "line", dict(color="tab:cyan", marker="o", ms=3, lw=1.2,
+                                       label="HellaSwag acc_norm")),
     "rewinds": ("all", "vline", dict(color="tab:red", ls="--", lw=1.0, label="rewind")),
     "failures": ("all", "vline", dict(color="black", ls="-", lw=1.2, label="failure")),
     "resumes": ("all", "vline", dict(color="tab:green", ls=":", lw=1.2, label="resume")),
@@ -481,7 +489,8 @@ _STYLE = {
     "checkpoints_unusable": ("loss", "ticks", dict(color="tab:red", marker="^", ms=6, ls="none",
                                                    label="checkpoint (NOT usable)")),
 }
-_PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"))
+_PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"),
+           ("eval", "HellaSwag"))
 
 
 def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
@@ -500,13 +509,13 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
     series = plot_series(view)
 
     # No pyplot: a Figure with its own Agg canvas touches no global matplotlib state.
-    fig = Figure(figsize=(12, 10), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 12), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = dict(zip((p for p, _ in _PANELS), fig.subplots(len(_PANELS), 1, sharex=True)))
     for name, (_, title) in zip(axes, _PANELS):
         axes[name].set_ylabel(title)
         axes[name].grid(True, alpha=0.3)
-    axes["speed"].set_xlabel("step")
+    axes[_PANELS[-1][0]].set_xlabel("step")
     fig.suptitle(f"{view.uri} | {run_state(view)}", fontsize=10)
 
     drawn: dict[str, list] = {}
@@ -522,7 +531,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
         else:  # vline on every panel; only the loss panel's lines are labelled and read back
             drawn[name] = [axes["loss"].axvline(x, **(style if i == 0 else {**style, "label": None}))
                            for i, x in enumerate(xs)]
-            for other in ("lr", "norm", "speed"):
+            for other in ("lr", "norm", "speed", "eval"):
                 for x in xs:
                     axes[other].axvline(x, **{**style, "label": None})
     norms = [v for v in series["grad_norm"][1] if math.isfinite(v)]

@@ -212,7 +212,7 @@ def test_plot_draws_every_series_and_marker(run_dir, tmp_path):
     assert drawn["checkpoints_unusable"] == ([10, 12], [])
 
     image = matplotlib.image.imread(png)
-    assert image.shape[:2] == (1000, 1200)
+    assert image.shape[:2] == (1200, 1200)
     assert image[..., :3].std() > 0.05  # not a blank canvas
     # the train-loss colour (tab:blue, #1f77b4) is on the picture
     blue = np.all(np.abs(image[..., :3] - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.02, axis=-1)

@@ -35,23 +35,43 @@ class Example:
     label: int
 
 
-def read_examples(path: str) -> list[Example]:
-    """Every example of a HellaSwag JSON Lines file, each line checked (HellaSwagError naming the
+MAX_FILE_BYTES = 256 << 20  # the validation split is about 11 MB
+
+
+def read_examples(path: str, endpoint: str = "") -> list[Example]:
+    """Every example of a HellaSwag JSON Lines file (a local path, or a URI read through
+    pyarrow.fs with the run's storage endpoint), each line checked (HellaSwagError naming the
     file, the line and the field)."""
+    data = _read(path, endpoint)
     out = []
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if len(raw) > MAX_LINE_BYTES:
-                    raise HellaSwagError(f"{path}: line {n}: expected at most {MAX_LINE_BYTES:,} "
-                                         f"bytes, found more")
-                if raw.strip():
-                    out.append(_example(raw, path, n))
-    except OSError as e:
-        raise HellaSwagError(f"{path}: cannot read ({e})") from None
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise HellaSwagError(f"{path}: line {n}: expected at most {MAX_LINE_BYTES:,} bytes, "
+                                 f"found more")
+        if raw.strip():
+            out.append(_example(raw, path, n))
     if not out:
         raise HellaSwagError(f"{path}: expected HellaSwag examples (JSON Lines), found none")
     return out
+
+
+def _read(path: str, endpoint: str) -> bytes:
+    try:
+        if "://" in path:
+            import pyarrow.fs as pafs
+
+            from raygpt.storage import with_endpoint
+            fs, inner = pafs.FileSystem.from_uri(with_endpoint(path, endpoint))
+            stream = fs.open_input_stream(inner)
+        else:
+            stream = open(path, "rb")
+        with stream as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except (OSError, ValueError) as e:
+        raise HellaSwagError(f"{path}: cannot read ({e})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise HellaSwagError(f"{path}: expected at most {MAX_FILE_BYTES:,} bytes, found more")
+    return data
 
 
 def _example(raw: bytes, path: str, n: int) -> Example:

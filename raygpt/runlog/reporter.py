@@ -110,6 +110,16 @@ class Reporter:
                                      "rewinds": rewinds})
         self.trackers.log(step, {"val/loss": val_loss})
 
+    def hellaswag(self, step: int, correct: int, total: int) -> None:
+        """HellaSwag's acc_norm at `step`: llm.c's `s:%d eval:%.4f` in main.log, an "eval" record
+        in the history, and the same scalar to TensorBoard and the trackers."""
+        acc = correct / total
+        self.logger.log_eval(step, acc)
+        self.history.event(step, "eval", hellaswag=acc, correct=correct, total=total)
+        self.tb.scalar(step, "eval/hellaswag", acc)
+        self.say(f"step {step:5d} | HellaSwag acc_norm {correct}/{total} = {acc:.4f}")
+        self.trackers.log(step, {"eval/hellaswag": acc})
+
     def sample(self, step: int, text: str) -> None:
         self.history.sample(step, text)
         self.say(f"step {step:5d} | sample:\n" + "\n".join(

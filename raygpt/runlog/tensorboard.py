@@ -116,6 +116,12 @@ class TensorBoardWriter:
         self._scalars(step, (("val/loss", val_loss),))
         self.upload() if self._staging else self.flush()
 
+    def scalar(self, step: int, tag: str, value: float) -> None:
+        if self._events is None:
+            return
+        self._scalars(step, ((tag, value),))
+        self.upload() if self._staging else self.flush()
+
     def flush(self) -> None:
         if self._events is not None:
             self._events.flush()
