@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt.data.loader import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
+from raygpt.data.loader import DistributedDataLoader, sample_order, samples_to_ranges, shard_order
+from raygpt.data.sources import data_fingerprint
 from raygpt.llmc.shards import ShardError, read_shard, write_shard
 
 VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "..", "raygpt", "data_files",
@@ -465,7 +466,7 @@ def test_tokens_needed_and_ranks_with_data():
 
 
 def test_shard_token_counts_reads_headers_in_glob_order(tmp_path):
-    from raygpt.data.loader import shard_token_counts
+    from raygpt.data.sources import shard_token_counts
     pattern = make_shards(tmp_path, [30, 12, 50])
     got = shard_token_counts(pattern)
     assert [os.path.basename(p) for p, _ in got] == ["shard_000000.bin", "shard_000001.bin",
