@@ -35,7 +35,7 @@ from __future__ import annotations
 import uuid
 
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data.loader import ranks_with_data, tokens_needed
+from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
 from raygpt.data.sources import is_remote, shard_token_counts
 from raygpt.llmc.shards import HEADER_BYTES
 from raygpt.llmc.shards import ShardError
@@ -127,11 +127,6 @@ def check_data(cfg: TrainConfig) -> list[str]:
                                            if cfg.min_workers and smallest != ranks else "")
                      + f", from {sum(tokens):,} tokens in {len(val)} shard(s)")
     return facts
-
-
-# a loader of shards in a bucket holds the shard it reads, the one before (a batch may straddle
-# them) and the next one (fetched ahead) in the node's cache
-SHARDS_HELD = 3
 
 
 def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str) -> None:

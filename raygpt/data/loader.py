@@ -38,6 +38,11 @@ from raygpt.llmc.shards import ShardError, read_shard
 if typing.TYPE_CHECKING:
     import torch
 
+# What a loader of shards in a bucket holds in the node's cache at once (never evicted while
+# held): the shard it reads and the one before (a global batch may straddle them), and the one
+# it is entering with the next (fetched ahead). The cache must hold at least this many.
+SHARDS_HELD = 4
+
 def tokens_needed(B: int, T: int, world: int) -> int:
     """Tokens every shard must hold for a loader of `world` ranks at micro-batch B x T: one
     global micro-batch plus the target of its last token (llm.c's B*T*world+1)."""
@@ -117,7 +122,7 @@ class DistributedDataLoader:
     """
 
     MAX_OPEN_SHARDS = 16  # memory maps (each holds a file descriptor) kept open at once
-    # a mapped shard of a remote pattern is held in the node's cache (not evicted): the stream
+    # a mapped shard of a remote pattern is held in the node's cache (SHARDS_HELD): the stream
     # needs the shard it is in and the one before it (a global batch can straddle the two)
     MAX_OPEN_REMOTE_SHARDS = 2
 

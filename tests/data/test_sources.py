@@ -18,23 +18,9 @@ from raygpt.data.shard_writer import shard_bytes
 from raygpt.data.sources import (ShardCache, data_fingerprint, list_shards, private_dir,
                                  shard_token_counts)
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, write_shard
-from tests.helpers import S3Server
+
 
 pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    env = pytest.MonkeyPatch()
-    with S3Server() as server:
-        env.setenv("AWS_ACCESS_KEY_ID", S3Server.KEY)
-        env.setenv("AWS_SECRET_ACCESS_KEY", S3Server.SECRET)
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        server.fs().create_dir("bucket")
-        try:
-            yield server
-        finally:
-            env.undo()
 
 
 def tokens_of(s: int, n: int) -> np.ndarray:
