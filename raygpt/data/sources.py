@@ -88,7 +88,7 @@ class ShardSource:
             with self.fs.open_input_file(shard.path) as f:
                 return f.read_at(nbytes, offset)
         except OSError as e:
-            raise ShardError(f"{shard.uri}: cannot read shard ({_one_line(e)})") from None
+            raise ShardError(f"{shard.uri}: cannot read shard ({_one_line(e)})") from e  # an OSError: a restart may cure it
 
     def header_tokens(self, i: int) -> int:
         """Shard `i`'s token count, its header checked against llm.c's format and its size
@@ -116,7 +116,7 @@ class ShardSource:
                 raise ShardError(str(e)) from None
             except OSError as e:
                 raise ShardError(f"{self._uri_of(parent)}/manifest.json: cannot read it "
-                                 f"({_one_line(e)})") from None
+                                 f"({_one_line(e)})") from e
             for entry in (found or {}).get("shards", []):
                 entries[posixpath.join(parent, entry["name"])] = entry
         return {s.path: entries[s.path] for s in self.shards if s.path in entries}
@@ -201,7 +201,8 @@ def _list_matching(fs, path: str, shown: str) -> list:
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=recursive,
                                                    allow_not_found=True))
     except Exception as e:  # noqa: BLE001 - OSError, or pyarrow's own for a missing bucket
-        raise ShardError(f"shard pattern {shown}: cannot list the store: {storage_cause(e)}") from None
+        # chained: an OSError (a store that did not answer) is one a restart may cure
+        raise ShardError(f"shard pattern {shown}: cannot list the store: {storage_cause(e)}") from e
     return [i for i in infos if i.type == pafs.FileType.File
             and len(i.path.strip("/").split("/")) == len(parts)
             and all(fnmatch.fnmatchcase(a, b) for a, b in zip(i.path.strip("/").split("/"), parts))]
@@ -340,7 +341,7 @@ class ShardCache:
                         size += len(chunk)
                         _write_all(fd, chunk)
             except OSError as e:
-                raise ShardError(f"{shard.uri}: cannot fetch shard ({_one_line(e)})") from None
+                raise ShardError(f"{shard.uri}: cannot fetch shard ({_one_line(e)})") from e  # an OSError: a restart may cure it
             verify_fetched(shard, head, size, digest.hexdigest(), expected)
             os.fsync(fd)
             os.close(fd)
@@ -470,8 +471,9 @@ class ShardFetcher:
         self._expected = source.manifest()
         self._futures: dict[int, concurrent.futures.Future] = {}
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"raygpt-shards {source.pattern}",
-                                        daemon=True)
+        from raygpt.storage import redact
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"raygpt-shards {redact(source.pattern)}")
         self._thread.start()
 
     def _run(self) -> None:

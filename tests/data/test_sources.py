@@ -17,6 +17,7 @@ import pytest
 from raygpt.data.shard_writer import shard_bytes
 from raygpt.data.sources import (ShardCache, data_fingerprint, list_shards, private_dir,
                                  shard_token_counts)
+from raygpt.errors import EXIT_BAD_INPUT, stop_code
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, write_shard
 
 
@@ -271,6 +272,7 @@ def test_a_tampered_shard_is_refused_in_one_line_and_never_cached(s3, tmp_path):
     assert str(e.value) == (f"s3://bucket/tampered/shard_000001.bin: sha256: expected {want} "
                             f"(manifest.json beside it), found {found} -- the shard's bytes are "
                             f"not the ones prepared")
+    assert stop_code(e.value) == EXIT_BAD_INPUT  # bad input: a restart would meet it again
     assert [n.split("-", 1)[1] for n in cache_files(cache.root)] == ["shard_000000.bin"]
 
 
@@ -298,8 +300,9 @@ def test_a_fetch_cut_off_midway_leaves_nothing_under_a_cache_name(s3, tmp_path):
     handler.open_input_stream = cut
     cache = ShardCache(str(tmp_path / "cache"))
     with pytest.raises(ShardError, match=r"^s3://bucket/cut/shard_000000\.bin: cannot fetch "
-                                         r"shard \(connection reset by peer\)$"):
+                                         r"shard \(connection reset by peer\)$") as e:
         cache.open(source, 0)
+    assert stop_code(e.value) is None  # the store's failure: Ray's restart may cure it
     assert cache_files(cache.root) == []
     # a temp file of a fetcher killed outright (its pid gone) is removed by the next fetch
     (tmp_path / "cache" / ".tmp-999999999-dead").write_bytes(b"partial")
