@@ -784,3 +784,23 @@ def test_the_next_shard_of_the_stream_is_fetched_before_the_loader_reaches_it(s3
         time.sleep(0.01)
     assert cached() == first_two
     ld.close()
+
+
+def test_the_shard_fetched_ahead_is_the_one_the_stream_visits_next(tmp_path):
+    """The next shard is a pure function of the cursor, across epoch boundaries too (where the
+    next epoch's shard order decides it)."""
+    pattern = make_shards(tmp_path, [13, 9, 17, 9])
+    ld = DistributedDataLoader(pattern, 1, 4, 0, 1, shuffle=True, seed=11)
+    visits, predicted = [], []
+    for _ in range(30):  # 11 samples an epoch: into the third epoch
+        ahead = ld._next_shard()
+        ld.next_batch()
+        shard = int(ld.last_global_samples[0, 0])
+        if not visits or visits[-1] != shard:
+            visits.append(shard)
+            predicted.append(ahead)
+        else:
+            predicted[-1] = ahead  # what was predicted while inside this visit
+    # at each change the shard predicted inside the previous visit is the one reached
+    assert len(visits) >= 10
+    assert predicted[:-1] == visits[1:]
