@@ -230,8 +230,8 @@ class TrainConfig:
                            may_change_on_resume=True)
     """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
     storage_endpoint: str = knob("", section="run", metavar="URL", may_change_on_resume=True)
-    """S3-compatible endpoint of an s3:// run directory (MinIO, Ceph...), e.g.
-    http://minio:9000; default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own.
+    """S3-compatible endpoint of an s3:// run directory and s3:// -i/-j shards (MinIO, Ceph...),
+    e.g. http://minio:9000; default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own.
     An endpoint in the URI itself (?endpoint_override=host:port&scheme=http) wins."""
     log_every: int = knob(1, section="run", may_change_on_resume=True)
     """Console line every N steps."""
