@@ -37,8 +37,7 @@ import uuid
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
 from raygpt.data.sources import is_remote, shard_token_counts
-from raygpt.llmc.shards import HEADER_BYTES
-from raygpt.llmc.shards import ShardError
+from raygpt.llmc.shards import HEADER_BYTES, ShardError
 
 
 def check(cfg: TrainConfig, *, machine: dict[str, int] | None = None) -> list[str]:

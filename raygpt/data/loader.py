@@ -43,6 +43,7 @@ if typing.TYPE_CHECKING:
 # it is entering with the next (fetched ahead). The cache must hold at least this many.
 SHARDS_HELD = 4
 
+
 def tokens_needed(B: int, T: int, world: int) -> int:
     """Tokens every shard must hold for a loader of `world` ranks at micro-batch B x T: one
     global micro-batch plus the target of its last token (llm.c's B*T*world+1)."""

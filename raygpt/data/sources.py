@@ -39,7 +39,7 @@ import tempfile
 import threading
 import uuid
 
-from raygpt.llmc.shards import HEADER_BYTES, TOKEN_DTYPE, ShardError, check_shard_header
+from raygpt.llmc.shards import HEADER_BYTES, ShardError, check_shard_header
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
 _GLOB_CHARS = "*[?"  # on an object store '?' starts the URI's query (see the module's notes)
