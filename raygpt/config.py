@@ -121,9 +121,18 @@ class TrainConfig:
 
     # ==== data: the token shards and the batch (-i -j -b -t -d)
     input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB")
-    """Glob of llm.c train token shards (-i)."""
+    """Glob of llm.c train token shards (-i): local files, or an s3:// or gs:// URI glob whose
+    shards each node fetches into its cache (--shard-cache-dir)."""
     input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB")
-    """Glob of llm.c validation token shards (-j); empty turns validation off."""
+    """Glob of llm.c validation token shards (-j), local or s3:// / gs://; empty turns
+    validation off."""
+    shard_cache_gb: float = knob(50.0, section="data", metavar="GB", may_change_on_resume=True)
+    """Disk each node may fill with the shards of an s3:// or gs:// -i/-j, least recently used
+    evicted first (the shards workers are reading stay); must hold a few of the largest."""
+    shard_cache_dir: str = knob("", section="data", metavar="DIR", may_change_on_resume=True)
+    """Where each node caches the shards of an s3:// or gs:// -i/-j: a directory private to the
+    user (made 0700; refused if another user owns it or it is a symlink). Default:
+    raygpt_shards_<uid> in the temp directory. Local shards are read in place."""
     shuffle: bool = knob(True, section="data", long="--no-shuffle")
     """Deterministic shuffling of shard order and of samples within a shard (train only)."""
     batch_size: int | None = knob(None, section="data", short="-b")
@@ -235,8 +244,8 @@ class TrainConfig:
                            may_change_on_resume=True)
     """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
     storage_endpoint: str = knob("", section="run", metavar="URL", may_change_on_resume=True)
-    """S3-compatible endpoint of an s3:// run directory (MinIO, Ceph...), e.g.
-    http://minio:9000; default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own.
+    """S3-compatible endpoint of an s3:// run directory and s3:// -i/-j shards (MinIO, Ceph...),
+    e.g. http://minio:9000; default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own.
     An endpoint in the URI itself (?endpoint_override=host:port&scheme=http) wins."""
     log_every: int = knob(1, section="run", may_change_on_resume=True)
     """Console line every N steps."""
@@ -357,6 +366,11 @@ class TrainConfig:
         a CPU run gets its default of 2 workers)."""
         c = dataclasses.replace(self, spike=dataclasses.replace(self.spike))
         notes = notes if notes is not None else []
+        # shards in a bucket carry their endpoint, as the run directory does (every process
+        # opens them from the same string); resolve reads their headers below
+        c.input_bin, c.input_val_bin = (shards_with_endpoint(flag, p, c.storage_endpoint) for flag, p
+                                        in (("-i/--input-bin", c.input_bin),
+                                            ("-j/--input-val-bin", c.input_val_bin)))
         if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
             gpus_available = 0 if c.device == "cpu" else local_gpus()
         if c.device == "auto":
@@ -402,7 +416,8 @@ class TrainConfig:
             c.zero_stage = 1 if on_gpu and c.num_workers > 1 else 0
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
-        c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint)
+        c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint,
+                                                data=(c.input_bin, c.input_val_bin))
         c.validate()
         return c
 
@@ -494,12 +509,18 @@ class TrainConfig:
                  "-d/--total-batch-size",
                  f"a positive multiple of B*T*world = {self.batch_size}*{self.seq_len}*{world}"
                  f" = {micro}", self.total_batch_size)
-        need(bool(glob.glob(self.input_bin)), "-i/--input-bin",
-             "a glob matching at least one llm.c token shard", self.input_bin)
+        # a local glob must match here; a bucket's is listed by raygpt.preflight (one line
+        # naming the URI when it matches nothing or the store does not answer)
+        need(_remote(self.input_bin) or bool(glob.glob(self.input_bin)), "-i/--input-bin",
+             "a glob matching at least one llm.c token shard (local, s3:// or gs://)",
+             self.input_bin)
         if self.input_val_bin:
-            need(bool(glob.glob(self.input_val_bin)), "-j/--input-val-bin",
-                 "a glob matching at least one llm.c token shard (or '' to turn validation off)",
-                 self.input_val_bin)
+            need(_remote(self.input_val_bin) or bool(glob.glob(self.input_val_bin)),
+                 "-j/--input-val-bin", "a glob matching at least one llm.c token shard (local, "
+                 "s3:// or gs://; or '' to turn validation off)", self.input_val_bin)
+        need(isinstance(self.shard_cache_gb, (int, float)) and math.isfinite(self.shard_cache_gb)
+             and self.shard_cache_gb > 0, "--shard-cache-gb", "a number of GB > 0",
+             self.shard_cache_gb)
         missing = tracking.check_installed(self)  # here, not in a worker after Ray has started
         if missing:
             raise ConfigError(missing)
@@ -663,13 +684,36 @@ def without_command_line_only(cfg: "TrainConfig") -> "TrainConfig":
     return cfg.with_overrides({name: getattr(default, name) for name in COMMAND_LINE_ONLY})
 
 
-def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
+def _remote(pattern: str) -> bool:
+    from raygpt.data.sources import is_remote
+    return is_remote(pattern)
+
+
+def shards_with_endpoint(flag: str, pattern: str, endpoint: str) -> str:
+    """An s3:// shard glob carrying its endpoint as a run directory does (`storage.with_endpoint`);
+    any other pattern unchanged. ConfigError naming `flag` for a URI of a scheme raygpt cannot
+    read shards from."""
+    if "://" not in pattern:
+        return pattern
+    from raygpt.data.sources import REMOTE_SCHEMES
+    if not _remote(pattern):
+        raise ConfigError(f"{flag}: expected a local glob or an {' / '.join(REMOTE_SCHEMES)} URI, "
+                          f"found {pattern!r}")
+    from raygpt.storage import with_endpoint  # pyarrow: only for shards in a bucket
+    try:
+        return with_endpoint(pattern, endpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def output_dir_with_endpoint(output_dir: str, endpoint: str, data: tuple[str, ...] = ()) -> str:
     """An s3:// run (or sweep) directory carrying its endpoint (--storage-endpoint or the AWS
-    variables), so that Ray's workers, elsewhere, open the same store (`storage.with_endpoint`)."""
+    variables), so that Ray's workers, elsewhere, open the same store (`storage.with_endpoint`).
+    `data`: the run's shard globs, which may be what the endpoint is for."""
     if not output_dir.startswith("s3://"):
-        if endpoint:
-            raise ConfigError(f"--storage-endpoint: expected with an s3:// -o/--output-dir, "
-                              f"found -o {output_dir!r}")
+        if endpoint and not any(p.startswith("s3://") for p in data):
+            raise ConfigError(f"--storage-endpoint: expected with an s3:// -o/--output-dir, -i "
+                              f"or -j, found -o {output_dir!r}")
         return output_dir
     from raygpt.storage import with_endpoint  # pyarrow: only for object-store run directories
     try:
@@ -681,7 +725,8 @@ def output_dir_with_endpoint(output_dir: str, endpoint: str) -> str:
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with every local path it names made absolute against this process's working
     directory (and ~ as the user's home): the run directory, the train and validation shard
-    globs, an -e model file, a HellaSwag file. The driver does it before anything reads them; Ray's workers run
+    globs, the shard cache directory, an -e model file or folder, a HellaSwag file. The driver
+    does it before anything reads them; Ray's workers run
     with another working directory, where a path given relative to the user's would name
     nothing (or something else). URIs, an empty -o (refused by validate(), never made the
     working directory), an empty -j (validation off) and a dN model spec are left as they are."""
@@ -692,6 +737,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
              "hellaswag": absolute(cfg.hellaswag)}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
         paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
+    if cfg.shard_cache_dir:
+        paths["shard_cache_dir"] = absolute(cfg.shard_cache_dir)
     if cfg.depth is None and cfg.model:
         paths["model"] = absolute(cfg.model)
     return cfg.with_overrides(paths)
@@ -726,9 +773,9 @@ def _model_file_block_size(model: str) -> int:
 def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
     """Token counts of the shards matching `pattern` (headers only), None when nothing matches
     (validate() says so); a bad header is a ConfigError naming the flag and the file."""
-    from raygpt.data.loader import shard_token_counts  # numpy/torch: only when resolving
+    from raygpt.data.sources import shard_token_counts  # numpy: only when resolving
     from raygpt.llmc.shards import ShardError
-    if not pattern or not glob.glob(pattern):
+    if not pattern or not (_remote(pattern) or glob.glob(pattern)):
         return None
     try:
         return [n for _, n in shard_token_counts(pattern)]

@@ -305,7 +305,7 @@ def load_hf(path: str) -> GPT:
 def hf_fingerprint(path: str) -> str:
     """What a checkpoint compares for a run started from the folder `path`: its config and
     weights by their bytes."""
-    from raygpt.data.loader import file_ends_sha256
+    from raygpt.data.sources import file_ends_sha256
     parts = []
     for name in (CONFIG, WEIGHTS):
         f = os.path.join(path, name)

@@ -32,7 +32,8 @@ from raygpt import compile_cache, signals, tokenizer
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.compile_cache import CompileCache
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
+from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
+from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
 from raygpt.llmc.model_file import load_model_file
@@ -115,7 +116,16 @@ def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
-def build_val_loader(cfg: TrainConfig, rank: int, world: int) -> DistributedDataLoader | None:
+def shard_cache(cfg: TrainConfig) -> ShardCache | None:
+    """This node's cache of the shards of an s3:// or gs:// -i/-j (None when both are local,
+    which are read in place)."""
+    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin) if p):
+        return None
+    return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
+
+
+def build_val_loader(cfg: TrainConfig, rank: int, world: int,
+                     cache: ShardCache | None = None) -> DistributedDataLoader | None:
     """This rank's validation loader, or None on a rank that sits validation out: a validation
     set smaller than world * val_batch_size samples feeds only the first ranks
     (`data.ranks_with_data`; the config's resolution chose the sizes)."""
@@ -124,7 +134,7 @@ def build_val_loader(cfg: TrainConfig, rank: int, world: int) -> DistributedData
     if rank >= val_world:
         return None
     return DistributedDataLoader(cfg.input_val_bin, cfg.val_batch_size, cfg.seq_len, rank,
-                                 val_world, shuffle=False, seed=cfg.seed)
+                                 val_world, shuffle=False, seed=cfg.seed, cache=cache)
 
 
 @torch.no_grad()
@@ -269,9 +279,14 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 rank=rank, world=world, zero_stage=cfg.zero_stage)
     mark("model_built")
+    cache = shard_cache(cfg)  # shards in a bucket: fetched from here on, beside the restore
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
-                                         shuffle=cfg.shuffle, seed=cfg.seed)
+                                         shuffle=cfg.shuffle, seed=cfg.seed, cache=cache)
+    on_exit.callback(train_loader.close)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
+    val_loader = build_val_loader(cfg, rank, world, cache) if validating else None
+    if val_loader is not None:
+        on_exit.callback(val_loader.close)
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
@@ -314,7 +329,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                                             n_params=num_parameters(model), startup=startup))
     return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
                flat=flat, opt=opt, train_loader=train_loader,
-               val_loader=build_val_loader(cfg, rank, world) if validating else None,
+               val_loader=val_loader,
                state=state, ckpt=ckpt, runlog=runlog,
                faults=plan_for(cfg.fault, rank, session.run_dir),
                flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else

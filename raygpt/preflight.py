@@ -7,9 +7,11 @@ was expected, or returns what it found (for the start-up line):
 
 - model: an `-e model_*.bin` file's header and size, and T against its max_seq_len;
 - data: every train and validation shard's header (magic, version, token count against the
-  file size) and its size against B, T and the largest world size (llm.c's B*T*world+1 rule,
-  `data.tokens_needed`), validation's micro-batch against the smallest validation shard, and
-  -x -1 (one epoch) against the global batch;
+  file size; for shards in a bucket one range read each, and the token count against the
+  prepare's manifest.json beside them) and its size against B, T and the largest world size
+  (llm.c's B*T*world+1 rule, `data.tokens_needed`), validation's micro-batch against the
+  smallest validation shard, -x -1 (one epoch) against the global batch, and the node's shard
+  cache (--shard-cache-gb) against the largest shard in a bucket;
 - resume (-y 1): the newest complete checkpoint's MANIFEST against this config
   (`checkpoint.check_compatible`: config fields, tokenizer and data hashes; a different world
   size is fine, the loop reshards);
@@ -35,8 +37,9 @@ import os
 import uuid
 
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.data.loader import ranks_with_data, shard_token_counts, tokens_needed
-from raygpt.llmc.shards import ShardError
+from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
+from raygpt.data.sources import is_remote, shard_token_counts
+from raygpt.llmc.shards import HEADER_BYTES, ShardError
 
 
 def check(cfg: TrainConfig, *, machine: dict[str, int] | None = None) -> list[str]:
@@ -105,8 +108,10 @@ def check_data(cfg: TrainConfig) -> list[str]:
             raise ConfigError(f"-x/--max-steps -1: one epoch of {cfg.input_bin} is "
                               f"{epoch_tokens:,} tokens at T={T}; expected at least one step of "
                               f"-d/--total-batch-size {cfg.total_batch_size:,} tokens")
+    check_shard_cache(cfg, train, "-i/--input-bin")
     if cfg.input_val_bin and cfg.val_every > 0:
         val = _counts(cfg.input_val_bin, "-j/--input-val-bin")
+        check_shard_cache(cfg, val, "-j/--input-val-bin")
         tokens = [n for _, n in val]
         vb = cfg.val_batch_size
         ranks = ranks_with_data(tokens, vb, T, world)
@@ -124,6 +129,20 @@ def check_data(cfg: TrainConfig) -> list[str]:
                                            if cfg.min_workers and smallest != ranks else "")
                      + f", from {sum(tokens):,} tokens in {len(val)} shard(s)")
     return facts
+
+
+def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str) -> None:
+    """The node's shard cache holds what a loader of shards in a bucket keeps in it at once
+    (SHARDS_HELD of the largest); local shards need no cache."""
+    if not counts or not is_remote(counts[0][0]):
+        return
+    uri, ntok = max(counts, key=lambda un: un[1])
+    need = SHARDS_HELD * (HEADER_BYTES + 2 * ntok)
+    if cfg.shard_cache_gb * 2**30 < need:
+        raise ConfigError(f"--shard-cache-gb: expected at least {need / 2**30:.3g} (the {flag} "
+                          f"loader holds {SHARDS_HELD} shards in the node's cache, and {uri} is "
+                          f"{(HEADER_BYTES + 2 * ntok) / 2**30:.3g} GB), found "
+                          f"{cfg.shard_cache_gb:g}")
 
 
 # ---------------------------------------------------------------------- model file

@@ -193,7 +193,7 @@ def test_default_job_resolves_and_its_loaders_build_on_1_to_64_gpus_and_on_cpus(
     """The bundled Shakespeare job on every GPU count from 1 to 64 and on CPUs: B, the global
     batch and the validation batches adapt, and every rank's loaders can be built (headers only;
     nothing trains). Each evaluation reads distinct samples, as many as its batches hold."""
-    from raygpt.data.loader import shard_token_counts
+    from raygpt.data.sources import shard_token_counts
 
     val_samples = sum((n - 1) // 1024 for _, n in shard_token_counts(TrainConfig().input_val_bin))
     for gpus in [0, *range(1, 65)]:

@@ -31,7 +31,8 @@ import torch._inductor  # noqa: F401  (what torch.use_deterministic_algorithms i
 
 from raygpt import loop, signals, tokenizer
 from raygpt.checkpointing import protocol as ck
-from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges, shard_token_counts
+from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
+from raygpt.data.sources import shard_token_counts
 from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
 from raygpt.model import GPT, GPTConfig

@@ -264,6 +264,49 @@ def test_a_bad_endpoint_setting_is_refused_naming_it(data, no_ray, capsys, monke
     assert err.startswith("raygpt: error: --storage-endpoint: expected with an s3:// "), err
 
 
+def _bucket_shards(s3, data, prefix: str) -> str:
+    fs = s3.fs()
+    for name in ("train.bin", "val.bin"):
+        with fs.open_output_stream(f"bucket/{prefix}/{name}") as f:
+            f.write((data / name).read_bytes())
+    return f"s3://bucket/{prefix}"
+
+
+def test_shards_in_a_bucket_are_checked_before_ray_starts(data, no_ray, capsys, s3):
+    """-i/-j in a bucket (the endpoint from --storage-endpoint, the run directory local): a
+    glob matching nothing, a store that does not answer and a shard cache too small for the
+    shards are each one line naming the flag and the URI."""
+    where = _bucket_shards(s3, data, "d")
+    base = [*SMALL, "-o", str(data / "run"), "--storage-endpoint", s3.endpoint]
+    query = f"?endpoint_override={s3.address}&scheme=http"
+    err = refused([*base, "-i", f"{where}/nothing_*.bin", "-j", f"{where}/val.bin"], capsys)
+    assert err == (f"raygpt: error: -i/--input-bin: shard pattern {where}/nothing_*.bin{query}: "
+                   f"expected at least one matching object, found none")
+    err = refused([*base, "-i", f"{where}/train.bin", "-j", f"{where}/val.bin",
+                   "--shard-cache-gb", "1e-6"], capsys)
+    assert err.startswith("raygpt: error: --shard-cache-gb: expected at least 4.11e-05 (the "
+                          f"-i/--input-bin loader holds 4 shards in the node's cache, and "
+                          f"{where}/train.bin is 1.03e-05 GB), found 1e-06"), err
+    closed = closed_endpoint()
+    err = refused([*SMALL, "-o", str(data / "run"), "--storage-endpoint", f"http://{closed}",
+                   "-i", f"{where}/train.bin", "-j", f"{where}/val.bin"], capsys)
+    # (resolve() reads the validation headers first, to fit the validation batches)
+    assert err.startswith(f"raygpt: error: -j/--input-val-bin: shard pattern {where}/val.bin"
+                          f"?endpoint_override={closed}&scheme=http: cannot list the store: the "
+                          f"endpoint does not answer"), err
+
+
+def test_shards_in_a_bucket_pass_the_checks_and_the_endpoint_goes_into_their_uris(data, s3):
+    where = _bucket_shards(s3, data, "ok")
+    cfg = parse_args([*SMALL, "-o", str(data / "run"), "--storage-endpoint", s3.endpoint,
+                      "-i", f"{where}/train.bin", "-j", f"{where}/val.bin"]).resolve(0)
+    query = f"?endpoint_override={s3.address}&scheme=http"
+    assert (cfg.input_bin, cfg.input_val_bin) == (f"{where}/train.bin{query}", f"{where}/val.bin{query}")
+    assert cfg.output_dir == str(data / "run")
+    facts = preflight.check(cfg)
+    assert facts[0] == "train: 5,000 tokens in 1 shard(s)", facts
+
+
 # ---------------------------------------------------------------------- resume compatibility
 
 def fake_checkpoint(run_dir_path, cfg: TrainConfig, *, step=4, world=1):

@@ -7,12 +7,15 @@ of a run may land on local disk.
 The endpoint reaches every process as the AWS tools take it: AWS_ENDPOINT_URL in the
 environment (set before Ray starts, like the credentials), written into the run's URI by
 `TrainConfig.resolve`. Three Ray runs, 2 CPU workers each, 10 steps of a depth-2 model:
-- an uninterrupted run (the reference);
+- an uninterrupted run (the reference), on the local shards;
 - a run whose rank 1 is SIGKILLed at step 7 (Ray restarts the group, which resumes from
-  checkpoint 4 read back from the bucket) and then gets SIGTERM at step 8 (checkpoint 9, stop);
-- `raygpt train -y 1` (the CLI's driver: a new trainer and controller) resuming from the bucket.
-The train losses of the killed-and-resumed run equal the reference's as floats, step by step,
-and the final weights are byte-identical. `raygpt status` and `raygpt plot` (the CLI, in a
+  checkpoint 4 read back from the bucket) and then gets SIGTERM at step 8 (checkpoint 9, stop),
+  its shards in the bucket too (-i/-j s3://, read through the node's shard cache);
+- `raygpt train -y 1` (the CLI's driver: a new trainer and controller) resuming from the bucket,
+  as a replacement node would: its shard cache empty (a fresh --shard-cache-dir), the shards
+  fetched from the bucket alone.
+The train losses of the killed-and-resumed run equal the reference's (trained on the local
+copies of the same shards) as floats, step by step, and the final weights are byte-identical. `raygpt status` and `raygpt plot` (the CLI, in a
 process of their own) read the run back from the bucket.
 """
 
@@ -29,6 +32,7 @@ import ray
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main as cli_main
+from raygpt.config import DEFAULT_TRAIN, DEFAULT_VAL
 from raygpt.ray.driver import run
 from raygpt.runlog.history import read_history
 from raygpt.storage import open_run_dir
@@ -82,21 +86,33 @@ def runs(s3, tmp_path_factory):
     # both faults wait for checkpoint 4's DONE: the kill must not beat it (a checkpoint Ray's
     # controller had not yet taken from the killed worker stays without DONE), and the kill,
     # checked first at every step, then always comes before the SIGTERM
-    killed = config("killed", fault="kill:rank=1,step=7,after=4;sigterm:rank=1,step=8,after=4")
+    fs = s3.fs()
+    for path in (DEFAULT_TRAIN, DEFAULT_VAL):  # the bundled shards, copied into the bucket
+        with fs.open_output_stream(f"bucket/data/{Path(path).name}") as f:
+            f.write(Path(path).read_bytes())
+    data = [f"s3://bucket/data/{Path(path).name}" for path in (DEFAULT_TRAIN, DEFAULT_VAL)]
+    caches = tmp_path_factory.mktemp("shard-caches")
+    killed = config("killed", fault="kill:rank=1,step=7,after=4;sigterm:rank=1,step=8,after=4",
+                    input_bin=data[0], input_val_bin=data[1],
+                    shard_cache_dir=str(caches / "first-node"))
+    assert killed.input_bin.startswith(f"{data[0]}?endpoint_override={s3.address}")
     first = run(killed)
     seconds.append(time.monotonic())
+    replacement = caches / "replacement-node"
+    assert not replacement.exists()
     code = cli_main(["train", "--cpu", "-e", "d2", "-b", "4", "-t", "32", "-x", "10", "-n", "4",
                      "-v", "5", "-m", "2", "-s", "0", "-g", "8", "-u", "2", "--no-compile",
                      "--num-workers", "2", "-d", str(4 * 32 * 2 * 2), "-y", "1",
-                     "-o", "s3://bucket/runs/killed"])
+                     "-o", "s3://bucket/runs/killed", "-i", data[0], "-j", data[1],
+                     "--shard-cache-dir", str(replacement)])
     seconds.append(time.monotonic())
     seconds = [round(b - a, 1) for a, b in zip(seconds, seconds[1:])]
-    yield full.output_dir, killed.output_dir, first, code, seconds, cwd
+    yield full.output_dir, killed.output_dir, first, code, seconds, cwd, caches
     here.undo()
 
 
 def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, runs):
-    full, killed, _, _, seconds, cwd = runs
+    full, killed, _, _, seconds, cwd, _ = runs
     print(f"the 3 Ray runs on S3 took {seconds} s")
     fs = s3.fs()
     for uri in (full, killed):
@@ -120,7 +136,7 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
 
 
 def test_a_killed_worker_and_a_resume_from_the_bucket_give_the_same_losses(runs):
-    full, killed, first, code, _, _ = runs
+    full, killed, first, code, _, _, _ = runs
     # attempt 1: rank 1 SIGKILLed at step 7 (or at the first step after it with checkpoint 4's
     # DONE in the bucket); Ray's restart resumed from checkpoint 4 (its files from this node's
     # local copies, checked against the bucket's MANIFEST);
@@ -142,8 +158,18 @@ def test_a_killed_worker_and_a_resume_from_the_bucket_give_the_same_losses(runs)
     assert len(fired) == 2, fired
 
 
+def test_the_killed_runs_shards_came_through_each_nodes_cache(runs):
+    """The killed run read its shards from the bucket through its node's cache (Ray's restart
+    found them there); the -y 1 resume, on an empty cache, fetched them from the bucket alone."""
+    *_, caches = runs
+    for node in ("first-node", "replacement-node"):
+        cached = sorted(p.name.split("-", 1)[1] for p in (caches / node).iterdir() if p.is_file())
+        assert cached == ["tiny_shakespeare_train.bin", "tiny_shakespeare_val.bin"], (node, cached)
+        assert (caches / node).stat().st_mode & 0o777 == 0o700
+
+
 def test_status_and_plot_read_the_bucket(s3, runs, tmp_path):
-    _, killed, _, _, _, _ = runs
+    _, killed, _, _, _, _, _ = runs
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     env.pop("AWS_ENDPOINT_URL")  # this time the endpoint comes from the flag
     status = subprocess.run([sys.executable, "-m", "raygpt", "status", "s3://bucket/runs/killed",

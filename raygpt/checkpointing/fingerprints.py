@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from raygpt.config import FILE_FIELDS, TrainConfig
-from raygpt.data.loader import data_fingerprint, file_ends_sha256
+from raygpt.data.sources import data_fingerprint, file_ends_sha256
 from raygpt.tokenizer import tokenizer_fingerprint
 
 # the file fingerprints a manifest carries besides data_hash (which every manifest has)

@@ -17,23 +17,32 @@ The shards' on-disk format (llm.c's) is raygpt.llmc.shards'.
 
 The loader state (`state_dict`) is that global cursor, so it does not depend on the number of
 ranks: a run can resume on a different world size and see the same global sample sequence.
+
+Where the shards are is raygpt.data.sources': local shards are memory-mapped where they lie;
+shards of an s3:// or gs:// pattern are read from the node's cache (`ShardCache`), and since the
+order is a pure function the loader asks for the next shard of the stream, fetched on a
+background thread, as soon as it starts the current one.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import hashlib
-import os
 import typing
 
 import numpy as np
 
-from raygpt.llmc.shards import ShardError, read_shard, read_shard_header
+from raygpt.data.sources import ShardCache, ShardFetcher, list_shards
+from raygpt.llmc.shards import ShardError, read_shard
 
 if typing.TYPE_CHECKING:
     import torch
+
+# What a loader of shards in a bucket holds in the node's cache at once (never evicted while
+# held): the shard it reads and the one before (a global batch may straddle them), and the one
+# it is entering with the next (fetched ahead). The cache must hold at least this many.
+SHARDS_HELD = 4
+
 
 def tokens_needed(B: int, T: int, world: int) -> int:
     """Tokens every shard must hold for a loader of `world` ranks at micro-batch B x T: one
@@ -41,48 +50,11 @@ def tokens_needed(B: int, T: int, world: int) -> int:
     return B * T * world + 1
 
 
-def shard_token_counts(pattern: str) -> list[tuple[str, int]]:
-    """(path, token count) of every shard matching `pattern`, each header checked (no tokens are
-    read): what the driver needs to fit B, T and the world size to the data before Ray starts."""
-    return [(path, read_shard_header(path)) for path in glob_shards(pattern)]
-
-
 def ranks_with_data(shard_tokens: list[int], B: int, T: int, world: int) -> int:
     """How many of `world` ranks a loader at B x T can serve (each shard must hold
     tokens_needed(B, T, ranks)); 0 when not even one. Validation uses this: on a validation set
     smaller than world * B samples, the ranks beyond it sit validation out."""
     return max(0, min(world, (min(shard_tokens) - 1) // (B * T)))
-
-
-def glob_shards(pattern: str) -> list[str]:
-    """The files matching `pattern`, sorted (llm.c's glob order); an error if there are none."""
-    paths = sorted(glob.glob(os.fspath(pattern)))
-    if not paths:
-        raise ShardError(f"shard pattern {pattern!r}: expected at least one matching file, found none")
-    return paths
-
-
-def file_ends_sha256(path: str, size: int) -> str:
-    """sha256 of a file's first MiB and last MiB (the whole file when it is smaller)."""
-    mib = 1 << 20
-    inner = hashlib.sha256()
-    with open(path, "rb") as f:
-        inner.update(f.read(mib))
-        if size > mib:
-            f.seek(size - mib)
-            inner.update(f.read(mib))
-    return inner.hexdigest()
-
-
-def data_fingerprint(pattern: str) -> str:
-    """A cheap identity of a set of shards for checkpoint compatibility checks: sha256 over
-    (basename, size, sha256 of the first MiB + the last MiB) of every shard. The first MiB holds
-    the header, so a changed token count always shows. Where the shards lie is not part of it."""
-    outer = hashlib.sha256()
-    for path in glob_shards(pattern):
-        size = os.path.getsize(path)
-        outer.update(f"{os.path.basename(path)}\t{size}\t{file_ends_sha256(path, size)}\n".encode())
-    return outer.hexdigest()
 
 
 # ---------------------------------------------------------------------------- data order (pure)
@@ -151,9 +123,13 @@ class DistributedDataLoader:
     """
 
     MAX_OPEN_SHARDS = 16  # memory maps (each holds a file descriptor) kept open at once
+    # a mapped shard of a remote pattern is held in the node's cache (SHARDS_HELD): the stream
+    # needs the shard it is in and the one before it (a global batch can straddle the two)
+    MAX_OPEN_REMOTE_SHARDS = 2
 
     def __init__(self, pattern: str, B: int, T: int, rank: int, world: int, *,
-                 shuffle: bool = False, seed: int = 1337, max_open_shards: int | None = None):
+                 shuffle: bool = False, seed: int = 1337, max_open_shards: int | None = None,
+                 cache: ShardCache | None = None):
         if B < 1 or T < 1:
             raise ValueError(f"DistributedDataLoader: B and T: expected integers >= 1, found B={B}, T={T}")
         if world < 1 or not 0 <= rank < world:
@@ -165,12 +141,13 @@ class DistributedDataLoader:
         self.seed = int(seed)
 
         # Validate every shard before any batch is served: a bad shard deep in the glob must not
-        # surface hours into a run.
-        self.paths = glob_shards(pattern)
+        # surface hours into a run (headers only: one range read each on an object store).
+        self.source = list_shards(pattern)
+        self.paths = [shard.uri for shard in self.source.shards]
         min_tokens = tokens_needed(self.B, self.T, self.world)
         num_tokens = []
-        for path in self.paths:
-            ntok = read_shard_header(path)
+        for i, path in enumerate(self.paths):
+            ntok = self.source.header_tokens(i)
             if ntok < min_tokens:
                 raise ShardError(f"{path}: token count (header[2]): expected at least "
                                  f"B*T*world+1 = {self.B}*{self.T}*{self.world}+1 = {min_tokens}, "
@@ -181,11 +158,16 @@ class DistributedDataLoader:
         # shard id -> memmap, opened on demand, least recently used closed past the bound: a
         # glob of thousands of shards must not hold a descriptor per shard (the limit is often
         # 1,024). The stream visits one shard at a time, so a small bound costs no reopening.
-        self.max_open_shards = int(max_open_shards or self.MAX_OPEN_SHARDS)
+        local = self.source.is_local
+        self.max_open_shards = int(max_open_shards or (
+            self.MAX_OPEN_SHARDS if local else self.MAX_OPEN_REMOTE_SHARDS))
         if self.max_open_shards < 1:
             raise ValueError(f"DistributedDataLoader: max_open_shards: expected an integer >= 1, "
                              f"found {max_open_shards}")
         self._tokens: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        # remote shards: fetched into the node's cache ahead of the stream, held while mapped
+        self._fetcher = None if local else ShardFetcher(self.source, cache or ShardCache())
+        self._held: dict[int, object] = {}  # shard id -> CachedShard, while mapped
 
         self._skip: list[tuple[int, int, int]] = []
         self._skip_version = 0
@@ -224,6 +206,14 @@ class DistributedDataLoader:
         shard = int(self.shard_indices[self.shard_pos])
         self.intra_shard_indices, self.shuffle_rng = sample_order(
             self.seed, self.epoch, shard, int(self.num_samples[shard]), self.should_shuffle)
+        if self._fetcher is not None:  # this shard and the stream's next one, in that order
+            self._fetcher.want([shard, self._next_shard()])
+
+    def _next_shard(self) -> int:
+        """The shard the stream visits after the current one (a pure function of the cursor)."""
+        if self.shard_pos + 1 < self.num_shards:
+            return int(self.shard_indices[self.shard_pos + 1])
+        return int(shard_order(self.seed, self.epoch + 1, self.num_shards, self.should_shuffle)[0])
 
     def _advance_shard(self) -> None:
         # llm.c's dataloader_advance_: next shard of this epoch, or the first of the next epoch.
@@ -331,7 +321,11 @@ class DistributedDataLoader:
         if tokens is not None:
             self._tokens.move_to_end(shard)
             return tokens
-        tokens = read_shard(self.paths[shard])
+        if self._fetcher is None:
+            tokens = read_shard(self.paths[shard])
+        else:  # from the node's cache, held there while mapped
+            self._held[shard] = self._fetcher.take(shard)
+            tokens = read_shard(self._held[shard].path)
         if len(tokens) != self.num_tokens[shard]:
             raise ShardError(f"{self.paths[shard]}: token count (header[2]): expected "
                              f"{int(self.num_tokens[shard])} (as validated at start), found "
@@ -340,8 +334,20 @@ class DistributedDataLoader:
         while len(self._tokens) > self.max_open_shards:
             # dropping the last reference unmaps it and closes its descriptor (batches are
             # gathered into copies, so no view of it outlives this)
-            self._tokens.popitem(last=False)
+            dropped, _ = self._tokens.popitem(last=False)
+            if dropped in self._held:
+                self._held.pop(dropped).close()  # the cache may evict it now
         return tokens
+
+    def close(self) -> None:
+        """Unmap every shard and, for a remote pattern, stop the background fetches and let the
+        node's cache evict what this loader held."""
+        self._tokens.clear()
+        for held in self._held.values():
+            held.close()
+        self._held.clear()
+        if self._fetcher is not None:
+            self._fetcher.close()
 
     @property
     def open_shards(self) -> int:
@@ -445,3 +451,5 @@ class DistributedDataLoader:
         self.epoch, self.shard_pos, self.sample_pos = epoch, shard_pos, sample_pos
         self.shard_indices, self.intra_shard_indices, self.shuffle_rng = order, intra, rng
         self.last_global_samples = np.zeros((0, 2), dtype=np.int64)
+        if self._fetcher is not None:  # the resumed shard and the next one, fetched from now
+            self._fetcher.want([shard, self._next_shard()])

@@ -47,6 +47,27 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
         f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
 
 
+def check_shard_header(raw: bytes, size: int, name: str) -> int:
+    """Check a shard's first HEADER_BYTES bytes (`raw`) against llm.c's format and the file's
+    `size`; return the token count. `name` is how errors name the file (a path or a URI)."""
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"{name}: header: expected {HEADER_BYTES} bytes (256 int32), "
+                         f"found a file of {len(raw)} bytes")
+    header = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4")
+    if header[0] != SHARD_MAGIC:
+        raise ShardError(f"{name}: magic (header[0]): expected {SHARD_MAGIC}, found {int(header[0])}"
+                         " -- not an llm.c token shard")
+    if header[1] != SHARD_VERSION:
+        raise ShardError(f"{name}: version (header[1]): expected {SHARD_VERSION}, "
+                         f"found {int(header[1])}")
+    ntok = int(header[2])
+    expected_size = HEADER_BYTES + ntok * TOKEN_DTYPE.itemsize
+    if ntok < 0 or size != expected_size:
+        raise ShardError(f"{name}: token count (header[2]) = {ntok}: expected a file of "
+                         f"{HEADER_BYTES} + 2*{ntok} = {expected_size} bytes, found {size} bytes")
+    return ntok
+
+
 def read_shard_header(path: str | os.PathLike) -> int:
     """Check the header of the shard at `path` against llm.c's format and its file size;
     return the token count."""
@@ -57,22 +78,7 @@ def read_shard_header(path: str | os.PathLike) -> int:
             raw = f.read(HEADER_BYTES)
     except OSError as e:
         raise ShardError(f"{path}: cannot read shard ({e})") from e
-    if len(raw) < HEADER_BYTES:
-        raise ShardError(f"{path}: header: expected {HEADER_BYTES} bytes (256 int32), "
-                         f"found a file of {len(raw)} bytes")
-    header = np.frombuffer(raw, dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: magic (header[0]): expected {SHARD_MAGIC}, found {int(header[0])}"
-                         " -- not an llm.c token shard")
-    if header[1] != SHARD_VERSION:
-        raise ShardError(f"{path}: version (header[1]): expected {SHARD_VERSION}, "
-                         f"found {int(header[1])}")
-    ntok = int(header[2])
-    expected_size = HEADER_BYTES + ntok * TOKEN_DTYPE.itemsize
-    if ntok < 0 or size != expected_size:
-        raise ShardError(f"{path}: token count (header[2]) = {ntok}: expected a file of "
-                         f"{HEADER_BYTES} + 2*{ntok} = {expected_size} bytes, found {size} bytes")
-    return ntok
+    return check_shard_header(raw, size, path)
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
         # the sweep directory names its store's endpoint (--storage-endpoint or the AWS
         # variables) like a run's: the driver, Tune and every trial then open the same store
         base = base.with_overrides({"output_dir": output_dir_with_endpoint(
-            base.output_dir, base.storage_endpoint)})
+            base.output_dir, base.storage_endpoint, data=(base.input_bin, base.input_val_bin))})
         items = space_items(ns)
         if base.resume != 1 and not (ns.address or os.environ.get("RAY_ADDRESS")):
             # this machine's Ray, not started yet: every known trial checked before importing it

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from raygpt.data.loader import DistributedDataLoader, data_fingerprint, sample_order, samples_to_ranges, shard_order
+from raygpt.data.loader import DistributedDataLoader, sample_order, samples_to_ranges, shard_order
+from raygpt.data.sources import data_fingerprint
 from raygpt.llmc.shards import ShardError, read_shard, write_shard
 
 VENDORED_VAL = os.path.join(os.path.dirname(__file__), "..", "..", "raygpt", "data_files",
@@ -465,7 +466,7 @@ def test_tokens_needed_and_ranks_with_data():
 
 
 def test_shard_token_counts_reads_headers_in_glob_order(tmp_path):
-    from raygpt.data.loader import shard_token_counts
+    from raygpt.data.sources import shard_token_counts
     pattern = make_shards(tmp_path, [30, 12, 50])
     got = shard_token_counts(pattern)
     assert [os.path.basename(p) for p, _ in got] == ["shard_000000.bin", "shard_000001.bin",
@@ -706,3 +707,100 @@ def test_a_batch_gathered_without_prefetch_is_on_the_device_asked_for(tmp_path):
     ld = DistributedDataLoader(make_shards(tmp_path, SIZES), 2, 4, 0, 1)
     x, y = ld.next_batch("meta")  # no prefetch: the gather itself puts it there
     assert x.device.type == y.device.type == "meta" and x.shape == y.shape == (2, 4)
+
+
+# ------------------------------------------------------------------------ shards in a bucket
+
+def bucket_copy(s3, directory, prefix) -> str:
+    """Every shard of a local directory uploaded under bucket/prefix; their s3:// glob."""
+    fs = s3.fs()
+    for path in sorted(directory.glob("*.bin")):
+        with fs.open_output_stream(f"bucket/{prefix}/{path.name}") as f:
+            f.write(path.read_bytes())
+    return s3.uri(f"bucket/{prefix}/shard_*.bin")
+
+
+def test_a_bucket_pattern_serves_the_batches_of_its_local_copy(s3, tmp_path):
+    """Shuffled, two ranks, across epochs, with prefetch and a cache that holds 4 of the 5
+    shards (what the loaders hold at once: evictions all along), then a resume from the state on
+    a node with an empty cache: every batch equals the local copy's."""
+    from raygpt.data.sources import ShardCache
+    from raygpt.llmc.shards import HEADER_BYTES
+    from raygpt.data.loader import SHARDS_HELD
+
+    sizes = [97, 130, 65, 200, 81]
+    (tmp_path / "local").mkdir()
+    local = make_shards(tmp_path / "local", sizes)
+    uri = bucket_copy(s3, tmp_path / "local", "same")
+    budget = SHARDS_HELD * (HEADER_BYTES + 2 * max(sizes))
+    kw = dict(shuffle=True, seed=5)
+
+    def remote_ranks(cache_dir):
+        return [DistributedDataLoader(uri, 2, 4, r, 2, **kw, cache=ShardCache(str(cache_dir), budget))
+                for r in range(2)]
+
+    want = [DistributedDataLoader(local, 2, 4, r, 2, **kw) for r in range(2)]
+    got = remote_ranks(tmp_path / "cache")
+    for step in range(60):  # 13 batches an epoch
+        if step % 3 == 0:
+            for ld in got:
+                ld.prefetch()
+        for a, b in zip(want, got):
+            xa, ya = a.next_batch()
+            xb, yb = b.next_batch()
+            assert torch.equal(xa, xb) and torch.equal(ya, yb), step
+            assert np.array_equal(a.last_global_samples, b.last_global_samples)
+        cached = sum(f.stat().st_size for f in (tmp_path / "cache").iterdir() if f.is_file())
+        assert cached <= budget, step
+    state = got[0].state_dict()
+    for ld in got:
+        ld.close()
+    fresh = tmp_path / "replacement-node"
+    assert not fresh.exists()
+    resumed = remote_ranks(fresh)  # a new node: nothing cached, everything from the bucket
+    for ld in resumed:
+        ld.load_state_dict(state)
+    assert np.array_equal(step_ranks(resumed, 30), step_ranks(want, 30))
+    assert [f for f in fresh.iterdir() if f.is_file()]
+    for ld in resumed:
+        ld.close()
+
+
+def test_the_next_shard_of_the_stream_is_fetched_before_the_loader_reaches_it(s3, tmp_path):
+    import time
+
+    from raygpt.data.sources import ShardCache
+    (tmp_path / "local").mkdir()
+    make_shards(tmp_path / "local", [41, 41, 41])
+    uri = bucket_copy(s3, tmp_path / "local", "ahead")
+    cache_dir = tmp_path / "cache"
+    ld = DistributedDataLoader(uri, 1, 4, 0, 1, shuffle=True, seed=3,
+                               cache=ShardCache(str(cache_dir)))
+    order = shard_order(3, 0, 3, True)
+    cached = lambda: {f.name.split("-", 1)[1] for f in cache_dir.iterdir() if f.is_file()}
+    first_two = {f"shard_{int(s):06d}.bin" for s in order[:2]}
+    deadline = time.monotonic() + 30  # no batch asked for: the fetches run on their own
+    while cached() != first_two and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached() == first_two
+    ld.close()
+
+
+def test_the_shard_fetched_ahead_is_the_one_the_stream_visits_next(tmp_path):
+    """The next shard is a pure function of the cursor, across epoch boundaries too (where the
+    next epoch's shard order decides it)."""
+    pattern = make_shards(tmp_path, [13, 9, 17, 9])
+    ld = DistributedDataLoader(pattern, 1, 4, 0, 1, shuffle=True, seed=11)
+    visits, predicted = [], []
+    for _ in range(30):  # 11 samples an epoch: into the third epoch
+        ahead = ld._next_shard()
+        ld.next_batch()
+        shard = int(ld.last_global_samples[0, 0])
+        if not visits or visits[-1] != shard:
+            visits.append(shard)
+            predicted.append(ahead)
+        else:
+            predicted[-1] = ahead  # what was predicted while inside this visit
+    # at each change the shard predicted inside the previous visit is the one reached
+    assert len(visits) >= 10
+    assert predicted[:-1] == visits[1:]
