@@ -68,6 +68,10 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/signed_file.py", "_create_key"):
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",
     ("raygpt/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
+    ("raygpt/data/sources.py", "ShardCache._fetch"):
+        "O_EXCL|O_NOFOLLOW temp in the private shard cache, renamed once verified",
+    ("raygpt/data/sources.py", "_flocked"): "O_NOFOLLOW lock files in the private shard cache",
+    ("raygpt/data/sources.py", "ShardFetcher._run"): "ShardCache.open, a read: not a write",
     ("raygpt/hf.py", "export_hf"):
         "a private mkdtemp folder beside the new or empty -o, renamed onto it when complete",
     ("raygpt/hf.py", "write_gpt2_tokenizer"):
