@@ -156,6 +156,31 @@ def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
     return (acc[0] / acc[1]).item()
 
 
+def hellaswag_share(cfg: TrainConfig, rank: int, world: int) -> list | None:
+    """This rank's HellaSwag examples (r, r + world, ...; the file was checked before Ray), or
+    None without --hellaswag."""
+    if not cfg.hellaswag:
+        return None
+    from raygpt.eval import hellaswag
+    return hellaswag.read_examples(cfg.hellaswag, cfg.storage_endpoint)[rank::world]
+
+
+def hellaswag_due(cfg: TrainConfig, step: int, last_step: bool) -> bool:
+    return bool(cfg.hellaswag) and cfg.hellaswag_every > 0 and (
+        step % cfg.hellaswag_every == 0 or last_step)
+
+
+@torch.no_grad()
+def hellaswag_score(model, examples: list, device, world: int) -> tuple[int, int]:
+    """(correct, total) HellaSwag acc_norm over every rank's share, llm.c's scoring
+    (raygpt.eval.hellaswag), summed over the ranks."""
+    from raygpt.eval import hellaswag
+    correct, total = hellaswag.score(model, examples, device)
+    counts = all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=device), world)
+    model.train()
+    return int(counts[0].item()), int(counts[1].item())
+
+
 @torch.no_grad()
 def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
     """A text sample from an end-of-text prompt, seeded by the step so it is reproducible."""
@@ -246,6 +271,7 @@ class Run:
     tokens_per_step: int
     resumed_from: int | None  # a checkpoint that exists at this step: do not write it again
     agree: torch.Tensor  # the per-step agreement vector (LOSS ... RAY_REPORT)
+    hellaswag: list | None = None  # this rank's HellaSwag examples (--hellaswag)
     stop_requested: bool = False
     val_loss: float = float("nan")
 
@@ -329,7 +355,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                                             n_params=num_parameters(model), startup=startup))
     return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
                flat=flat, opt=opt, train_loader=train_loader,
-               val_loader=val_loader,
+               val_loader=val_loader, hellaswag=hellaswag_share(cfg, rank, world),
                state=state, ckpt=ckpt, runlog=runlog,
                faults=plan_for(cfg.fault, rank, session.run_dir),
                flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
@@ -357,6 +383,9 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
         if r.validating and (step % cfg.val_every == 0 or last_step):
             r.val_loss = evaluate(r.forward, r.val_loader, cfg, session.device, session.world)
             runlog.val(step, r.val_loss, skips=state.skips, rewinds=state.ledger.rewinds)
+        if hellaswag_due(cfg, step, last_step):  # uncompiled: its rows vary in length
+            runlog.hellaswag(step, *hellaswag_score(r.model, r.hellaswag, session.device,
+                                                    session.world))
         if session.rank == 0 and sampling_step(cfg, step, last_step):
             runlog.sample(step, sample_text(r.model, cfg, session.device, step))
 

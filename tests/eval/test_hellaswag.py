@@ -101,3 +101,58 @@ def test_read_examples_reads_every_line_and_refuses_an_empty_file(tmp_path):
         hellaswag.read_examples(str(f))
     with pytest.raises(hellaswag.HellaSwagError, match="cannot read"):
         hellaswag.read_examples(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_run_scores_hellaswag_at_its_validation_steps_on_every_rank_share(tmp_path):
+    """--hellaswag in a (one-rank, no Ray) run: main.log's llm.c line and the history's eval
+    record at each -v step and the last, equal to scoring the checkpoint's model."""
+    from raygpt.loop import train
+    from raygpt.runlog.history import read_history
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+    from raygpt.trained import model_at
+    from tests.helpers import tiny_config
+
+    f = tmp_path / "hs.jsonl"
+    f.write_text("\n".join(json.dumps({"ctx": ex.ctx, "endings": list(ex.endings),
+                                       "label": ex.label}) for ex in examples(12)) + "\n")
+    cfg = tiny_config(tmp_path / "run", max_steps=4, val_every=2, checkpoint_every=4,
+                      hellaswag=str(f)).resolve(0)
+    assert cfg.hellaswag_every == 2
+    train(cfg, LocalSession(open_run_dir(cfg.output_dir), torch.device("cpu")))
+    evals = [r for r in read_history(open_run_dir(cfg.output_dir)) if r.get("kind") == "eval"]
+    assert [(r["step"], r["total"]) for r in evals] == [(0, 12), (2, 12), (4, 12)]
+    model, _, _ = model_at(cfg.output_dir, 4)
+    correct, _ = hellaswag.score(model, hellaswag.read_examples(str(f)), torch.device("cpu"))
+    assert evals[-1]["correct"] == correct and evals[-1]["hellaswag"] == correct / 12
+    log = (tmp_path / "run" / "main.log").read_text().splitlines()
+    assert f"s:4 eval:{correct / 12:.4f}" in log
+
+
+def test_examples_are_spread_over_the_ranks():
+    from raygpt.loop import hellaswag_share
+    from tests.helpers import tiny_config
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        f = f"{d}/hs.jsonl"
+        with open(f, "w") as out:
+            out.write("\n".join(json.dumps({**GOOD, "label": i % 4}) for i in range(7)) + "\n")
+        cfg = tiny_config(d, hellaswag=f)
+        shares = [hellaswag_share(cfg, r, 3) for r in range(3)]
+        assert [[ex.label for ex in s] for s in shares] == [[0, 3, 2], [1, 0], [2, 1]]
+        assert hellaswag_share(tiny_config(d), 0, 1) is None
+
+
+def test_preflight_refuses_a_bad_file_or_an_example_longer_than_the_context(tmp_path):
+    from raygpt.config import ConfigError
+    from raygpt.preflight import check_hellaswag
+    from tests.helpers import tiny_config
+    f = tmp_path / "hs.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": 9}) + "\n")
+    with pytest.raises(ConfigError, match="--hellaswag: .*hs.jsonl: line 2: label"):
+        check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
+    f.write_text(json.dumps({**GOOD, "ctx": "word " * 1100}) + "\n")
+    with pytest.raises(ConfigError, match="expected examples of at most 1024 tokens"):
+        check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
+    f.write_text(json.dumps(GOOD) + "\n")
+    check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
