@@ -97,7 +97,8 @@ SDPA_BACKENDS = ("default", "cudnn", "flash", "raygpt")
 DEFAULT_SDPA_BACKEND = "default"
 # Token embedding: "torch" = nn.Embedding (its CUDA backward is a scatter-add, deterministic
 # under torch.use_deterministic_algorithms only through a slow sort-based kernel),
-# "raygpt" = raygpt.ops.embedding (a Triton backward over sorted ids, no atomics) for wte, and wpe read as a slice, whose gradient is a plain sum over the batch.
+# "raygpt" = raygpt.ops.embedding (a Triton backward over sorted ids, no atomics) for wte,
+# and wpe read as a slice, whose gradient is a plain sum over the batch.
 EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
