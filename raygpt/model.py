@@ -6,9 +6,8 @@ nothing of Ray or torch.distributed. Module names are GPT-2's (`transformer.wte`
 Dimension letters: B batch, T time, C channels (n_embd), nh heads, hs head size = C / nh,
 L layers, V vocab (50257), Vp padded vocab (50304, a multiple of 128 for fast matmuls).
 
-Padded vocabulary (as llm.c): wte and the tied lm_head have Vp rows. Rows >= V start at zero,
-see no input token and no loss (the softmax covers the first V columns), so with AdamW's
-decoupled decay they stay exactly zero for the whole run.
+Padded vocabulary (as llm.c): wte and the tied lm_head have Vp rows. Rows >= V start at zero and
+get no gradient (no token >= V, the softmax covers V columns): they stay zero the whole run.
 
 The loss (`loss_impl`): "reference" holds the full (B*T, Vp) logits and takes an fp32
 cross-entropy; "fused" (the default, `fused_classifier_loss`) walks the rows in chunks and writes
