@@ -14,10 +14,9 @@ give the same bits (what --deterministic needs) at close to the speed of PyTorch
   that id's positions in the order of a stable sort of the ids, ROWS at a time; no atomics.
 
 Block sizes are fixed per head dimension (ATTN_CONFIGS), not autotuned: they set the order of
-every sum, and a pick by timing could differ between two runs or after a resume. Under
-TRITON_INTERPRET=1 the entry points take CPU tensors (see triton_kernels); the loops are a `for`
-over range() on the GPU (software-pipelined) and a `while` in the interpreter, whose range()
-cannot take a runtime bound under numpy 2, around one shared body (the INTERPRET constexpr).
+every sum, and a pick by timing could differ between two runs. Under TRITON_INTERPRET=1 the
+entry points take CPU tensors; the loops are a `for` over range() on the GPU (pipelined) and a
+`while` in the interpreter (its range() takes no runtime bound under numpy 2), one body.
 """
 
 from __future__ import annotations
