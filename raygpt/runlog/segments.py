@@ -8,6 +8,7 @@ append per line (what llm.c's tools and `tail -f` read; see `LogFile`). The layo
     <run dir>/loss_history/part-00000007-3f9a1c2e.jsonl   lines written in one interval
     <run dir>/loss_history/base-00000006.jsonl            optional: `compact`'s merge of
                                                           every part numbered <= 6
+    (likewise samples/part-*.jsonl, main_log/part-*.log and fault_injection/part-*.jsonl)
 
 - `part-<seq:08d>-<writer:8 hex>.<ext>`: whole lines (ending with a newline), one put, never
   changed. `seq` orders the parts; `writer` (random per process) keeps two processes that pick
