@@ -262,8 +262,8 @@ class RunDir:
     def background_appends(self, enabled: bool = True):
         """While inside, `append_text` only queues its line and returns: one writer thread does
         the appends in order (write + fsync). Why: a step that waits for two fsyncs
-        (loss_history.jsonl and main.log) leaves the GPU idle for milliseconds per step, several
-        percent of a GPT-2 step on an H200 (bench/throughput.py's "other" column).
+        (loss_history.jsonl and main.log) leaves the GPU idle (bench/throughput.py's "other"
+        column; docs/performance.md).
         What changes for callers:
         - every other method of this RunDir first waits for the queued appends, so a read
           through it sees every line, and a delete or an overwrite never races a queued append;

@@ -350,7 +350,7 @@ def logit_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
 
 def _statistics_and_scratch(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     """logit_statistics and the (n, Vp) fp32 tensor it used for exp(Lf - max), free to reuse.
-    In place where it can be (a (n, Vp) fp32 tensor per op was most of a CPU step's loss)."""
+    In place where it can be (a (n, Vp) fp32 tensor per op would be most of a CPU step's loss)."""
     Lf = L.to(torch.float32, copy=True)                                    # (n, Vp), own copy
     row_min = Lf[:, :vocab_size].amin(dim=1)       # (n,); a min is exact in any order
     Lf[:, vocab_size:] = float("-inf")

@@ -96,7 +96,7 @@ class Reporter:
 
     def compiling(self) -> None:
         """Before the first forward pass of a compiled model: it takes a while and looks like a
-        hang (10 to 25 s for GPT-2 124M on a GPU), so say so now and how long it took after."""
+        hang (tens of seconds for GPT-2 124M on a GPU), so say so now and how long it took after."""
         self._compile_started = time.perf_counter()
         self.say("raygpt | torch.compile: compiling the model's graphs during the first "
                  "validation and step (10-25 s on a GPU, once per process)...")
