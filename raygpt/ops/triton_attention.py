@@ -58,7 +58,7 @@ class AttnConfig:
             raise ValueError(f"AttnConfig: block sizes must nest, found {self}")
 
 
-# Hopper (H100, H200) sizes, FlashAttention-2 style; the interpreter's small ones exercise the
+# Hopper sizes, FlashAttention-2 style; the interpreter's small ones exercise the
 # same code paths (unequal blocks, ragged T) at test sizes.
 ATTN_CONFIGS = {
     16: AttnConfig(128, 64, 4, 3, 32, 128, 128, 32, 4, 3),
