@@ -1,42 +1,22 @@
 """torch.compile once per node, and once per run for a new node.
 
-torch.compile's caches (Inductor's FX graphs, AOTAutograd's, Triton's kernels) live on the node's
-local disk under NODE_COMPILE_CACHE, shared by every worker process the node runs, so a worker that
-Ray restarts on a surviving node finds its graphs compiled (TORCHINDUCTOR_CACHE_DIR /
-TRITON_CACHE_DIR set by the user win). The run's own compiled artifacts
-(torch.compiler.save_cache_artifacts) are stored beside it, COMPILE_ARTIFACTS/<key>.bin, so a
-replacement node fills its local caches from them before its first step instead of compiling;
-raygpt's own Triton kernels, which those artifacts do not carry, go beside them in a bundle
-(raygpt.kernel_bundle, COMPILE_ARTIFACTS/<key>.kernels.zip) that a new node installs into its
-Triton cache before it launches any of them (the restore's re-derive is the first).
-The node's cache is per user and private (atomic_file.private_dir: compiled code is loaded from
-it, so a directory another user of the node made first, or a symlink in its place, is refused),
-as torch's own /tmp/torchinductor_<user>.
+`CompileCache` is the loop's one handle: `for_run` points torch.compile's caches (Inductor's,
+AOTAutograd's, Triton's) at NODE_COMPILE_CACHE, this user's private directory on the node's disk
+shared by its workers, and fills them from the run's artifacts before the restore launches a
+kernel; `save_if_new` (rank 0) stores the first step's graphs as COMPILE_ARTIFACTS/<key>.bin and
+raygpt's own Triton kernels, which those do not carry, as <key>.kernels.zip (raygpt.kernel_bundle).
+A restarted worker finds its graphs in the node's cache, a new node in the run's files
+(TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR set by the user win).
 
-Both run-directory files are signed with the user's key (raygpt.signed_file; the session's
-`artifact_key`) and checked before a byte of them is unpickled or installed: the run directory
-may be on storage that others can write. A file that does not verify (an older run's unsigned
-one, one another key signed, a forged one) is not loaded; the run compiles, as with none, and
-rank 0 replaces it with its own signed file after its first step, so the next new node starts
-warm again. Without a key (a session that has none) the run compiles and stores nothing.
+Both run-directory files are signed with the session's `artifact_key` (raygpt.signed_file) and
+checked before a byte is unpickled or installed (others may write the run's storage): one that
+does not verify is not loaded, and rank 0 stores its own. Without a key nothing is stored.
 
-AOTAutograd's cache skips, by default, any graph with a custom autograd.Function in it (torch
-cannot tell whether the Function's Python changed since the entry was made), and raygpt's loss,
-attention and embedding are such Functions: a warm start then re-traced and re-partitioned the
-whole forward and backward (most of its first step). `trust_raygpt_functions` lets the cache keep
-them and puts a hash of the source torch.compile traces (raygpt/model.py, raygpt/ops/) into every
-cache key instead, so an entry made by other raygpt code is never loaded.
-
-`CompileCache` is the loop's one handle on it: `for_run` points the caches at the node and
-fills them from the run's artifacts (before the restore launches a kernel), `save_if_new`
-stores the first step's graphs and kernels (rank 0).
-
-Every new worker process also pays for importing torch.compile's machinery (Dynamo, Inductor:
-several seconds of Python) and for the keys Inductor computes once per process;
-`import_compiler` does that while the resume checkpoint is read and hashed on another thread
-(which holds the GIL little). It once ran on a thread of its own beside the model build and the
-load: on an H200 a restarted worker then reached its first step 0.9-2.4 s later than with no
-such thread (two runs each), both sides being Python that waits on the GIL.
+`trust_raygpt_functions` lets AOTAutograd's cache keep graphs holding raygpt's custom
+autograd.Functions (skipped by default, so a warm start would re-trace most of the step) and
+puts a hash of the traced source (raygpt/model.py, raygpt/ops/) into every key instead.
+`import_compiler` imports Dynamo and Inductor (seconds of Python per process) on the loop's
+thread while the resume checkpoint is read on another.
 """
 
 from __future__ import annotations

@@ -20,24 +20,18 @@ are separated by ';', each `kind:key=value,...`:
                                 (the driver's finalizer leaves it, as if it had died there), and
                                 this rank is SIGKILLed two steps later (Ray only)
 
-`rank` defaults to 0. `after=N` fires the fault at the first step from its step on at which
-checkpoint N's DONE is in the run directory: a kill that must come after a complete checkpoint,
-however long the machine takes to write it and the driver to finish it (`kill:rank=1,step=12,
-after=10`; the training goes on meanwhile: it is the loop that publishes the checkpoint).
-`visit=N` fires it at the Nth arrival at its step within one attempt
-(default 1; a spike rewind brings the loop back to steps it has been through, so
-`kill:rank=1,step=7,visit=2` kills a worker between a rewind and the next checkpoint).
-A fault fires once per run directory (its record under `<run dir>/faults/` remembers it, so
-the restarted attempt runs clean) unless it carries `every=1`, which fires on every attempt (for
-retry-budget tests).
+`rank` defaults to 0. `after=N` waits, from its step on, for the first step at which checkpoint
+N's DONE is in the run directory (a kill that must follow a complete checkpoint however long it
+takes: `kill:rank=1,step=12,after=10`). `visit=N` fires at the Nth arrival at its step within
+one attempt (a spike rewind revisits steps: `kill:rank=1,step=7,visit=2`). A fault fires once
+per run directory, so the restarted attempt runs clean, unless it carries `every=1` (every
+attempt: retry-budget tests).
 
-Every fault that fires leaves a record, written before it strikes: `<run dir>/faults/<name>`,
-one small JSON file each (`record_fired`; a file per fault, so ranks never write the same file
-and no append races on an object store). Faults from outside the run, which no spec can arm
-(`EXTERNAL_KINDS`: a Ctrl-C to the driver's process group and a Ray node removed under the run,
-as bench/fault_campaign.py injects them; a worker process SIGKILLed from outside, as
-bench/recovery.py does), are recorded by whoever injects them
-(`record_external`). `raygpt status` lists them all (`read_fired`).
+Every fault that fires first leaves a record, one small JSON file `<run dir>/faults/<name>`
+(`record_fired`; a file each, so ranks never share a file and nothing appends on an object
+store). Faults from outside the run, which no spec arms (`EXTERNAL_KINDS`: Ctrl-C, a node
+removed, a worker SIGKILLed, as bench/fault_campaign.py and bench/recovery.py inject them), are
+recorded by their injector (`record_external`). `raygpt status` lists them all (`read_fired`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,21 @@
 """raygpt's own Triton kernels, compiled once per run: the bundle a replacement node installs.
 
-torch.compiler.save_cache_artifacts carries the kernels Inductor generates, not raygpt's own
-(raygpt.ops: AdamW, the gradient norm, the stochastic rounding that re-derives the working
-weights, the loss gradient, the deterministic attention and embedding backward), whether
-launched from Python or inlined by Inductor into the compiled step as user-defined kernels.
-Triton compiles each on its first use in a node, a second or more apiece on an H200, inside a
-replacement node's recovery, and builds its C launcher modules with the host's compiler. A run
-therefore stores the kernels it launches from Python and those C modules beside its compiled
-artifacts, and a new node installs them into its Triton cache before its first launch, where
-Triton finds them as its own entries. Inductor's copies of the triton_op kernels are not
-stored: a new node compiles them under other cache keys than the node that stored them did (seen
-on an H200; torch's static launch of user-defined kernels did not change that), so they would
-never be found.
+torch.compiler.save_cache_artifacts carries Inductor's generated kernels, not raygpt.ops' own
+(AdamW, the gradient norm, the stochastic rounding, the loss gradient, the deterministic attention
+and embedding backward), which Triton would otherwise compile, with its C launchers, inside a new
+node's recovery. A run stores those it launches from Python, with the C modules, beside its
+compiled artifacts; a new node installs them into its Triton cache before its first launch.
+(Inductor's copies of the triton_op kernels get other keys on a new node: not stored.)
 
-A bundle is a zip archive (zipfile: each member CRC-checked on read). `index.json` names, for
-every kernel, its Triton cache key (`CompiledKernel.hash`: the directory Triton's cache manager
-keeps it in), the group file Triton looks it up by (`<kernel name>.json`, the metadata) and
-its files; each file is the member `<key>/<file>`. Installing writes the files through Triton's
-own cache manager (`triton.runtime.cache.get_cache_manager`: TRITON_CACHE_DIR, or a manager
-the user configured) and the group last, as Triton does, so a kernel half installed is a miss,
-never a broken hit. A kernel compiled for another GPU or Triton has another key and is simply
-never looked up. The checks here (CRCs, plain names) catch damage, not an author: in the run
-directory a bundle travels signed with the user's key (raygpt.signed_file), checked by
-raygpt.compile_cache before `read_bundle` sees a byte of it.
-
-Reader and writer are side by side: `write_bundle` / `read_bundle`; `record_compiled_kernels`
-and `launched_kernels` collect what this process compiled, `install` puts a bundle's kernels
-into this node's cache.
+A bundle is a zip archive (each member CRC-checked on read). `index.json` names, for every
+kernel, its Triton cache key (`CompiledKernel.hash`), the group file Triton looks it up by
+(`<kernel name>.json`) and its files; each file is the member `<key>/<file>`. `install` writes
+through Triton's own cache manager (`triton.runtime.cache.get_cache_manager`) with the group
+last, as Triton does, so a half-installed kernel is a miss, never a broken hit; one compiled for
+another GPU or Triton has another key and is never looked up. These checks catch damage, not an
+author: in the run directory a bundle is signed (raygpt.signed_file), checked by
+raygpt.compile_cache before `read_bundle` sees a byte. Use: `record_compiled_kernels`, then
+`launched_kernels` and `write_bundle` to store; `read_bundle` and `install` on a new node.
 """
 
 from __future__ import annotations
@@ -120,8 +109,7 @@ def launched_kernels(names: set[str] | None = None) -> list[Kernel]:
     host's C compiler on a node's first launch), their files read back from the cache.
     Inductor's own kernels are left out (its artifacts carry them), and so are its copies of
     raygpt's triton_op kernels: a new node compiles those under other keys than the node that
-    stored them (seen on an H200, bench/results/h200_gpu_test_2026-12-01_kernel_bundle_v3_*),
-    so they would never be found. Empty when this process records nothing (a CPU run)."""
+    stored them, so they would never be found. Empty when this process records nothing (a CPU run)."""
     if not _recording:
         return []
     names = raygpt_kernel_names() if names is None else names

@@ -92,12 +92,8 @@ def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) ->
 
 def compile_model(model: GPT, mode: str) -> torch.nn.Module:
     """torch.compile over the whole model, one graph with static shapes: validation batches of
-    another size must not make the training graph symbolic. (Each block compiled on its own
-    instead traces and loads faster at a restart, 2.1 s against 3.7 s for the first step on an
-    H200, but trains 2.3-2.6% slower, 1.6% with the final norm and the loss compiled too:
-    bench/restart_parts.py and bench/throughput.py, variants regional and pieces. Tracing the
-    blocks once inside one graph, torch.compiler.nested_compile_region, refuses parameters that
-    are views of one buffer, as FlatParameters makes them: bench/results/RECOVERY.md.)"""
+    another size must not make the training graph symbolic. (Per-block compiles restart faster
+    but train slower, and nested_compile_region refuses FlatParameters' views: docs/faults.md.)"""
     return torch.compile(model, mode=mode, dynamic=False)
 
 
@@ -235,12 +231,12 @@ def _set_torch_switches(cfg: TrainConfig) -> None:
         # read when the first cuBLAS handle is made, which is after this point in a worker
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # strict: an op without a deterministic implementation raises (see train()), rather than
-        # warning and running its non-deterministic kernel (on an H200, with warn_only, cuDNN's
-        # attention backward made step 2's loss differ run to run)
+        # warning and running its non-deterministic kernel (cuDNN's attention backward, under
+        # warn_only, makes the losses differ run to run)
         torch.use_deterministic_algorithms(True)
-        # ...but not its filling of every torch.empty with NaN (49 fill kernels, 1.5 ms a step
-        # at d12 B=64 on an H200): the loop reads no memory it has not written, and the GPU
-        # tests' two-run equality would show it if it did
+        # ...but not its filling of every torch.empty with NaN (a fill kernel per buffer, every
+        # step): the loop reads no memory it has not written, and the GPU tests' two-run
+        # equality would show it if it did
         torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -337,8 +333,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     if resumed_from is None and device.type == "cuda" and opt.master is not None:
         # The restore's kernel (working weights from master) compiled now, on a fresh start:
         # a worker restarted on this node then finds it in the node's Triton cache instead of
-        # compiling it inside its recovery (the re-derive of a warm one on an H200: 0.74 s
-        # before, 0.46 s after, bench/results/RECOVERY.md). On fresh weights
+        # compiling it inside its recovery (docs/faults.md's recovery ledger). On fresh weights
         # it is the identity: master holds the bf16 weights exactly, and stochastic rounding
         # of a value bf16 holds exactly returns it (every rank takes this branch together:
         # resumed_from is agreed, and ZeRO's gather inside is one collective).

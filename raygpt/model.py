@@ -1,30 +1,22 @@
-"""GPT-2 on one device (llm.c's model file that holds its weights: raygpt.llmc.model_file).
-
-This module owns the network (GPT-2's module names, so a nanoGPT or llm.c reader finds
-`transformer.wte`, `h[i].attn.c_attn`, `ln_f`, `lm_head` where they expect them), its
-initialisation, the loss, sampling, and the map between PyTorch parameters and llm.c's 16
-parameter tensors. It knows nothing of Ray or torch.distributed.
+"""GPT-2 on one device: the network, its initialisation, the loss, sampling, and the map between
+PyTorch parameters and llm.c's 16 parameter tensors (its file: raygpt.llmc.model_file). It knows
+nothing of Ray or torch.distributed. Module names are GPT-2's (`transformer.wte`,
+`h[i].attn.c_attn`, `ln_f`, `lm_head`), so a nanoGPT or llm.c reader finds them where expected.
 
 Dimension letters: B batch, T time, C channels (n_embd), nh heads, hs head size = C / nh,
 L layers, V vocab (50257), Vp padded vocab (50304, a multiple of 128 for fast matmuls).
 
-Padded vocabulary (as llm.c): wte and the tied lm_head have Vp rows. Rows >= V are
-zero-initialised and never matter: no input token is >= V, and the loss slices the logits to
-the first V columns before the softmax, so those rows receive zero gradient and, with AdamW's
-decoupled decay, stay exactly zero for the whole run. Logits are computed for all Vp columns
-(the matmul shape the hardware likes) and sliced afterwards.
+Padded vocabulary (as llm.c): wte and the tied lm_head have Vp rows. Rows >= V start at zero and
+get no gradient (no token >= V, the softmax covers V columns): they stay zero the whole run.
 
-The loss (`loss_impl`): "reference" is the textbook path (full (B*T, Vp) logits, slice,
-fp32 cross-entropy); "fused" (the default, `fused_classifier_loss`) never holds the full logits:
-it walks the rows in chunks, computes logsumexp in fp32 from bf16 logits and writes the
-logits' gradient in the same pass (raygpt.ops.cross_entropy_grad: a Triton kernel on CUDA), so the loss's memory traffic is a few bf16 passes instead of
-an fp32 softmax saved for backward. Both give the same loss, z-loss, max |logit| and gradients
-(the fused path masks the padded columns to -inf instead of slicing them off: same result).
+The loss (`loss_impl`): "reference" holds the full (B*T, Vp) logits and takes an fp32
+cross-entropy; "fused" (the default, `fused_classifier_loss`) walks the rows in chunks and writes
+the logits' gradient in the forward pass (raygpt.ops.cross_entropy_grad). Both give the same loss,
+z-loss, max |logit| and gradients.
 
-Parameters in llm.c order: `llmc_parameter_layout` lists, for each llm.c tensor, the PyTorch
-Parameters that make it up. raygpt/optim.py re-points every Parameter's `.data` at a slice of
-one flat buffer in that order, so nothing here caches a parameter tensor; the weight tie is one
-Parameter object shared by `transformer.wte` and `lm_head`, which survives the re-pointing.
+`llmc_parameter_layout` lists the Parameters behind each llm.c tensor, in llm.c's order;
+raygpt/optim.py re-points them at slices of one flat buffer, so nothing here caches a parameter
+tensor (the weight tie is one Parameter shared by wte and lm_head, which survives that).
 """
 
 from __future__ import annotations
@@ -103,9 +95,9 @@ DEFAULT_CE_CHUNK_ROWS = 16384
 SDPA_BACKENDS = ("default", "cudnn", "flash", "raygpt")
 DEFAULT_SDPA_BACKEND = "default"
 # Token embedding: "torch" = nn.Embedding (its CUDA backward is a scatter-add, deterministic
-# under torch.use_deterministic_algorithms only through a sort-based kernel, 3.6 ms a step at d12
-# B=64 on an H200), "raygpt" = raygpt.ops.embedding (a Triton backward over sorted ids, no
-# atomics) for wte, and wpe read as a slice, whose gradient is a plain sum over the batch.
+# under torch.use_deterministic_algorithms only through a slow sort-based kernel),
+# "raygpt" = raygpt.ops.embedding (a Triton backward over sorted ids, no atomics) for wte,
+# and wpe read as a slice, whose gradient is a plain sum over the batch.
 EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
 
@@ -116,11 +108,9 @@ def kernels_for(deterministic: bool, device_type: str, *, sdpa_backend: str = "a
     deterministic attention and embedding backward under --deterministic on CUDA, else the
     defaults above; any other value is taken as given.
 
-    Why raygpt's under --deterministic: measured on one H200, GPT-2 124M, B=64, T=1024,
-    torch.compile, one run side by side (bench/results/h200_det_throughput_2026-11-30.log),
-    556,492 tok/s against 560,280 / 561,306 for the non-deterministic kernels (-0.7%), where
-    PyTorch's deterministic kernels give 520,408 (-7.1%). bench/throughput.py's `torchdet`
-    variant picks PyTorch's (sdpa_backend="default", embedding_impl="torch") to measure that."""
+    raygpt's kernels under --deterministic because they keep nearly all of the non-deterministic
+    speed where PyTorch's deterministic ones do not (docs/performance.md, "Deterministic by
+    default"; bench/throughput.py's `torchdet` variant runs PyTorch's)."""
     ours = deterministic and device_type == "cuda"
     return dict(
         sdpa_backend=("raygpt" if ours else DEFAULT_SDPA_BACKEND) if sdpa_backend == "auto"
@@ -316,9 +306,9 @@ class Block(nn.Module):
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """nn.Embedding(num, dim); on the meta device built around an empty weight instead of
-    drawing its init there: PyTorch's normal_ on a meta tensor imports torch._dynamo (1.2 s on
-    one CPU thread, more in a fresh GPU worker), which put the compiler's imports inside the
-    model build of every (re)started worker, and the init would be overwritten anyway."""
+    drawing its init there: PyTorch's normal_ on a meta tensor imports torch._dynamo, which would
+    put the compiler's imports inside the model build of every (re)started worker, and the init
+    would be overwritten anyway."""
     if torch.get_default_device().type == "meta":
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     return nn.Embedding(num, dim)
@@ -374,8 +364,7 @@ class GPT(nn.Module):
     def empty(cls, config: GPTConfig, **kw) -> "GPT":
         """A GPT on the CPU whose weights are uninitialised memory, no init drawn (built on the
         meta device): for weights about to be loaded, or set by `init_gpt2`. A restarted worker
-        skips GPT-2's init this way (1.8 s of one CPU thread at GPT-2 124M, more beside the
-        compiler's warm-up)."""
+        skips GPT-2's init, seconds of one CPU thread, this way."""
         with torch.device("meta"):
             model = cls(config, init_seed=None, **kw)
         model.to_empty(device="cpu")

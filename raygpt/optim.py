@@ -37,9 +37,8 @@ def _alias(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor
     """`shape` over `buffer`'s memory from element `offset`: the memory of
     buffer[offset:offset + n].view(shape), but not an autograd view of the buffer. torch.compile
     makes each view among a graph's inputs (a parameter's .grad among them) a fake tensor by
-    replaying the view from its base, at every start and restart: for GPT-2 124M's gradients
-    0.7-0.9 s of Dynamo's fake tensors on an H200, 0.15-0.22 s as aliases
-    (bench/restart_parts.py, bench/results/h200_restart_parts_2026-12-01_*)."""
+    replaying the view from its base, at every start and restart, several times slower than
+    for an alias (docs/faults.md; bench/restart_parts.py)."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), buffer.storage_offset() + offset, shape)
 

@@ -2,44 +2,31 @@
 
 Two small files at the top of a run (or sweep) directory, reader and writer side by side:
 
-- `raygpt_run.json`, the marker: written once, by raygpt, into a directory it created or found
-  empty (format, version, kind "run" | "sweep", a run id, when, and its owner: user name,
-  numeric uid and host). A directory becomes a run or a sweep only that way (`claim_dir`): one
-  that holds anything else is refused, and nothing in it is written. A marker is honoured only
-  when it is this user's (`owner_problem`): on a local or NFS directory the marker file must be
-  a regular file (lstat: a symlink is refused) owned by this process's uid, and the uid it
-  records must be that uid; on an object store, where objects have no owner raygpt can read,
-  the user name it records must be this user's (a guard against mistakes between colleagues,
-  not against whoever holds the bucket's write credentials: they can delete it anyway).
-  `--overwrite` deletes only a directory that
-  carries this user's marker of the right kind, and never one of `refused_overwrite_target`'s
-  places (`/`, the home directory, the current directory or one of their ancestors, a bucket
-  root, an empty `-o`).
-- A run from a raygpt before markers holds none. `-y 1` adopts it (marks it and resumes) only
-  when it shows it is a raygpt run this user wrote: a `config.json` in raygpt's format or a
-  complete checkpoint (DONE, a raygpt MANIFEST and every file it lists), owned by this uid on a
-  local or NFS directory. Adopting writes the marker and nothing else; every other existing
-  file is left as it is. `--overwrite` of an unmarked run is refused: delete it by hand.
-- `raygpt_lease.json`, the lease: one writer per run directory. The driver (or a sweep trial)
-  that runs a job holds it; it names the holder (user, host, pid, a token) and when it expires,
-  and a heartbeat thread renews it every `ttl_s / 4`. A second job is refused with a line naming
-  the holder and the expiry. The lease is released when the job ends (so `-y 1` right after a
-  clean stop works at once); a job that died without releasing it is taken over by its
-  successor once the lease expires, or at once when the holder was a process on this host that
-  no longer exists. Holders of one *lineage* (a sweep trial and its retries, which share the
-  sweep driver's token and the trial id) take over from each other at once.
+- `raygpt_run.json`, the marker (format, version, kind "run" | "sweep", run id, when, and the
+  owner: user name, uid, host), written once into a directory raygpt created or found empty
+  (`claim_dir`); a directory holding anything else is refused and left untouched. A marker is
+  honoured only when it is this user's (`owner_problem`): locally or on NFS a regular file
+  (lstat: no symlink) owned by this uid and recording it; on an object store, which has no owners
+  raygpt can read, recording this user's name (a guard against colleagues' mistakes, not against
+  whoever holds the bucket's credentials). `--overwrite` deletes only a directory with this
+  user's marker of the right kind, never one of `refused_overwrite_target`'s places (`/`, home,
+  the current directory or an ancestor, a bucket root, an empty `-o`).
+- An unmarked run is adopted by `-y 1` (marked, nothing else written, then resumed) only when it
+  shows raygpt wrote it for this user: a raygpt `config.json` or a complete checkpoint (DONE, a
+  raygpt MANIFEST and its files), owned by this uid locally or on NFS. `--overwrite` refuses it.
+- `raygpt_lease.json`, the lease: one writer per run directory. The job's driver (or sweep trial)
+  holds it, naming the holder (user, host, pid, token) and its expiry, renewed every `ttl_s / 4`
+  by a heartbeat thread; a second job is refused with a line naming both. A clean end releases
+  it; a dead holder's lease is taken over once it expires, or at once when the holder was a
+  process on this host that is gone. One *lineage* (a sweep trial and its retries: same sweep
+  token and trial id) takes over at once. Ray's restarts inside a job never touch the lease.
 
-Ray restarts of the worker group happen inside the driver's job: they never touch the lease.
-
-Atomicity: on a local or NFS directory the read-check-write of an acquisition runs under an
-`flock` on `.raygpt_lease.lock`, so two jobs cannot both win. Object stores (S3, GCS through
-pyarrow.fs) offer no conditional put here, so an acquisition writes, waits `settle_s`, reads
-back, and gives up if another holder's token is there: two jobs started within the same second
-on the same bucket prefix can both see themselves lose (both are refused; start one again),
-never both win unless the store reorders their puts beyond `settle_s`. Expiry is judged in
-wall-clock time against the holder's own clock: hosts are assumed NTP-synchronised (a skew
-of s seconds moves a takeover s seconds earlier or later; a live holder renews every
-ttl_s / 4, so a skew below 3/4 of ttl_s never takes a live lease).
+Atomicity: locally or on NFS an acquisition's read-check-write runs under an `flock` on
+`.raygpt_lease.lock`. Object stores (S3, GCS through pyarrow.fs) offer no conditional put here,
+so an acquisition writes, waits `settle_s`, reads back, and gives up if another token is there:
+two jobs started within a second on one prefix may both lose (both refused), never both win
+unless the store reorders their puts beyond `settle_s`. Expiry is judged against the holder's
+wall clock (hosts NTP-synchronised: a skew below 3/4 of ttl_s never takes a live lease).
 """
 
 from __future__ import annotations

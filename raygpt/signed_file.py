@@ -2,19 +2,17 @@
 this user's key: the compiled artifacts (torch unpickles them) and the kernel bundle (Triton
 imports its launchers as native code).
 
-The run directory may be on storage other people or roles can write (an NFS export with umask
-002, a bucket every worker role writes), so a file found there is loaded only when it carries
-an HMAC-SHA256 made with a key that never touches the run directory; of anything else not a
-byte is unpickled or installed (the caller compiles instead).
+The run directory may be on storage others can write (an NFS export with umask 002, a bucket
+every worker role writes), so a file found there is loaded only when it carries an HMAC-SHA256
+made with a key that never touches the run directory; of anything else not a byte is unpickled
+or installed (the caller compiles instead).
 
 The key: 32 random bytes in `key_path()` (RAYGPT_ARTIFACT_KEY_FILE, else
-$XDG_CONFIG_HOME/raygpt/artifact.key, else ~/.config/raygpt/artifact.key) on the machine that
-runs the driver, made there on the first compiled run and kept, so a later driver (a resume
-with -y 1, a sweep restored) verifies what an earlier one's workers stored; a driver on another
-machine has another key unless the file is shared or copied, and its run compiles once and
-re-signs. The driver hands the key to its workers in Ray Train's train_loop_config, which Ray
-keeps in memory (it is not written under the storage path); an `ArtifactKey` prints without
-its bytes, so neither a log line nor Ray's state export of that config shows them.
+$XDG_CONFIG_HOME/raygpt/artifact.key, else ~/.config/raygpt/artifact.key) on the driver's
+machine, made on the first compiled run and kept, so a later driver there (-y 1, a restored
+sweep) verifies what earlier workers stored; elsewhere a driver has another key (its run
+compiles once and re-signs). Workers get it in Ray Train's train_loop_config, held in memory,
+not under the storage path; an `ArtifactKey` prints without its bytes.
 
 A signed file: MAGIC, the 32-byte tag, the payload. The tag is HMAC-SHA256 over MAGIC, the
 file's name in the run directory (length-prefixed) and the payload, so a file signed for one

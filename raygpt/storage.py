@@ -1,27 +1,21 @@
 """Run-directory I/O: every byte raygpt reads or writes under a run directory goes through here.
 
-A run directory is a `pyarrow.fs` filesystem plus a root path: a local or NFS path, `file://`,
-`s3://`, `gs://`, or any `pyarrow.fs.FileSystem` (tests use fsspec's in-memory filesystem wrapped
-in `PyFileSystem`). `RunDir` takes paths relative to the root, always with `/` separators.
+A run directory (`RunDir`, paths relative to its root with `/` separators) is a `pyarrow.fs`
+filesystem plus a root: a local or NFS path, `file://`, `s3://`, `gs://`, or any
+`pyarrow.fs.FileSystem` (tests wrap fsspec's in-memory one in `PyFileSystem`).
 
-Durability differs by backend and is handled here so callers never think about it:
-- local: an atomic write is raygpt.atomic_file's (temp file in the same directory, fsync,
-  rename, fsync of the directory), so a crash leaves the old file or the new one, never a torn one;
-- object stores: one PUT is already all-or-nothing, so an atomic write is a single put.
-Object stores have no append, so `append_text` is for local / NFS run directories only: the run's
-logs on an object store are immutable segments (raygpt.runlog.segments), the one way raygpt
-appends there. The training loop's rank 0 moves its appends onto a writer thread
-(`RunDir.background_appends`) so that a training step never waits for an fsync.
+Durability per backend, so callers never think about it: locally an atomic write is
+raygpt.atomic_file's (temp file, fsync, rename, fsync of the directory); on an object store one
+PUT is already all-or-nothing. `append_text` is for local / NFS run directories only (object
+stores have no append: their logs are raygpt.runlog.segments); `RunDir.background_appends` moves
+rank 0's appends onto a writer thread so that a step never waits for an fsync.
 
-Object stores are opened bounded and where the user points (`open_run_dir`):
-- an S3-compatible endpoint (MinIO, Ceph, moto in the tests) comes, as for the AWS tools, from
-  the URI's own `?endpoint_override=`, else `--storage-endpoint`, else AWS_ENDPOINT_URL_S3, else
-  AWS_ENDPOINT_URL (`with_endpoint` writes it into the URI, so every process of a run opens the
-  same store from the same string);
-- every remote call is bounded: S3 connects within CONNECT_TIMEOUT_S, a request that stalls
-  REQUEST_TIMEOUT_S fails, S3_MAX_ATTEMPTS tries in all; GCS retries for GCS_RETRY_LIMIT_S at most;
-- `check_reachable` answers within a deadline whether the store is there (bucket, credentials,
-  endpoint), as one line naming the URI and the cause (`StorageError`), before Ray starts.
+`open_run_dir` opens object stores where the user points and bounded: an S3-compatible endpoint
+comes from the URI's `?endpoint_override=`, else `--storage-endpoint`, else
+AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (`with_endpoint` writes it into the URI, so every
+process opens the same store); S3 calls are bounded by CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S and
+S3_MAX_ATTEMPTS, GCS retries by GCS_RETRY_LIMIT_S. `check_reachable` says within a deadline,
+before Ray starts, whether the store is there, as one line naming the URI and the cause.
 """
 
 from __future__ import annotations
@@ -262,8 +256,8 @@ class RunDir:
     def background_appends(self, enabled: bool = True):
         """While inside, `append_text` only queues its line and returns: one writer thread does
         the appends in order (write + fsync). Why: a step that waits for two fsyncs
-        (loss_history.jsonl and main.log) leaves the GPU idle for milliseconds per step, several
-        percent of a GPT-2 step on an H200 (bench/throughput.py's "other" column).
+        (loss_history.jsonl and main.log) leaves the GPU idle (bench/throughput.py's "other"
+        column; docs/performance.md).
         What changes for callers:
         - every other method of this RunDir first waits for the queued appends, so a read
           through it sees every line, and a delete or an overwrite never races a queued append;

@@ -8,11 +8,10 @@ CUDA tensors go to the Triton kernels (triton_kernels.py, registered as torch cu
 the specification of the math and of the stochastic-rounding hash. Both paths give bitwise-equal
 bf16 for the same fp32 master weights and seed.
 
-All tensors are flat 1-D buffers in llm.c's parameter order (train_gpt2.cu's
-ParameterTensors: wte, wpe, each per-layer kind for all layers, lnf; raygpt.model's
-llmc_parameter_layout). A `Segments`
-says which model tensors a shard [lo, hi) of that buffer holds; ZeRO-1 updates such a slice,
-without ZeRO lo=0 and hi=total. Build it once per run, on the device of the buffers.
+All tensors are flat 1-D buffers in llm.c's parameter order (train_gpt2.cu's ParameterTensors;
+raygpt.model's llmc_parameter_layout). A `Segments` says which model tensors a shard [lo, hi) of
+that buffer holds (ZeRO-1 updates such a slice; without ZeRO lo=0 and hi=total); build it once
+per run, on the device of the buffers.
 
     segments = Segments.build(sizes, decay, lo, hi, device="cuda")
     norm = global_norm_squared(grad_shard).sqrt()            # all-reduce first under ZeRO
@@ -36,9 +35,9 @@ def _triton():
     """The Triton module, imported on first use (it needs Triton; CPU-only machines never get
     here). An import statement, deliberately not a module global filled in on first use: the
     compiled forward calls this (cross_entropy_grad) and torch.compile guards on every global
-    it reads, so a global still None when step 1 was traced, then set by the eager optimizer's
-    first call, failed that guard on step 2 and compiled the training step a second time (8-11 s
-    on an H200, every start). After the first import this is a sys.modules lookup."""
+    it reads, so a global still None when step 1 is traced, then set by the eager optimizer's
+    first call, would fail that guard on step 2 and compile the training step again
+    (docs/performance.md). After the first import this is a sys.modules lookup."""
     from . import triton_kernels
     return triton_kernels
 

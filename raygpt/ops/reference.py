@@ -313,7 +313,7 @@ def adamw_update(param, grad, m, v, master, segments: Segments, *, lr, beta1, be
     #   g = grad * grad_scale;  m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
     #   w -= lr (m / bc1 / (sqrt(v / bc2) + eps) + (weight_decay * decay) w)
     # each op as written there (so the same bits), computed in two scratch tensors (g, t) in
-    # place: a new tensor per op cost a CPU step most of its optimizer time in page faults.
+    # place: a new tensor per op would spend most of a CPU step's optimizer time in page faults.
     w = master if master is not None else param
     g = grad.to(torch.float32, copy=True).mul_(s.grad_scale)  # never grad itself (fp32 too)
     t = torch.mul(g, s.one_minus_beta1)
@@ -350,7 +350,7 @@ def logit_statistics(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
 
 def _statistics_and_scratch(L: torch.Tensor, t: torch.Tensor, vocab_size: int):
     """logit_statistics and the (n, Vp) fp32 tensor it used for exp(Lf - max), free to reuse.
-    In place where it can be (a (n, Vp) fp32 tensor per op was most of a CPU step's loss)."""
+    In place where it can be (a (n, Vp) fp32 tensor per op would be most of a CPU step's loss)."""
     Lf = L.to(torch.float32, copy=True)                                    # (n, Vp), own copy
     row_min = Lf[:, :vocab_size].amin(dim=1)       # (n,); a min is exact in any order
     Lf[:, vocab_size:] = float("-inf")

@@ -1,34 +1,22 @@
 """Deterministic causal self-attention and token-embedding backward in Triton, as torch custom ops.
 
-The math is reference.py's (attention_forward / attention_backward / embedding_backward). What
-these kernels add is a fixed summation order with no atomics, so that two calls on the same
-inputs give the same bits, which --deterministic needs, at close to the speed of the
-non-deterministic kernels PyTorch uses by default:
+reference.py's math with a fixed summation order and no atomics: two calls on the same inputs
+give the same bits (what --deterministic needs) at close to the speed of PyTorch's defaults.
 
-* `attn_fwd`: FlashAttention-2's forward. One program per (query block, batch*head) walks the
-  key blocks left to right with an online softmax (exp2 of scores pre-scaled by log2(e)) and
-  stores o and the row log-sum-exp (natural log, fp32). Key blocks strictly left of the query
-  block need no causal mask; the diagonal ones are masked.
-* `attn_bwd_delta`: delta = rowsum(do * o), fp32, one program per (query block, batch*head).
-* `attn_bwd_dkdv`: one program per (key block, batch*head) owns dK and dV of its keys and walks
-  the query blocks that can see them, top to bottom.
-* `attn_bwd_dq`: one program per (query block, batch*head) owns dQ of its queries and walks the
-  key blocks it sees, left to right. FlashAttention-2 accumulates dQ across the key-block
-  programs with atomic adds, whose order varies run to run; recomputing the probabilities in a
-  second kernel instead costs two more matmuls per block pair and is exact run to run.
-* `embedding_backward_rows`: one program per (weight row, column block) sums the gradient rows
-  of the positions holding that id, in the order of a stable sort of the ids (so in position
-  order), ROWS at a time; no scatter, no atomics.
+* `attn_fwd`: FlashAttention-2's forward, one program per (query block, batch*head) walking the
+  key blocks left to right with an online softmax (exp2 of scores pre-scaled by log2(e)); stores
+  o and the row log-sum-exp (natural log, fp32). Only the diagonal key blocks are masked.
+* `attn_bwd_delta`: delta = rowsum(do * o), fp32. `attn_bwd_dkdv`: one program per (key block,
+  batch*head) owns dK, dV of its keys and walks the query blocks that see them; `attn_bwd_dq`:
+  one per query block owns dQ and walks its key blocks. (FlashAttention-2 adds dQ atomically, in
+  an order that varies; recomputing the probabilities here costs two matmuls per block pair.)
+* `embedding_backward_rows`: one program per (weight row, column block) sums the gradient rows of
+  that id's positions in the order of a stable sort of the ids, ROWS at a time; no atomics.
 
-Block sizes are fixed per head dimension (ATTN_CONFIGS), not autotuned: the key-block size sets
-the order of the online softmax and of every sum, and an autotuner that picks by timing could
-pick differently in two runs (or after a resume) and break bitwise equality between them.
-bench/ops.py --attn-sweep times alternatives.
-
-Under TRITON_INTERPRET=1 the entry points at the bottom take CPU tensors (see triton_kernels).
-The attention loops have two spellings picked by the INTERPRET constexpr around one shared body:
-a `for` over range() on the GPU (Triton software-pipelines it, num_stages), a `while` in the
-interpreter, whose range() cannot take a runtime bound under numpy 2.
+Block sizes are fixed per head dimension (ATTN_CONFIGS), not autotuned: they set the order of
+every sum, and a pick by timing could differ between two runs. Under TRITON_INTERPRET=1 the
+entry points take CPU tensors; the loops are a `for` over range() on the GPU (pipelined) and a
+`while` in the interpreter (its range() takes no runtime bound under numpy 2), one body.
 """
 
 from __future__ import annotations
@@ -70,7 +58,7 @@ class AttnConfig:
             raise ValueError(f"AttnConfig: block sizes must nest, found {self}")
 
 
-# Hopper (H100 / H200) sizes, FlashAttention-2 style; the interpreter's small ones exercise the
+# Hopper sizes, FlashAttention-2 style; the interpreter's small ones exercise the
 # same code paths (unequal blocks, ragged T) at test sizes.
 ATTN_CONFIGS = {
     16: AttnConfig(128, 64, 4, 3, 32, 128, 128, 32, 4, 3),
@@ -345,7 +333,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 
 EMB_ROWS = 16      # gradient rows summed per loop iteration (a frequent token has thousands)
 EMB_BLOCK_C = 128  # columns per program (GPT-2's 768: six programs share a frequent token)
-EMB_WARPS = 2  # 16 rows x 128 columns x 2 warps: 0.77 ms vs 0.91 ms for 32 x 128 x 4 (H200)
+EMB_WARPS = 2  # the fastest rows x columns x warps in bench/ops.py --det-kernels --sweep
 
 
 @triton.jit

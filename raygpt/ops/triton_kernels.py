@@ -1,30 +1,21 @@
-"""Triton kernels for the global gradient norm and the fused AdamW step, as torch custom ops.
+"""Triton kernels for the gradient norm, fused AdamW and the loss gradient, as torch custom ops.
 
-The math is reference.py's, element for element; the stochastic-rounding hash is the same
-uint32 arithmetic, so a kernel and the reference round the same fp32 value to the same bf16.
+The math is reference.py's, element for element, with the same uint32 stochastic-rounding hash,
+so a kernel and the reference round the same fp32 value to the same bf16. raygpt.ops imports
+this module (and Triton) only when it meets a CUDA tensor. Kernels:
 
-This module imports Triton; raygpt.ops imports it only when it meets a CUDA tensor, so machines
-without Triton still import raygpt.ops. Kernels:
+* `sumsq_partials` + `sum_partials`: a persistent grid of at most NORM_PROGRAMS programs sums
+  x*x over grid-strided NORM_BLOCK blocks into fp32 partials, which one program sums in a fixed
+  tree; the grid depends only on numel and there are no atomics, so calls are bitwise repeatable.
+* `adamw`: one program per block of the shard, one launch for all tensors (Segments' block table
+  says which tensor pieces a block touches). `stochastic_round`: fp32 -> bf16, the same rounding.
+* `cross_entropy_rows`: one program per row of a chunk of classifier logits; pass 1 reads the row
+  for max, min and sum of exp (online softmax), pass 2 writes keep * (softmax - onehot).
+  Inductor's kernel for the same math reads each row three times; the variants tried (rows kept
+  in L2 or in registers, per-lane sums) were slower (docs/performance.md).
 
-* `sumsq_partials` + `sum_partials`: a persistent grid of at most NORM_PROGRAMS programs, each
-  summing x*x over a grid-strided set of NORM_BLOCK-sized blocks into one fp32 partial; then one
-  program sums the partials in a fixed tree. The grid depends only on numel and there are no
-  atomics, so repeated calls are bitwise identical.
-* `adamw`: one program per block of the shard (Segments.block), one launch for all tensors;
-  the block table in Segments tells it which tensor pieces its block touches.
-* `stochastic_round`: fp32 -> bf16 with the same rounding, for copy_master_to_params.
-* `cross_entropy_rows`: one program per row of a chunk of classifier logits. Pass 1 reads the
-  row for max, min and sum of exp (an online softmax: the running sum is rescaled when a block
-  raises the max); pass 2 reads it again and writes keep * (softmax - onehot). Inductor's kernel
-  for the same math reads each row three times. On an H200 it reaches about half of copy
-  bandwidth (bench/ops.py): a persistent grid that keeps rows in L2 between the passes, and
-  per-lane running sums, were both measured slower; so was a kernel that loads a whole row
-  once and keeps it in registers (GPT-2's row in four power-of-two pieces: 2.1 ms per chunk at
-  16 warps, 3.0 at 32, 3.5 at 8, against 1.59; the compiler spills).
-
-Under TRITON_INTERPRET=1 (set before Triton is imported) the entry points at the bottom also
-take CPU tensors and run the same kernels in Triton's interpreter: that is how the parity tests
-exercise the kernel code on machines without a GPU.
+Under TRITON_INTERPRET=1 (set before Triton is imported) the entry points at the bottom also take
+CPU tensors and run these kernels in Triton's interpreter: the parity tests run them that way.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from torch.library import triton_op, wrap_triton
 from .reference import AdamWScalars, Segments, check_adamw_args
 
 NORM_BLOCK = 4096  # elements per program per loop iteration
-NORM_PROGRAMS = 1024  # persistent grid: about 8 programs of 8 warps per SM on a 132-SM H200
+NORM_PROGRAMS = 1024  # persistent grid: about 8 programs of 8 warps per SM on a 132-SM Hopper
 NORM_WARPS = 8
 
 
@@ -202,8 +193,7 @@ def stochastic_round(x_ptr, out_ptr, seg_ptr, n_seg, block_ptr, n_blocks, n, see
 # The classifier's cross-entropy gradient (reference.cross_entropy_grad).
 
 CE_BLOCK = 1024  # columns per loop iteration (it fixes each row's summation order)
-CE_WARPS = 2  # bench/ops.py --sweep on an H200, ms per 16384-row chunk: 1024 x 2 warps 1.54 and
-# 1.55 in two runs, 2048 x 4 1.58 and 1.59; 1024 x 4, 2048 x 8, 4096 x 4 and larger: 1.67-2.2
+CE_WARPS = 2  # the fastest block x warps pair in bench/ops.py --sweep (docs/performance.md)
 
 
 @triton.jit

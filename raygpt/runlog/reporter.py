@@ -1,8 +1,5 @@
-"""The run's one reporter: one call per event, fanned out to every place a person looks.
-
-The loop tells `Reporter` what happened (the start, a validation, a sample, a trained step, a
-skipped update, a rewind, watch metrics, the end); `Reporter` alone knows which rank writes and
-where each event goes:
+"""The run's one reporter: the loop tells `Reporter` each event, and it alone knows which rank
+writes and where each event goes:
 
     event         console (rank 0)    main.log  loss_history  TensorBoard  Ray       W&B/MLflow
     validation    "val loss"          tel       val           val/loss     every     val/loss
@@ -15,11 +12,10 @@ where each event goes:
     end           summary line        -         end           closed       -         closed
 
 Ray gets the train metrics (step, train_loss, lr, grad_norm, tok_per_s) at log steps, at most
-one report per `session.metrics_interval_s`: `ray.train.report` is a barrier of every rank and
-Ray Train's controller takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so a
-report per step would hold every step for the poll (a checkpoint's report counts too). Rank 0 decides from its clock
-(`wants_ray_report`), and the loop agrees on the decision in the step's one collective, so every
-rank reports at the same steps.
+once per `session.metrics_interval_s`: `ray.train.report` is a barrier of every rank and Ray
+Train's controller takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), so a report per
+step would hold every step for the poll. Rank 0 decides by its clock (`wants_ray_report`) and the
+step's one collective carries the decision, so every rank reports at the same steps.
 """
 
 from __future__ import annotations
@@ -96,7 +92,7 @@ class Reporter:
 
     def compiling(self) -> None:
         """Before the first forward pass of a compiled model: it takes a while and looks like a
-        hang (10 to 25 s for GPT-2 124M on a GPU), so say so now and how long it took after."""
+        hang (tens of seconds for GPT-2 124M on a GPU), so say so now and how long it took after."""
         self._compile_started = time.perf_counter()
         self.say("raygpt | torch.compile: compiling the model's graphs during the first "
                  "validation and step (10-25 s on a GPU, once per process)...")

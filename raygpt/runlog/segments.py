@@ -1,46 +1,34 @@
 """Append-only logs on object stores: immutable segments, read back in order as one file.
 
-An object store has no append, so a log that grows for a week (loss_history.jsonl, samples.jsonl,
-main.log) cannot be one object without re-uploading all of it again and again. On a run directory
-that is not a local (or NFS) path, each log is a folder of small immutable objects instead:
+An object store has no append, so on a run directory that is not a local (or NFS) path each log
+(loss_history.jsonl, samples.jsonl, main.log, fault_injection.jsonl) is a folder of small
+immutable objects; local and NFS run directories keep the single file with a real, fsynced
+append per line (what llm.c's tools and `tail -f` read; see `LogFile`). The layout:
 
     <run dir>/loss_history/part-00000007-3f9a1c2e.jsonl   lines written in one interval
     <run dir>/loss_history/base-00000006.jsonl            optional: `compact`'s merge of
                                                           every part numbered <= 6
     (likewise samples/part-*.jsonl, main_log/part-*.log and fault_injection/part-*.jsonl)
 
-- `part-<seq:08d>-<writer:8 hex>.<ext>`: whole lines (every part ends with a newline), written in
-  one put and never changed. `seq` orders the parts; `writer` (random per writing process) keeps
-  two processes that pick the same `seq` (rank 0 and the Ray driver's failure record) from
-  overwriting each other; parts of equal `seq` are read in `writer` order.
-- `base-<seq:08d>.<ext>`: `compact`'s merge of the old single file (if any) and every part
-  numbered <= seq. Readers take the highest base and the parts numbered above it; parts at or
-  below it are leftovers that compaction deletes after the base is stored.
-- the old single-file layout (`loss_history.jsonl` written by an older raygpt, or any local run
-  directory) is read first, then the parts; a base replaces it (compaction folds it in).
+- `part-<seq:08d>-<writer:8 hex>.<ext>`: whole lines (ending with a newline), one put, never
+  changed. `seq` orders the parts; `writer` (random per process) keeps two processes that pick
+  the same `seq` (rank 0 and the driver's failure record) apart; equal `seq`s read in `writer`
+  order.
+- `base-<seq:08d>.<ext>`: `compact`'s merge of the single file (if any) and every part <= seq.
+  Readers take the highest base and the parts above it; parts at or below it are leftovers.
+- A single file beside the folder is read first, then the parts; a base replaces it.
 
-Local and NFS run directories keep the single file with a real, fsynced append per line (what
-llm.c's tools and `tail -f` read, and nothing is lost on a kill); see `LogFile`.
+Writing (`SegmentWriter`): a background thread seals the lines collected into a part every
+`interval_s` or `max_lines` and puts it; the training thread only appends to a list. Past
+`max_queued` sealed parts an append waits (a slow store slows the run rather than filling
+memory); `flush()` seals and waits for every put. A process killed outright loses the lines not
+yet stored. `compact` is for a run that is not writing (a live writer's part numbered at or
+below a new base would be hidden): `raygpt compact` holds the run directory's lease.
 
-Writing (`SegmentWriter`): lines collect in memory and are sealed into a part when the oldest is
-`interval_s` old or `max_lines` have collected (whichever first), by a background thread that
-also does the put, so the training thread only appends to a list. At most `max_queued` sealed
-parts wait for upload; past that, an append waits (a store that cannot keep up slows the run
-rather than filling memory). `flush()` seals and waits until everything is stored (checkpoint
-publishes, the end of an attempt). A process killed outright loses the lines not yet stored:
-those collected since the last seal (less than `interval_s` old, fewer than `max_lines`) and
-any sealed part whose put had not finished (normally the one in flight, if any; up to
-`max_queued` when the store falls behind). Compaction is for a run that is not writing: a
-part stored by a live writer while `compact` runs, numbered at or below the new base, would be
-hidden by it; `raygpt compact` (raygpt.runlog.compact) holds the run directory's lease.
-
-Reading (`read_lines`): a part that does not end with a newline was cut short (a writer killed
-during a non-atomic write, e.g. on a filesystem seen through fsspec). When it is the newest
-part the cut line is dropped with a warning (the writer died there; nothing after it can be
-missing). Anywhere else it is an error naming the part: lines are missing from the middle.
-A part larger than MAX_PART_BYTES is not one raygpt wrote (a part holds `max_lines` lines,
-about 3 MB by default): it is skipped with a warning naming it, unread, so a planted sparse
-file of gigabytes costs neither memory nor time. The single file and a base are streamed.
+Reading (`read_lines`): a part without a final newline was cut short; the newest part's cut line
+is dropped with a warning, anywhere else it is an error naming the part (lines are missing). A
+part larger than MAX_PART_BYTES is not raygpt's: it is skipped unread with a warning naming it,
+so a planted sparse file costs neither memory nor time. The single file and a base are streamed.
 """
 
 from __future__ import annotations

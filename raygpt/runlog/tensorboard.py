@@ -1,23 +1,19 @@
 """TensorBoard event files for a run's standard scalars, under `<run dir>/tb/`.
 
-Rank 0 calls `TensorBoardWriter.train(...)` once per step and `.val(...)` per validation; the
-scalars are
+Rank 0 calls `TensorBoardWriter.train(...)` once per step and `.val(...)` per validation:
     train/loss  train/lr  train/grad_norm  train/tok_per_s      every step
     val/loss                                                    every validation
-Each attempt of the run (a resume, a Ray restart) writes a new event file into the same `tb/`
-with `purge_step` = the step it resumed from, so TensorBoard drops the earlier attempt's points
-from that step on and shows one curve, the same rule loss_history.jsonl follows.
+Each attempt (a resume, a Ray restart) writes a new event file into `tb/` with `purge_step` =
+the step it resumed from, so TensorBoard shows one curve, as loss_history.jsonl does.
 
-Events are written with tensorboardX (`pip install 'raygpt[tensorboard]'`: numpy, protobuf,
-packaging; `torch.utils.tensorboard` would need the whole `tensorboard` package). Without it the
-writer prints one line and does nothing. On an object store (s3://, gs://, anything not local)
-the event file is written to a local directory and the whole file is uploaded into `tb/` at most
-every `upload_every_s` seconds, at every validation and at `close()`; a crash loses at most that
-long of TensorBoard points (loss_history.jsonl, written per step, loses none).
+Events are written with tensorboardX (`pip install 'raygpt[tensorboard]'`; without it the writer
+prints one line and does nothing). On an object store the event file is written locally and
+uploaded whole into `tb/` every `upload_every_s` seconds, at every validation and at `close()`;
+a crash loses at most that long of TensorBoard points (loss_history.jsonl loses none).
 
-`read_scalars` is the reader of the same format (TFRecord framing: u64 length, masked crc32c of
-the length, the serialized `Event` protobuf, masked crc32c of the data), used by the tests and
-handy for checking a run without TensorBoard.
+`read_scalars` reads the same format (TFRecord framing: u64 length, masked crc32c of the length,
+the serialized `Event` protobuf, masked crc32c of the data), for tests and for checking a run
+without TensorBoard.
 """
 
 from __future__ import annotations

@@ -1,31 +1,22 @@
 """Experiment trackers where users already look: Weights & Biases (`--wandb PROJECT`) and MLflow
 (`--mlflow URI`), both optional extras (`pip install 'raygpt[wandb]'`, `'raygpt[mlflow]'`).
 
-Only rank 0 logs, at the console's log interval (`--log-every`) and at every validation, with
-the step numbers of loss_history.jsonl and TensorBoard (the loss of step s is measured on the
-weights after s updates; validation at step s likewise):
-    train/loss  train/lr  train/grad_norm  train/tok_per_s      log steps
+Rank 0 logs, with the step numbers of loss_history.jsonl and TensorBoard, the resolved config
+when the tracker run is created and then:
+    train/loss  train/lr  train/grad_norm  train/tok_per_s      every --log-every steps
     val/loss                                                    every validation
-plus the whole resolved config (W&B config, MLflow params) when the tracker run is created.
 
-One raygpt run is one tracker run, across resumes, Ray restarts and rewinds: the tracker run ids
-are kept in `<run dir>/tracking.json` (written before the first metric), and a later attempt
-continues that run (W&B `id` + `resume="allow"`, MLflow `run_id`). A step re-done after a
-resume or rewind is logged again; as in loss_history.jsonl, the later value is the one that
-counts. W&B gets a custom x-axis ("step", `define_metric`), because its own `_step` must only
-grow; MLflow takes any step order.
+One raygpt run is one tracker run across resumes, Ray restarts and rewinds: its ids are kept in
+`<run dir>/tracking.json` (written before the first metric) and a later attempt continues it
+(W&B `id` + `resume="allow"`, MLflow `run_id`); a re-done step is logged again and the later
+value counts. W&B gets a custom x-axis ("step", `define_metric`): its own `_step` must only grow.
 
-Offline: `WANDB_MODE=offline` keeps W&B's files in `<run dir>/wandb/` (a local run dir;
-`WANDB_DIR` otherwise), `wandb sync --id ID <run dir>/wandb/offline-run-*` uploads every
-attempt into the one run. `--mlflow` takes a local directory (MLflow's file store, which
-MLflow 3 keeps only on request: raygpt makes that request for a directory you name) or
-`sqlite:///path.db`; a plain path is made absolute on the driver, since workers run elsewhere.
-
-The driver checks that the packages are installed and that an --mlflow URI is one MLflow can
-open (`check_installed`, `check_mlflow_uri`) before Ray starts, and hands the workers its
-WANDB_* / MLFLOW_* settings (not its keys or tokens: `worker_env`). A tracker that still cannot
-start in the worker raises TrackingError, which ends the run at once as bad input unless a
-network error caused it (raygpt.errors.stop_code).
+Offline: `WANDB_MODE=offline` keeps W&B's files in `<run dir>/wandb/` (a local run dir, else
+`WANDB_DIR`); `wandb sync --id ID <run dir>/wandb/offline-run-*` uploads every attempt. `--mlflow` takes a local
+directory (MLflow's file store, which raygpt requests) or `sqlite:///path.db`, made absolute on
+the driver. The driver checks packages and URI before Ray starts (`check_installed`,
+`check_mlflow_uri`) and hands workers its WANDB_* / MLFLOW_* settings but no keys (`worker_env`);
+a tracker that still cannot start raises TrackingError (bad input unless the network caused it).
 """
 
 from __future__ import annotations
