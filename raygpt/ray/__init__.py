@@ -6,7 +6,7 @@
     sweep.py       Ray Tune sweeps over raygpt runs and WSD branches; each trial is driver.run
     trials.py      a sweep's trial configs, their checks and its command line (`raygpt
                    sweep` checks the trials before Ray Tune is loaded or Ray started)
-    snapshot.py    Ray Train's checkpoint list kept to the checkpoints that exist
+    checkpoint_list.py  Ray Train's checkpoint list kept to the checkpoints that exist
     pg_cleanup.py  the workers' placement group removed if Ray Train's controller dies
     capacity.py    what a Ray started on this machine holds: its GPUs, Ray's count of its CPUs
 

@@ -13,16 +13,11 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
   restarts the worker group and each worker resumes from the newest verified checkpoint.
 - The run directory is Ray's experiment directory (`storage_path/name`), so the step
   directories Ray merges from the ranks' reports are raygpt's `step_XXXXXXXX/` checkpoints.
-- `CheckpointFinalizer` is a driver-side (controller) `UserCallback`: Ray calls `after_report`
-  only once *every* worker has reported and the merged checkpoint is persisted, which is exactly
-  the moment DONE and MANIFEST may appear. It hands the checkpoint to a thread (`FinalizeQueue`:
-  sizes checked, the ranks' own hashes written into MANIFEST, nothing read back), so the
-  controller never waits on storage; `FinalizerDrain` holds the controller's end until the
-  queue is empty. Doing it there, rather than on rank 0 after a
-  barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
-  yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds
-  alone delete, and Ray's list of checkpoints (its snapshot file) is brought back to what
-  exists after every report and before every fit() (raygpt.ray.snapshot).
+- Each checkpoint is finalized (DONE, MANIFEST, retention: raygpt.checkpointing.finalize) by
+  the controller-side callbacks of raygpt.ray.checkpoints once every rank has reported it. Ray's
+  own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds alone delete, and
+  Ray's list of checkpoints (its snapshot file) is brought back to what exists after every
+  report and before every fit() (raygpt.ray.checkpoint_list).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
   actor that rank 0 polls; on the workers the handlers are installed on each actor's main
   thread by the backend hook (Python runs handlers on the main thread only). A first Ctrl-C
@@ -60,26 +55,25 @@ from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight, signed_file
 from raygpt.checkpointing import local_copy, protocol as ck
-from raygpt.checkpointing.protocol import finalize_checkpoint
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
 from raygpt.ownership import claimed_run_dir
 from raygpt.ray import capacity
+from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
-from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
-from raygpt.runlog.history import append_record, read_history, summarize_run
-from raygpt.storage import RunDir, open_run_dir, redact
+from raygpt.runlog.history import read_history, summarize_run
+from raygpt.storage import open_run_dir, redact
 
 log = logging.getLogger(__name__)
 
@@ -141,144 +135,6 @@ def preemption_callbacks() -> list:
         return []
     os.environ[RAY_PREEMPTION_WATCHER_ENV] = "0"
     return [PreemptionWatcherCallback()]
-
-
-# ---------------------------------------------------------------------- driver side
-
-# The finalizers' work queues in this process (the controller's), by run directory: a
-# finalizer hands each checkpoint to its queue's thread, and `FinalizerDrain` waits for them all
-# before the controller ends (it is a separate callback object: Ray gives controller hooks only
-# to ControllerCallbacks, report hooks only to UserCallbacks).
-_QUEUES: dict[str, "FinalizeQueue"] = {}
-_QUEUES_LOCK = threading.Lock()
-
-
-class FinalizeQueue:
-    """One thread that finalizes checkpoints in report order (DONE, MANIFEST, retention), so
-    that Ray's controller, which calls `after_report` synchronously, never waits on storage.
-    A checkpoint whose finalization fails stays without DONE/MANIFEST (readers treat it as
-    absent) and training goes on."""
-
-    def __init__(self, output_dir: str):
-        from concurrent.futures import ThreadPoolExecutor
-        self.output_dir = output_dir
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raygpt-finalize")
-        self._futures: list = []
-
-    def submit(self, step: int, rank_hashes: dict, meta: dict) -> None:
-        self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(self._finalize, step, rank_hashes, meta))
-
-    def _finalize(self, step: int, rank_hashes: dict, meta: dict) -> None:
-        try:
-            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes, meta)
-        except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
-            log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is finalized; False if `timeout_s` ran out."""
-        from concurrent.futures import wait
-        _, pending = wait(list(self._futures), timeout=timeout_s)
-        return not pending
-
-
-def finalize_queue(output_dir: str) -> FinalizeQueue:
-    with _QUEUES_LOCK:
-        queue = _QUEUES.get(output_dir)
-        if queue is None:
-            queue = _QUEUES[output_dir] = FinalizeQueue(output_dir)
-        return queue
-
-
-def drain_finalize_queues(timeout_s: float | None = None) -> bool:
-    with _QUEUES_LOCK:
-        queues = list(_QUEUES.values())
-    return all([q.drain(timeout_s) for q in queues])
-
-
-class CheckpointFinalizer(UserCallback):
-    """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
-    retention, and records every worker-group failure in the run's loss history.
-
-    `after_report` runs on Ray's controller thread, which waits for it: it only collects what the
-    ranks reported (their files' names, sizes and sha256, hashed while writing) and hands the
-    checkpoint to a `FinalizeQueue` thread, which checks presence and sizes in storage and writes
-    DONE then MANIFEST (never reading the data back). `FinalizerDrain` makes the controller wait
-    for the queue before it ends, so the last checkpoint is complete when fit() returns."""
-
-    def __init__(self, output_dir: str, crash_before_done_steps=()):
-        self.output_dir = output_dir
-        self.crash_before_done_steps = set(crash_before_done_steps)
-        self.failures = 0
-
-    def after_report(self, run_context, metrics, checkpoint):
-        if checkpoint is None:
-            return
-        run_dir = open_run_dir(self.output_dir)
-        step = ck.step_of_dir(Path(checkpoint.path).name)
-        if step in self.crash_before_done_steps:
-            # fault injection: act as if the driver died between Ray's registration and DONE
-            log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")
-            self.crash_before_done_steps.discard(step)
-            self._reconcile(run_dir)
-            return
-        rank_hashes = {}
-        for m in metrics:
-            rank_hashes.update(m.get("raygpt_files", {}))
-        meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_queue(self.output_dir).submit(step, rank_hashes, meta)
-        # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
-        # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
-        self._reconcile(run_dir)
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
-        ok = finalize_queue(self.output_dir).drain(timeout_s)
-        self._reconcile(open_run_dir(self.output_dir))
-        return ok
-
-    @staticmethod
-    def _reconcile(run_dir: RunDir) -> None:
-        """Ray's CheckpointManager wrote its snapshot just before this callback (same thread):
-        take out what retention just deleted and what a rewind deleted since the last report."""
-        try:
-            reconcile_snapshot(run_dir)
-        except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
-            log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
-                        f"{type(e).__name__}: {e}")
-
-    def after_exception(self, run_context, worker_exceptions):
-        # the restarted workers pick the newest complete checkpoint: let the ones the lost
-        # group reported be completed first (a few small writes each), as a synchronous
-        # finalizer would have
-        finalize_queue(self.output_dir).drain()
-        self.failures += 1
-        causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
-        with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
-            append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
-                                    "time": time.time(), "attempt": None})
-        log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
-
-
-class FinalizerDrain(ControllerCallback):
-    """Holds Ray's controller at its end until every checkpoint handed to a `FinalizeQueue`
-    has its DONE and MANIFEST (or was left incomplete), then brings Ray's snapshot in line with
-    what retention deleted. On an abort (Ctrl-C) it waits at most ABORT_DRAIN_S: a checkpoint
-    not finished by then simply stays without DONE/MANIFEST."""
-
-    ABORT_DRAIN_S = 30.0
-
-    def after_controller_finish(self, result) -> None:
-        drain_finalize_queues()
-        with _QUEUES_LOCK:
-            dirs = list(_QUEUES)
-        for d in dirs:
-            CheckpointFinalizer._reconcile(open_run_dir(d))
-
-    def before_controller_abort(self) -> None:
-        if not drain_finalize_queues(self.ABORT_DRAIN_S):
-            log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
-                        "stays without DONE/MANIFEST")
 
 
 class StopOnRunStopped(DefaultFailurePolicy):
@@ -406,8 +262,8 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     neither load nor store compiled artifacts).
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
-    snapshot is first brought back to the checkpoints that exist (see raygpt.ray.snapshot), or
-    Ray's controller would refuse the directory after retention or a rewind deleted some."""
+    snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
+    or Ray's controller would refuse the directory after retention or a rewind deleted some."""
     dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
     if dropped:
         log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
