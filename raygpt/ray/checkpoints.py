@@ -24,12 +24,12 @@ from pathlib import Path
 import ray
 import ray.train
 from ray.train import Checkpoint, UserCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from raygpt.atomic_file import fsync_directory, make_dirs_below, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import drain_finalize_queues, finalize_queue, queued_run_dirs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray.compat import ControllerCallback, storage_marker_name
 from raygpt.runlog.history import append_record
 from raygpt.storage import RunDir, open_run_dir
 
@@ -69,12 +69,11 @@ def rename_destination(run_dir, local_dir: str, dir_name: str) -> Path | None:
     if not run_dir.is_local:
         return None
     root = run_dir.local_path()
-    try:
-        from ray.train.v2._internal.execution.storage import VALIDATE_STORAGE_MARKER_FILENAME
-    except ImportError:  # another Ray layout: its own copy
+    marker = storage_marker_name()
+    if marker is None:  # another Ray layout: its own copy
         return None
     try:
-        if not (root / VALIDATE_STORAGE_MARKER_FILENAME).is_file():
+        if not (root / marker).is_file():
             return None
         if os.stat(root).st_dev != os.stat(local_dir).st_dev:
             return None

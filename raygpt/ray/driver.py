@@ -51,12 +51,6 @@ import pyarrow.fs as pafs
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
-from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight, signed_file
@@ -68,6 +62,8 @@ from raygpt.ownership import claimed_run_dir
 from raygpt.ray import capacity
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
+from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,
+                               TrainerHooks, autoscaling_coordinator)
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
@@ -82,33 +78,6 @@ log = logging.getLogger(__name__)
 # and the user's own setting of it, read before raygpt sets it
 RAY_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 _USER_PREEMPTION_WATCHER = os.environ.get(RAY_PREEMPTION_WATCHER_ENV)
-
-
-class PreemptionWatcherCallback(PreemptionCallback):
-    """Ray Train's preemption watcher (the actor behind `ray.train.get_preemption_info()`),
-    started without restarts on the controller's node.
-
-    Ray Train 2.60 starts the watcher with `max_restarts=-1` and the worker actors' handles as
-    constructor arguments, and Ray's core worker logs an ERROR for every such actor on every run
-    ("has constructor arguments in the object store and max_restarts > 0", issue 53727 of Ray):
-    a restarted watcher would get handles that may be gone. A restart is never needed: every
-    worker-group start makes a fresh watcher (and stops the old one), so this one has none, and
-    it lives on the controller's node, which it can only lose with the controller itself."""
-
-    def after_worker_group_start(self, worker_group) -> None:
-        self._stop_watcher()
-        node_to_ranks: dict[str, list[int]] = {}
-        actors = {}
-        for worker in worker_group.get_workers():
-            rank = worker.distributed_context.world_rank
-            node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
-            actors[rank] = worker.actor
-        here = ray.get_runtime_context().get_node_id()
-        self._watcher = ray.remote(PreemptionWatcher).options(
-            num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-        ).remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
-                 worker_actors_by_rank=actors)
 
 
 # Ray Train's controller polls the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
@@ -158,37 +127,17 @@ def run_stopped(error) -> RunStopped | None:
     return None
 
 
-class RaygptTrainer(TorchTrainer):
-    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup, no Ray Data
-    actor when there are no datasets (raygpt's never has any) and, when `on_sigint` is set,
-    raygpt's Ctrl-C. The hooks are Ray Train 2.60's own seams
-    (`_initialize_and_run_controller` receives the failure policy it ships to the controller;
-    `_register_sigint_handler` installs Ctrl-C's handler once the controller exists;
-    `_create_default_callbacks` lists the controller's callbacks); test_run_end.py and
-    tests/ray_seam/test_command_output.py fail if one stops being called."""
+class RaygptTrainer(TrainerHooks):
+    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup and the
+    checkpoint finalizer's drain on the controller, no Ray Data actor when there are no datasets
+    (raygpt's never has any) and, when `on_sigint` is set, raygpt's Ctrl-C (the hooks:
+    raygpt.ray.compat.TrainerHooks)."""
 
-    on_sigint = None  # callable(controller) installed as the SIGINT handler during fit()
+    def failure_policy(self, failure_config):
+        return StopOnRunStopped(failure_config)
 
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["failure_policy"] = StopOnRunStopped(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    def _create_default_callbacks(self):
-        # Ray's PlacementGroupCleaner polls the State API, which needs a dashboard and a
-        # single Ray on the machine, and logs a line a second (or a traceback) without them:
-        # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead.
-        # Ray's datasets callback starts a DatasetManager actor (a process importing Ray Data)
-        # on every worker-group start, datasets or not; raygpt's workers read their own shards
-        # (raygpt.data.loader), so without datasets it only costs each start and restart a process.
-        callbacks = [c for c in super()._create_default_callbacks()
-                     if not isinstance(c, PlacementGroupCleanerCallback)
-                     and not (isinstance(c, DatasetsCallback) and not self.datasets)]
-        return [CleanupOnControllerDeath(), FinalizerDrain(), *callbacks]
-
-    def _register_sigint_handler(self, controller):
-        if self.on_sigint is None:
-            return super()._register_sigint_handler(controller)
-        signal.signal(signal.SIGINT, lambda signum, frame: self.on_sigint(controller))
+    def controller_callbacks(self) -> list:
+        return [CleanupOnControllerDeath(), FinalizerDrain()]
 
 
 class RunFailed(RuntimeError):
@@ -422,13 +371,11 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
     autoscaling_coordinator_client.py): a cold actor start on a busy machine takes longer, and
     the run begins with a WARNING and a GetTimeoutError traceback. Started here first (the
     controller then finds it by name), the call is answered at once."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-    except ImportError:  # another Ray layout: the controller starts its own
+    coordinator = autoscaling_coordinator()
+    if coordinator is None:  # another Ray layout: the controller starts its own
         return
     try:
-        ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=timeout_s)
+        ray.get(coordinator.__ray_ready__.remote(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         pass  # the controller's own request will say so, if it still cannot reach it
 

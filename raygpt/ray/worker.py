@@ -18,13 +18,12 @@ import ray
 import ray.train
 import torch
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _TorchBackend
 
 from raygpt import signals
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
-from raygpt.ray import checkpoints
+from raygpt.ray import checkpoints, compat
 from raygpt.session import Session
 from raygpt.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
@@ -142,7 +141,7 @@ def train_func(config: dict) -> None:
     cfg = TrainConfig.from_dict(config["cfg"])
     if cfg.device == "cpu":
         torch.set_num_threads(config.get("threads_per_worker", 1))
-    _quiet_report_log()
+    compat.quiet_report_log()
     try:
         summary = train(cfg, RaySession(cfg, config.get("control_name"),
                                         config.get("artifact_key")))
@@ -152,17 +151,6 @@ def train_func(config: dict) -> None:
             raise  # a fault a restart may cure: Ray's retry budget is for these
         raise RunStopped(f"{type(e).__name__}: {e}", code) from e
     ray.train.report({"final": True, **summary})
-
-
-def _quiet_report_log() -> None:
-    """Ray Train 2.60 logs every ray.train.report at INFO, the checkpoint's whole manifest
-    metadata included, through a logger named by its source file, which LoggingConfig's
-    "ray.train" level does not reach; the console keeps raygpt's own lines instead."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray layout: its own logging applies
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 # This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
@@ -195,7 +183,7 @@ def _note_startup_marks(marks: dict) -> None:
     _STARTUP_MARKS.update(marks)
 
 
-class _Backend(_TorchBackend):
+class _Backend(compat.TorchBackend):
     """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
     the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split)."""
 
