@@ -69,7 +69,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",
     ("raygpt/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
     ("raygpt/ray/sweep.py", "plot_val_curves"):
-        "savefig into io.BytesIO; stored by report.store_png (atomic_file)",
+        "savefig into io.BytesIO; stored by storage.store_png (atomic_file)",
 }
 
 

@@ -54,7 +54,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight, signed_file
-from raygpt.checkpointing import local_copy, protocol as ck
+from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
