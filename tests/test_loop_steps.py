@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import raygpt.loop as loop
+from raygpt import determinism
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
 from raygpt.errors import TrainingStopped
 from raygpt.optim import random_u32
@@ -234,8 +235,8 @@ def test_watch_metrics_are_the_update_to_weight_ratio_per_tensor():
     ("upsample_bilinear2d_backward_out_X, does not have a deterministic implementation",
      "upsample_bilinear2d_backward_out_X")])
 def test_the_non_deterministic_op_is_named_from_torchs_message(message, op):
-    assert loop._op_named_in(message) == op
-    err = loop.NonDeterministicOp(op)
+    assert determinism.op_named_in(message) == op
+    err = determinism.NonDeterministicOp(op)
     assert isinstance(err, ConfigError) and err.op == op
     assert str(err).startswith(f"--deterministic (the default on GPUs): {op} has no deterministic "
                                f"implementation on this device; run with --no-deterministic")
