@@ -303,7 +303,8 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
             continue
         watching = session.rank == 0 and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
         before = r.flat.params[:r.flat.num_parameters].clone() if watching else None
-        update(r, step, verdict, lr, agreed, step_samples)
+        update(state, r.opt, runlog, step, verdict, lr, agreed, step_samples,
+               grad_clip=cfg.grad_clip)
         # no sync here: the optimizer kernels overlap the host's logging and the next step's
         # launch (its batch was prefetched during this backward); in steady state dt (start to
         # start, the host waits in the one sync above) is the step time
@@ -324,7 +325,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
             clipped_at_last_watch = state.clipped
 
         # ---------------------------------------------------------- what the ranks agreed on
-        act_on(r, agreed)
+        r.stop_requested = act_on(agreed, state, ckpt, r.val_loss) or r.stop_requested
 
     return finish(r, time.perf_counter() - t_start)
 
@@ -395,31 +396,32 @@ def agree(r: Run, step: int, loss_sum: torch.Tensor, norm_sq: torch.Tensor) -> A
                   ray_report=report_v > 0)
 
 
-def update(r: Run, step: int, verdict, lr: float, agreed: Agreed, step_samples: list) -> None:
+def update(state: TrainState, opt: AdamW, runlog: Reporter, step: int, verdict, lr: float,
+           agreed: Agreed, step_samples: list, *, grad_clip: float) -> None:
     """The optimizer step, with the clip as a scalar (llm.c: the gradients stay untouched), or
     a skipped update: the step (and with it lr and data order) advances all the same."""
-    state = r.state
     if verdict.kind == "ok":
-        grad_scale = r.cfg.grad_clip / agreed.norm if agreed.norm > r.cfg.grad_clip else 1.0
+        grad_scale = grad_clip / agreed.norm if agreed.norm > grad_clip else 1.0
         state.rng_state_last_update = state.rng_state
         sr_seed, state.rng_state = random_u32(state.rng_state)
-        r.opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
+        opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
         state.spike_samples = []
     else:  # skip: drop this update only
         state.skips += 1
         state.spike_samples += step_samples
-        r.runlog.skip(step, verdict, loss=agreed.loss, norm=agreed.norm)
+        runlog.skip(step, verdict, loss=agreed.loss, norm=agreed.norm)
 
 
-def act_on(r: Run, agreed: Agreed) -> None:
-    """After the step: publish a finished background checkpoint, note a save or stop request."""
+def act_on(agreed: Agreed, state: TrainState, ckpt: Checkpointer, val_loss: float) -> bool:
+    """After the step: publish a finished background checkpoint, note a save or stop request.
+    Returns whether the ranks agreed to stop (SIGTERM: checkpoint, then exit)."""
     if agreed.checkpoint_ready:
-        r.ckpt.publish_pending({"step": r.state.step, "train_loss": agreed.loss,
-                                "val_loss": r.val_loss})
+        ckpt.publish_pending({"step": state.step, "train_loss": agreed.loss, "val_loss": val_loss})
     if agreed.save:
-        r.state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
+        state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
     if agreed.stop:
-        r.state.save_requested = r.stop_requested = True  # SIGTERM: checkpoint, then exit
+        state.save_requested = True  # SIGTERM: checkpoint, then exit
+    return agreed.stop
 
 
 def finish(r: Run, elapsed: float) -> dict:
