@@ -8,10 +8,10 @@ exist anymore`). raygpt deletes checkpoints behind Ray's back: retention (-nk / 
 driver-side finalizer) and spike rewinds (rank 0 deletes the abandoned trajectory), so the file
 must be brought back to what exists:
 
-- in the controller, after each report (`trainer.CheckpointFinalizer`): Ray has just written the
-  file, synchronously, on the same thread, and retention has just deleted; rewriting it there
-  cannot race with Ray's own write;
-- before every fit() on an existing directory (`trainer.build_trainer`, which the driver and
+- in the controller, after each report (raygpt.ray.checkpoints' `CheckpointFinalizer`): Ray
+  has just written the file, synchronously, on the same thread, and retention has just deleted;
+  rewriting it there cannot race with Ray's own write;
+- before every fit() on an existing directory (`driver.build_trainer`, which the driver and
   the sweep's trials use): no controller is running on the directory then, and whatever was
   deleted since the last report (a rewind, a crash in between) is dropped.
 
