@@ -1,7 +1,8 @@
 """The Ray seam: the only package that imports Ray (tests/ray_seam/test_seam.py enforces it).
 
     driver.py      one run under Ray Train: start or join Ray, the TorchTrainer, its failure
-                   policy, the control actor, the driver's signals
+                   policy, the control actor
+    driver_signals.py  SIGTERM / SIGUSR1 / Ctrl-C to the driver, forwarded to the workers
     worker.py      what each worker runs (train_func) and the Session the loop sees Ray through
     checkpoints.py the Ray side of a checkpoint's life: each rank's upload, the controller's
                    hook that finalizes it (raygpt.checkpointing.finalize), failure records

@@ -1,5 +1,5 @@
-"""The driver side of the Ray seam: one raygpt run as a Ray Train `TorchTrainer`, and the
-checkpoint bridge. What each worker runs is raygpt.ray.worker's.
+"""The driver side of the Ray seam: one raygpt run as a Ray Train `TorchTrainer`. What each
+worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpoints'.
 
 - `run(cfg)` (a `raygpt train`, and each sweep trial) checks every input on the driver first
   (`raygpt.preflight`: shards, model file, resume compatibility, the run directory's
@@ -19,11 +19,11 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
   Ray's list of checkpoints (its snapshot file) is brought back to what exists after every
   report and before every fit() (raygpt.ray.checkpoint_list).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
-  actor that rank 0 polls; on the workers the handlers are installed on each actor's main
-  thread by the backend hook (Python runs handlers on the main thread only). A first Ctrl-C
-  (SIGINT) is a SIGTERM; a second aborts at once. Ray Train installs its own SIGINT handler
-  when `fit()` starts its controller (it aborts the run without a checkpoint), so
-  `RaygptTrainer` puts raygpt's in its place.
+  actor that rank 0 polls (raygpt.ray.driver_signals); on the workers the handlers are
+  installed on each actor's main thread by the backend hook (Python runs handlers on the main
+  thread only). A first Ctrl-C (SIGINT) is a SIGTERM; a second aborts at once. Ray Train
+  installs its own SIGINT handler when `fit()` starts its controller (it aborts the run without
+  a checkpoint), so `RaygptTrainer` puts raygpt's in its place.
 - A compiled run's workers get the user's signing key for the compiled artifacts they keep in
   the run directory (raygpt.signed_file: read on this machine, or made on the first compiled
   run) in Ray Train's train_loop_config, which Ray keeps in memory: never in the TrainConfig
@@ -36,14 +36,13 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
 - A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
   Train's State-API PlacementGroupCleaner is replaced by raygpt.ray.pg_cleanup's, and the driver
   starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
+  What of Ray's private API this needs is raygpt.ray.compat's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -64,6 +63,7 @@ from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,
                                TrainerHooks, autoscaling_coordinator)
+from raygpt.ray.driver_signals import DriverSignals
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
@@ -394,68 +394,3 @@ def _failure_report(cfg, since: float, error) -> str:
 
 def _parse_faults(spec: str):
     return parse_spec(spec)  # cfg.fault holds every armed fault (claimed_run_dir folded them in)
-
-
-class DriverSignals:
-    """The driver's signals while a run trains: SIGTERM and the first Ctrl-C become a stop
-    request (every rank checkpoints at the next step boundary and exits; -y 1 resumes), SIGUSR1
-    a save request, forwarded to the workers through the control actor. A second Ctrl-C aborts
-    at once: Ray Train's controller is told to abort (it kills the workers) and the driver raises
-    RunAborted. `ray.init()` installs its own SIGTERM handler in the driver; this takes it over
-    for the run's duration and `restore()` gives every handler back. The handlers only record
-    the request; a thread makes the remote call (no Ray calls inside a handler), except for the
-    abort, which must happen before the handler returns."""
-
-    ABORT_WAIT_S = 10.0  # how long a second Ctrl-C waits for the controller to abort
-
-    def __init__(self, control):
-        self.control = control
-        self.sigints = 0
-        self.aborted = False
-        self._pending: list[str] = []
-        self._wake = threading.Event()
-        self._done = threading.Event()
-        self._old = {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # a sweep trial's thread: signals belong to the sweep's driver
-        self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        self._old[signal.SIGINT] = signal.getsignal(signal.SIGINT)
-        threading.Thread(target=self._forward, daemon=True, name="raygpt-signal-forwarder").start()
-
-    def _handler(self, signum, frame):
-        self._pending.append("stop" if signum == signal.SIGTERM else "save")
-        self._wake.set()
-
-    def on_sigint(self, controller) -> None:
-        """Ctrl-C while fit() runs (installed by RaygptTrainer in place of Ray Train's)."""
-        self.sigints += 1
-        if self.sigints == 1:
-            self._pending.append("ctrl-c")
-            self._wake.set()
-            return
-        log.info("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
-                 "the last verified checkpoint")
-        self.aborted = True
-        try:
-            ray.get(controller.abort.remote(), timeout=self.ABORT_WAIT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            pass  # the controller exits inside abort(): its actor error is the expected answer
-        raise KeyboardInterrupt  # out of fit(); run() turns it into RunAborted
-
-    def _forward(self):
-        while not self._done.is_set():
-            self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                kind = self._pending.pop(0)
-                what = {"stop": "SIGTERM", "save": "SIGUSR1",
-                        "ctrl-c": "Ctrl-C (press it again to abort at once)"}[kind]
-                log.info(f"raygpt | driver got {what}: asking the workers to checkpoint"
-                         f"{'' if kind == 'save' else ' and stop'}")
-                self.control.request.remote("save" if kind == "save" else "stop")
-
-    def restore(self) -> None:
-        self._done.set()
-        self._wake.set()
-        for s, h in self._old.items():
-            signal.signal(s, h)
