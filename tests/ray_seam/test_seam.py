@@ -119,3 +119,18 @@ def test_the_private_scan_sees_each_form(tmp_path):
         "x = Checkpoint._private_thing\n")
     assert sorted(int(h.split(":")[0]) for h in private_uses(probe, "ray")) == [2, 5, 6, 7, 8]
     assert private_uses(COMPAT, "ray")
+
+
+def test_compat_and_capacity_import_none_of_ray():
+    """compat.py resolves Ray's private names on first use: importing it, and capacity with it
+    (raygpt train's and raygpt sweep's checks before Ray starts), loads no Ray."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, raygpt.ray.compat, raygpt.ray.capacity\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
