@@ -115,7 +115,7 @@ def driver_bench(args) -> list[dict]:
     from raygpt.config import TrainConfig
     from raygpt.model import GPTConfig
     from raygpt.storage import open_run_dir
-    from raygpt.ray.driver import CheckpointFinalizer
+    from raygpt.ray.checkpoints import CheckpointFinalizer
 
     from raygpt.model import llmc_num_elements
     P = llmc_num_elements(GPTConfig.from_depth(args.depth))

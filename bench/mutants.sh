@@ -19,8 +19,8 @@
 # components, milliseconds a test). build_run, _train, forward_backward, evaluate, finish and the
 # torch switches are wiring that only a training run exercises: `loop-all` mutates the whole
 # file against the loop tests (minutes per mutant: many hours on 2 cores). `loop-wiring` mutates
-# those wiring functions (build_model, build_val_loader, evaluate, sample_text, train, the torch
-# switches, build_run, _train, after_first_step, forward_backward, finish) against
+# those wiring functions (build_model, build_val_loader, evaluate, sample_text, train,
+# build_run, _train, after_first_step, forward_backward, finish) against
 # tests/test_loop_wiring.py: one tiny in-process run compared with a hand-rolled reference loop
 # (seconds a mutant).
 #
@@ -85,13 +85,13 @@ only_for() {
     echo "$MUTANTS_ONLY"
   elif [ "$1" = loop ]; then
     for f in agree update act_on rewind sampling_step watch_metrics broadcast_step \
-             all_reduce_sum _op_named_in; do
+             all_reduce_sum; do
       printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
     done
-    echo "raygpt.loop.xǁRunǁvalidating__mutmut_* raygpt.loop.xǁNonDeterministicOpǁ__init____mutmut_*"
+    echo "raygpt.loop.xǁRunǁvalidating__mutmut_*"
   elif [ "$1" = loop-wiring ]; then
-    for f in build_model build_val_loader evaluate sample_text train _torch_settings_restored \
-             _set_torch_switches build_run _train after_first_step forward_backward finish; do
+    for f in build_model build_val_loader evaluate sample_text train build_run _train \
+             after_first_step forward_backward finish; do
       printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
     done
     echo

@@ -22,7 +22,7 @@ config that can be known up front is checked before Ray starts (exit 2, one line
 
 import sys
 
-from raygpt.ray.trials import main
+from raygpt.ray.sweep_command import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="sweep_shakespeare.py"))

@@ -85,7 +85,7 @@ def _cluster_capacity() -> tuple[int | None, int]:
 
 
 def _sweep(argv: list[str]) -> int:
-    from raygpt.ray.trials import main as sweep_main  # checks the trials before importing Ray Tune
+    from raygpt.ray.sweep_command import main as sweep_main  # the trials checked before Ray Tune loads
     return sweep_main(argv, prog="raygpt sweep")
 
 
@@ -132,7 +132,7 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
     """The argparse parser that reads `raygpt COMMAND`'s arguments (None: `raygpt` itself), built
     without starting Ray or running anything, for checks of quoted command lines
     (tests/test_docs.py). `sweep` reads its own options and every train flag, as
-    raygpt.ray.trials.main does in two passes."""
+    raygpt.ray.sweep_command.main does in two passes."""
     if command is None:
         return build_main_parser()
     if command == "train":

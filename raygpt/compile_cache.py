@@ -31,7 +31,7 @@ import tempfile
 
 import torch
 
-from raygpt import signed_file
+from raygpt import signed_file, torch_compat
 from raygpt.atomic_file import NotPrivateError, private_dir
 from raygpt.config import TrainConfig
 from raygpt.signed_file import ArtifactKey
@@ -64,13 +64,12 @@ def trust_raygpt_functions() -> None:
     with compiled_code_key() in every key through torch.compiler.config.cache_key_tag (after the
     user's own TORCH_COMPILE_CACHE_KEY_TAG). TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD,
     when the user sets it, wins: torch reads it over any value set here."""
-    import torch._functorch.config
     import torch.compiler.config
 
     own = f"raygpt-{compiled_code_key()}"
     user = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
     torch.compiler.config.cache_key_tag = f"{user}+{own}" if user else own
-    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    torch_compat.allow_custom_autograd_in_aot_cache()
 
 
 def use_node_compile_cache(root: str = NODE_COMPILE_CACHE) -> str:
@@ -97,12 +96,7 @@ def import_compiler() -> None:
     why it cannot."""
     use_node_compile_cache()
     try:
-        import torch._dynamo  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
-        from torch._inductor import codecache
-        # the system key (the device's compiler versions, Triton's source hashed: about a
-        # second), cached per process; looked up on the first compilation otherwise
-        getattr(getattr(codecache, "CacheBase", None), "get_system", lambda: None)()
+        torch_compat.import_compiler()
     except Exception as e:  # noqa: BLE001 - an optimisation: torch.compile will say it
         log.debug(f"raygpt | compiler imports: {type(e).__name__}: {e}")
 

@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raygpt.model_shapes import MODEL_SHAPES
 from raygpt.runlog import tracking
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -36,12 +37,6 @@ DEFAULT_TRAIN = str(DATA_DIR / "tiny_shakespeare_train.bin")
 DEFAULT_VAL = str(DATA_DIR / "tiny_shakespeare_val.bin")
 
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
-
-# GPT-2 shapes by depth, as llm.c's `-e dN` (depth -> channels, heads). Depths of 6 and below are
-# CPU-sized models with 64-wide heads (llm.c's own d6 is 384 channels, 6 heads).
-MODEL_SHAPES = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
-for _depth in range(1, 7):
-    MODEL_SHAPES[_depth] = (64 * _depth, _depth)
 
 # Fields only the command line gives, never a file (a --config file, a sweep's sweep.json): such a
 # file often lives where others can write (a shared sweep directory), and each of these lets its

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 import time
@@ -31,11 +30,13 @@ import torch.distributed as dist
 from raygpt import compile_cache, signals, tokenizer
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.compile_cache import CompileCache
-from raygpt.config import ConfigError, TrainConfig
+from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
+from raygpt.determinism import run_switches
 from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
 from raygpt.faults import plan_for
+from raygpt.gc_freeze import GCFreeze
 from raygpt.llmc.model_file import load_model_file
 from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
@@ -46,27 +47,6 @@ from raygpt.state import TrainState
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
-
-
-# How PyTorch words the error an op without a deterministic implementation raises in strict mode
-NOT_DETERMINISTIC = "does not have a deterministic implementation"
-
-
-class NonDeterministicOp(ConfigError):
-    """Deterministic mode (the GPU default, or --deterministic) met an op with no deterministic
-    implementation: the run cannot keep its promise, and a restart would meet the same op (a
-    bad-input error, not a fault to retry)."""
-
-    def __init__(self, op: str):
-        super().__init__(f"--deterministic (the default on GPUs): {op} has no deterministic "
-                         f"implementation on this device; run with --no-deterministic (resumes "
-                         f"are then close, not bit-exact), or avoid the op")
-        self.op = op
-
-
-def _op_named_in(message: str) -> str:
-    """The op's name from PyTorch's error ('<op> does not have a deterministic ...')."""
-    return message.split(NOT_DETERMINISTIC)[0].strip().rstrip(",") or "an op"
 
 
 def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) -> GPT:
@@ -193,53 +173,12 @@ def train(cfg: TrainConfig, session: Session) -> dict:
     # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
     # waits for an fsync; checkpoint publishes and the end flush them (see RunDir)
     with session.run_dir.background_appends(enabled=session.rank == 0), \
-            _torch_settings_restored(), \
             signals.handlers_restored(), \
-            contextlib.ExitStack() as on_exit:  # closes the run log's sinks, on errors too
-        try:
-            return _train(cfg, session, on_exit)
-        except RuntimeError as e:
-            if cfg.deterministic and NOT_DETERMINISTIC in str(e):
-                raise NonDeterministicOp(_op_named_in(str(e))) from e
-            raise
-        finally:
-            if cfg.gc_freeze:
-                gc.unfreeze()  # what the loop froze is collectable again once it is over
-
-
-@contextlib.contextmanager
-def _torch_settings_restored():
-    """The loop sets process-wide torch switches (deterministic algorithms, TF32); the caller's
-    values come back when it returns or raises, so a process that trains and then goes on (a
-    test session, a notebook, the bench) is not left computing differently."""
-    saved = (torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3:]
-
-
-def _set_torch_switches(cfg: TrainConfig) -> None:
-    """The process-wide torch switches of a run (train() gives the caller's back after)."""
-    if cfg.deterministic:
-        # cuBLAS is deterministic only with a fixed workspace (PyTorch's reproducibility notes);
-        # read when the first cuBLAS handle is made, which is after this point in a worker
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # strict: an op without a deterministic implementation raises (see train()), rather than
-        # warning and running its non-deterministic kernel (cuDNN's attention backward, under
-        # warn_only, makes the losses differ run to run)
-        torch.use_deterministic_algorithms(True)
-        # ...but not its filling of every torch.empty with NaN (a fill kernel per buffer, every
-        # step): the loop reads no memory it has not written, and the GPU tests' two-run
-        # equality would show it if it did
-        torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+            contextlib.ExitStack() as on_exit, \
+            run_switches(cfg.deterministic), \
+            GCFreeze(cfg.gc_freeze) as gc_freeze:
+        # on_exit closes the run log's sinks, on errors too
+        return _train(cfg, session, on_exit, gc_freeze)
 
 
 @dataclasses.dataclass
@@ -360,8 +299,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                agree=torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device))
 
 
-def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> dict:
-    _set_torch_switches(cfg)
+def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
+           gc_freeze: GCFreeze) -> dict:
     r = build_run(cfg, session, on_exit)
     state, ckpt, runlog = r.state, r.ckpt, r.runlog
     runlog.start(world=session.world, grad_accum=r.grad_accum, tokens_per_step=r.tokens_per_step,
@@ -407,14 +346,15 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
             continue
         watching = session.rank == 0 and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
         before = r.flat.params[:r.flat.num_parameters].clone() if watching else None
-        update(r, step, verdict, lr, agreed, step_samples)
+        update(state, r.opt, runlog, step, verdict, lr, agreed, step_samples,
+               grad_clip=cfg.grad_clip)
         # no sync here: the optimizer kernels overlap the host's logging and the next step's
         # launch (its batch was prefetched during this backward); in steady state dt (start to
         # start, the host waits in the one sync above) is the step time
         dt = time.perf_counter() - t0
         state.advance(r.tokens_per_step, clipped=agreed.norm > cfg.grad_clip)
         if step == first_step:
-            after_first_step(r)  # its compiled graphs kept for other nodes, the collector frozen
+            after_first_step(r.compiled, session, gc_freeze)  # graphs kept, the collector frozen
 
         # ---------------------------------------------------------- logging
         runlog.train(step, loss=agreed.loss, norm=agreed.norm, lr=lr, dt=dt, verdict=verdict,
@@ -428,21 +368,19 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) ->
             clipped_at_last_watch = state.clipped
 
         # ---------------------------------------------------------- what the ranks agreed on
-        act_on(r, agreed)
+        r.stop_requested = act_on(agreed, state, ckpt, r.val_loss) or r.stop_requested
 
     return finish(r, time.perf_counter() - t_start)
 
 
-def after_first_step(r: Run) -> None:
+def after_first_step(compiled: CompileCache | None, session: Session,
+                     gc_freeze: GCFreeze) -> None:
     """After the first step (compiled, warmed up): rank 0 stores the graphs it compiled beside
     the run (a new node then fills its caches from them), and the live objects move out of the
-    garbage collector's reach (gc.freeze: a full collection otherwise walks Dynamo's and
-    Inductor's caches and stalls a step for tens of milliseconds now and then)."""
-    if r.compiled is not None and r.session.rank == 0:
-        r.compiled.save_if_new(r.session.run_dir)
-    if r.cfg.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    garbage collector's reach (raygpt.gc_freeze)."""
+    if compiled is not None and session.rank == 0:
+        compiled.save_if_new(session.run_dir)
+    gc_freeze.after_warmup()
 
 
 def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:
@@ -501,31 +439,32 @@ def agree(r: Run, step: int, loss_sum: torch.Tensor, norm_sq: torch.Tensor) -> A
                   ray_report=report_v > 0)
 
 
-def update(r: Run, step: int, verdict, lr: float, agreed: Agreed, step_samples: list) -> None:
+def update(state: TrainState, opt: AdamW, runlog: Reporter, step: int, verdict, lr: float,
+           agreed: Agreed, step_samples: list, *, grad_clip: float) -> None:
     """The optimizer step, with the clip as a scalar (llm.c: the gradients stay untouched), or
     a skipped update: the step (and with it lr and data order) advances all the same."""
-    state = r.state
     if verdict.kind == "ok":
-        grad_scale = r.cfg.grad_clip / agreed.norm if agreed.norm > r.cfg.grad_clip else 1.0
+        grad_scale = grad_clip / agreed.norm if agreed.norm > grad_clip else 1.0
         state.rng_state_last_update = state.rng_state
         sr_seed, state.rng_state = random_u32(state.rng_state)
-        r.opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
+        opt.step(lr=lr, grad_scale=grad_scale, t=step + 1, seed=sr_seed)
         state.spike_samples = []
     else:  # skip: drop this update only
         state.skips += 1
         state.spike_samples += step_samples
-        r.runlog.skip(step, verdict, loss=agreed.loss, norm=agreed.norm)
+        runlog.skip(step, verdict, loss=agreed.loss, norm=agreed.norm)
 
 
-def act_on(r: Run, agreed: Agreed) -> None:
-    """After the step: publish a finished background checkpoint, note a save or stop request."""
+def act_on(agreed: Agreed, state: TrainState, ckpt: Checkpointer, val_loss: float) -> bool:
+    """After the step: publish a finished background checkpoint, note a save or stop request.
+    Returns whether the ranks agreed to stop (SIGTERM: checkpoint, then exit)."""
     if agreed.checkpoint_ready:
-        r.ckpt.publish_pending({"step": r.state.step, "train_loss": agreed.loss,
-                                "val_loss": r.val_loss})
+        ckpt.publish_pending({"step": state.step, "train_loss": agreed.loss, "val_loss": val_loss})
     if agreed.save:
-        r.state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
+        state.save_requested = True  # SIGUSR1, preemption, --checkpoint-minutes: save, go on
     if agreed.stop:
-        r.state.save_requested = r.stop_requested = True  # SIGTERM: checkpoint, then exit
+        state.save_requested = True  # SIGTERM: checkpoint, then exit
+    return agreed.stop
 
 
 def finish(r: Run, elapsed: float) -> dict:

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raygpt import ops
-from raygpt.config import MODEL_SHAPES
+from raygpt.model_shapes import MODEL_SHAPES
 from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
 
@@ -66,7 +66,7 @@ class GPTConfig:
 
     @classmethod
     def from_depth(cls, depth: int, block_size: int = 1024) -> "GPTConfig":
-        """llm.c's `-e dN`: depth -> (channels, heads) from raygpt.config.MODEL_SHAPES."""
+        """llm.c's `-e dN`: depth -> (channels, heads) from raygpt.model_shapes."""
         if depth not in MODEL_SHAPES:
             raise ValueError(f"GPTConfig.from_depth: expected a depth in {sorted(MODEL_SHAPES)}, "
                              f"found {depth!r}")

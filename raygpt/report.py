@@ -21,19 +21,17 @@ import argparse
 import collections
 import io
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from raygpt.atomic_file import write_local_atomic
 from raygpt.checkpointing import protocol as ck
 from raygpt.faults import WHAT as FAULT_WHAT
 from raygpt.faults import read_armed, read_fired
 from raygpt.runlog import segments
 from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG, GoodputTally, iter_history
-from raygpt.storage import RunDir, open_run_dir
+from raygpt.storage import RunDir, open_run_dir, store_png
 from raygpt.terminal import printable, printable_lines
 
 Progress = Callable[[str], None]
@@ -547,19 +545,6 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
     fig.savefig(png, format="png")
     store_png(run_dir_uri, out_png, png.getvalue())
     return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
-
-
-def store_png(run_dir_uri, out_png, data: bytes) -> None:
-    """Write the PNG (of a run or a sweep directory) whole (a temporary file renamed over `out_png`): a link planted at
-    run/plot.png is replaced, never written through; inside a local run directory no link
-    below its root is followed either (RunDir's writer)."""
-    run_dir = open_run_dir(run_dir_uri)
-    out = os.path.abspath(out_png)
-    rel = os.path.relpath(out, run_dir.root) if run_dir.is_local else ".."
-    if rel != ".." and not rel.startswith("../"):  # inside the run directory
-        run_dir.write_bytes_atomic(rel, data)
-    else:
-        write_local_atomic(out, [data])
 
 
 def _read_back(artists: list, kind: str) -> tuple[list, list]:

@@ -87,7 +87,7 @@ class LocalSession(Session):
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta,
                           times=None):
-        from raygpt.checkpointing.protocol import finalize_checkpoint
+        from raygpt.checkpointing.finalize import finalize_checkpoint
 
         self.run_dir.move_dir_in(local_dir, dir_name)  # a rename where it can be
         if times is not None:

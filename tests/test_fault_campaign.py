@@ -15,7 +15,7 @@ import os
 from bench.fault_campaign import (EXTERNAL, KINDS, execute, last_attempt, last_step, plan,
                                   status_problems)
 from raygpt.checkpointing import protocol as ck
-from raygpt.ray.snapshot import SNAPSHOT
+from raygpt.ray.checkpoint_list import SNAPSHOT
 from raygpt.storage import open_run_dir
 
 SEED = int(os.environ.get("RAYGPT_CAMPAIGN_SEED", "1717"))

@@ -225,7 +225,7 @@ def test_deterministic_mode_refuses_an_op_without_a_deterministic_kernel(tmp_pat
     """--deterministic is strict: an op with no deterministic implementation stops the run with
     the op's name (a ConfigError, not retried) instead of warning and running it anyway."""
     from raygpt.config import ConfigError
-    from raygpt.loop import NonDeterministicOp
+    from raygpt.determinism import NonDeterministicOp
     from raygpt.model import GPT
 
     forward = GPT.forward

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import raygpt.loop as loop
+from raygpt import determinism
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
 from raygpt.errors import TrainingStopped
 from raygpt.optim import random_u32
@@ -165,7 +166,8 @@ def test_an_ok_update_clips_by_the_norm_and_rounds_with_the_next_seed(norm, grad
     r = update_run(grad_clip=1.0)
     agreed = loop.Agreed(loss=2.0, norm=norm, stop=False, save=False, checkpoint_ready=False,
                          ray_report=False)
-    loop.update(r, 9, Verdict("ok", 0.0, 0.0, ""), 3e-4, agreed, [np.array([[1, 2]])])
+    loop.update(r.state, r.opt, r.runlog, 9, Verdict("ok", 0.0, 0.0, ""), 3e-4, agreed,
+                [np.array([[1, 2]])], grad_clip=r.cfg.grad_clip)
     seed, new_state = random_u32(12345)
     assert r.opt.calls == [("step", (), dict(lr=3e-4, grad_scale=grad_scale, t=10, seed=seed))]
     assert (r.state.rng_state_last_update, r.state.rng_state) == (12345, new_state)
@@ -179,7 +181,8 @@ def test_a_skipped_update_counts_keeps_the_rng_and_remembers_its_samples():
     verdict = Verdict("skip", 7.0, 1.0, "loss z")
     samples = [np.array([[1, 2]]), np.array([[1, 3]])]
     r.state.skips = 4
-    loop.update(r, 9, verdict, 3e-4, agreed, samples)
+    loop.update(r.state, r.opt, r.runlog, 9, verdict, 3e-4, agreed, samples,
+                grad_clip=r.cfg.grad_clip)
     assert r.opt.calls == [] and r.state.skips == 5
     assert (r.state.rng_state, r.state.rng_state_last_update) == (12345, 999)
     assert [s.tolist() for s in r.state.spike_samples] == [[[0, 1]], [[1, 2]], [[1, 3]]]
@@ -191,13 +194,14 @@ def test_a_skipped_update_counts_keeps_the_rng_and_remembers_its_samples():
 @pytest.mark.parametrize("ready, save, stop", [(True, False, False), (False, True, False),
                                                (False, False, True), (False, False, False)])
 def test_act_on_publishes_saves_and_stops_as_agreed(ready, save, stop):
-    r = NS(state=TrainState(step=12), ckpt=Recorder(), val_loss=3.5, stop_requested=False)
-    loop.act_on(r, loop.Agreed(loss=2.5, norm=1.0, stop=stop, save=save, checkpoint_ready=ready,
-                               ray_report=False))
+    state, ckpt = TrainState(step=12), Recorder()
+    stop_requested = loop.act_on(loop.Agreed(loss=2.5, norm=1.0, stop=stop, save=save,
+                                              checkpoint_ready=ready, ray_report=False),
+                                 state, ckpt, 3.5)
     published = [("publish_pending", ({"step": 12, "train_loss": 2.5, "val_loss": 3.5},), {})]
-    assert r.ckpt.calls == (published if ready else [])
-    assert r.state.save_requested is (save or stop)
-    assert r.stop_requested is stop
+    assert ckpt.calls == (published if ready else [])
+    assert state.save_requested is (save or stop)
+    assert stop_requested is stop
 
 
 # ---------------------------------------------------------------------- cadence, metrics, errors
@@ -234,8 +238,8 @@ def test_watch_metrics_are_the_update_to_weight_ratio_per_tensor():
     ("upsample_bilinear2d_backward_out_X, does not have a deterministic implementation",
      "upsample_bilinear2d_backward_out_X")])
 def test_the_non_deterministic_op_is_named_from_torchs_message(message, op):
-    assert loop._op_named_in(message) == op
-    err = loop.NonDeterministicOp(op)
+    assert determinism.op_named_in(message) == op
+    err = determinism.NonDeterministicOp(op)
     assert isinstance(err, ConfigError) and err.op == op
     assert str(err).startswith(f"--deterministic (the default on GPUs): {op} has no deterministic "
                                f"implementation on this device; run with --no-deterministic")

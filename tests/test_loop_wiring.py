@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch._inductor  # noqa: F401  (what torch.use_deterministic_algorithms imports: once, here)
 
-from raygpt import loop, signals, tokenizer
+from raygpt import determinism, loop, signals, tokenizer
 from raygpt.checkpointing import protocol as ck
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import shard_token_counts
@@ -197,7 +197,7 @@ def switches():
 def caller_switches(values):
     # the session's own switches come back afterwards through the loop's restorer (what
     # train() itself is checked to do, by the switches compared in the reference test)
-    with loop._torch_settings_restored():
+    with determinism.torch_settings_restored():
         torch.use_deterministic_algorithms(values[0], warn_only=values[1])
         torch.utils.deterministic.fill_uninitialized_memory = values[2]
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = values[3:]
@@ -553,10 +553,10 @@ def test_sample_text_is_seeded_by_the_step(tmp_path):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_a_non_deterministic_op_is_a_config_error_only_in_deterministic_mode(
         tmp_path, monkeypatch, deterministic):
-    message = f"aten::foo_out {loop.NOT_DETERMINISTIC}. You can turn off ..."
+    message = f"aten::foo_out {determinism.NOT_DETERMINISTIC}. You can turn off ..."
     unfrozen = []
 
-    def failing(cfg, session, on_exit):
+    def failing(*args):
         raise RuntimeError(message)
 
     monkeypatch.setattr(loop, "_train", failing)
@@ -565,7 +565,7 @@ def test_a_non_deterministic_op_is_a_config_error_only_in_deterministic_mode(
     with pytest.raises(Exception) as err:
         loop.train(cfg, session_for(tmp_path))
     if deterministic:
-        assert isinstance(err.value, loop.NonDeterministicOp) and err.value.op == "aten::foo_out"
+        assert isinstance(err.value, determinism.NonDeterministicOp) and err.value.op == "aten::foo_out"
         assert unfrozen == [1]
     else:
         assert type(err.value) is RuntimeError and str(err.value) == message

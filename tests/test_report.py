@@ -85,7 +85,7 @@ def run_dir(tmp_path):
         train_step(h, step, loss_at(step, 1))
         if step == 8:
             h.val(step, 9.5)
-    # the Ray driver's record of a lost worker group (trainer.CheckpointFinalizer.after_exception)
+    # the Ray driver's record of a lost worker group (raygpt.ray.checkpoints.CheckpointFinalizer.after_exception)
     rd.append_text(LOSS_HISTORY, json.dumps({
         "kind": "failure", "failure": 1, "attempt": None, "time": h_time(rd),
         "causes": {"1": "ActorDiedError: the worker process died unexpectedly"}}) + "\n")

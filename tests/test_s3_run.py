@@ -200,15 +200,15 @@ def test_a_sweep_in_the_bucket_takes_its_endpoint_from_the_flag(s3, monkeypatch,
     """`raygpt sweep -o s3://... --storage-endpoint URL` with no AWS endpoint variable in the
     driver: the sweep directory, Tune's experiment and the trial's run all go to the flag's
     store (the sweep once opened its directory with the store's default endpoint)."""
-    from raygpt.ray import trials
+    from raygpt.ray import sweep_command
     from raygpt.storage import join_uri
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     monkeypatch.chdir(tmp_path)  # a relative path written by mistake would land here
-    code = trials.main(["-o", "s3://bucket/sweeps/one", "--storage-endpoint", s3.endpoint,
-                        "--grid", "scheduler=cosine", "--early-stop", "none", "--cpu",
-                        "--num-workers", "1", "--no-compile", "-e", "d1", "-b", "4", "-t", "32",
-                        "-x", "4", "-u", "1", "-v", "4", "--val-batches", "1", "-s", "0",
-                        "-n", "4"])
+    code = sweep_command.main(["-o", "s3://bucket/sweeps/one", "--storage-endpoint", s3.endpoint,
+                               "--grid", "scheduler=cosine", "--early-stop", "none", "--cpu",
+                               "--num-workers", "1", "--no-compile", "-e", "d1", "-b", "4",
+                               "-t", "32", "-x", "4", "-u", "1", "-v", "4", "--val-batches", "1",
+                               "-s", "0", "-n", "4"])
     assert code == 0
     sweep_dir = open_run_dir(s3.uri("bucket/sweeps/one"))
     assert {"sweep.json", "results.json", "best_config.json", "tune", "trials"} <= set(sweep_dir.listdir())

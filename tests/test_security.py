@@ -855,7 +855,7 @@ def test_no_write_read_or_append_goes_through_a_link_below_the_root_and_the_root
             write()
     from types import SimpleNamespace
 
-    from raygpt.ray.worker import store_by_rename  # Ray's upload of a rank's files, by rename
+    from raygpt.ray.checkpoints import store_by_rename  # Ray's upload of a rank's files, by rename
     with pytest.raises(RefusedPath, match=f"{run / 'step_00000004'}: {refused}"):
         store_by_rename(SimpleNamespace(path=str(staged), filesystem=None), "step_00000004",
                         dest=run / "step_00000004")

@@ -77,7 +77,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/hf.py", "write_gpt2_tokenizer"):
         "vocab.json and merges.txt in a TemporaryDirectory, for transformers 4 to read",
     ("raygpt/ray/sweep.py", "plot_val_curves"):
-        "savefig into io.BytesIO; stored by report.store_png (atomic_file)",
+        "savefig into io.BytesIO; stored by storage.store_png (atomic_file)",
 }
 
 

@@ -1,14 +1,24 @@
-"""Checkpoints, each concern with one owner:
+"""Checkpoints, each concern with one owner, from save to restore:
 
     protocol.py    the protocol: names (step_XXXXXXXX, step_of_dir), DONE and MANIFEST, the one
-                   completeness check (verify_checkpoint: quick, or full with hashes), finalize,
-                   retention, abandoned trajectories, copy; and llm.c's state file format
+                   completeness check (verify_checkpoint: quick, or full with hashes), resume
+                   selection, abandoned trajectories, staging, copy
     runtime.py     the worker side: async save, restore in llm.c's order, resharding across
                    world sizes and ZeRO, rewind
+    snapshot.py    the copy of a checkpoint's tensors at the step boundary, and the background
+                   thread's copy to host memory
+    finalize.py    a stored checkpoint made complete (sizes, fsync, DONE, MANIFEST), then
+                   retention; the queue that does it off the caller's thread
+    retention.py   which checkpoints a run keeps (-nk / -nm, the last before a WSD decay) and
+                   their deletion
+    local_copy.py  the node's hard-linked copies of its ranks' files, read on a restart
     fingerprints.py  what a checkpoint must agree with to be resumed (the config's and the
                    tokenizer's hashes, the files the config names by their bytes), computed one
                    way for preflight's check on the driver and the restore's in the workers
 
-The driver-side hook that calls finalize once Ray has every rank's files is Ray's, and lives
-in raygpt/ray/driver.py (CheckpointFinalizer).
+llm.c's file formats (model_*.bin, state_*.bin) are raygpt.llmc's, the training state a
+checkpoint holds raygpt.state's (the loop's too), and the hash-while-writing file
+raygpt.hashing_writer's (the model file's writer uses it too). Ray's side (each rank's
+upload, the controller's hook that calls finalize, Ray's own checkpoint list) is the adapter in
+raygpt/ray/checkpoints.py and raygpt/ray/checkpoint_list.py.
 """

@@ -1,6 +1,6 @@
 """The checkpoint protocol and the pure policies around it: names, DONE, MANIFEST, the one
-completeness check (quick or with hashes), resume selection, compatibility checks, finalize,
-retention, abandoned trajectories, copy.
+completeness check (quick or with hashes), resume selection, compatibility checks, abandoned
+trajectories, staging, copy.
 
 A checkpoint at step N is one directory of the run directory (see raygpt/storage.py):
 
@@ -23,8 +23,9 @@ hashes (nothing is read back to write it), "complete" (DONE, MANIFEST, every fil
 each rank hashes the bytes it loads (`verify_bytes`: by pieces, in parallel, when MANIFEST lists
 them; the whole-file sha256 stays for everything else, `sha256sum` included).
 
-The worker side (save, restore, rewind) is raygpt.checkpointing.runtime's; the driver-side
-callback that calls `finalize_checkpoint` once Ray has every rank's files is raygpt.ray.driver's.
+The worker side (save, restore, rewind) is raygpt.checkpointing.runtime's; making a stored
+checkpoint complete (DONE, MANIFEST) is raygpt.checkpointing.finalize's, and deleting the ones
+the policy lets go raygpt.checkpointing.retention's.
 """
 
 from __future__ import annotations
@@ -503,29 +504,7 @@ def _dict_diffs(stored: dict, current: dict, prefix: str) -> list[str]:
     return diffs
 
 
-# ====================================================================== retention and staging
-def checkpoints_to_delete(steps, *, keep_last: int, keep_every: int, protect: set[int],
-                          newest_verified: int | None) -> list[int]:
-    """Steps to delete, ascending (llm.c's -nk / -nm, plus protected steps).
-
-    Kept: the newest keep_last steps (keep_last == 0 keeps everything), every multiple of
-    keep_every (> 0; llm.c's "major" checkpoints), every step in protect (e.g. the last one
-    before the WSD decay starts), and newest_verified, whatever else says.
-    """
-    if keep_last < 0 or keep_every < 0:
-        raise ValueError(f"retention: expected keep_last >= 0 and keep_every >= 0, "
-                         f"found {keep_last}, {keep_every}")
-    steps = sorted(set(steps))
-    if keep_last == 0:
-        return []
-    keep = set(steps[-keep_last:]) | set(protect)
-    if keep_every > 0:
-        keep |= {s for s in steps if s % keep_every == 0}
-    if newest_verified is not None:
-        keep.add(newest_verified)
-    return [s for s in steps if s not in keep]
-
-
+# ====================================================================== staging
 # A staging root is named raygpt-stage-<label>-<pid>-<random>. A single process removes its root
 # when it exits, but Ray ends its worker processes without their exit handlers (at the end of every
 # run too: 607 roots had piled up in one test machine's /tmp), and a worker killed by SIGKILL or
@@ -622,65 +601,6 @@ def stage_dir(tmp_root: str | os.PathLike, step: int) -> Path:
     carries the temp mark so no scan mistakes it for a checkpoint."""
     check_private_dir(tmp_root)
     return Path(tempfile.mkdtemp(prefix=f"{step_dir(step)}{_TEMP_MARK}", dir=tmp_root))
-
-
-# ---------------------------------------------------------------------- finalize and retention
-
-def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
-    """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
-    Called by whoever knows that every rank's files are durably stored: the Ray driver's
-    finalizer (`trainer.CheckpointFinalizer`, off the controller's thread) after Ray registered
-    the checkpoint, or the single process after its own upload.
-
-    `rank_hashes` are what the ranks hashed while writing (every byte once, by its writer). They
-    must cover every rank's files, and storage must hold each of them with the size its rank
-    wrote; MANIFEST takes the ranks' hashes, so nothing is read back here (no cost that grows
-    with the world or the state). A corrupted upload that keeps its size is caught by the rank
-    that loads the file (`Checkpointer.restore_latest` hashes what it reads)."""
-    sdir = step_dir(step)
-    trajectory = (meta.get("extra") or {}).get("trajectory")
-    hit = abandoned_by(step, trajectory, read_abandoned_trajectories(run_dir))
-    if hit is not None:
-        raise CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
-                                 f"spike rewind abandoned back to step {hit['to_step']}; not "
-                                 f"marking DONE")
-    unreported = [n for n in expected_files(step, meta["world_size"]) if n not in rank_hashes]
-    if unreported:
-        raise CheckpointError(f"{run_dir.uri(f'{sdir}/{unreported[0]}')}: no rank reported "
-                                 f"writing it ({len(unreported)} file(s)); not marking DONE")
-    for name, h in rank_hashes.items():
-        stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
-        if stored != h["size"]:
-            raise CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
-                                     f"as written by its rank, found {stored}; not marking DONE")
-    # every byte durable before anything declares it complete: the rank files as stored (Ray
-    # copied them without an fsync), then their names in the step directory and the step
-    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
-    run_dir.make_durable([f"{sdir}/{n}" for n in published_files(run_dir, step)] + [sdir, ""])
-    write_done(run_dir, step)
-    write_manifest(run_dir, step, written=rank_hashes,
-                      **{k: v for k, v in meta.items() if k not in ("retention", "step")})
-    apply_retention(run_dir, meta["retention"])
-
-
-def apply_retention(run_dir: RunDir, policy: dict) -> list[int]:
-    """Delete the checkpoints the retention policy lets go (-nk / -nm, the last before a WSD
-    decay, never the newest verified one). Returns the deleted steps."""
-    steps = list_checkpoint_steps(run_dir)
-    if not steps:
-        return []
-    newest = find_latest_verified(run_dir, warn=lambda m: None, hashes=False)
-    protect = set()
-    if policy.get("wsd_decay_start") is not None:
-        before = [s for s in steps if s <= policy["wsd_decay_start"]]
-        if before:
-            protect.add(max(before))
-    doomed = checkpoints_to_delete(steps, keep_last=policy["keep_last"],
-                                      keep_every=policy["keep_every"], protect=protect,
-                                      newest_verified=newest)
-    for s in doomed:
-        run_dir.delete_dir(step_dir(s))
-    return doomed
 
 
 # ---------------------------------------------------------------------- copy

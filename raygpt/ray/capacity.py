@@ -1,20 +1,20 @@
 """What the Ray that a raygpt process starts on this machine will hold: the GPUs this process
 sees, or Ray's own count of its CPUs (a container's CPU quota, not only the host's cores). The
 config's defaults and the preflight take these numbers as arguments; only this seam asks Ray.
-Light to import: Ray's helper is imported when a CPU count is asked for."""
+Light to import: Ray's helper (raygpt.ray.compat) is imported when a CPU count is asked for."""
 
 from __future__ import annotations
 
 import os
 
 from raygpt.config import TrainConfig, local_gpus
+from raygpt.ray import compat
 
 
 def local_cpus() -> int:
     """The CPUs a Ray started on this machine has (os.cpu_count() where Ray cannot say)."""
     try:
-        from ray._private.utils import get_num_cpus
-        return int(get_num_cpus())
+        return compat.num_cpus()
     except Exception:  # noqa: BLE001 - another Ray layout: the host's count
         return os.cpu_count() or 1
 

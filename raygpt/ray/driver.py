@@ -1,5 +1,5 @@
-"""The driver side of the Ray seam: one raygpt run as a Ray Train `TorchTrainer`, and the
-checkpoint bridge. What each worker runs is raygpt.ray.worker's.
+"""The driver side of the Ray seam: one raygpt run as a Ray Train `TorchTrainer`. What each
+worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpoints'.
 
 - `run(cfg)` (a `raygpt train`, and each sweep trial) checks every input on the driver first
   (`raygpt.preflight`: shards, model file, resume compatibility, the run directory's
@@ -13,22 +13,17 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
   restarts the worker group and each worker resumes from the newest verified checkpoint.
 - The run directory is Ray's experiment directory (`storage_path/name`), so the step
   directories Ray merges from the ranks' reports are raygpt's `step_XXXXXXXX/` checkpoints.
-- `CheckpointFinalizer` is a driver-side (controller) `UserCallback`: Ray calls `after_report`
-  only once *every* worker has reported and the merged checkpoint is persisted, which is exactly
-  the moment DONE and MANIFEST may appear. It hands the checkpoint to a thread (`FinalizeQueue`:
-  sizes checked, the ranks' own hashes written into MANIFEST, nothing read back), so the
-  controller never waits on storage; `FinalizerDrain` holds the controller's end until the
-  queue is empty. Doing it there, rather than on rank 0 after a
-  barrier, means no worker can ever mark a checkpoint done whose other ranks' files Ray has not
-  yet stored. Ray's own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds
-  alone delete, and Ray's list of checkpoints (its snapshot file) is brought back to what
-  exists after every report and before every fit() (raygpt.ray.snapshot).
+- Each checkpoint is finalized (DONE, MANIFEST, retention: raygpt.checkpointing.finalize) by
+  the controller-side callbacks of raygpt.ray.checkpoints once every rank has reported it. Ray's
+  own CheckpointConfig keeps every checkpoint; raygpt's retention and rewinds alone delete, and
+  Ray's list of checkpoints (its snapshot file) is brought back to what exists after every
+  report and before every fit() (raygpt.ray.checkpoint_list).
 - SIGTERM / SIGUSR1 to the driver (e.g. `ray job stop`) are forwarded through a small control
-  actor that rank 0 polls; on the workers the handlers are installed on each actor's main
-  thread by the backend hook (Python runs handlers on the main thread only). A first Ctrl-C
-  (SIGINT) is a SIGTERM; a second aborts at once. Ray Train installs its own SIGINT handler
-  when `fit()` starts its controller (it aborts the run without a checkpoint), so
-  `RaygptTrainer` puts raygpt's in its place.
+  actor that rank 0 polls (raygpt.ray.driver_signals); on the workers the handlers are
+  installed on each actor's main thread by the backend hook (Python runs handlers on the main
+  thread only). A first Ctrl-C (SIGINT) is a SIGTERM; a second aborts at once. Ray Train
+  installs its own SIGINT handler when `fit()` starts its controller (it aborts the run without
+  a checkpoint), so `RaygptTrainer` puts raygpt's in its place.
 - A compiled run's workers get the user's signing key for the compiled artifacts they keep in
   the run directory (raygpt.signed_file: read on this machine, or made on the first compiled
   run) in Ray Train's train_loop_config, which Ray keeps in memory: never in the TrainConfig
@@ -41,14 +36,13 @@ checkpoint bridge. What each worker runs is raygpt.ray.worker's.
 - A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
   Train's State-API PlacementGroupCleaner is replaced by raygpt.ray.pg_cleanup's, and the driver
   starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
+  What of Ray's private API this needs is raygpt.ray.compat's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -56,30 +50,26 @@ import pyarrow.fs as pafs
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
-from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygpt import preflight, signed_file
-from raygpt.checkpointing import local_copy, protocol as ck
-from raygpt.checkpointing.protocol import finalize_checkpoint
+from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
 from raygpt.ownership import claimed_run_dir
 from raygpt.ray import capacity
+from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
+from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,
+                               TrainerHooks, autoscaling_coordinator)
+from raygpt.ray.driver_signals import DriverSignals
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
-from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
 from raygpt.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
-from raygpt.runlog.history import append_record, read_history, summarize_run
-from raygpt.storage import RunDir, open_run_dir, redact
+from raygpt.runlog.history import read_history, summarize_run
+from raygpt.storage import open_run_dir, redact
 
 log = logging.getLogger(__name__)
 
@@ -88,33 +78,6 @@ log = logging.getLogger(__name__)
 # and the user's own setting of it, read before raygpt sets it
 RAY_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 _USER_PREEMPTION_WATCHER = os.environ.get(RAY_PREEMPTION_WATCHER_ENV)
-
-
-class PreemptionWatcherCallback(PreemptionCallback):
-    """Ray Train's preemption watcher (the actor behind `ray.train.get_preemption_info()`),
-    started without restarts on the controller's node.
-
-    Ray Train 2.60 starts the watcher with `max_restarts=-1` and the worker actors' handles as
-    constructor arguments, and Ray's core worker logs an ERROR for every such actor on every run
-    ("has constructor arguments in the object store and max_restarts > 0", issue 53727 of Ray):
-    a restarted watcher would get handles that may be gone. A restart is never needed: every
-    worker-group start makes a fresh watcher (and stops the old one), so this one has none, and
-    it lives on the controller's node, which it can only lose with the controller itself."""
-
-    def after_worker_group_start(self, worker_group) -> None:
-        self._stop_watcher()
-        node_to_ranks: dict[str, list[int]] = {}
-        actors = {}
-        for worker in worker_group.get_workers():
-            rank = worker.distributed_context.world_rank
-            node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
-            actors[rank] = worker.actor
-        here = ray.get_runtime_context().get_node_id()
-        self._watcher = ray.remote(PreemptionWatcher).options(
-            num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-        ).remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
-                 worker_actors_by_rank=actors)
 
 
 # Ray Train's controller polls the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
@@ -143,144 +106,6 @@ def preemption_callbacks() -> list:
     return [PreemptionWatcherCallback()]
 
 
-# ---------------------------------------------------------------------- driver side
-
-# The finalizers' work queues in this process (the controller's), by run directory: a
-# finalizer hands each checkpoint to its queue's thread, and `FinalizerDrain` waits for them all
-# before the controller ends (it is a separate callback object: Ray gives controller hooks only
-# to ControllerCallbacks, report hooks only to UserCallbacks).
-_QUEUES: dict[str, "FinalizeQueue"] = {}
-_QUEUES_LOCK = threading.Lock()
-
-
-class FinalizeQueue:
-    """One thread that finalizes checkpoints in report order (DONE, MANIFEST, retention), so
-    that Ray's controller, which calls `after_report` synchronously, never waits on storage.
-    A checkpoint whose finalization fails stays without DONE/MANIFEST (readers treat it as
-    absent) and training goes on."""
-
-    def __init__(self, output_dir: str):
-        from concurrent.futures import ThreadPoolExecutor
-        self.output_dir = output_dir
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raygpt-finalize")
-        self._futures: list = []
-
-    def submit(self, step: int, rank_hashes: dict, meta: dict) -> None:
-        self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(self._finalize, step, rank_hashes, meta))
-
-    def _finalize(self, step: int, rank_hashes: dict, meta: dict) -> None:
-        try:
-            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes, meta)
-        except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
-            log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is finalized; False if `timeout_s` ran out."""
-        from concurrent.futures import wait
-        _, pending = wait(list(self._futures), timeout=timeout_s)
-        return not pending
-
-
-def finalize_queue(output_dir: str) -> FinalizeQueue:
-    with _QUEUES_LOCK:
-        queue = _QUEUES.get(output_dir)
-        if queue is None:
-            queue = _QUEUES[output_dir] = FinalizeQueue(output_dir)
-        return queue
-
-
-def drain_finalize_queues(timeout_s: float | None = None) -> bool:
-    with _QUEUES_LOCK:
-        queues = list(_QUEUES.values())
-    return all([q.drain(timeout_s) for q in queues])
-
-
-class CheckpointFinalizer(UserCallback):
-    """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
-    retention, and records every worker-group failure in the run's loss history.
-
-    `after_report` runs on Ray's controller thread, which waits for it: it only collects what the
-    ranks reported (their files' names, sizes and sha256, hashed while writing) and hands the
-    checkpoint to a `FinalizeQueue` thread, which checks presence and sizes in storage and writes
-    DONE then MANIFEST (never reading the data back). `FinalizerDrain` makes the controller wait
-    for the queue before it ends, so the last checkpoint is complete when fit() returns."""
-
-    def __init__(self, output_dir: str, crash_before_done_steps=()):
-        self.output_dir = output_dir
-        self.crash_before_done_steps = set(crash_before_done_steps)
-        self.failures = 0
-
-    def after_report(self, run_context, metrics, checkpoint):
-        if checkpoint is None:
-            return
-        run_dir = open_run_dir(self.output_dir)
-        step = ck.step_of_dir(Path(checkpoint.path).name)
-        if step in self.crash_before_done_steps:
-            # fault injection: act as if the driver died between Ray's registration and DONE
-            log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")
-            self.crash_before_done_steps.discard(step)
-            self._reconcile(run_dir)
-            return
-        rank_hashes = {}
-        for m in metrics:
-            rank_hashes.update(m.get("raygpt_files", {}))
-        meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_queue(self.output_dir).submit(step, rank_hashes, meta)
-        # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
-        # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
-        self._reconcile(run_dir)
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
-        ok = finalize_queue(self.output_dir).drain(timeout_s)
-        self._reconcile(open_run_dir(self.output_dir))
-        return ok
-
-    @staticmethod
-    def _reconcile(run_dir: RunDir) -> None:
-        """Ray's CheckpointManager wrote its snapshot just before this callback (same thread):
-        take out what retention just deleted and what a rewind deleted since the last report."""
-        try:
-            reconcile_snapshot(run_dir)
-        except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
-            log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
-                        f"{type(e).__name__}: {e}")
-
-    def after_exception(self, run_context, worker_exceptions):
-        # the restarted workers pick the newest complete checkpoint: let the ones the lost
-        # group reported be completed first (a few small writes each), as a synchronous
-        # finalizer would have
-        finalize_queue(self.output_dir).drain()
-        self.failures += 1
-        causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
-        with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
-            append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
-                                    "time": time.time(), "attempt": None})
-        log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
-
-
-class FinalizerDrain(ControllerCallback):
-    """Holds Ray's controller at its end until every checkpoint handed to a `FinalizeQueue`
-    has its DONE and MANIFEST (or was left incomplete), then brings Ray's snapshot in line with
-    what retention deleted. On an abort (Ctrl-C) it waits at most ABORT_DRAIN_S: a checkpoint
-    not finished by then simply stays without DONE/MANIFEST."""
-
-    ABORT_DRAIN_S = 30.0
-
-    def after_controller_finish(self, result) -> None:
-        drain_finalize_queues()
-        with _QUEUES_LOCK:
-            dirs = list(_QUEUES)
-        for d in dirs:
-            CheckpointFinalizer._reconcile(open_run_dir(d))
-
-    def before_controller_abort(self) -> None:
-        if not drain_finalize_queues(self.ABORT_DRAIN_S):
-            log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
-                        "stays without DONE/MANIFEST")
-
-
 class StopOnRunStopped(DefaultFailurePolicy):
     """Ray Train's failure policy, except that a worker group in which any worker raised
     `RunStopped` is not restarted: the run ends at once with that error (see raygpt.errors).
@@ -302,37 +127,17 @@ def run_stopped(error) -> RunStopped | None:
     return None
 
 
-class RaygptTrainer(TorchTrainer):
-    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup, no Ray Data
-    actor when there are no datasets (raygpt's never has any) and, when `on_sigint` is set,
-    raygpt's Ctrl-C. The hooks are Ray Train 2.60's own seams
-    (`_initialize_and_run_controller` receives the failure policy it ships to the controller;
-    `_register_sigint_handler` installs Ctrl-C's handler once the controller exists;
-    `_create_default_callbacks` lists the controller's callbacks); test_run_end.py and
-    tests/ray_seam/test_command_output.py fail if one stops being called."""
+class RaygptTrainer(TrainerHooks):
+    """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup and the
+    checkpoint finalizer's drain on the controller, no Ray Data actor when there are no datasets
+    (raygpt's never has any) and, when `on_sigint` is set, raygpt's Ctrl-C (the hooks:
+    raygpt.ray.compat.TrainerHooks)."""
 
-    on_sigint = None  # callable(controller) installed as the SIGINT handler during fit()
+    def failure_policy(self, failure_config):
+        return StopOnRunStopped(failure_config)
 
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["failure_policy"] = StopOnRunStopped(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    def _create_default_callbacks(self):
-        # Ray's PlacementGroupCleaner polls the State API, which needs a dashboard and a
-        # single Ray on the machine, and logs a line a second (or a traceback) without them:
-        # raygpt.ray.pg_cleanup does its job through the controller's actor handle instead.
-        # Ray's datasets callback starts a DatasetManager actor (a process importing Ray Data)
-        # on every worker-group start, datasets or not; raygpt's workers read their own shards
-        # (raygpt.data.loader), so without datasets it only costs each start and restart a process.
-        callbacks = [c for c in super()._create_default_callbacks()
-                     if not isinstance(c, PlacementGroupCleanerCallback)
-                     and not (isinstance(c, DatasetsCallback) and not self.datasets)]
-        return [CleanupOnControllerDeath(), FinalizerDrain(), *callbacks]
-
-    def _register_sigint_handler(self, controller):
-        if self.on_sigint is None:
-            return super()._register_sigint_handler(controller)
-        signal.signal(signal.SIGINT, lambda signum, frame: self.on_sigint(controller))
+    def controller_callbacks(self) -> list:
+        return [CleanupOnControllerDeath(), FinalizerDrain()]
 
 
 class RunFailed(RuntimeError):
@@ -406,8 +211,8 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     neither load nor store compiled artifacts).
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
-    snapshot is first brought back to the checkpoints that exist (see raygpt.ray.snapshot), or
-    Ray's controller would refuse the directory after retention or a rewind deleted some."""
+    snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
+    or Ray's controller would refuse the directory after retention or a rewind deleted some."""
     dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
     if dropped:
         log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
@@ -566,13 +371,11 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
     autoscaling_coordinator_client.py): a cold actor start on a busy machine takes longer, and
     the run begins with a WARNING and a GetTimeoutError traceback. Started here first (the
     controller then finds it by name), the call is answered at once."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-    except ImportError:  # another Ray layout: the controller starts its own
+    coordinator = autoscaling_coordinator()
+    if coordinator is None:  # another Ray layout: the controller starts its own
         return
     try:
-        ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=timeout_s)
+        ray.get(coordinator.__ray_ready__.remote(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         pass  # the controller's own request will say so, if it still cannot reach it
 
@@ -591,68 +394,3 @@ def _failure_report(cfg, since: float, error) -> str:
 
 def _parse_faults(spec: str):
     return parse_spec(spec)  # cfg.fault holds every armed fault (claimed_run_dir folded them in)
-
-
-class DriverSignals:
-    """The driver's signals while a run trains: SIGTERM and the first Ctrl-C become a stop
-    request (every rank checkpoints at the next step boundary and exits; -y 1 resumes), SIGUSR1
-    a save request, forwarded to the workers through the control actor. A second Ctrl-C aborts
-    at once: Ray Train's controller is told to abort (it kills the workers) and the driver raises
-    RunAborted. `ray.init()` installs its own SIGTERM handler in the driver; this takes it over
-    for the run's duration and `restore()` gives every handler back. The handlers only record
-    the request; a thread makes the remote call (no Ray calls inside a handler), except for the
-    abort, which must happen before the handler returns."""
-
-    ABORT_WAIT_S = 10.0  # how long a second Ctrl-C waits for the controller to abort
-
-    def __init__(self, control):
-        self.control = control
-        self.sigints = 0
-        self.aborted = False
-        self._pending: list[str] = []
-        self._wake = threading.Event()
-        self._done = threading.Event()
-        self._old = {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # a sweep trial's thread: signals belong to the sweep's driver
-        self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        self._old[signal.SIGINT] = signal.getsignal(signal.SIGINT)
-        threading.Thread(target=self._forward, daemon=True, name="raygpt-signal-forwarder").start()
-
-    def _handler(self, signum, frame):
-        self._pending.append("stop" if signum == signal.SIGTERM else "save")
-        self._wake.set()
-
-    def on_sigint(self, controller) -> None:
-        """Ctrl-C while fit() runs (installed by RaygptTrainer in place of Ray Train's)."""
-        self.sigints += 1
-        if self.sigints == 1:
-            self._pending.append("ctrl-c")
-            self._wake.set()
-            return
-        log.info("raygpt | second Ctrl-C: aborting now, without a checkpoint; -y 1 resumes from "
-                 "the last verified checkpoint")
-        self.aborted = True
-        try:
-            ray.get(controller.abort.remote(), timeout=self.ABORT_WAIT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            pass  # the controller exits inside abort(): its actor error is the expected answer
-        raise KeyboardInterrupt  # out of fit(); run() turns it into RunAborted
-
-    def _forward(self):
-        while not self._done.is_set():
-            self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                kind = self._pending.pop(0)
-                what = {"stop": "SIGTERM", "save": "SIGUSR1",
-                        "ctrl-c": "Ctrl-C (press it again to abort at once)"}[kind]
-                log.info(f"raygpt | driver got {what}: asking the workers to checkpoint"
-                         f"{'' if kind == 'save' else ' and stop'}")
-                self.control.request.remote("save" if kind == "save" else "stop")
-
-    def restore(self) -> None:
-        self._done.set()
-        self._wake.set()
-        for s, h in self._old.items():
-            signal.signal(s, h)

@@ -24,8 +24,9 @@ import logging
 import threading
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.placement_group import placement_group_table, remove_placement_group
+
+from raygpt.ray.compat import ControllerCallback, WorkerGroupCallback
 
 logger = logging.getLogger(__name__)
 

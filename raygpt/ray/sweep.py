@@ -107,12 +107,11 @@ from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
                                _branch_totals, _plain, check_space, check_trials, expand_trials,
-                               main, pin_for_trials, preflight_sweep, space_items, trial_config)
-from raygpt.report import store_png
+                               pin_for_trials, preflight_sweep, space_items, trial_config)
 from raygpt.runlog.history import iter_history
 from raygpt.schedule import wsd_decay_start
 from raygpt.signed_file import ArtifactKey
-from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact
+from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact, store_png
 
 log = logging.getLogger(__name__)
 
@@ -965,7 +964,7 @@ def best_config(user_base: TrainConfig, overrides: dict) -> dict:
 def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_curve=None,
                     title: str = "") -> str | None:
     """PNG of validation loss against step, one line per trial, stored whole at `path` (never
-    through a link: `report.store_png`). matplotlib is optional (the `plot` extra): without it
+    through a link: `storage.store_png`). matplotlib is optional (the `plot` extra): without it
     no plot is written and None is returned."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -1078,4 +1077,5 @@ def run_from_args(ns, items: list, base: TrainConfig) -> SweepReport:
 
 
 if __name__ == "__main__":
+    from raygpt.ray.sweep_command import main  # the trials checked before this module loads
     sys.exit(main())

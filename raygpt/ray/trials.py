@@ -10,9 +10,8 @@ machine's CPU count (raygpt.ray.capacity).
 - `known_trial_points` / `preflight_sweep`: every trial config that can be known before Tune
   samples (grid values and choice categories crossed, the ends of numeric ranges) through the
   single run's driver-side checks (raygpt.preflight), and the sweep directory's filesystem;
-- the command line (`main`, `build_sweep_parser`): the sweep's flags, every other flag a
-  `raygpt train` flag of the base config. It checks the known trials first and only then
-  imports raygpt.ray.sweep (Ray Tune) to run them.
+- the command line's parser (`build_sweep_parser`, `space_items`): the sweep's flags, every
+  other flag a `raygpt train` flag of the base config (raygpt.ray.sweep_command runs it).
 
 A search-space entry is read by its shape (a {"grid_search": [...]} dict, an object with
 `categories`, or with `lower` and `upper`), so this module needs no Tune import.
@@ -25,13 +24,12 @@ import dataclasses
 import math
 import os
 import re
-import sys
 
 import numpy as np
 
 from raygpt import preflight
 from raygpt.config import (CONFIG_FILE_FORBIDDEN, ConfigError, FlagParser, SpikeConfig,
-                           TrainConfig, absolute_paths, output_dir_with_endpoint, parse_args)
+                           TrainConfig, absolute_paths)
 from raygpt.ray import capacity
 
 # Fields that place or arm a run, not configure it: the sweep's own command line gives them
@@ -304,61 +302,6 @@ def known_space(items: list[tuple[str, str, list]]) -> dict:
     return {key: {"grid_search": vals} for _, key, vals in items}
 
 
-def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
-    """The sweep's command line (`raygpt sweep`, `python -m raygpt.ray.sweep`,
-    experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
-    bad input (found before Ray starts, or met by every trial)."""
-    from raygpt.errors import EXIT_BAD_INPUT, EXIT_FAILED
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        build_sweep_parser(prog).print_help()
-        print("\nbase config flags (every raygpt train flag; -o is the sweep directory, -y 1 "
-              "resumes the sweep):")
-        from raygpt.config import build_parser
-        train = build_parser(prog)
-        train.epilog = None  # a train run's exit statuses: the sweep's are above
-        train.print_help()
-        return 0
-    try:
-        ns, rest = build_sweep_parser().parse_known_args(argv)
-        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
-        # the sweep directory names its store's endpoint (--storage-endpoint or the AWS
-        # variables) like a run's: the driver, Tune and every trial then open the same store
-        base = base.with_overrides({"output_dir": output_dir_with_endpoint(
-            base.output_dir, base.storage_endpoint, data=(base.input_bin, base.input_val_bin))})
-        items = space_items(ns)
-        if base.resume != 1 and not (ns.address or os.environ.get("RAY_ADDRESS")):
-            # this machine's Ray, not started yet: every known trial checked before importing it
-            space = known_space(items)
-            check = base
-            if ns.wsd_branches:
-                check = base.with_overrides({"scheduler": "wsd"})
-                space["max_steps"] = {"grid_search": _branch_totals(ns.wsd_branches)}
-            elif not space:
-                space = {"scheduler": {"grid_search": list(DEFAULT_SCHEDULERS)}}
-            check_space(check, space)
-            preflight_sweep(pin_for_trials(check, None, capacity.local_cpus()), space,
-                            base.output_dir, on_this_machine=True)
-        from raygpt.ray import sweep  # Ray Tune, Ray Train and torch: seconds of imports
-        from raygpt.ray.driver import RunFailed
-    except ConfigError as e:
-        print(f"raygpt sweep: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        report = sweep.run_from_args(ns, items, base)
-    except ConfigError as e:
-        print(f"raygpt sweep: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except RunFailed as e:  # the WSD stable phase, run by this driver
-        print(f"raygpt sweep: {'error: ' if e.exit_code == EXIT_BAD_INPUT else ''}{e}",
-              file=sys.stderr)
-        return e.exit_code
-    if report.best is not None:
-        return 0
-    bad = report.rows and all(r.stopped == EXIT_BAD_INPUT for r in report.rows)
-    return EXIT_BAD_INPUT if bad else EXIT_FAILED
-
-
 def _branch_totals(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]
@@ -369,6 +312,3 @@ def _branch_totals(text: str) -> list[int]:
 # the scheduler kinds a sweep without a space compares
 DEFAULT_SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

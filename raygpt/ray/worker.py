@@ -9,7 +9,6 @@ notice, the driver's key for the compiled artifacts) comes through `RaySession`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -18,15 +17,13 @@ from pathlib import Path
 import ray
 import ray.train
 import torch
-from ray.train import Checkpoint
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _TorchBackend
 
 from raygpt import signals
-from raygpt.atomic_file import fsync_directory, make_dirs_below, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.errors import RunStopped, stop_code
+from raygpt.ray import checkpoints, compat
 from raygpt.session import Session
 from raygpt.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
@@ -95,22 +92,9 @@ class RaySession(Session):
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta,
                           times=None):
-        metrics = {**metrics, "raygpt_files": file_hashes}
-        if manifest_meta is not None:
-            metrics["raygpt_manifest"] = manifest_meta
-        # The files are already written (on our background thread). Ray stores them on its own
-        # upload thread and registers the checkpoint when all ranks are in: by a rename when the
-        # run directory is on this machine's filesystem with the staging directory (the files
-        # were fsynced where they were written: nothing is copied or flushed again), else by
-        # Ray's copy (pyarrow; the finalizer makes the copies durable before DONE).
         self.last_checkpoint_report = time.monotonic()  # train metrics keep their distance
-        dest = rename_destination(self.run_dir, local_dir, dir_name)
-        upload = None if dest is None else functools.partial(store_by_rename, dest=dest, times=times)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(local_dir),
-                         checkpoint_dir_name=dir_name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-                         checkpoint_upload_fn=upload,
-                         delete_local_checkpoint_after_upload=True)
+        checkpoints.report(self.run_dir, metrics, local_dir, dir_name, file_hashes, manifest_meta,
+                           times)
 
     def poll_requests(self) -> tuple[bool, bool]:
         """(stop, save) requested from outside: the driver's control actor (rank 0, without
@@ -147,45 +131,6 @@ class RaySession(Session):
         return {**_STARTUP_MARKS, "setup": {**_process_marks(), **_WORKER_MARKS}}
 
 
-def rename_destination(run_dir, local_dir: str, dir_name: str) -> Path | None:
-    """Where a rank's staged checkpoint files can be stored by renaming them (`store_by_rename`):
-    `<run dir>/<dir_name>` when the run directory is local, is the driver's one as seen from
-    this node (it holds the marker Ray's driver wrote into it, which Ray's own copy checks for
-    too: a path that exists on this node only is never written to), and is on the same
-    filesystem as the staging directory `local_dir`; else None (Ray copies them)."""
-    if not run_dir.is_local:
-        return None
-    root = run_dir.local_path()
-    try:
-        from ray.train.v2._internal.execution.storage import VALIDATE_STORAGE_MARKER_FILENAME
-    except ImportError:  # another Ray layout: its own copy
-        return None
-    try:
-        if not (root / VALIDATE_STORAGE_MARKER_FILENAME).is_file():
-            return None
-        if os.stat(root).st_dev != os.stat(local_dir).st_dev:
-            return None
-    except OSError:
-        return None
-    return root / dir_name
-
-
-def store_by_rename(checkpoint, dir_name: str, *, dest: Path, times: dict | None = None):
-    """Ray's `checkpoint_upload_fn`: move this rank's staged files into `dest` (the step
-    directory in the run directory; the ranks of one node share it) by rename, and make the
-    names durable. Each file appears whole under its final name (a rename), and the checkpoint
-    is complete only once the finalizer writes DONE and MANIFEST."""
-    src = Path(checkpoint.path)
-    make_dirs_below(dest.parent, dest)  # a link planted at the step directory is refused
-    for name in sorted(os.listdir(src)):
-        move_local_file(src / name, dest / name, root=dest.parent)  # a rename (or a copy)
-    fsync_directory(dest)
-    fsync_directory(dest.parent)
-    if times is not None:
-        times["stored"] = time.time()
-    return Checkpoint(str(dest), filesystem=checkpoint.filesystem)
-
-
 def train_func(config: dict) -> None:
     """What each Ray Train worker runs."""
     _WORKER_MARKS["train_func"] = time.time()
@@ -196,7 +141,7 @@ def train_func(config: dict) -> None:
     cfg = TrainConfig.from_dict(config["cfg"])
     if cfg.device == "cpu":
         torch.set_num_threads(config.get("threads_per_worker", 1))
-    _quiet_report_log()
+    compat.quiet_report_log()
     try:
         summary = train(cfg, RaySession(cfg, config.get("control_name"),
                                         config.get("artifact_key")))
@@ -206,17 +151,6 @@ def train_func(config: dict) -> None:
             raise  # a fault a restart may cure: Ray's retry budget is for these
         raise RunStopped(f"{type(e).__name__}: {e}", code) from e
     ray.train.report({"final": True, **summary})
-
-
-def _quiet_report_log() -> None:
-    """Ray Train 2.60 logs every ray.train.report at INFO, the checkpoint's whole manifest
-    metadata included, through a logger named by its source file, which LoggingConfig's
-    "ray.train" level does not reach; the console keeps raygpt's own lines instead."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray layout: its own logging applies
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 # This worker process's start-up marks (history.STARTUP_MARKS), set by the controller through
@@ -249,7 +183,7 @@ def _note_startup_marks(marks: dict) -> None:
     _STARTUP_MARKS.update(marks)
 
 
-class _Backend(_TorchBackend):
+class _Backend(compat.TorchBackend):
     """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
     the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split)."""
 

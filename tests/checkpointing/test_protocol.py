@@ -19,12 +19,13 @@ import pytest
 from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
-    checkpoints_to_delete, done_file, find_latest_verified, list_checkpoint_steps, model_file,
+    done_file, find_latest_verified, list_checkpoint_steps, model_file,
     PIDLESS_STAGE_STALE_S, STAGE_STALE_S, private_stage_root, read_manifest,
     sweep_dead_stage_roots, stage_dir, state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
+from raygpt.checkpointing.retention import checkpoints_to_delete
 from raygpt.config import TrainConfig
 from raygpt.llmc.state_file import read_state_file
 from tests.helpers import memory_fs
@@ -377,7 +378,7 @@ def _meta(step: int, trajectory: str) -> dict:
 
 
 def test_a_checkpoint_of_an_abandoned_trajectory_is_refused_done(run_dir):
-    from raygpt.checkpointing.protocol import finalize_checkpoint
+    from raygpt.checkpointing.finalize import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)
     hashes = _upload_without_done(run_dir, 30)  # reported on trajectory "old" before the rewind
@@ -453,7 +454,7 @@ def _reads(monkeypatch) -> list[str]:
 
 
 def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, monkeypatch):
-    from raygpt.checkpointing.protocol import finalize_checkpoint
+    from raygpt.checkpointing.finalize import finalize_checkpoint
 
     make_checkpoint(run_dir, 20)  # an older complete one, which retention looks at too
     hashes = _upload_without_done(run_dir, 30)
@@ -468,7 +469,7 @@ def test_finalize_reads_no_rank_file_and_manifests_the_ranks_hashes(run_dir, mon
 
 
 def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_dir):
-    from raygpt.checkpointing.protocol import finalize_checkpoint
+    from raygpt.checkpointing.finalize import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 1)}"
@@ -485,7 +486,7 @@ def test_finalize_refuses_a_short_upload_or_a_rank_that_reported_no_files(run_di
 
 
 def test_a_flipped_byte_after_upload_is_caught_by_a_hashing_verify_not_a_quick_one(run_dir):
-    from raygpt.checkpointing.protocol import finalize_checkpoint
+    from raygpt.checkpointing.finalize import finalize_checkpoint
 
     hashes = _upload_without_done(run_dir, 30)
     rel = f"{step_dir(30)}/{state_file(30, 0)}"

@@ -16,6 +16,7 @@ import tempfile
 
 import pytest
 
+from raygpt.checkpointing import finalize, retention
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.protocol import (MANIFEST, CheckpointError, WorldSizeMismatch,
                                            done_file, model_file, state_file, step_dir)
@@ -482,15 +483,15 @@ def test_a_manifest_without_a_step_is_named_as_step_minus_one():
 
 def test_retention_rejects_a_negative_keep_every_naming_both():
     with pytest.raises(ValueError) as e:
-        ck.checkpoints_to_delete([1], keep_last=1, keep_every=-2, protect=set(),
+        retention.checkpoints_to_delete([1], keep_last=1, keep_every=-2, protect=set(),
                                  newest_verified=None)
     assert str(e.value) == ("retention: expected keep_last >= 0 and keep_every >= 0, found 1, -2")
 
 
 def test_retention_keeps_multiples_of_keep_every_only_when_positive():
-    assert ck.checkpoints_to_delete([5, 10, 15], keep_last=1, keep_every=0, protect=set(),
+    assert retention.checkpoints_to_delete([5, 10, 15], keep_last=1, keep_every=0, protect=set(),
                                     newest_verified=None) == [5, 10]
-    assert ck.checkpoints_to_delete([0, 5, 10, 15], keep_last=1, keep_every=10, protect=set(),
+    assert retention.checkpoints_to_delete([0, 5, 10, 15], keep_last=1, keep_every=10, protect=set(),
                                     newest_verified=None) == [5]
 
 
@@ -500,7 +501,7 @@ def test_apply_retention_deletes_all_but_the_kept_and_protects_the_last_before_d
         rd, decay_start, kept):
     for s in (10, 20, 30, 40):
         make_checkpoint(rd, s)
-    doomed = ck.apply_retention(rd, {"keep_last": 1, "keep_every": 0,
+    doomed = retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0,
                                      "wsd_decay_start": decay_start})
     assert doomed == sorted({10, 20, 30, 40} - kept)
     assert set(ck.list_checkpoint_steps(rd)) == kept
@@ -510,9 +511,9 @@ def test_apply_retention_never_deletes_the_newest_complete_one(rd):
     for s in (10, 20):
         make_checkpoint(rd, s)
     rd.makedirs(step_dir(30))  # newer, incomplete (being written)
-    assert ck.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
     assert ck.list_checkpoint_steps(rd) == [20, 30]
-    assert ck.apply_retention(open_run_dir(rd.uri() + "-empty"), {"keep_last": 1,
+    assert retention.apply_retention(open_run_dir(rd.uri() + "-empty"), {"keep_last": 1,
                                                                   "keep_every": 0}) == []
 
 
@@ -526,7 +527,7 @@ def finalize_meta(trajectory="t", **retention):
 def test_finalize_marks_done_writes_the_manifest_and_applies_retention(rd):
     make_checkpoint(rd, 20)
     hashes = upload(rd, 30)
-    ck.finalize_checkpoint(rd, 30, hashes, finalize_meta(keep_last=1))
+    finalize.finalize_checkpoint(rd, 30, hashes, finalize_meta(keep_last=1))
     assert ck.verify_checkpoint(rd, 30) == []
     m = ck.read_manifest(rd, 30)
     assert m["extra"] == {"trajectory": "t"} and "retention" not in m and m["step"] == 30
@@ -537,23 +538,23 @@ def test_finalize_names_a_missing_rank_file_and_the_abandoning_rewind(rd):
     hashes = upload(rd, 30)
     rd.delete_file(f"{step_dir(30)}/{state_file(30, 0)}")
     with pytest.raises(CheckpointError) as e:
-        ck.finalize_checkpoint(rd, 30, hashes, finalize_meta())
+        finalize.finalize_checkpoint(rd, 30, hashes, finalize_meta())
     assert str(e.value) == (f"{rd.uri('step_00000030/state_00000030_00000.bin')}: expected "
                             f"{hashes[state_file(30, 0)]['size']} bytes as written by its rank, "
                             f"found None; not marking DONE")
     hashes = upload(rd, 30)
     del hashes[model_file(30)], hashes[state_file(30, 1)]
     with pytest.raises(CheckpointError) as e:
-        ck.finalize_checkpoint(rd, 30, hashes, finalize_meta())
+        finalize.finalize_checkpoint(rd, 30, hashes, finalize_meta())
     assert str(e.value) == (f"{rd.uri('step_00000030/model_00000030.bin')}: no rank reported "
                             f"writing it (2 file(s)); not marking DONE")
     hashes = upload(rd, 30)
     ck.record_abandoned_trajectory(rd, "t", 29)
     with pytest.raises(CheckpointError) as e:
-        ck.finalize_checkpoint(rd, 30, hashes, finalize_meta())
+        finalize.finalize_checkpoint(rd, 30, hashes, finalize_meta())
     assert str(e.value) == (f"{rd.uri('step_00000030')}: saved on trajectory t, which a spike "
                             f"rewind abandoned back to step 29; not marking DONE")
-    ck.finalize_checkpoint(rd, 30, hashes, {**finalize_meta(), "extra": None})  # no trajectory
+    finalize.finalize_checkpoint(rd, 30, hashes, {**finalize_meta(), "extra": None})  # no trajectory
     assert ck.verify_checkpoint(rd, 30) == []
 
 
@@ -776,7 +777,7 @@ def test_an_invalid_world_size_expects_no_rank_files(rd):
 
 
 def test_keep_every_1_keeps_every_step():
-    assert ck.checkpoints_to_delete([1, 2, 3], keep_last=1, keep_every=1, protect=set(),
+    assert retention.checkpoints_to_delete([1, 2, 3], keep_last=1, keep_every=1, protect=set(),
                                     newest_verified=None) == []
 
 
@@ -786,7 +787,7 @@ def test_finalize_manifests_the_ranks_hashes_not_the_stored_bytes(rd):
     data = bytearray(rd.read_bytes(rel))
     data[3] ^= 1  # storage corrupted it after its rank hashed it; the size is unchanged
     rd.write_bytes_atomic(rel, bytes(data))
-    ck.finalize_checkpoint(rd, 30, hashes, finalize_meta())
+    finalize.finalize_checkpoint(rd, 30, hashes, finalize_meta())
     assert ck.read_manifest(rd, 30)["files"][state_file(30, 0)] == hashes[state_file(30, 0)]
     assert ck.verify_checkpoint(rd, 30)[0].startswith(f"{rel}: sha256: expected")
 
@@ -801,7 +802,7 @@ def test_retention_keeps_the_newest_complete_one_without_hashing_or_warning(rd, 
     rd.makedirs(step_dir(30))  # newer, incomplete
     logged = []
     monkeypatch.setattr(ck.log, "warning", logged.append)
-    assert ck.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
     assert logged == []
 
 

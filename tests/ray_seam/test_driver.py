@@ -251,7 +251,7 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
 
 
 def snapshot_names(run_dir) -> list[str]:
-    from raygpt.ray.snapshot import SNAPSHOT
+    from raygpt.ray.checkpoint_list import SNAPSHOT
     snap = json.loads((run_dir / SNAPSHOT).read_text())
     return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
 

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "raygpt"
 # module -> the functions whose output is the command's own: nothing else may print
 COMMAND_OUTPUT = {
     "raygpt/cli.py": {"_train"},                              # raygpt train's exit line
-    "raygpt/ray/trials.py": {"main"},                         # raygpt sweep's help and exit line
+    "raygpt/ray/sweep_command.py": {"main"},                  # raygpt sweep's help and exit line
     "raygpt/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
     "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report

@@ -1,4 +1,4 @@
-"""raygpt.ray.snapshot against Ray's own CheckpointManager (no cluster): a snapshot that names
+"""raygpt.ray.checkpoint_list against Ray's own CheckpointManager (no cluster): a snapshot that names
 deleted checkpoints (retention, a rewind) is refused by a new manager, and accepted once
 reconciled; duplicates of a re-trained name, a deleted latest checkpoint and a torn file."""
 
@@ -13,7 +13,7 @@ from ray.train.v2._internal.execution.storage import StorageContext
 from ray.train.v2._internal.execution.training_report import _TrainingReport
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.ray.snapshot import SNAPSHOT, reconcile_snapshot
+from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.storage import open_run_dir
 
 

@@ -8,10 +8,10 @@ exist anymore`). raygpt deletes checkpoints behind Ray's back: retention (-nk / 
 driver-side finalizer) and spike rewinds (rank 0 deletes the abandoned trajectory), so the file
 must be brought back to what exists:
 
-- in the controller, after each report (`trainer.CheckpointFinalizer`): Ray has just written the
-  file, synchronously, on the same thread, and retention has just deleted; rewriting it there
-  cannot race with Ray's own write;
-- before every fit() on an existing directory (`trainer.build_trainer`, which the driver and
+- in the controller, after each report (raygpt.ray.checkpoints' `CheckpointFinalizer`): Ray
+  has just written the file, synchronously, on the same thread, and retention has just deleted;
+  rewriting it there cannot race with Ray's own write;
+- before every fit() on an existing directory (`driver.build_trainer`, which the driver and
   the sweep's trials use): no controller is running on the directory then, and whatever was
   deleted since the last report (a rewind, a crash in between) is dropped.
 
@@ -20,19 +20,17 @@ scans the run directory for the newest verified checkpoint), so a checkpoint del
 fit that Ray's in-memory list still names is harmless to that fit, and the file is what must
 agree for the next one.
 
-The file's format is Ray's (its pydantic model `_CheckpointManagerState` reads and writes it;
-pydantic 2, as Ray 2.60 uses), so a Ray upgrade that changes it fails here loudly rather than
+The file's format is Ray's (its pydantic model, `compat.CheckpointManagerState`, reads and writes
+it; pydantic 2, as Ray 2.60 uses), so a Ray upgrade that changes it fails here loudly rather than
 being half-understood.
 """
 
 from __future__ import annotations
 
 
-from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
-    _CheckpointManagerState, _TrainingResultState,
-)
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.ray.compat import CheckpointManagerState, TrainingResultState
 from raygpt.storage import MAX_JSON_BYTES, RunDir, parse_json
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -52,7 +50,7 @@ def reconcile_snapshot(run_dir: RunDir) -> list[str]:
     except ValueError:
         _write(run_dir, _rebuilt(run_dir))
         return ["<torn snapshot rebuilt>"]
-    state = _CheckpointManagerState.model_validate(raw)
+    state = CheckpointManagerState.model_validate(raw)
     present = {name for name in run_dir.listdir() if run_dir.is_dir(name)}
     fixed, dropped = reconciled(state, present)
     if dropped:
@@ -60,12 +58,12 @@ def reconcile_snapshot(run_dir: RunDir) -> list[str]:
     return dropped
 
 
-def reconciled(state: _CheckpointManagerState,
-               present: set[str]) -> tuple[_CheckpointManagerState, list[str]]:
+def reconciled(state: CheckpointManagerState,
+               present: set[str]) -> tuple[CheckpointManagerState, list[str]]:
     """The pure part: `state` with every checkpoint not in `present` (directory names) dropped,
     duplicates of a name reduced to the latest report, and everything that refers to a
     checkpoint by name (latest, pending validations, validation outcomes) made to match."""
-    by_name: dict[str, tuple[int, _TrainingResultState]] = {}
+    by_name: dict[str, tuple[int, TrainingResultState]] = {}
     dropped = []
     for result, index in zip(state.checkpoint_results, state.checkpoint_report_indices):
         name = result.checkpoint_dir_name
@@ -104,14 +102,14 @@ def reconciled(state: _CheckpointManagerState,
     return fixed, dropped
 
 
-def _rebuilt(run_dir: RunDir) -> _CheckpointManagerState:
+def _rebuilt(run_dir: RunDir) -> CheckpointManagerState:
     """A snapshot naming the run's complete checkpoints, oldest first, as if reported in order."""
     steps = [s for s in ck.list_checkpoint_steps(run_dir)
              if run_dir.exists(ck.done_path(s))
              and run_dir.exists(f"{ck.step_dir(s)}/{ck.MANIFEST}")]
-    results = [_TrainingResultState(checkpoint_dir_name=ck.step_dir(s),
+    results = [TrainingResultState(checkpoint_dir_name=ck.step_dir(s),
                                     metrics={"checkpoint_step": s}) for s in steps]
-    return _CheckpointManagerState(
+    return CheckpointManagerState(
         checkpoint_results=results, checkpoint_report_indices=list(range(len(results))),
         latest_checkpoint_result=results[-1] if results else None,
         pending_training_results=[], pending_validation_specs=[],
@@ -119,5 +117,5 @@ def _rebuilt(run_dir: RunDir) -> _CheckpointManagerState:
         timed_out_validation_checkpoint_dir_names=[], failed_validation_checkpoint_dir_names=[])
 
 
-def _write(run_dir: RunDir, state: _CheckpointManagerState) -> None:
+def _write(run_dir: RunDir, state: CheckpointManagerState) -> None:
     run_dir.write_bytes_atomic(SNAPSHOT, state.model_dump_json().encode("utf-8"))
