@@ -236,8 +236,8 @@ def start_driver(cfg: TrainConfig, tmp_path, name: str) -> subprocess.Popen:
     it never joins another cluster on this machine), output in tmp_path/name.log."""
     cfg_file = tmp_path / f"{name}.json"
     fields = cfg.to_dict()
-    # where the run writes, resuming, overwriting and faults are the command line's to say (a
-    # --config file may not set them)
+    # where the run writes, resuming, overwriting, faults and the servers it talks to are the
+    # command line's to say (a --config file may not set them)
     flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
     if fields.pop("fault"):
         flags += ["--fault", cfg.fault]
@@ -245,6 +245,9 @@ def start_driver(cfg: TrainConfig, tmp_path, name: str) -> subprocess.Popen:
         flags.append("--overwrite")
     if fields.pop("allow_fault_injection"):
         flags.append("--allow-fault-injection")
+    for name, flag in (("storage_endpoint", "--storage-endpoint"), ("mlflow", "--mlflow")):
+        if value := fields.pop(name):
+            flags += [flag, value]
     cfg_file.write_text(json.dumps(fields))
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO),
            "RAY_DEDUP_LOGS": "0"}

@@ -101,7 +101,7 @@ def test_every_compat_hook_says_what_it_was_checked_on():
                  if "Checked on Ray 2.60.0" not in " ".join(source[h.lineno - 1:h.end_lineno])]
     assert hooks and unchecked == []
     pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
-    assert '"ray[train,tune]>=2.60,<2.61"' in pyproject
+    assert '"ray[train,tune,data]>=2.60,<2.61"' in pyproject
 
 
 def test_the_private_scan_sees_each_form(tmp_path):

@@ -293,9 +293,10 @@ def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, 
     base = tiny(output_dir=str(tmp_path / "base"), compile=True).resolve(0)
     plan = sweep.SweepPlan(sweep_dir=str(tmp_path / "sweep"), mode="grid",
                            user_base=base.to_dict(), base=base.to_dict(),
-                           settings={"max_concurrent": 1})
+                           settings={"max_concurrent": 1},
+                           trials=[{"name": "trial_000", "overrides": {"learning_rate": 1e-3}}])
     with pytest.raises(Stop):
-        sweep._fit(plan, {"learning_rate": tune.grid_search([1e-3])})
+        sweep._fit(plan, ["trial_000"], experiment=sweep.TUNE_DIR, command_line={})
     secret = signed_file.load_or_create_key().secret
     assert given["artifact_key"].secret == secret
     assert secret.hex() not in json.dumps(given["plan"]) and "artifact_key" not in given["plan"]
