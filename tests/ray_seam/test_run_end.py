@@ -245,8 +245,8 @@ def start_driver(cfg: TrainConfig, tmp_path, name: str) -> subprocess.Popen:
         flags.append("--overwrite")
     if fields.pop("allow_fault_injection"):
         flags.append("--allow-fault-injection")
-    for name, flag in (("storage_endpoint", "--storage-endpoint"), ("mlflow", "--mlflow")):
-        if value := fields.pop(name):
+    for field, flag in (("storage_endpoint", "--storage-endpoint"), ("mlflow", "--mlflow")):
+        if value := fields.pop(field):
             flags += [flag, value]
     cfg_file.write_text(json.dumps(fields))
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO),
