@@ -214,12 +214,8 @@ class CampaignCluster:
 def launch(cfg, resume: int, address: str, log_path: Path) -> subprocess.Popen:
     """`python -m raygpt.cli train --config FILE -o DIR -y RESUME --fault SPEC` joined to the
     cluster, in a session of its own (its process group is what a terminal's Ctrl-C reaches)."""
-    fields = cfg.to_dict()
-    flags = ["-o", fields.pop("output_dir"), "-y", str(resume)]
-    if fields.pop("fault"):
-        flags += ["--fault", cfg.fault]
-    for name in ("resume", "overwrite", "allow_fault_injection"):  # the command line's to say
-        fields.pop(name)
+    from raygpt.config import as_command  # no torch: config imports none
+    fields, flags = as_command(cfg.with_overrides({"resume": resume}))
     cfg_file = log_path.with_suffix(".json")
     cfg_file.write_text(json.dumps(fields))
     env = {**os.environ, "RAY_ADDRESS": address, "RAY_DEDUP_LOGS": "0",

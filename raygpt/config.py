@@ -623,6 +623,22 @@ def _fits(value, t) -> tuple[bool, object]:
     return isinstance(value, t), value
 
 
+def as_command(cfg: "TrainConfig") -> tuple[dict, list[str]]:
+    """`cfg` split as a launcher hands it to `raygpt train --config FILE FLAGS...`: the fields a
+    --config file may hold, and the flags for the ones only the command line gives
+    (CONFIG_FILE_FORBIDDEN), those at their defaults left out. The writer beside
+    read_config_file's reader."""
+    fields, default = cfg.to_dict(), TrainConfig()
+    flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
+    if fields.pop("overwrite"):
+        flags.append("--overwrite")
+    for name, flag in COMMAND_LINE_ONLY.items():
+        value = fields.pop(name)
+        if value != getattr(default, name):
+            flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return fields, flags
+
+
 def read_config_file(path: str) -> dict:
     """The fields of a --config JSON file: bounded in size, an object, none of
     CONFIG_FILE_FORBIDDEN (the types are checked by TrainConfig.from_dict)."""

@@ -314,3 +314,20 @@ def test_cpu_default_workers_fit_the_machine():
     assert TrainConfig(device="cpu").resolve(cpus_available=16).num_workers == 2
     assert TrainConfig(device="cpu").resolve().num_workers == 2  # the Ray's CPUs not known
     assert TrainConfig(device="cpu", num_workers=3).resolve(cpus_available=1).num_workers == 3
+
+
+def test_as_command_puts_what_a_config_file_may_not_hold_on_the_command_line(tmp_path):
+    """A launcher's split of a config (bench/fault_campaign.py, the Ctrl-C tests): the file
+    passes read_config_file's rule, and file + flags parse back to the same config."""
+    from raygpt.config import CONFIG_FILE_FORBIDDEN, as_command, parse_args
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), resume=1, overwrite=True,
+                      fault="kill:rank=0,step=3", allow_fault_injection=True,
+                      storage_endpoint="http://127.0.0.1:9000", mlflow="sqlite:///m.db",
+                      learning_rate=3e-4)
+    fields, flags = as_command(cfg)
+    assert not set(fields) & set(CONFIG_FILE_FORBIDDEN)
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(fields))
+    assert parse_args(["--config", str(f), *flags]) == cfg
+    fields, flags = as_command(TrainConfig(output_dir="r"))
+    assert flags == ["-o", "r", "-y", "0"]

@@ -19,7 +19,7 @@ import ray
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.protocol import CheckpointError
-from raygpt.config import ConfigError, SpikeConfig, TrainConfig
+from raygpt.config import ConfigError, SpikeConfig, TrainConfig, as_command
 from raygpt.llmc.shards import ShardError
 from raygpt.llmc.state_file import StateFileError
 from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
@@ -235,19 +235,9 @@ def start_driver(cfg: TrainConfig, tmp_path, name: str) -> subprocess.Popen:
     """`python -m raygpt.cli train --config cfg.json`, its own local Ray (RAY_ADDRESS=local, so
     it never joins another cluster on this machine), output in tmp_path/name.log."""
     cfg_file = tmp_path / f"{name}.json"
-    fields = cfg.to_dict()
     # where the run writes, resuming, overwriting, faults and the servers it talks to are the
     # command line's to say (a --config file may not set them)
-    flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
-    if fields.pop("fault"):
-        flags += ["--fault", cfg.fault]
-    if fields.pop("overwrite"):
-        flags.append("--overwrite")
-    if fields.pop("allow_fault_injection"):
-        flags.append("--allow-fault-injection")
-    for field, flag in (("storage_endpoint", "--storage-endpoint"), ("mlflow", "--mlflow")):
-        if value := fields.pop(field):
-            flags += [flag, value]
+    fields, flags = as_command(cfg)
     cfg_file.write_text(json.dumps(fields))
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO),
            "RAY_DEDUP_LOGS": "0"}
