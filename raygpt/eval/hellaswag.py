@@ -3,8 +3,8 @@
 An example is a context and four endings. Each ending is scored by the model's mean
 cross-entropy over the ending's own tokens (context tokens, then the ending's with a leading
 space: `encode(" " + ending)`), and the ending with the lowest mean loss is the prediction;
-accuracy over examples is llm.c's acc_norm. The four rows of an example go through the model as
-one batch, padded at the end (causal attention: padding never reaches the scored positions).
+accuracy over examples is llm.c's acc_norm. The rows of a group of examples go through the model
+as one batch, padded at the end (causal attention: padding never reaches the scored positions).
 
 The file is the official JSON Lines (`hellaswag_val.jsonl`: `ctx`, `endings`, `label`); raygpt
 cannot download it. `read_examples` checks every line before anything is scored, naming the line
@@ -122,15 +122,27 @@ def predict(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> i
 
 
 @torch.no_grad()
-def score(model, examples: list[Example], device, *, progress=None) -> tuple[int, int]:
+def score(model, examples: list[Example], device, *, group: int = 16,
+          progress=None) -> tuple[int, int]:
     """(correct, total) acc_norm of `model` (raygpt's GPT: logits from `model(tokens)`) on the
-    examples, one batched forward pass of four rows per example."""
+    examples, `group` examples (4 rows each, zero-padded to the longest) per forward pass, as
+    llm.c's C evaluation batches them."""
     model.eval()
     correct = 0
-    for i, ex in enumerate(examples):
-        tokens, mask = render(ex)
+    for lo in range(0, len(examples), group):
+        batch = examples[lo:lo + group]
+        rendered = [render(ex) for ex in batch]
+        T = max(t.shape[1] for t, _ in rendered)
+        tokens = torch.zeros((4 * len(batch), T), dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for i, (t, m) in enumerate(rendered):
+            tokens[4 * i:4 * i + 4, :t.shape[1]] = t
+            mask[4 * i:4 * i + 4, :m.shape[1]] = m
         tokens, mask = tokens.to(device), mask.to(device)
-        correct += predict(model(tokens), tokens, mask) == ex.label
+        logits = model(tokens)
+        for i, ex in enumerate(batch):
+            rows = slice(4 * i, 4 * i + 4)
+            correct += predict(logits[rows], tokens[rows], mask[rows]) == ex.label
         if progress is not None:
-            progress(i + 1, len(examples), correct)
+            progress(lo + len(batch), len(examples), correct)
     return correct, len(examples)
