@@ -30,7 +30,7 @@ from raygpt import tokenizer
 PARQUET = "parquet"
 JSONL = "jsonl"
 TEXT = "text"
-_COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 _KINDS = ((".parquet", PARQUET), (".jsonl", JSONL), (".json", JSONL), (".txt", TEXT))
 _GLOB_CHARS = "*?["
 
@@ -67,7 +67,7 @@ class Unit:
 def kind_of(name: str) -> str | None:
     """The input kind a file name says (its extension, after a compression suffix), or None."""
     base = name.lower()
-    for suffix in _COMPRESSED:
+    for suffix in COMPRESSED:
         if base.endswith(suffix):
             base = base[: -len(suffix)]
             break

@@ -1,12 +1,11 @@
 """The workers' placement group is removed even when Ray Train's controller dies without
 removing it, watched through the controller's actor handle instead of Ray's State API.
 
-Ray Train 2.60 starts a detached `PlacementGroupCleaner` for every run that asks the State API,
-once a second, whether the controller is alive (`ray.util.state.get_actor`). The State API is
-served by the dashboard and found through the bootstrap address, so:
-- without a dashboard (a Ray installed without `ray[default]`, as on the GPU machines) every
-  query fails, and the cleaner logs "Failed to query Ray Train Controller actor state" every
-  second of the run (125 lines in bench/results/h200_main_command_2026-11-30.log);
+Why not Ray's own: its detached `PlacementGroupCleaner` asks the State API once a second whether
+the controller is alive (`ray.util.state.get_actor`); the State API is served by the dashboard and
+found through the bootstrap address, so:
+- without a dashboard (Ray installed without `ray[default]`) every query fails, and the cleaner
+  logs "Failed to query Ray Train Controller actor state" every second of the run;
 - with more than one Ray instance on the machine (two runs, a sweep beside a test) the client
   cannot tell which to ask, raises ConnectionError, and the cleaner's thread dies with a
   traceback on the console, leaving no cleaner at all.

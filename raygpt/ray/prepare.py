@@ -73,7 +73,7 @@ def default_name(inputs: list[str]) -> str:
         fixed = given[: min(given.index(c) for c in "*?[" if c in given)]
         given = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
     base = posixpath.basename(given.rstrip("/"))
-    while corpus.kind_of(base) or base.endswith(corpus._COMPRESSED):
+    while corpus.kind_of(base) or base.endswith(corpus.COMPRESSED):
         base = base.rsplit(".", 1)[0]
     return base or "corpus"
 
@@ -110,9 +110,10 @@ def plan(s: PrepareSettings) -> Plan:
         raise PrepareError(f"-o {redact(out.uri())}: holds a prepare under way of other inputs or "
                            f"settings ({out.uri(PROGRESS)}); expected an empty directory or this "
                            f"prepare's own; choose another -o, or delete {out.uri(STAGING)}")
-    if complete is None and progress is None and out.exists() and out.listdir():
+    held = out.listdir() if complete is None and progress is None and out.exists() else []
+    if held:
         raise PrepareError(f"-o {redact(out.uri())}: expected an empty or new directory, found "
-                           f"{', '.join(out.listdir()[:3])}{' ...' if len(out.listdir()) > 3 else ''}")
+                           f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}")
     return Plan(s, fs, files, units, name, val_tokens, ident, out, progress, complete)
 
 
