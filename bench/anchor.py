@@ -32,6 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = REPO_ROOT.parent / "shared" / "anchors"
 RUNNER = "run_llmc_reference.py"
 
+PEAK_LINE = re.compile(r"^peak memory consumption: (\d+) MiB")
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| train loss ([-+0-9.naif]+) \| .*"
                        r"\(([0-9.]+) ms \| ([0-9.]+) tok/s\)")
 
@@ -44,6 +45,7 @@ class AnchorRun:
     times: list[float] = field(default_factory=list)
     tok_per_s: list[float] = field(default_factory=list)
     output: str = ""
+    peak_gib: float = float("nan")  # torch.cuda.max_memory_allocated, as llm.c prints it at its end
 
     def median_tok_per_s(self, warmup: int) -> float:
         timed = self.tok_per_s[warmup:]
@@ -100,6 +102,9 @@ def run(cmd: list[str], timeout: float = 900) -> AnchorRun:
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     out = proc.stdout + proc.stderr
     result = AnchorRun(cmd, *parse(proc.stdout), output=out)
+    peaks = [int(m.group(1)) for m in map(PEAK_LINE.match, proc.stdout.splitlines()) if m]
+    if peaks:
+        result.peak_gib = max(peaks) / 1024
     if proc.returncode != 0 or not result.losses:
         raise SystemExit(f"llm.c's train_gpt2.py failed (exit {proc.returncode}, "
                          f"{len(result.losses)} step lines): {' '.join(cmd)}\n{out[-4000:]}")

@@ -533,7 +533,7 @@ def main():
                                       steps=args.steps, anchors=args.anchors))
         end = time.time()
         clocks.mark(name, (end - sum(r.times[args.warmup:]), end))
-        row(name, r.times, None, float("nan"), r.losses)
+        row(name, r.times, None, r.peak_gib, r.losses)
         print(f"{'':28s} {clocks.summary(name)}", flush=True)
 
     if not args.no_llmc:
