@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from contextlib import nullcontext
 
@@ -173,6 +174,7 @@ class StateSnapshot:
         self.on_device: bool | None = None  # device buffers used: decided at the first capture
         self._mem_get_info = mem_get_info or torch.cuda.mem_get_info
         self._reserving: threading.Thread | None = None
+        self.reserve_seconds: float | None = None  # how long pinning the host buffers took
 
     # ------------------------------------------------------------------ pinned buffers
     def reserve(self, tensors: dict) -> None:
@@ -181,11 +183,15 @@ class StateSnapshot:
         streams = self._streams_for(tensors)
         if streams is None:
             return
+        t0 = time.perf_counter()
         if self._host is None:
             self._host = streams.pinned()
         for name, t in tensors.items():
             if t is not None:
                 self._host.get(name, t)
+        self.reserve_seconds = time.perf_counter() - t0
+        log.info(f"raygpt | checkpoint snapshot: {nbytes(tensors) / 2**30:.2f} GiB of host memory "
+                 f"pinned in {self.reserve_seconds:.1f} s")
 
     def reserve_in_background(self, tensors: dict) -> None:
         """`reserve` on a thread; the first capture waits for it if it is still pinning."""
