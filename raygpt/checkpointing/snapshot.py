@@ -57,6 +57,7 @@ MODES = ("host", "device")  # --checkpoint-snapshot
 HEADROOM_BYTES = 2 << 30
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current one
+PAGE = 4096  # cudaHostRegister locks whole pages
 
 
 def fits_on_device(needed: int, free: int, headroom: int = HEADROOM_BYTES) -> bool:
@@ -86,13 +87,18 @@ class PinnedBuffers:
         if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype:
             return buf
         self._drop(name)
-        buf = torch.empty(like.shape, dtype=like.dtype)
-        size = buf.numel() * buf.element_size()
+        size = like.numel() * like.element_size()
+        # whole pages of its own: CUDA refuses to register a page twice, and a small
+        # allocation can share its first or last page with another buffer
+        pages = -(-size // PAGE) * PAGE
+        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        buf = raw[start:start + size].view(like.dtype).view(like.shape)
         if size:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size,
-                                                       CUDA_HOST_REGISTER_PORTABLE)
+            ptr = raw.data_ptr() + start
+            err = torch.cuda.cudart().cudaHostRegister(ptr, pages, CUDA_HOST_REGISTER_PORTABLE)
             if err == torch.cuda.cudart().cudaError.success:
-                self._registered[name] = buf.data_ptr()
+                self._registered[name] = ptr
             elif not self._warned:
                 self._warned = True
                 log.warning(f"raygpt | WARNING: checkpoint snapshot: could not pin "
