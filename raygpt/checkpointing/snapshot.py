@@ -70,6 +70,18 @@ def nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if t is not None)
 
 
+def on_whole_pages(like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(an empty host tensor shaped like `like`, the address and the length of the whole pages
+    it lies on, which no other allocation shares): what cudaHostRegister may lock. CUDA refuses
+    to register a page twice, and a small allocation can share its first or last page with
+    another buffer."""
+    size = like.numel() * like.element_size()
+    pages = -(-size // PAGE) * PAGE
+    raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start:start + size].view(like.dtype).view(like.shape), raw.data_ptr() + start, pages
+
+
 class PinnedBuffers:
     """Host tensors by name, page-locked at their exact size (`torch.empty` registered with
     cudaHostRegister) and unregistered before they are freed. Where the registration fails
@@ -87,22 +99,15 @@ class PinnedBuffers:
         if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype:
             return buf
         self._drop(name)
-        size = like.numel() * like.element_size()
-        # whole pages of its own: CUDA refuses to register a page twice, and a small
-        # allocation can share its first or last page with another buffer
-        pages = -(-size // PAGE) * PAGE
-        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        buf = raw[start:start + size].view(like.dtype).view(like.shape)
-        if size:
-            ptr = raw.data_ptr() + start
+        buf, ptr, pages = on_whole_pages(like)
+        if pages:
             err = torch.cuda.cudart().cudaHostRegister(ptr, pages, CUDA_HOST_REGISTER_PORTABLE)
             if err == torch.cuda.cudart().cudaError.success:
                 self._registered[name] = ptr
             elif not self._warned:
                 self._warned = True
                 log.warning(f"raygpt | WARNING: checkpoint snapshot: could not pin "
-                            f"{size / 2**30:.2f} GiB of host memory for {name!r} "
+                            f"{pages / 2**30:.2f} GiB of host memory for {name!r} "
                             f"({torch.cuda.cudart().cudaGetErrorString(err)}): each "
                             f"checkpoint's copy to the host blocks the training thread")
         self.buffers[name] = buf

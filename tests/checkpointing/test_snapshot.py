@@ -15,7 +15,8 @@ import torch
 
 from raygpt.checkpointing import snapshot
 from raygpt.checkpointing.protocol import model_file, state_file, step_dir, verify_checkpoint
-from raygpt.checkpointing.snapshot import StateSnapshot, fits_on_device, nbytes
+from raygpt.checkpointing.snapshot import (PAGE, StateSnapshot, fits_on_device, nbytes,
+                                           on_whole_pages)
 from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
 from raygpt.storage import open_run_dir
@@ -359,6 +360,22 @@ def test_through_the_checkpointer_each_checkpoint_holds_its_steps_state_when_the
         assert torch.equal(weights.to(expected[step]["params"].dtype), expected[step]["params"])
 
 
+def test_each_host_buffer_lies_on_whole_pages_no_other_buffer_shares():
+    """What the pinned buffers register: whole pages, holding the tensor, and disjoint from
+    every other buffer's even for small ones allocated side by side (CUDA refuses a page
+    registered twice)."""
+    spans = []
+    for i, (n, dtype) in enumerate([(1, torch.float32), (1000, torch.bfloat16), (PAGE, torch.float32),
+                                    (3, torch.float32), (0, torch.float32), (70_000, torch.float32)]):
+        buf, ptr, length = on_whole_pages(torch.empty(n, dtype=dtype))
+        assert buf.shape == (n,) and buf.dtype == dtype
+        assert ptr % PAGE == 0 and length % PAGE == 0
+        assert n == 0 or ptr <= buf.data_ptr() <= buf.data_ptr() + n * buf.element_size() <= ptr + length
+        spans.append((ptr, ptr + length, buf))  # kept alive: the next allocation is its neighbour
+    for a, b in zip(sorted(spans, key=lambda s: s[0]), sorted(spans, key=lambda s: s[0])[1:]):
+        assert a[1] <= b[0], "two buffers share a page"
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -481,3 +498,16 @@ def test_without_gpu_memory_for_the_device_copy_it_says_so_and_copies_to_the_hos
     live["m"].add_(1.0)
     out = snap.to_host()
     assert out["m"].is_pinned() and torch.equal(out["m"], expected)
+
+
+@pytest.mark.gpu
+@cuda
+def test_small_host_buffers_side_by_side_are_each_pinned():
+    """Registered page by page, small buffers allocated next to each other are all pinned."""
+    from raygpt.checkpointing.snapshot import PinnedBuffers
+
+    pinned = PinnedBuffers()
+    bufs = [pinned.get(f"t{i}", torch.empty(n)) for i, n in enumerate([1, 3, 1000, 5, 70_000])]
+    assert all(b.is_pinned() for b in bufs)
+    pinned.close()
+    assert not pinned.buffers
