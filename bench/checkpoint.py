@@ -42,10 +42,11 @@ It prints per size and path: the median normal step, the training thread's time 
 (the capture), the checkpoint's step (its update waits for the copy on the host path), the
 stall (save + that step - a normal step), the step after it, step -> DONE (the save to the
 DONE file's mtime), the peak GPU memory over the path's steps (torch.cuda.max_memory_allocated)
-and the seconds the host buffers took to pin (on a background thread, once).
+and the seconds the host buffers took to pin (on a background thread, once). One size per
+command keeps each within a few minutes; one checkpoint is on disk at a time (d48's: 22 GB).
 
-    python bench/checkpoint.py --mode snapshot --device gpu --depths 24,48 --batches 32,8 \
-        --seq-len 1024
+    python bench/checkpoint.py --mode snapshot --device gpu --depths 24 --batches 32 --seq-len 1024
+    python bench/checkpoint.py --mode snapshot --device gpu --depths 48 --batches 8 --seq-len 1024
     python bench/checkpoint.py --mode snapshot --depths 2 --batches 4 --seq-len 64  # CPU smoke
 """
 
@@ -372,7 +373,7 @@ def snapshot_bench(args) -> list[dict]:
             cfg = TrainConfig(model=f"d{depth}", batch_size=batch, seq_len=args.seq_len,
                               total_batch_size=batch * args.seq_len, max_steps=1_000_000,
                               val_every=0, sample_every=0, checkpoint_every=0,
-                              checkpoints_keep=1, output_dir=str(root), device=args.device,
+                              output_dir=str(root), device=args.device,
                               num_workers=1, compile=gpu and not args.no_compile,
                               warmup_steps=0).resolve(1 if gpu else 0)
             with contextlib.ExitStack() as stack:
@@ -414,6 +415,10 @@ def snapshot_bench(args) -> list[dict]:
                         per_ckpt.append({"save_s": save_s, "ckpt_step_s": ckpt_step,
                                          "next_step_s": next_step,
                                          "to_done_s": done.stat().st_mtime - t_wall})
+                        # one checkpoint on disk at a time (d48's are 22 GB): this one and
+                        # the node's fast-resume links to it go
+                        r.ckpt.local.remove_all()
+                        shutil.rmtree(root / ck.step_dir(saved))
                     normal_s = statistics.median(normal)
                     med = {k: statistics.median(c[k] for c in per_ckpt) for k in per_ckpt[0]}
                     rows.append({
@@ -477,7 +482,7 @@ def main():
     p.add_argument("--snapshot-modes", default="host,device", type=lambda s: s.split(","),
                    help="snapshot mode: the paths to measure, in order (host before device: "
                         "the device buffers stay once allocated)")
-    p.add_argument("--checkpoints", type=int, default=3, help="snapshot mode: per path")
+    p.add_argument("--checkpoints", type=int, default=2, help="snapshot mode: per path")
     p.add_argument("--gap", type=int, default=10,
                    help="snapshot mode: normal steps before each checkpoint")
     p.add_argument("--warmup", type=int, default=5, help="snapshot mode: steps before measuring")
