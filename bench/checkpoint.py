@@ -357,6 +357,7 @@ def snapshot_bench(args) -> list[dict]:
 
     from raygpt.checkpointing.snapshot import nbytes
     from raygpt.config import TrainConfig
+    from raygpt.determinism import run_switches
     from raygpt.loop import build_run, forward_backward
     from raygpt.session import LocalSession
     from raygpt.storage import open_run_dir
@@ -377,6 +378,7 @@ def snapshot_bench(args) -> list[dict]:
                               num_workers=1, compile=gpu and not args.no_compile,
                               warmup_steps=0).resolve(1 if gpu else 0)
             with contextlib.ExitStack() as stack:
+                stack.enter_context(run_switches(cfg.deterministic))  # as train() runs the loop
                 r = build_run(cfg, LocalSession(open_run_dir(str(root)), device), stack)
                 snap = r.ckpt._snapshot
                 state_gib = nbytes(r.ckpt._checkpointed()) / 2**30
