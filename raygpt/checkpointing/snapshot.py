@@ -222,10 +222,12 @@ class StateSnapshot:
         self._reserving.start()
 
     def close(self) -> None:
-        """Free the pinned buffers (after the last checkpoint was written)."""
+        """Free the buffers, pinned and on the device (after the last checkpoint was written;
+        a later capture allocates them again)."""
         self._join_reserve()
         if self._host is not None:
             self._host.close()
+        self._device.clear()
 
     # ------------------------------------------------------------------ the three parts
     def capture(self, tensors: dict) -> None:
