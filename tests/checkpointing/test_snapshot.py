@@ -360,6 +360,15 @@ def test_through_the_checkpointer_each_checkpoint_holds_its_steps_state_when_the
         assert torch.equal(weights.to(expected[step]["params"].dtype), expected[step]["params"])
 
 
+def test_the_snapshot_path_is_host_by_default_and_a_bad_one_is_refused_by_its_flag():
+    from raygpt.config import ConfigError, TrainConfig, parse_args
+
+    assert TrainConfig().checkpoint_snapshot == "host"
+    assert parse_args(["--checkpoint-snapshot", "device"]).checkpoint_snapshot == "device"
+    with pytest.raises(ConfigError, match=r"--checkpoint-snapshot: expected host or device, found 'gpu'"):
+        TrainConfig(checkpoint_snapshot="gpu").resolve(0)
+
+
 def test_each_host_buffer_lies_on_whole_pages_no_other_buffer_shares():
     """What the pinned buffers register: whole pages, holding the tensor, and disjoint from
     every other buffer's even for small ones allocated side by side (CUDA refuses a page
