@@ -192,11 +192,13 @@ class LateSideStream:
     one of its events, on the device (`wait` on the compute stream: nothing enqueued there
     after the wait may run before the side stream reached the event) or on the host
     (`synchronize`). A write that does not wait lands before the copy reads its tensor, as it
-    can on a GPU."""
+    can on a GPU. A copy enqueued before the side stream waited for the compute stream (whose
+    last update may still be running on a GPU) is refused."""
 
     def __init__(self):
         self.queue = []  # the side stream's work not yet run: callables and FakeEvents
         self.waited = []  # the events the compute stream waited for
+        self.after_compute = False  # the side stream waited for the compute stream's work
 
     def current(self):
         return "compute"
@@ -209,16 +211,19 @@ class LateSideStream:
             return FakeEvent(done=True)  # the compute stream's work has run already
         event = FakeEvent(done=False)
         self.queue.append(event)
+        self.after_compute = False  # the next capture's copies wait again
         return event
 
     def wait(self, stream, event):
         if stream == "compute":
             self.waited.append(event)
             self._run_until(event)
-        # the side stream waiting for the compute stream: already there
+        else:  # the side stream waiting for the compute stream: already there
+            self.after_compute = True
 
     def copy(self, dst, src, stream):
         assert stream == "side"
+        assert self.after_compute, "a copy not ordered after the compute stream's work"
         self.queue.append(lambda: dst.copy_(src))
 
     def synchronize(self, event):
