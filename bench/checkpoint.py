@@ -20,8 +20,9 @@ its DONE file, and the resume time to the first step (a second run with -y 1: fr
 the first train record of the resumed attempt). The stall is the training thread's time in the
 checkpoint's capture (on a GPU the copy to the host runs on a side stream: what of it the next
 update waits for lands in that step's time; `--mode snapshot` measures it); "waited" is its
-time waiting for the previous checkpoint when checkpoints come faster than they are written. step -> DONE is broken down from rank 0's checkpoint timeline: the end of the step
-to the capture, the capture to the files written (background thread), written to reported (the
+time waiting for the previous checkpoint when checkpoints come faster than they are written.
+step -> DONE is broken down from rank 0's checkpoint timeline: the end of the step to the
+capture, the capture to the files written (background thread), written to reported (the
 ranks agree at the next step), reported to stored in the run directory (Ray's upload thread: a
 rename on one filesystem, else a copy), stored to DONE (the other ranks, Ray's controller poll,
 the finalizer).
