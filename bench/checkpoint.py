@@ -18,10 +18,11 @@ checkpointing every `--every` steps. Per world size: the training stall per chec
 copies, from the summary), the time from the step a checkpoint was taken (its train record) to
 its DONE file, and the resume time to the first step (a second run with -y 1: from the call to
 the first train record of the resumed attempt). The stall is the training thread's time in the
-checkpoint's capture (on a GPU the device-side copy's GPU time lands in the next step instead);
-"waited" is its time waiting for the previous checkpoint when checkpoints come faster than they
-are written. step -> DONE is broken down from rank 0's checkpoint timeline: the end of the step
-to the capture, the capture to the files written (background thread), written to reported (the
+checkpoint's capture (on a GPU the copy to the host runs on a side stream: what of it the next
+update waits for lands in that step's time; `--mode snapshot` measures it); "waited" is its
+time waiting for the previous checkpoint when checkpoints come faster than they are written.
+step -> DONE is broken down from rank 0's checkpoint timeline: the end of the step to the
+capture, the capture to the files written (background thread), written to reported (the
 ranks agree at the next step), reported to stored in the run directory (Ray's upload thread: a
 rename on one filesystem, else a copy), stored to DONE (the other ranks, Ray's controller poll,
 the finalizer).
@@ -31,6 +32,23 @@ the finalizer).
         --batch 16 --steps 30 --every 10
 
 `--mode gpu1` is the original one-GPU benchmark (stall, write, load; no Ray).
+
+`--mode snapshot` (one process, no Ray; one GPU with --device gpu, a CPU smoke test without):
+the checkpoint snapshot's two paths (`--checkpoint-snapshot host`, straight to pinned host
+memory on a side stream; `device`, a device copy first) on the same run, per model size. For
+each path it trains `--gap` steps, takes a checkpoint, and trains on until the checkpoint's
+DONE exists, `--checkpoints` times; each step ends with a wait for the compute stream only (not
+the snapshot's side stream), so a step's time holds whatever the checkpoint made it wait for.
+It prints per size and path: the median normal step, the training thread's time in the save
+(the capture), the checkpoint's step (its update waits for the copy on the host path), the
+stall (save + that step - a normal step), the step after it, step -> DONE (the save to the
+DONE file's mtime), the peak GPU memory over the path's steps (torch.cuda.max_memory_allocated)
+and the seconds the host buffers took to pin (on a background thread, once). One size per
+command keeps each within a few minutes; one checkpoint is on disk at a time (d48's: 22 GB).
+
+    python bench/checkpoint.py --mode snapshot --device gpu --depths 24 --batches 32 --seq-len 1024
+    python bench/checkpoint.py --mode snapshot --device gpu --depths 48 --batches 8 --seq-len 1024
+    python bench/checkpoint.py --mode snapshot --depths 2 --batches 4 --seq-len 64  # CPU smoke
 """
 
 from __future__ import annotations
@@ -332,9 +350,122 @@ def gpu1(args):
     print(f"load: {resumed['checkpoint_load_s']:.2f} s")
 
 
+# ---------------------------------------------------------------------------------- snapshot mode
+def snapshot_bench(args) -> list[dict]:
+    import contextlib
+
+    import torch
+
+    from raygpt.checkpointing.snapshot import nbytes
+    from raygpt.config import TrainConfig
+    from raygpt.determinism import run_switches
+    from raygpt.loop import build_run, forward_backward
+    from raygpt.session import LocalSession
+    from raygpt.storage import open_run_dir
+
+    gpu = args.device == "gpu"
+    device = torch.device("cuda" if gpu else "cpu")
+    # the compute stream only: a step waits for the snapshot's side stream only where its own
+    # work does (the host path's update), as in the loop
+    sync = (lambda: torch.cuda.current_stream().synchronize()) if gpu else (lambda: None)
+    rows = []
+    for depth, batch in zip(args.depths, args.batches):
+        root = Path(tempfile.mkdtemp(prefix=f"raygpt-snapbench-d{depth}-"))
+        try:
+            cfg = TrainConfig(model=f"d{depth}", batch_size=batch, seq_len=args.seq_len,
+                              total_batch_size=batch * args.seq_len, max_steps=1_000_000,
+                              val_every=0, sample_every=0, checkpoint_every=0,
+                              output_dir=str(root), device=args.device,
+                              num_workers=1, compile=gpu and not args.no_compile,
+                              warmup_steps=0).resolve(1 if gpu else 0)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(run_switches(cfg.deterministic))  # as train() runs the loop
+                r = build_run(cfg, LocalSession(open_run_dir(str(root)), device), stack)
+                snap = r.ckpt._snapshot
+                state_gib = nbytes(r.ckpt._checkpointed()) / 2**30
+                step = 0
+
+                def one_step() -> float:
+                    nonlocal step
+                    t0 = time.perf_counter()
+                    forward_backward(r, step)
+                    r.opt.reduce_gradients()
+                    r.opt.step(lr=1e-5, grad_scale=1.0, t=step + 1, seed=step)
+                    sync()
+                    step += 1
+                    return time.perf_counter() - t0
+
+                for _ in range(args.warmup):  # compile, the allocator's pools
+                    one_step()
+                snap._join_reserve()  # the one-time pinning, measured apart
+                for mode in args.snapshot_modes:  # host first: the device buffers stay once made
+                    snap.mode, snap.on_device = mode, None
+                    if gpu:
+                        torch.cuda.reset_peak_memory_stats()
+                    normal, per_ckpt = [], []
+                    for _ in range(args.checkpoints):
+                        normal += [one_step() for _ in range(args.gap)]
+                        r.state.step = saved = step
+                        t_wall, t0 = time.time(), time.perf_counter()
+                        r.ckpt.save(r.state, r.train_loader, blocking=False)
+                        save_s = time.perf_counter() - t0
+                        ckpt_step = one_step()
+                        next_step = one_step()
+                        while not r.ckpt.ready():  # training goes on while the files are written
+                            one_step()
+                        r.ckpt.publish_pending({"step": saved})
+                        done = root / ck.step_dir(saved) / ck.done_file(saved)
+                        per_ckpt.append({"save_s": save_s, "ckpt_step_s": ckpt_step,
+                                         "next_step_s": next_step,
+                                         "to_done_s": done.stat().st_mtime - t_wall})
+                        # one checkpoint on disk at a time (d48's are 22 GB): this one and
+                        # the node's fast-resume links to it go
+                        r.ckpt.local.remove_all()
+                        shutil.rmtree(root / ck.step_dir(saved))
+                    normal_s = statistics.median(normal)
+                    med = {k: statistics.median(c[k] for c in per_ckpt) for k in per_ckpt[0]}
+                    rows.append({
+                        "depth": depth, "batch": batch, "mode": mode, "state_gib": state_gib,
+                        "pin_s": snap.reserve_seconds, "on_device": snap.on_device,
+                        "normal_step_s": normal_s, **med,
+                        "stall_s": med["save_s"] + med["ckpt_step_s"] - normal_s,
+                        "first_stall_s": (per_ckpt[0]["save_s"] + per_ckpt[0]["ckpt_step_s"]
+                                          - normal_s),
+                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None})
+                    print(json.dumps(rows[-1]), flush=True)
+                r.ckpt.finish()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_snapshot(rows, args):
+    import torch
+    where = torch.cuda.get_device_name() if args.device == "gpu" else "CPU"
+    print(f"\ncheckpoint snapshot paths on {where}, T={args.seq_len}: medians over "
+          f"{args.checkpoints} checkpoints (ms unless named)")
+    print(f"{'model':>5} {'B':>3} {'path':>6} {'state GiB':>9} {'pinned s':>8} {'step':>7} "
+          f"{'save':>7} {'ckpt step':>9} {'stall':>7} {'1st stall':>9} {'next step':>9} "
+          f"{'step->DONE s':>12} {'peak GiB':>8}")
+    for r in rows:
+        ms = lambda k: f"{1000 * r[k]:.1f}"  # noqa: E731
+        pin = f"{r['pin_s']:.1f}" if r["pin_s"] is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        path = r["mode"] if r["on_device"] is not False or r["mode"] == "host" else "host*"
+        print(f"{'d' + str(r['depth']):>5} {r['batch']:>3} {path:>6} {r['state_gib']:>9.2f} "
+              f"{pin:>8} {ms('normal_step_s'):>7} {ms('save_s'):>7} {ms('ckpt_step_s'):>9} "
+              f"{ms('stall_s'):>7} {ms('first_stall_s'):>9} {ms('next_step_s'):>9} "
+              f"{r['to_done_s']:>12.2f} {peak:>8}")
+    if any(r["mode"] == "device" and r["on_device"] is False for r in rows):
+        print("host*: --checkpoint-snapshot device fell back to the host path (no GPU memory "
+              "for the device copy)")
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("driver", "ray", "gpu1"), default="driver")
+    p.add_argument("--mode", choices=("driver", "ray", "gpu1", "snapshot"), default="driver")
     p.add_argument("--world-sizes", default="1,2,4,8,16,64",
                    type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--depth", type=int, default=2, help="driver/gpu1 modes: model depth")
@@ -347,9 +478,27 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--ray-address", default="local")
     p.add_argument("--out", help="also write the rows as JSON here")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--depths", default="24,48", type=ints, help="snapshot mode: model depths")
+    p.add_argument("--batches", default="32,8", type=ints,
+                   help="snapshot mode: the micro-batch of each depth")
+    p.add_argument("--snapshot-modes", default="host,device", type=lambda s: s.split(","),
+                   help="snapshot mode: the paths to measure, in order (host before device: "
+                        "the device buffers stay once allocated)")
+    p.add_argument("--checkpoints", type=int, default=2, help="snapshot mode: per path")
+    p.add_argument("--gap", type=int, default=10,
+                   help="snapshot mode: normal steps before each checkpoint")
+    p.add_argument("--warmup", type=int, default=5, help="snapshot mode: steps before measuring")
+    p.add_argument("--no-compile", action="store_true", help="snapshot mode: eager on the GPU")
     args = p.parse_args()
     if args.mode == "gpu1":
         return gpu1(args)
+    if args.mode == "snapshot":
+        rows = snapshot_bench(args)
+        print_snapshot(rows, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return
     if args.mode == "driver":
         args.zero = 0 if args.zero is None else args.zero
         rows = driver_bench(args)

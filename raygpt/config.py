@@ -229,6 +229,12 @@ class TrainConfig:
     async_checkpoint: bool = knob(True, section="checkpoint", long="--sync-checkpoint",
                                   may_change_on_resume=True)
     """Write checkpoint files on a background thread after a host copy."""
+    checkpoint_snapshot: str = knob("host", section="checkpoint", choices=("host", "device"),
+                                    may_change_on_resume=True)
+    """How a GPU checkpoint copies the state at its step: host (straight to pinned host memory
+    on a side stream; no GPU memory, the update after a checkpoint waits for the copy's end)
+    or device (a copy on the GPU first, the state's size in GPU memory for the whole run; the
+    host copy then runs behind training)."""
 
     # ==== the loss-spike monitor (--spike, --spike-*)
     spike: SpikeConfig = knob(factory=SpikeConfig, section="spike")
@@ -468,6 +474,8 @@ class TrainConfig:
         need(self.skip_update_lossz >= 0 and self.skip_update_gradz >= 0, "-sl/-sg",
              "z thresholds >= 0 (0 is off)", (self.skip_update_lossz, self.skip_update_gradz))
         need(self.resume in (0, 1), "-y/--resume", "0 or 1", self.resume)
+        need(self.checkpoint_snapshot in ("host", "device"), "--checkpoint-snapshot",
+             "host or device", self.checkpoint_snapshot)
         need(self.zero_stage in (0, 1), "-z/--zero-stage", "0 or 1", self.zero_stage)
         need(self.z_loss >= 0, "--z-loss", "a coefficient >= 0", self.z_loss)
         for f in dataclasses.fields(self):  # (a config file is not argparse-checked)

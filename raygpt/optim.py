@@ -16,6 +16,8 @@ set to None: `zero_grad()` zeroes the flat buffer.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -108,6 +110,10 @@ class AdamW:
                        else None)
         self.segments = ops.Segments.build(flat.tensor_sizes, flat.decay, self.lo, self.hi,
                                            device=device)
+        # called before anything here writes m, v, the master or the working weights: a
+        # checkpoint's copy of them may still be reading them (the checkpointer sets it to
+        # raygpt.checkpointing.snapshot's before_write, a wait on the device)
+        self.before_write: Callable[[], None] = lambda: None
 
     @property
     def shard_params(self) -> torch.Tensor:
@@ -118,6 +124,7 @@ class AdamW:
         return self.flat.grads[self.lo:self.hi]
 
     def step(self, *, lr: float, grad_scale: float, t: int, seed: int) -> None:
+        self.before_write()
         ops.adamw_update(self.shard_params, self.shard_grads, self.m, self.v, self.master,
                          self.segments, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                          weight_decay=self.weight_decay, grad_scale=grad_scale, step=t, seed=seed)
@@ -128,12 +135,14 @@ class AdamW:
         weights set after the optimizer was built (a model initialised once no checkpoint was
         found to load)."""
         if self.master is not None:
+            self.before_write()
             self.master.copy_(self.shard_params)
 
     def rederive_working_weights(self, seed: int) -> None:
         """Write the working weights from the master weights with the stochastic-rounding seed of
         the last update (llm.c's `init_from_master_only`): reproduces them bit for bit."""
         if self.master is not None:
+            self.before_write()
             ops.copy_master_to_params(self.shard_params, self.master, self.segments, seed)
             self.gather_params()
 
@@ -159,6 +168,7 @@ class AdamW:
         """ZeRO-1: every rank updated its shard of the working weights; gather them all."""
         if self.world == 1 or self.zero_stage == 0:
             return
+        self.before_write()
         params = self.flat.params
         shard = params.numel() // self.world
         mine = params[self.rank * shard:(self.rank + 1) * shard].clone()

@@ -5,8 +5,8 @@
                    selection, abandoned trajectories, staging, copy
     runtime.py     the worker side: async save, restore in llm.c's order, resharding across
                    world sizes and ZeRO, rewind
-    snapshot.py    the copy of a checkpoint's tensors at the step boundary, and the background
-                   thread's copy to host memory
+    snapshot.py    the copy of a checkpoint's tensors at the step boundary (on a GPU straight to
+                   pinned host memory on a side stream; the next writes wait for it on the device)
     finalize.py    a stored checkpoint made complete (sizes, fsync, DONE, MANIFEST), then
                    retention; the queue that does it off the caller's thread
     retention.py   which checkpoints a run keeps (-nk / -nm, the last before a WSD decay) and

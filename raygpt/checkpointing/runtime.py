@@ -2,8 +2,9 @@
 across world sizes and ZeRO, rewind; the files and their rules are raygpt.checkpointing.protocol's.
 
 Save (every rank, at the same step):
- 1. copy the state at the step boundary (`snapshot.StateSnapshot`: on a GPU one device-side
-    copy the training thread does not wait for; the writer thread brings it to the host),
+ 1. copy the state at the step boundary (`snapshot.StateSnapshot`: on a GPU a copy straight
+    to pinned host memory on a side stream, which the training thread does not wait for and
+    the next optimizer update waits for on the device),
  2. write this rank's files (state file; rank 0 also the model file) into a private local staging
     directory on a background thread, hashing them as they are written,
  3. once every rank's write has finished (agreed through the loop's per-step collective), every
@@ -250,7 +251,11 @@ class Checkpointer:
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
         self._stage_root: Path | None = None  # private to this user and run (made at first save)
-        self._snapshot = StateSnapshot()  # the tensors' copy at a checkpoint's step (reused)
+        # the tensors' copy at a checkpoint's step, into host buffers pinned from now on beside
+        # the build and the restore; every write to those tensors waits for the copy first
+        self._snapshot = StateSnapshot(cfg.checkpoint_snapshot)
+        self._snapshot.reserve_in_background(self._checkpointed())
+        opt.before_write = self._snapshot.before_write
         # per checkpoint, wall times: saved (captured), written (files staged), published
         # (reported), and what the session adds (e.g. stored: in storage, Ray's upload done)
         self.timeline: list[dict] = []
@@ -345,15 +350,19 @@ class Checkpointer:
 
     def _host_snapshot(self, state: TrainState, loader) -> dict:
         """The state at this step: the small values copied here, the tensors captured by
-        `StateSnapshot` (on a GPU a device-side copy the training thread does not wait for;
-        the writer thread brings it to the host, `_write_files`)."""
-        opt = self.opt
-        self._snapshot.capture({
-            "m": opt.m, "v": opt.v, "master": opt.master,
-            "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None})
+        `StateSnapshot` (on a GPU a copy to pinned host memory on a side stream that the
+        training thread does not wait for; the writer thread waits for it, `_write_files`)."""
+        self._snapshot.capture(self._checkpointed())
         return {"step": state.step, "rng_state": state.rng_state,
                 "rng_state_last_update": state.rng_state_last_update,
                 "loader_state": loader.state_dict(), "extras": state.extras()}
+
+    def _checkpointed(self) -> dict:
+        """The tensors a checkpoint holds: m, v, the master weights (None in fp32) and, on rank
+        0 (the model file), the working weights."""
+        opt = self.opt
+        return {"m": opt.m, "v": opt.v, "master": opt.master,
+                "params": self.flat.params[:self.flat.num_parameters] if self.rank == 0 else None}
 
     def _write_files(self, snap: dict, stage: Path, result: dict) -> None:
         """Background thread: serialise this rank's files into `stage`, hashing them."""
@@ -445,6 +454,7 @@ class Checkpointer:
 
     def finish(self) -> None:
         self.wait_and_publish()
+        self._snapshot.close()  # the pinned host buffers
         self.local.remove_all()  # the run is over: its fast-resume copies go
 
     # ------------------------------------------------------------------ restore
@@ -587,6 +597,7 @@ class Checkpointer:
               else self._read_resharded_state(step, manifest, files))
         sdir = ck.step_dir(step)
         opt = self.opt
+        opt.before_write()  # a checkpoint's copy of these tensors may still be reading them
         # 1. optimizer state and master weights
         opt.m.copy_(_host_tensor(sf.m))
         opt.v.copy_(_host_tensor(sf.v))
