@@ -292,6 +292,13 @@ class TrainConfig:
                              may_change_on_resume=True)
     """torch.compile's mode for the model: reduce-overhead replays the forward and backward
     graphs as CUDA graphs (bench/throughput.py's cgraph variant measures it)."""
+    overlap_comm: bool | None = knob(None, section="performance", may_change_on_resume=True)
+    """Reduce the gradients over the workers in buckets of layers during the backward pass, each
+    bucket as soon as its layers' backward is done (reduce-scatter under ZeRO-1 where the
+    backend has it), rather than in one collective after it. Default: on without --compile.
+    The whole-model torch.compile runs backward as one graph whose gradients all land at its
+    end, so there it overlaps nothing and is off. Losses are the same either way (exactly, on
+    2 workers)."""
     prefetch_batches: bool = knob(True, section="performance", long="--no-prefetch",
                                   may_change_on_resume=True)
     """Gather the next micro-batch on the host and copy it to the device during the backward
@@ -405,6 +412,8 @@ class TrainConfig:
             c.precision = "bf16" if on_gpu else "fp32"
         if c.compile is None:
             c.compile = on_gpu
+        if c.overlap_comm is None:
+            c.overlap_comm = not c.compile  # a compiled backward lands every gradient at its end
         if c.deterministic is None:
             c.deterministic = on_gpu
         if c.zero_stage is None:

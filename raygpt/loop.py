@@ -238,7 +238,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     if world > 1 and not init_later:
         dist.broadcast(flat.params, src=0)  # every rank starts from rank 0's weights
     opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                rank=rank, world=world, zero_stage=cfg.zero_stage)
+                rank=rank, world=world, zero_stage=cfg.zero_stage, overlap=cfg.overlap_comm)
     mark("model_built")
     cache = shard_cache(cfg)  # shards in a bucket: fetched from here on, beside the restore
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
@@ -335,7 +335,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         t0 = time.perf_counter()
         r.faults.before_update(step)
         loss_sum, step_samples = forward_backward(r, step)
-        r.opt.reduce_gradients()
+        r.opt.reduce_gradients()  # or waits for the buckets the backward pass launched
         agreed = agree(r, step, loss_sum, r.opt.grad_norm_squared())  # the step's one sync
         verdict = state.judge(cfg, step, agreed.loss, agreed.norm)
         lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
@@ -394,12 +394,14 @@ def forward_backward(r: Run, step: int) -> tuple[torch.Tensor, list]:
     r.flat.zero_grad()
     step_samples = []
     loss_acc = torch.zeros((), dtype=torch.float32, device=r.session.device)
-    for _ in range(r.grad_accum):
+    for micro in range(r.grad_accum):
         x, y = r.train_loader.next_batch(r.session.device)
         step_samples.append(r.train_loader.last_global_samples)
         loss_sum, z_sum = r.forward(x, y, z_loss=r.cfg.z_loss)
         if r.faults.nan_now(step):
             loss_sum = loss_sum * float("nan")
+        if micro == r.grad_accum - 1:  # the window's last backward reduces as it goes (with
+            r.opt.reduce_during_backward()  # --overlap-comm); the earlier ones only accumulate
         ((loss_sum + z_sum) / r.tokens_per_step).backward()
         loss_acc += loss_sum.detach()
         if r.cfg.prefetch_batches:  # the next micro-batch's gather and copy, during this backward

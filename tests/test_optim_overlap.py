@@ -1,0 +1,135 @@
+"""The gradient reduction overlapped with the backward pass (raygpt.optim.OverlappedReduction):
+its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
+losses, reduced gradients and weights equal the single collective's bit for bit."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raygpt.model import GPT, GPTConfig
+from raygpt.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
+                          reduce_scatter_pays, shard_pieces)
+
+TINY = GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=3, n_head=2,
+                 n_embd=16)
+STEPS, GRAD_ACCUM, B, T = 3, 2, 2, 8
+
+
+def test_buckets_run_from_the_last_layer_to_the_first_and_the_embeddings_last():
+    layers = [None, None, 0, 1, 2, 0, 1, 2, None]  # wte, wpe, two tensors per layer, ln_f
+    sizes = [10] * 9
+    # a layer is 40 bytes: 2 layers fill an 80-byte bucket; layer 0 alone; then wte, wpe, ln_f
+    assert bucket_plan(layers, sizes, element_size=2, bucket_bytes=80) == [
+        [4, 7, 3, 6], [2, 5], [0, 1, 8]]
+    assert bucket_plan(layers, sizes, element_size=2, bucket_bytes=10**9) == [
+        [4, 7, 3, 6, 2, 5], [0, 1, 8]]
+
+
+def test_a_bucket_is_cut_at_the_shard_boundaries():
+    assert shard_pieces([(0, 3), (5, 10)], shard=8, world=2) == [[(0, 3), (5, 3)], [(8, 7)]]
+    assert shard_pieces([(9, 2)], shard=8, world=2) == [[], [(9, 2)]]
+
+
+def test_reduce_scatter_only_where_it_moves_fewer_bytes_than_an_all_reduce():
+    assert reduce_scatter_pays([[(0, 5)], [(5, 5)]])  # balanced: half the bytes
+    assert not reduce_scatter_pays([[(0, 10)], []])  # all on one rank: padding doubles it
+    # 8 ranks, the bucket in two shards: the padded reduce-scatter moves 7 * 5 > 2 * 7/8 * 10
+    assert not reduce_scatter_pays([[(0, 5)], [(5, 5)]] + [[]] * 6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(rank: int, port: int, zero_stage: int, overlap: bool, scatter: bool, out: str) -> None:
+    """One of 2 gloo ranks: STEPS steps of GRAD_ACCUM micro-steps, llm.c's step as raygpt.loop
+    takes it (the window's last backward armed, the reduction waited, the norm of the shards,
+    the update); saves the step losses, the reduced gradients and the final weights."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    model = GPT(TINY, init_seed=5)
+    flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=2)
+    # 64-byte buckets: one per layer here, and the embeddings' bucket
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=2,
+                zero_stage=zero_stage, overlap=overlap, bucket_bytes=64)
+    if scatter:  # NCCL's reduce-scatter path, which gloo has too
+        opt.overlap.remove()
+        opt.overlap = OverlappedReduction(flat, rank=rank, world=2, zero_stage=zero_stage,
+                                          may_reduce_scatter=True, bucket_bytes=64)
+    # when the gradient reaches the embeddings' output every block's backward is done, and
+    # the embedding's own is not: the layers' buckets must be in flight then
+    in_flight = []
+
+    def count_in_flight(grad):
+        if opt.overlap.armed:
+            in_flight.append(len(opt.overlap._works))
+
+    if overlap:
+        model.transformer.wte.register_forward_hook(lambda m, i, o: o.register_hook(count_in_flight)
+                                                    and None)
+    g = torch.Generator().manual_seed(rank)
+    losses, grads = [], []
+    for step in range(STEPS):
+        flat.zero_grad()
+        loss_acc = torch.zeros(())
+        for micro in range(GRAD_ACCUM):
+            x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+            loss_sum, _ = model(x, torch.roll(x, -1, 1))
+            if micro == GRAD_ACCUM - 1:
+                opt.reduce_during_backward()
+            (loss_sum / (2 * GRAD_ACCUM * B * T)).backward()
+            loss_acc += loss_sum.detach()
+        opt.reduce_gradients()
+        norm_sq = opt.grad_norm_squared()
+        agreed = torch.stack([loss_acc, norm_sq if zero_stage or rank == 0 else norm_sq * 0])
+        dist.all_reduce(agreed)
+        losses.append(agreed[0].item() / (2 * GRAD_ACCUM * B * T))
+        grads.append(opt.shard_grads.clone())
+        norm = agreed[1].sqrt().item()
+        opt.step(lr=1e-2, grad_scale=min(1.0, 1.0 / norm), t=step + 1, seed=step)
+    torch.save({"losses": losses, "grads": grads, "params": flat.params.clone(),
+                "in_flight": in_flight,
+                "buckets": len(opt.overlap.buckets) if overlap else 0,
+                "scattered": sum(b.scatter for b in opt.overlap.buckets) if overlap else 0}, out)
+    dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path, zero_stage: int, overlap: bool, scatter: bool = False) -> list[dict]:
+    outs = [str(tmp_path / f"z{zero_stage}_o{int(overlap)}{int(scatter)}_r{r}.pt") for r in (0, 1)]
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_train, args=(r, port, zero_stage, overlap, scatter, outs[r]))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [torch.load(o) for o in outs]
+
+
+@pytest.mark.parametrize("zero_stage, scatter", [(0, False), (1, False), (1, True)])
+def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(tmp_path, zero_stage,
+                                                                        scatter):
+    """DDP's all-reduce, ZeRO-1 all-reducing each bucket (gloo), ZeRO-1 reduce-scattering the
+    buckets where that moves fewer bytes (NCCL)."""
+    single = run_two_ranks(tmp_path, zero_stage, overlap=False)
+    overlapped = run_two_ranks(tmp_path, zero_stage, overlap=True, scatter=scatter)
+    assert overlapped[0]["buckets"] == TINY.n_layer + 1
+    assert (overlapped[0]["scattered"] > 0) == scatter
+    for rank in (0, 1):
+        a, b = single[rank], overlapped[rank]
+        assert a["losses"] == b["losses"]  # as Python floats, step by step
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+        assert torch.equal(a["params"], b["params"])
+        # launched during backward: every layer's bucket before the embedding's backward ran
+        assert b["in_flight"] == [TINY.n_layer] * STEPS
+    assert single[0]["losses"] == single[1]["losses"]
+    assert len(set(single[0]["losses"])) == STEPS  # it trains: the losses move
