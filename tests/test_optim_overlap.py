@@ -47,19 +47,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(rank: int, port: int, zero_stage: int, overlap: bool, scatter: bool, out: str) -> None:
-    """One of 2 gloo ranks: STEPS steps of GRAD_ACCUM micro-steps, llm.c's step as raygpt.loop
-    takes it (the window's last backward armed, the reduction waited, the norm of the shards,
-    the update); saves the step losses, the reduced gradients and the final weights."""
+# (ZeRO stage, reduction): the single collective after backward, or overlapped buckets, which
+# under ZeRO-1 are all-reduced (gloo) or reduce-scattered where that moves fewer bytes (NCCL's
+# path, which gloo has too)
+VARIANTS = [(0, "single"), (0, "overlap"), (1, "single"), (1, "overlap"), (1, "overlap-scatter")]
+
+
+def _train(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: each variant trains a fresh model STEPS steps of GRAD_ACCUM
+    micro-steps, llm.c's step as raygpt.loop takes it (the window's last backward armed, the
+    reduction waited, the norm of the shards, the update); saves the step losses, the reduced
+    gradients and the final weights of each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    results = {variant: _train_variant(rank, *variant) for variant in VARIANTS}
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _train_variant(rank: int, zero_stage: int, reduction: str) -> dict:
     model = GPT(TINY, init_seed=5)
     flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=2)
     # 64-byte buckets: one per layer here, and the embeddings' bucket
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=2,
-                zero_stage=zero_stage, overlap=overlap, bucket_bytes=64)
-    if scatter:  # NCCL's reduce-scatter path, which gloo has too
+                zero_stage=zero_stage, overlap=reduction != "single", bucket_bytes=64)
+    if reduction == "overlap-scatter":
         opt.overlap.remove()
         opt.overlap = OverlappedReduction(flat, rank=rank, world=2, zero_stage=zero_stage,
                                           may_reduce_scatter=True, bucket_bytes=64)
@@ -68,12 +81,11 @@ def _train(rank: int, port: int, zero_stage: int, overlap: bool, scatter: bool, 
     in_flight = []
 
     def count_in_flight(grad):
-        if opt.overlap.armed:
+        if opt.overlap is not None and opt.overlap.armed:
             in_flight.append(len(opt.overlap._works))
 
-    if overlap:
-        model.transformer.wte.register_forward_hook(lambda m, i, o: o.register_hook(count_in_flight)
-                                                    and None)
+    model.transformer.wte.register_forward_hook(
+        lambda m, i, o: o.register_hook(count_in_flight) and None)
     g = torch.Generator().manual_seed(rank)
     losses, grads = [], []
     for step in range(STEPS):
@@ -94,19 +106,20 @@ def _train(rank: int, port: int, zero_stage: int, overlap: bool, scatter: bool, 
         grads.append(opt.shard_grads.clone())
         norm = agreed[1].sqrt().item()
         opt.step(lr=1e-2, grad_scale=min(1.0, 1.0 / norm), t=step + 1, seed=step)
-    torch.save({"losses": losses, "grads": grads, "params": flat.params.clone(),
-                "in_flight": in_flight,
-                "buckets": len(opt.overlap.buckets) if overlap else 0,
-                "scattered": sum(b.scatter for b in opt.overlap.buckets) if overlap else 0}, out)
-    dist.destroy_process_group()
+    buckets = opt.overlap.buckets if opt.overlap is not None else []
+    return {"losses": losses, "grads": grads, "params": flat.params.clone(),
+            "in_flight": in_flight, "buckets": len(buckets),
+            "scattered": sum(b.scatter for b in buckets)}
 
 
-def run_two_ranks(tmp_path, zero_stage: int, overlap: bool, scatter: bool = False) -> list[dict]:
-    outs = [str(tmp_path / f"z{zero_stage}_o{int(overlap)}{int(scatter)}_r{r}.pt") for r in (0, 1)]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every variant's results on each of 2 gloo ranks (one pair of processes for them all)."""
+    d = tmp_path_factory.mktemp("overlap")
+    outs = [str(d / f"rank{r}.pt") for r in (0, 1)]
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_train, args=(r, port, zero_stage, overlap, scatter, outs[r]))
-             for r in (0, 1)]
+    procs = [ctx.Process(target=_train, args=(r, port, outs[r])) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -115,21 +128,18 @@ def run_two_ranks(tmp_path, zero_stage: int, overlap: bool, scatter: bool = Fals
     return [torch.load(o) for o in outs]
 
 
-@pytest.mark.parametrize("zero_stage, scatter", [(0, False), (1, False), (1, True)])
-def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(tmp_path, zero_stage,
-                                                                        scatter):
-    """DDP's all-reduce, ZeRO-1 all-reducing each bucket (gloo), ZeRO-1 reduce-scattering the
-    buckets where that moves fewer bytes (NCCL)."""
-    single = run_two_ranks(tmp_path, zero_stage, overlap=False)
-    overlapped = run_two_ranks(tmp_path, zero_stage, overlap=True, scatter=scatter)
-    assert overlapped[0]["buckets"] == TINY.n_layer + 1
-    assert (overlapped[0]["scattered"] > 0) == scatter
+@pytest.mark.parametrize("zero_stage, reduction", [v for v in VARIANTS if v[1] != "single"])
+def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(two_ranks, zero_stage,
+                                                                        reduction):
     for rank in (0, 1):
-        a, b = single[rank], overlapped[rank]
+        a, b = two_ranks[rank][zero_stage, "single"], two_ranks[rank][zero_stage, reduction]
+        assert b["buckets"] == TINY.n_layer + 1
+        assert (b["scattered"] > 0) == (reduction == "overlap-scatter")
         assert a["losses"] == b["losses"]  # as Python floats, step by step
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
         assert torch.equal(a["params"], b["params"])
         # launched during backward: every layer's bucket before the embedding's backward ran
-        assert b["in_flight"] == [TINY.n_layer] * STEPS
-    assert single[0]["losses"] == single[1]["losses"]
-    assert len(set(single[0]["losses"])) == STEPS  # it trains: the losses move
+        assert a["in_flight"] == [] and b["in_flight"] == [TINY.n_layer] * STEPS
+    single = two_ranks[0][zero_stage, "single"]["losses"]
+    assert single == two_ranks[1][zero_stage, "single"]["losses"]
+    assert len(set(single)) == STEPS  # it trains: the losses move
