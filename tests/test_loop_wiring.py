@@ -735,9 +735,11 @@ def test_a_compiled_run_trains_through_the_compiled_forward(tmp_path, monkeypatc
 def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
     """What a second rank of three builds (the process group's broadcast stood in for: the test is one
     process): padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
-    clock of its own (only rank 0's wall clock may ask for a checkpoint)."""
+    clock of its own (only rank 0's wall clock may ask for a checkpoint), and the gradient
+    reduction overlapped with backward (uncompiled: --overlap-comm's default)."""
     broadcasts = []
     monkeypatch.setattr(loop.dist, "broadcast", lambda t, src: broadcasts.append((t, src)))
+    monkeypatch.setattr(loop.dist, "get_backend", lambda: "gloo")
 
     class Rank1(LocalSession):
         rank, world = 1, 3
@@ -752,6 +754,7 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
         assert (r.train_loader.rank, r.train_loader.world) == (1, 3)
         assert (r.val_loader.rank, r.val_loader.world) == (1, 3)
         assert r.save_clock.interval_s == 0.0 and r.grad_accum == 2
+        assert r.opt.overlap is not None and len(r.opt.overlap.buckets) == 2  # d2: 1 + embeddings
 
 
 def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):
