@@ -56,7 +56,8 @@ def free_port() -> int:
 
 def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucket_bytes: int):
     """The model in `mode`, its flat buffers and AdamW with an overlapped reduction built (also
-    on one rank, where AdamW would not build it: the bench measures its cost there)."""
+    on one rank, where AdamW would not build it: the bench measures its cost there; "single"
+    on one rank reduces nothing, as the loop does)."""
     on_gpu = dev.type == "cuda"
     config = GPTConfig.from_depth(depth) if depth else TINY
     model = GPT(config, init_seed=1337).use_kernels(**kernels_for(True, dev.type)).to(dev)
@@ -66,7 +67,6 @@ def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucke
                 zero_stage=0)
     opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=0,
                                       may_reduce_scatter=False, bucket_bytes=bucket_bytes)
-    opt.world = world  # reduce_gradients' early return is for world 1 only
     forward = model
     if mode == "compiled":
         forward = torch.compile(model, dynamic=False)

@@ -166,10 +166,10 @@ class AdamW:
         """Sum the gradients over ranks: all of them (DDP), or this rank's shard (ZeRO-1, through
         reduce-scatter where the backend has it; gloo all-reduces and each rank reads its slice).
         After a backward pass that reduced during itself, wait for its collectives instead."""
-        if self.world == 1:
-            return
         if self.overlap is not None and self.overlap.armed:
             self.overlap.wait()
+            return
+        if self.world == 1:
             return
         grads = self.flat.grads
         if self.zero_stage == 1 and dist.get_backend() == "nccl":

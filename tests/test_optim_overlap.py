@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raygpt.model import GPT, GPTConfig
+from raygpt.determinism import run_switches
+from raygpt.model import GPT, GPTConfig, kernels_for
 from raygpt.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
                           reduce_scatter_pays, shard_pieces)
 
+# head size 16: raygpt's attention kernel (the deterministic one on CUDA) takes it
 TINY = GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=3, n_head=2,
-                 n_embd=16)
+                 n_embd=32)
 STEPS, GRAD_ACCUM, B, T = 3, 2, 2, 8
 
 
@@ -53,29 +55,42 @@ def _free_port() -> int:
 VARIANTS = [(0, "single"), (0, "overlap"), (1, "single"), (1, "overlap"), (1, "overlap-scatter")]
 
 
-def _train(rank: int, port: int, out: str) -> None:
-    """One of 2 gloo ranks: each variant trains a fresh model STEPS steps of GRAD_ACCUM
+def _train(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` ranks (gloo on the CPU, NCCL on GPU `rank` with bf16 weights and the
+    deterministic kernels): each variant trains a fresh model STEPS steps of GRAD_ACCUM
     micro-steps, llm.c's step as raygpt.loop takes it (the window's last backward armed, the
     reduction waited, the norm of the shards, the update); saves the step losses, the reduced
     gradients and the final weights of each."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    results = {variant: _train_variant(rank, *variant) for variant in VARIANTS}
+    cuda = out.endswith("cuda.pt")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    with run_switches(cuda):
+        results = {variant: _train_variant(rank, world, device, *variant) for variant in VARIANTS}
     torch.save(results, out)
     dist.destroy_process_group()
 
 
-def _train_variant(rank: int, zero_stage: int, reduction: str) -> dict:
-    model = GPT(TINY, init_seed=5)
-    flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=2)
+def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
+                   reduction: str) -> dict:
+    cuda = device.type == "cuda"
+    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(cuda, device.type)).to(device)
+    flat = FlatParameters(model, device, torch.bfloat16 if cuda else torch.float32,
+                          pad_multiple=world)
     # 64-byte buckets: one per layer here, and the embeddings' bucket
-    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=2,
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
                 zero_stage=zero_stage, overlap=reduction != "single", bucket_bytes=64)
-    if reduction == "overlap-scatter":
-        opt.overlap.remove()
-        opt.overlap = OverlappedReduction(flat, rank=rank, world=2, zero_stage=zero_stage,
-                                          may_reduce_scatter=True, bucket_bytes=64)
+    if reduction == "overlap-scatter" or (world == 1 and reduction != "single"):
+        # NCCL's reduce-scatter path, which gloo has too; on one GPU AdamW builds none: the
+        # machinery (hooks, staging, a 1-rank collective) must still leave the gradients exact
+        if opt.overlap is not None:
+            opt.overlap.remove()
+        opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
+                                          may_reduce_scatter=reduction == "overlap-scatter",
+                                          bucket_bytes=64)
     # when the gradient reaches the embeddings' output every block's backward is done, and
     # the embedding's own is not: the layers' buckets must be in flight then
     in_flight = []
@@ -87,45 +102,49 @@ def _train_variant(rank: int, zero_stage: int, reduction: str) -> dict:
     model.transformer.wte.register_forward_hook(
         lambda m, i, o: o.register_hook(count_in_flight) and None)
     g = torch.Generator().manual_seed(rank)
+    tokens = world * GRAD_ACCUM * B * T
     losses, grads = [], []
     for step in range(STEPS):
         flat.zero_grad()
-        loss_acc = torch.zeros(())
+        loss_acc = torch.zeros((), device=device)
         for micro in range(GRAD_ACCUM):
-            x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+            x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
             loss_sum, _ = model(x, torch.roll(x, -1, 1))
             if micro == GRAD_ACCUM - 1:
                 opt.reduce_during_backward()
-            (loss_sum / (2 * GRAD_ACCUM * B * T)).backward()
+            (loss_sum / tokens).backward()
             loss_acc += loss_sum.detach()
         opt.reduce_gradients()
         norm_sq = opt.grad_norm_squared()
         agreed = torch.stack([loss_acc, norm_sq if zero_stage or rank == 0 else norm_sq * 0])
         dist.all_reduce(agreed)
-        losses.append(agreed[0].item() / (2 * GRAD_ACCUM * B * T))
-        grads.append(opt.shard_grads.clone())
+        losses.append(agreed[0].item() / tokens)
+        grads.append(opt.shard_grads.cpu())
         norm = agreed[1].sqrt().item()
         opt.step(lr=1e-2, grad_scale=min(1.0, 1.0 / norm), t=step + 1, seed=step)
     buckets = opt.overlap.buckets if opt.overlap is not None else []
-    return {"losses": losses, "grads": grads, "params": flat.params.clone(),
+    return {"losses": losses, "grads": grads, "params": flat.params.cpu(),
             "in_flight": in_flight, "buckets": len(buckets),
             "scattered": sum(b.scatter for b in buckets)}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
-    """Every variant's results on each of 2 gloo ranks (one pair of processes for them all)."""
-    d = tmp_path_factory.mktemp("overlap")
-    outs = [str(d / f"rank{r}.pt") for r in (0, 1)]
+def run_ranks(out_dir, world: int, device: str) -> list[dict]:
+    """Every variant's results on each of `world` ranks (one process per rank for them all)."""
+    outs = [str(out_dir / f"rank{r}_{device}.pt") for r in range(world)]
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_train, args=(r, port, outs[r])) for r in (0, 1)]
+    procs = [ctx.Process(target=_train, args=(r, world, port, outs[r])) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=300)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(tmp_path_factory.mktemp("overlap"), 2, "cpu")
 
 
 @pytest.mark.parametrize("zero_stage, reduction", [v for v in VARIANTS if v[1] != "single"])
@@ -143,3 +162,19 @@ def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(two_ranks
     single = two_ranks[0][zero_stage, "single"]["losses"]
     assert single == two_ranks[1][zero_stage, "single"]["losses"]
     assert len(set(single)) == STEPS  # it trains: the losses move
+
+
+@pytest.mark.gpu
+def test_on_gpus_the_overlapped_reduction_equals_the_single_collective(tmp_path):
+    """The same on NCCL, bf16 (two GPUs where there are, else the machinery on one: hooks,
+    staging copies and waits on NCCL's stream, a 1-rank collective), deterministic kernels."""
+    world = min(2, torch.cuda.device_count())
+    results = run_ranks(tmp_path, world, "cuda")
+    for rank in range(world):
+        for zero_stage, reduction in VARIANTS:
+            a, b = results[rank][zero_stage, "single"], results[rank][zero_stage, reduction]
+            assert a["losses"] == b["losses"], (zero_stage, reduction)
+            assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+            assert torch.equal(a["params"], b["params"])
+            if reduction != "single":
+                assert b["in_flight"] == [TINY.n_layer] * STEPS
