@@ -70,10 +70,18 @@ def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) ->
     return model.to(device)
 
 
-def compile_model(model: GPT, mode: str) -> torch.nn.Module:
-    """torch.compile over the whole model, one graph with static shapes: validation batches of
-    another size must not make the training graph symbolic. (Per-block compiles restart faster
-    but train slower, and nested_compile_region refuses FlatParameters' views: docs/faults.md.)"""
+def compile_model(model: GPT, mode: str, scope: str = "model") -> torch.nn.Module:
+    """torch.compile with static shapes (validation batches of another size must not make the
+    training graph symbolic). scope "model": the whole model, one graph, the fastest step on one
+    GPU; its backward is one autograd node, so every gradient lands at its end. "blocks": each
+    transformer block on its own (they share their code: Dynamo traces one), the embeddings,
+    final norm and loss eager; backward is one node per block, whose gradients land as it
+    finishes, so --overlap-comm reduces them while the blocks below compute. (Nested compile
+    regions, one graph with the blocks inside, refuse FlatParameters' views: docs/faults.md.)"""
+    if scope == "blocks":
+        for block in model.transformer.h:
+            block.compile(mode=mode, dynamic=False)
+        return model
     return torch.compile(model, mode=mode, dynamic=False)
 
 
@@ -281,7 +289,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage
                     "load_from": sorted(set(ckpt.load_sources.values()))})
-    forward = compile_model(model, cfg.compile_mode) if cfg.compile else model
+    forward = compile_model(model, cfg.compile_mode, cfg.compile_scope) if cfg.compile else model
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
