@@ -15,12 +15,12 @@ three reductions, each for --steps steps after 3 warm-up ones, and rank 0 prints
   overlap: buckets launched during the last backward (--overlap-comm)
 exposed = step time - none's. Transports: socket = NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL
 over TCP, standing in for a network between nodes); nvlink = NCCL's default on one host.
-Model modes: eager (no torch.compile: the overlap's configuration by default), compiled
-(torch.compile of the whole model, the GPU default: backward is one graph, so the hooks fire at
-its end and nothing overlaps), blocks (each Block compiled on its own: its backward is one node
-per block, so the hooks fire per block). world=1 is the no-regression check of the machinery
-(hooks, staging copies and 1-rank collectives against none). Deterministic kernels
-(raygpt.determinism), so "same" says whether single and overlap gave equal losses as floats.
+Model modes (raygpt.loop.compile_model's): eager (--no-compile), compiled (the whole model, the
+GPU default: backward is one graph, the hooks fire at its end and nothing overlaps), blocks
+(--compile-scope blocks: a backward node per block, the hooks fire as each finishes). world=1
+is the no-regression check of the machinery (hooks, staging copies and 1-rank collectives
+against none). Deterministic kernels (raygpt.determinism), so "same" says whether single and
+overlap gave equal losses as floats.
 The table comes last.
 """
 
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raygpt.determinism import run_switches
+from raygpt.loop import compile_model
 from raygpt.model import GPT, GPTConfig, kernels_for
 from raygpt.optim import AdamW, FlatParameters, OverlappedReduction
 
@@ -67,12 +68,8 @@ def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucke
                 zero_stage=0)
     opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=0,
                                       may_reduce_scatter=False, bucket_bytes=bucket_bytes)
-    forward = model
-    if mode == "compiled":
-        forward = torch.compile(model, dynamic=False)
-    elif mode == "blocks":
-        for block in model.transformer.h:
-            block.compile(dynamic=False)
+    forward = model if mode == "eager" else compile_model(
+        model, "default", "model" if mode == "compiled" else "blocks")  # the loop's compiles
     return model, forward, flat, opt
 
 
