@@ -2,7 +2,6 @@
 its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
 losses, reduced gradients and weights equal the single collective's bit for bit."""
 
-import os
 import socket
 
 import pytest
