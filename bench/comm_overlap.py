@@ -67,7 +67,7 @@ def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucke
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
                 zero_stage=0)
     opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=0,
-                                      may_reduce_scatter=False, bucket_bytes=bucket_bytes)
+                                      sharded_collectives=False, bucket_bytes=bucket_bytes)
     forward = model if mode == "eager" else compile_model(
         model, "default", "model" if mode == "compiled" else "blocks")  # the loop's compiles
     return model, forward, flat, opt

@@ -299,8 +299,8 @@ class TrainConfig:
     backward lands each block's gradients as it finishes, which --overlap-comm needs)."""
     overlap_comm: bool | None = knob(None, section="performance", may_change_on_resume=True)
     """Reduce the gradients over the workers in buckets of layers during the backward pass, each
-    bucket as soon as its layers' backward is done (reduce-scatter under ZeRO-1 where it moves
-    fewer bytes), rather than in one collective after it. Default: on without --compile or
+    bucket as soon as its layers' backward is done (under ZeRO-1 with NCCL, reduce-scatter or
+    a reduce to each shard's owner), rather than in one collective after it. Default: on without --compile or
     with --compile-scope blocks. The whole-model compile runs backward as one graph whose
     gradients all land at its end: there it overlaps nothing, and is off. Losses are the same
     either way (exactly, on 2 workers)."""

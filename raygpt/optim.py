@@ -119,7 +119,7 @@ class AdamW:
         self.segments = ops.Segments.build(flat.tensor_sizes, flat.decay, self.lo, self.hi,
                                            device=device)
         self.overlap = (OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
-                                            may_reduce_scatter=dist.get_backend() == "nccl",
+                                            sharded_collectives=dist.get_backend() == "nccl",
                                             bucket_bytes=bucket_bytes)
                         if overlap and world > 1 else None)
 
@@ -228,15 +228,16 @@ def shard_pieces(spans: list[tuple[int, int]], shard: int, world: int) -> list[l
     return pieces
 
 
-def reduce_scatter_pays(pieces: list[list[tuple[int, int]]]) -> bool:
-    """Whether a ZeRO-1 bucket is reduce-scattered rather than all-reduced. Collectives want
-    equal parts, so each rank's pieces are padded to the largest rank's m elements: the
-    reduce-scatter moves (world - 1) m elements per rank, an all-reduce of the bucket's b
-    2 (world - 1) b / world. llm.c's layout puts a layer's 12 slices in a few ranks' shards, so
-    with many ranks m is large and the all-reduce moves less."""
-    world = len(pieces)
-    shares = [sum(n for _, n in p) for p in pieces]
-    return max(shares) * world < 2 * sum(shares)
+def zero1_collective(parts: list[list[tuple[int, int]]]) -> str:
+    """How a ZeRO-1 bucket is summed where NCCL's collectives are at hand, given each rank's
+    part of it: the one that moves fewer elements per rank. For a bucket of b elements whose
+    largest part has m: "reduce_scatter" (collectives want equal parts, so each is padded to m)
+    moves (world - 1) m, "reduce" (one reduce of each part to its owner, one after the other
+    on NCCL's stream) about b (an all-reduce, 2 (world - 1) b / world, is never fewer). llm.c's
+    layout puts a layer's 12 slices in one or two ranks' shards: on 2 ranks the reduce-scatter
+    wins, on more the reduces."""
+    shares = [sum(n for _, n in p) for p in parts]
+    return "reduce_scatter" if (len(parts) - 1) * max(shares) <= sum(shares) else "reduce"
 
 
 class _Bucket:
@@ -244,36 +245,43 @@ class _Bucket:
     bucket's gradients are many slices of it: each layer's 12 tensors lie apart)."""
 
     def __init__(self, grads: torch.Tensor, spans: list[tuple[int, int]], *, rank: int,
-                 world: int, zero_stage: int, may_reduce_scatter: bool):
+                 world: int, zero_stage: int, sharded_collectives: bool):
         spans = sorted(spans)
         self.count = len(spans)  # parameters whose gradient must land before the launch
         # each rank's part of the bucket (one part without ZeRO); in rank order they are spans
         parts = shard_pieces(spans, grads.numel() // world, world) if zero_stage == 1 else [spans]
-        shares = [sum(n for _, n in part) for part in parts]
+        self.shares = [sum(n for _, n in part) for part in parts]
         mine = rank if zero_stage == 1 else 0
         new = dict(dtype=grads.dtype, device=grads.device)
-        self.scatter = may_reduce_scatter and zero_stage == 1 and reduce_scatter_pays(parts)
-        if self.scatter:  # part r zero-padded to m elements, at [r m, (r + 1) m) of the input
-            m = max(shares)
+        self.collective = (zero1_collective(parts) if zero_stage == 1 and sharded_collectives
+                           else "all_reduce")
+        if self.collective == "reduce_scatter":  # part r zero-padded to m, at [r m, (r + 1) m)
+            m = max(self.shares)
             zeros = torch.zeros(m, **new)
-            self.sources = [v for part, share in zip(parts, shares)
+            self.sources = [v for part, share in zip(parts, self.shares)
                             for v in [grads[o:o + n] for o, n in part] + [zeros[:m - share]]]
             self.staging, self.result, at = torch.empty(world * m, **new), torch.empty(m, **new), 0
-        else:  # all-reduced; under ZeRO-1 only this rank's part is read back
+        else:  # the parts back to back; under ZeRO-1 only this rank's is read back
             self.sources = [grads[o:o + n] for o, n in spans]
-            self.staging = self.result = torch.empty(sum(shares), **new)
-            at = sum(shares[:mine])
+            self.staging = self.result = torch.empty(sum(self.shares), **new)
+            at = sum(self.shares[:mine])
         self.targets = []  # (this rank's slice of the gradients, its reduced values)
         for o, n in parts[mine]:
             self.targets.append((grads[o:o + n], self.result[at:at + n]))
             at += n
 
-    def launch(self):
+    def launch(self) -> list:
+        """The bucket's collectives, launched (asynchronous work handles)."""
         torch.cat(self.sources, out=self.staging)  # on the backward's stream, which NCCL waits on
-        if self.scatter:
-            return dist.reduce_scatter_tensor(self.result, self.staging, op=dist.ReduceOp.SUM,
-                                              async_op=True)
-        return dist.all_reduce(self.staging, op=dist.ReduceOp.SUM, async_op=True)
+        if self.collective == "reduce_scatter":
+            return [dist.reduce_scatter_tensor(self.result, self.staging, op=dist.ReduceOp.SUM,
+                                               async_op=True)]
+        if self.collective == "reduce":  # each rank's part summed on that rank
+            starts = [sum(self.shares[:r]) for r in range(len(self.shares))]
+            return [dist.reduce(self.staging[at:at + n], dst=r, op=dist.ReduceOp.SUM,
+                                async_op=True)
+                    for r, (at, n) in enumerate(zip(starts, self.shares)) if n]
+        return [dist.all_reduce(self.staging, op=dist.ReduceOp.SUM, async_op=True)]
 
     def copy_out(self) -> None:
         for grad, reduced in self.targets:
@@ -288,6 +296,10 @@ class OverlappedReduction:
     copy), while backward computes the next layers. `wait` then makes the current stream wait
     for each collective and copies the sums back, before anything reads the gradients.
 
+    Without ZeRO a bucket is all-reduced; under ZeRO-1 each rank needs only its shard's sums,
+    which NCCL gives by reduce-scatter or reduces (zero1_collective), and gloo by all-reduce.
+    Each bucket has its own staging buffer: one more gradient buffer's memory in all.
+
     Only an `arm`ed backward launches anything: the earlier micro-steps of a window only
     accumulate. Buckets launch in a fixed order (a bucket complete before an earlier one waits
     for it), so every rank issues the same collectives in the same order. With world = 2 each
@@ -295,12 +307,12 @@ class OverlappedReduction:
     collective's bit for bit (on more ranks NCCL's order may differ by a rounding)."""
 
     def __init__(self, flat: FlatParameters, *, rank: int, world: int, zero_stage: int,
-                 may_reduce_scatter: bool, bucket_bytes: int = BUCKET_BYTES):
+                 sharded_collectives: bool, bucket_bytes: int = BUCKET_BYTES):
         plan = bucket_plan([layer for _, _, layer, _, _ in flat.slices],
                            [n for *_, n in flat.slices], flat.grads.element_size(), bucket_bytes)
         self.buckets = [_Bucket(flat.grads, [flat.slices[i][3:] for i in b], rank=rank,
                                 world=world, zero_stage=zero_stage,
-                                may_reduce_scatter=may_reduce_scatter) for b in plan]
+                                sharded_collectives=sharded_collectives) for b in plan]
         self._bucket_of = {flat.slices[i][0]: k for k, b in enumerate(plan) for i in b}
         self._hooks = [p.register_post_accumulate_grad_hook(self._landed)
                        for p in self._bucket_of]
@@ -325,8 +337,9 @@ class OverlappedReduction:
         every collective and copy the sums into the flat gradient buffer."""
         while len(self._works) < len(self.buckets):
             self._works.append(self.buckets[len(self._works)].launch())
-        for bucket, work in zip(self.buckets, self._works):
-            work.wait()  # NCCL: the current stream waits; gloo: the host
+        for bucket, works in zip(self.buckets, self._works):
+            for work in works:
+                work.wait()  # NCCL: the current stream waits; gloo: the host
             bucket.copy_out()
         self.armed, self._works = False, []
 

@@ -11,8 +11,9 @@ import torch.multiprocessing as mp
 
 from raygpt.determinism import run_switches
 from raygpt.model import GPT, GPTConfig, kernels_for
+import raygpt.optim
 from raygpt.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
-                          reduce_scatter_pays, shard_pieces)
+                          shard_pieces, zero1_collective)
 
 # head size 16: raygpt's attention kernel (the deterministic one on CUDA) takes it
 TINY = GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=3, n_head=2,
@@ -35,11 +36,11 @@ def test_a_bucket_is_cut_at_the_shard_boundaries():
     assert shard_pieces([(9, 2)], shard=8, world=2) == [[], [(9, 2)]]
 
 
-def test_reduce_scatter_only_where_it_moves_fewer_bytes_than_an_all_reduce():
-    assert reduce_scatter_pays([[(0, 5)], [(5, 5)]])  # balanced: half the bytes
-    assert not reduce_scatter_pays([[(0, 10)], []])  # all on one rank: padding doubles it
-    # 8 ranks, the bucket in two shards: the padded reduce-scatter moves 7 * 5 > 2 * 7/8 * 10
-    assert not reduce_scatter_pays([[(0, 5)], [(5, 5)]] + [[]] * 6)
+def test_zero1_sums_a_bucket_with_the_collective_that_moves_fewer_bytes():
+    assert zero1_collective([[(0, 5)], [(5, 5)]]) == "reduce_scatter"  # half the bytes
+    assert zero1_collective([[(0, 10)], []]) == "reduce_scatter"  # as many as a reduce: one call
+    # 8 ranks, the bucket in two shards: the padded reduce-scatter moves 7 * 5, the reduces 10
+    assert zero1_collective([[(0, 5)], [(5, 5)]] + [[]] * 6) == "reduce"
 
 
 def _free_port() -> int:
@@ -49,9 +50,10 @@ def _free_port() -> int:
 
 
 # (ZeRO stage, reduction): the single collective after backward, or overlapped buckets, which
-# under ZeRO-1 are all-reduced (gloo) or reduce-scattered where that moves fewer bytes (NCCL's
-# path, which gloo has too)
-VARIANTS = [(0, "single"), (0, "overlap"), (1, "single"), (1, "overlap"), (1, "overlap-scatter")]
+# under ZeRO-1 are all-reduced (gloo) or summed by NCCL's choice of reduce-scatter ("sharded",
+# which gloo has too) or reduces to each part's owner (forced: 2 ranks never choose them)
+VARIANTS = [(0, "single"), (0, "overlap"), (1, "single"), (1, "overlap"), (1, "overlap-sharded"),
+            (1, "overlap-reduce")]
 
 
 def _train(rank: int, world: int, port: int, out: str) -> None:
@@ -82,14 +84,18 @@ def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
     # 64-byte buckets: one per layer here, and the embeddings' bucket
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
                 zero_stage=zero_stage, overlap=reduction != "single", bucket_bytes=64)
-    if reduction == "overlap-scatter" or (world == 1 and reduction != "single"):
-        # NCCL's reduce-scatter path, which gloo has too; on one GPU AdamW builds none: the
-        # machinery (hooks, staging, a 1-rank collective) must still leave the gradients exact
+    sharded = reduction in ("overlap-sharded", "overlap-reduce")
+    if sharded or (world == 1 and reduction != "single"):
+        # NCCL's collectives, which gloo has too; on one GPU AdamW builds none: the machinery
+        # (hooks, staging, 1-rank collectives) must still leave the gradients exact
         if opt.overlap is not None:
             opt.overlap.remove()
+        choose = raygpt.optim.zero1_collective
+        if reduction == "overlap-reduce":
+            raygpt.optim.zero1_collective = lambda parts: "reduce"
         opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
-                                          may_reduce_scatter=reduction == "overlap-scatter",
-                                          bucket_bytes=64)
+                                          sharded_collectives=sharded, bucket_bytes=64)
+        raygpt.optim.zero1_collective = choose
     # when the gradient reaches the embeddings' output every block's backward is done, and
     # the embedding's own is not: the layers' buckets must be in flight then
     in_flight = []
@@ -124,7 +130,7 @@ def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
     buckets = opt.overlap.buckets if opt.overlap is not None else []
     return {"losses": losses, "grads": grads, "params": flat.params.cpu(),
             "in_flight": in_flight, "buckets": len(buckets),
-            "scattered": sum(b.scatter for b in buckets)}
+            "collectives": sorted({b.collective for b in buckets})}
 
 
 def run_ranks(out_dir, world: int, device: str) -> list[dict]:
@@ -152,7 +158,9 @@ def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(two_ranks
     for rank in (0, 1):
         a, b = two_ranks[rank][zero_stage, "single"], two_ranks[rank][zero_stage, reduction]
         assert b["buckets"] == TINY.n_layer + 1
-        assert (b["scattered"] > 0) == (reduction == "overlap-scatter")
+        assert b["collectives"] == {"overlap": ["all_reduce"],
+                                    "overlap-sharded": ["reduce_scatter"],
+                                    "overlap-reduce": ["reduce"]}[reduction]
         assert a["losses"] == b["losses"]  # as Python floats, step by step
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
         assert torch.equal(a["params"], b["params"])
