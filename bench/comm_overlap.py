@@ -5,7 +5,7 @@ micro-steps, the reduction, the norm, the update), random tokens.
 
     NCCL_NVLS_ENABLE=0 python bench/comm_overlap.py [--depths 12,24] [-b 16] [-t 1024]
         [--grad-accum 1] [--worlds 1,2] [--transports socket,nvlink] [--modes eager,compiled,blocks]
-        [--steps 12] [--bucket-mb 32]
+        [--steps 12] [--bucket-mb 32] [--zero-stage 0]
     python bench/comm_overlap.py --cpu   # a dry run: 2 gloo processes, a tiny model
 
 For each depth, world (GPUs, those present), transport and model mode, one process group runs
@@ -55,7 +55,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucket_bytes: int):
+def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucket_bytes: int,
+          zero_stage: int):
     """The model in `mode`, its flat buffers and AdamW with an overlapped reduction built (also
     on one rank, where AdamW would not build it: the bench measures its cost there; "single"
     on one rank reduces nothing, as the loop does)."""
@@ -65,9 +66,9 @@ def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucke
     flat = FlatParameters(model, dev, torch.bfloat16 if on_gpu else torch.float32,
                           pad_multiple=world)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
-                zero_stage=0)
-    opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=0,
-                                      sharded_collectives=False, bucket_bytes=bucket_bytes)
+                zero_stage=zero_stage)
+    opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
+                                      sharded_collectives=on_gpu, bucket_bytes=bucket_bytes)
     forward = model if mode == "eager" else compile_model(
         model, "default", "model" if mode == "compiled" else "blocks")  # the loop's compiles
     return model, forward, flat, opt
@@ -91,7 +92,8 @@ def step(forward, flat, opt, reduction: str, batches, tokens: int) -> torch.Tens
     return agree[0] / tokens
 
 
-def worker(rank, world, port, depth, mode, batch, seq, grad_accum, steps, bucket_bytes, results):
+def worker(rank, world, port, depth, mode, batch, seq, grad_accum, steps, bucket_bytes, zero_stage,
+           results):
     torch.set_num_threads(1 if not torch.cuda.is_available() else 4)
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
@@ -100,7 +102,7 @@ def worker(rank, world, port, depth, mode, batch, seq, grad_accum, steps, bucket
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, **({"device_id": dev} if on_gpu else {}))
     with run_switches(True):
-        model, forward, flat, opt = build(depth, mode, dev, world, rank, bucket_bytes)
+        model, forward, flat, opt = build(depth, mode, dev, world, rank, bucket_bytes, zero_stage)
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(rank)
         batches = [(torch.randint(0, vocab, (batch, seq), generator=g).to(dev),
@@ -138,7 +140,8 @@ def measure(world, transport, depth, mode, args) -> dict:
         results, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=worker, args=(r, world, port, depth, mode, args.batch,
                                                   args.seq, args.grad_accum, args.steps,
-                                                  int(args.bucket_mb * 2**20), results))
+                                                  int(args.bucket_mb * 2**20), args.zero_stage,
+                                                  results))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -165,6 +168,8 @@ def main():
     p.add_argument("--modes", default="eager,compiled,blocks")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bucket-mb", type=float, default=32)
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1),
+                   help="1: each rank sums only its shard (reduce-scatter / reduces on NCCL)")
     p.add_argument("--cpu", action="store_true", help="a dry run: 2 gloo processes, tiny model")
     args = p.parse_args()
     if args.cpu:
@@ -187,7 +192,7 @@ def main():
                     print(f"d{depth} world={world} {transport} {mode}: "
                           + ", ".join(f"{k} {v[0] * 1e3:.1f} ms" for k, v in r.items()),
                           flush=True)
-    print(f"\nB={args.batch} T={args.seq} grad_accum={args.grad_accum} "
+    print(f"\nB={args.batch} T={args.seq} grad_accum={args.grad_accum} zero={args.zero_stage} "
           f"bucket={args.bucket_mb} MB; ms per step (median of {args.steps}), exposed = step - none")
     print(f"{'model':>6} {'world':>5} {'transport':>9} {'mode':>8} {'none':>8} {'single':>8} "
           f"{'overlap':>8} {'exp.single':>10} {'exp.overlap':>11} {'same':>5}")
