@@ -747,8 +747,8 @@ def test_compile_scope_blocks_compiles_each_block_and_keeps_the_model(monkeypatc
 def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
     """What a second rank of three builds (the process group's broadcast stood in for: the test is one
     process): padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
-    clock of its own (only rank 0's wall clock may ask for a checkpoint), and the gradient
-    reduction overlapped with backward (uncompiled: --overlap-comm's default)."""
+    clock of its own (only rank 0's wall clock may ask for a checkpoint), and with
+    --overlap-comm the gradient reduction overlapped with backward."""
     broadcasts = []
     monkeypatch.setattr(loop.dist, "broadcast", lambda t, src: broadcasts.append((t, src)))
     monkeypatch.setattr(loop.dist, "get_backend", lambda: "gloo")
@@ -757,7 +757,7 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
         rank, world = 1, 3
 
     cfg = wiring_config(tmp_path, checkpoint_minutes=2.5, zero_stage=1, num_workers=3,
-                        total_batch_size=96)
+                        total_batch_size=96, overlap_comm=True)
     with contextlib.ExitStack() as on_exit, signals.handlers_restored():
         r = loop.build_run(cfg, Rank1(open_run_dir(str(tmp_path)), torch.device("cpu")), on_exit)
         assert [(t is r.flat.params, src) for t, src in broadcasts] == [(True, 0)]
