@@ -60,14 +60,14 @@ cfg = TrainConfig(model="d2" if tiny else "d12", batch_size=4 if tiny else 16,
                   device="cpu" if tiny else "gpu", async_checkpoint=False, resume=1,
                   fault=f"raise:rank=0,step={stop}").resolve(0 if tiny else 1)
 if os.environ.get("RESTART_PARTS_REGIONAL"):  # each block compiled on its own (shared code)
-    def compile_blocks(model, mode):
+    def compile_blocks(model, mode, scope="model"):
         for block in model.transformer.h:
             block.compile(mode=mode, dynamic=False)
         return model
     raygpt.loop.compile_model = compile_blocks
 if os.environ.get("RESTART_PARTS_REGIONAL") == "pieces":  # also the final norm, and the loss
     import raygpt.model
-    def compile_pieces(model, mode):
+    def compile_pieces(model, mode, scope="model"):
         compile_blocks(model, mode)
         model.transformer.ln_f.compile(mode=mode, dynamic=False)
         return model

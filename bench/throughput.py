@@ -198,7 +198,7 @@ def variant_settings(spec: str):
         torch._dynamo.reset()
 
 
-def compile_blocks(model, mode):
+def compile_blocks(model, mode, scope="model"):
     """The regional variant's compile: each transformer block on its own (the blocks share
     their code, so Dynamo traces one), the embeddings, final norm and loss eager."""
     for block in model.transformer.h:
@@ -206,7 +206,7 @@ def compile_blocks(model, mode):
     return model
 
 
-def compile_pieces(model, mode):
+def compile_pieces(model, mode, scope="model"):
     """The pieces variant's compile: the blocks as regional's, the final norm on its own (the
     fused loss is compiled by variant_settings), only the embeddings eager."""
     compile_blocks(model, mode)

@@ -298,6 +298,20 @@ class TrainConfig:
                              may_change_on_resume=True)
     """torch.compile's mode for the model: reduce-overhead replays the forward and backward
     graphs as CUDA graphs (bench/throughput.py's cgraph variant measures it)."""
+    compile_scope: str = knob("model", section="performance", choices=("model", "blocks"),
+                              may_change_on_resume=True)
+    """What --compile compiles: model = the whole model as one graph (the fastest step on one
+    GPU); blocks = each transformer block on its own, the rest eager (a slower step, but
+    backward lands each block's gradients as it finishes, which --overlap-comm needs)."""
+    overlap_comm: bool | None = knob(None, section="performance", may_change_on_resume=True)
+    """Reduce the gradients over the workers in buckets of layers during the backward pass, each
+    bucket as soon as its layers' backward is done (under ZeRO-1 with NCCL, reduce-scatter or
+    a reduce to each shard's owner), rather than in one collective after it. Default: on for
+    GPUs without --compile or with --compile-scope blocks. The whole-model compile runs
+    backward as one graph whose gradients all land at its end: there it overlaps nothing. On
+    CPUs the small models are mostly wte, whose bucket comes last, and the buckets' staging
+    copies cost more than the overlap saves. Losses are the same either way (exactly, on 2
+    workers)."""
     prefetch_batches: bool = knob(True, section="performance", long="--no-prefetch",
                                   may_change_on_resume=True)
     """Gather the next micro-batch on the host and copy it to the device during the backward
@@ -411,6 +425,10 @@ class TrainConfig:
             c.precision = "bf16" if on_gpu else "fp32"
         if c.compile is None:
             c.compile = on_gpu
+        if c.overlap_comm is None:
+            # a whole-model compiled backward lands every gradient at its end: nothing to overlap;
+            # CPU models are mostly wte, whose bucket lands last: the staging copies cost more
+            c.overlap_comm = on_gpu and (not c.compile or c.compile_scope == "blocks")
         if c.deterministic is None:
             c.deterministic = on_gpu
         if c.zero_stage is None:

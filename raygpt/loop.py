@@ -70,10 +70,18 @@ def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) ->
     return model.to(device)
 
 
-def compile_model(model: GPT, mode: str) -> torch.nn.Module:
-    """torch.compile over the whole model, one graph with static shapes: validation batches of
-    another size must not make the training graph symbolic. (Per-block compiles restart faster
-    but train slower, and nested_compile_region refuses FlatParameters' views: docs/faults.md.)"""
+def compile_model(model: GPT, mode: str, scope: str = "model") -> torch.nn.Module:
+    """torch.compile with static shapes (validation batches of another size must not make the
+    training graph symbolic). scope "model": the whole model, one graph, the fastest step on one
+    GPU; its backward is one autograd node, so every gradient lands at its end. "blocks": each
+    transformer block on its own (they share their code: Dynamo traces one), the embeddings,
+    final norm and loss eager; backward is one node per block, whose gradients land as it
+    finishes, so --overlap-comm reduces them while the blocks below compute. (Nested compile
+    regions, one graph with the blocks inside, refuse FlatParameters' views: docs/faults.md.)"""
+    if scope == "blocks":
+        for block in model.transformer.h:
+            block.compile(mode=mode, dynamic=False)
+        return model
     return torch.compile(model, mode=mode, dynamic=False)
 
 
@@ -238,7 +246,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     if world > 1 and not init_later:
         dist.broadcast(flat.params, src=0)  # every rank starts from rank 0's weights
     opt = AdamW(flat, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                rank=rank, world=world, zero_stage=cfg.zero_stage)
+                rank=rank, world=world, zero_stage=cfg.zero_stage, overlap=cfg.overlap_comm)
     mark("model_built")
     cache = shard_cache(cfg)  # shards in a bucket: fetched from here on, beside the restore
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
@@ -281,7 +289,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage
                     "load_from": sorted(set(ckpt.load_sources.values()))})
-    forward = compile_model(model, cfg.compile_mode) if cfg.compile else model
+    forward = compile_model(model, cfg.compile_mode, cfg.compile_scope) if cfg.compile else model
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
@@ -335,7 +343,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         t0 = time.perf_counter()
         r.faults.before_update(step)
         loss_sum, step_samples = forward_backward(r, step)
-        r.opt.reduce_gradients()
+        r.opt.reduce_gradients()  # or waits for the buckets the backward pass launched
         agreed = agree(r, step, loss_sum, r.opt.grad_norm_squared())  # the step's one sync
         verdict = state.judge(cfg, step, agreed.loss, agreed.norm)
         lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
@@ -394,12 +402,14 @@ def forward_backward(r: Run, step: int) -> tuple[torch.Tensor, list]:
     r.flat.zero_grad()
     step_samples = []
     loss_acc = torch.zeros((), dtype=torch.float32, device=r.session.device)
-    for _ in range(r.grad_accum):
+    for micro in range(r.grad_accum):
         x, y = r.train_loader.next_batch(r.session.device)
         step_samples.append(r.train_loader.last_global_samples)
         loss_sum, z_sum = r.forward(x, y, z_loss=r.cfg.z_loss)
         if r.faults.nan_now(step):
             loss_sum = loss_sum * float("nan")
+        if micro == r.grad_accum - 1:  # the window's last backward reduces as it goes (with
+            r.opt.reduce_during_backward()  # --overlap-comm); the earlier ones only accumulate
         ((loss_sum + z_sum) / r.tokens_per_step).backward()
         loss_acc += loss_sum.detach()
         if r.cfg.prefetch_batches:  # the next micro-batch's gather and copy, during this backward

@@ -25,6 +25,12 @@ from raygpt import ops
 from raygpt.model import LLMC_DECAY, llmc_parameter_layout
 
 MASK64 = (1 << 64) - 1
+# llm.c's tensors that are not stacked per layer (the rest have one slice per layer)
+WHOLE_MODEL_TENSORS = frozenset({"wte", "wpe", "lnfw", "lnfb"})
+# Bytes of gradients per bucket of the overlapped reduction: a collective this size runs near
+# the link's bandwidth, and the first launches after a layer or two of backward (DDP's default
+# is 25 MB; one GPT-2 d12 layer is 14 MB in bf16, 28 MB in fp32).
+BUCKET_BYTES = 32 * 2**20
 
 
 def random_u32(state: int) -> tuple[int, int]:
@@ -62,13 +68,16 @@ class FlatParameters:
         self.padded_size = -(-self.num_parameters // pad_multiple) * pad_multiple
         self.params = torch.zeros(self.padded_size, dtype=dtype, device=device)
         self.grads = torch.zeros(self.padded_size, dtype=dtype, device=device)
+        # (parameter, its llm.c tensor's name, its layer or None, its slice [offset, offset + n))
+        self.slices: list[tuple[torch.nn.Parameter, str, int | None, int, int]] = []
         offset = 0
-        for _, params in layout:
-            for p in params:
+        for name, params in layout:
+            for i, p in enumerate(params):
                 n = p.numel()
                 self.params[offset:offset + n].copy_(p.data.reshape(-1))
                 p.data = _alias(self.params, offset, p.shape)
                 p.grad = _alias(self.grads, offset, p.shape)
+                self.slices.append((p, name, None if name in WHOLE_MODEL_TENSORS else i, offset, n))
                 offset += n
         assert offset == self.num_parameters
         self._model = model
@@ -95,7 +104,8 @@ class AdamW:
     the scalar `grad_scale` passed in."""
 
     def __init__(self, flat: FlatParameters, *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, rank: int = 0, world: int = 1, zero_stage: int = 0):
+                 weight_decay: float, rank: int = 0, world: int = 1, zero_stage: int = 0,
+                 overlap: bool = False, bucket_bytes: int = BUCKET_BYTES):
         self.flat = flat
         self.rank, self.world, self.zero_stage = rank, world, zero_stage
         lo, hi = shard_range(flat.num_parameters, rank, world, zero_stage)
@@ -114,6 +124,10 @@ class AdamW:
         # checkpoint's copy of them may still be reading them (the checkpointer sets it to
         # raygpt.checkpointing.snapshot's before_write, a wait on the device)
         self.before_write: Callable[[], None] = lambda: None
+        self.overlap = (OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
+                                            sharded_collectives=dist.get_backend() == "nccl",
+                                            bucket_bytes=bucket_bytes)
+                        if overlap and world > 1 else None)
 
     @property
     def shard_params(self) -> torch.Tensor:
@@ -151,9 +165,19 @@ class AdamW:
         """Sum of squares of this rank's gradient shard, as an fp32 0-dim tensor on device."""
         return ops.global_norm_squared(self.shard_grads)
 
+    def reduce_during_backward(self) -> None:
+        """With overlap, the next backward pass (a window's last) launches the reduction bucket
+        by bucket as its gradients land (OverlappedReduction); without, nothing."""
+        if self.overlap is not None:
+            self.overlap.arm()
+
     def reduce_gradients(self) -> None:
         """Sum the gradients over ranks: all of them (DDP), or this rank's shard (ZeRO-1, through
-        reduce-scatter where the backend has it; gloo all-reduces and each rank reads its slice)."""
+        reduce-scatter where the backend has it; gloo all-reduces and each rank reads its slice).
+        After a backward pass that reduced during itself, wait for its collectives instead."""
+        if self.overlap is not None and self.overlap.armed:
+            self.overlap.wait()
+            return
         if self.world == 1:
             return
         grads = self.flat.grads
@@ -173,3 +197,162 @@ class AdamW:
         shard = params.numel() // self.world
         mine = params[self.rank * shard:(self.rank + 1) * shard].clone()
         dist.all_gather_into_tensor(params, mine)
+
+
+# ---------------------------------------------------------------------- overlapped reduction
+
+
+def bucket_plan(layers: list[int | None], sizes: list[int], element_size: int,
+                bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """The buckets of the overlapped reduction as indices into FlatParameters.slices (each
+    slice's layer, None for wte / wpe / ln_f, and its size), in the order backward completes
+    them: the layers from the last to the first, consecutive layers together until a bucket
+    holds bucket_bytes; then one bucket of the whole-model tensors, last because wte (also the
+    tied lm_head, whose gradient comes first) is complete only after the embedding's backward,
+    backward's last node."""
+    by_layer: dict[int, list[int]] = {}
+    rest = []
+    for i, layer in enumerate(layers):
+        (rest if layer is None else by_layer.setdefault(layer, [])).append(i)
+    buckets, current, current_bytes = [], [], 0
+    for layer in sorted(by_layer, reverse=True):
+        current += by_layer[layer]
+        current_bytes += sum(sizes[i] for i in by_layer[layer]) * element_size
+        if current_bytes >= bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+    return [b for b in buckets + [current, rest] if b]
+
+
+def shard_pieces(spans: list[tuple[int, int]], shard: int, world: int) -> list[list[tuple[int, int]]]:
+    """Spans (offset, n) of the flat buffer cut at ZeRO-1's shard boundaries (multiples of
+    `shard`): for each rank, the pieces of them it owns, in order."""
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for offset, n in spans:
+        end = offset + n
+        while offset < end:
+            r = offset // shard
+            cut = min(end, (r + 1) * shard)
+            pieces[r].append((offset, cut - offset))
+            offset = cut
+    return pieces
+
+
+def zero1_collective(parts: list[list[tuple[int, int]]]) -> str:
+    """How a ZeRO-1 bucket is summed where NCCL's collectives are at hand, given each rank's
+    part of it: the one that moves fewer elements per rank. For a bucket of b elements whose
+    largest part has m: "reduce_scatter" (collectives want equal parts, so each is padded to m)
+    moves (world - 1) m, "reduce" (one reduce of each part to its owner, one after the other
+    on NCCL's stream) about b (an all-reduce, 2 (world - 1) b / world, is never fewer). llm.c's
+    layout puts a layer's 12 slices in one or two ranks' shards: on 2 ranks the reduce-scatter
+    wins, on more the reduces."""
+    shares = [sum(n for _, n in p) for p in parts]
+    return "reduce_scatter" if (len(parts) - 1) * max(shares) <= sum(shares) else "reduce"
+
+
+class _Bucket:
+    """One bucket's staging buffer and the copies in and out of the flat gradient buffer (a
+    bucket's gradients are many slices of it: each layer's 12 tensors lie apart)."""
+
+    def __init__(self, grads: torch.Tensor, spans: list[tuple[int, int]], *, rank: int,
+                 world: int, zero_stage: int, sharded_collectives: bool):
+        spans = sorted(spans)
+        self.count = len(spans)  # parameters whose gradient must land before the launch
+        # each rank's part of the bucket (one part without ZeRO); in rank order they are spans
+        parts = shard_pieces(spans, grads.numel() // world, world) if zero_stage == 1 else [spans]
+        self.shares = [sum(n for _, n in part) for part in parts]
+        mine = rank if zero_stage == 1 else 0
+        new = dict(dtype=grads.dtype, device=grads.device)
+        self.collective = (zero1_collective(parts) if zero_stage == 1 and sharded_collectives
+                           else "all_reduce")
+        if self.collective == "reduce_scatter":  # part r zero-padded to m, at [r m, (r + 1) m)
+            m = max(self.shares)
+            zeros = torch.zeros(m, **new)
+            self.sources = [v for part, share in zip(parts, self.shares)
+                            for v in [grads[o:o + n] for o, n in part] + [zeros[:m - share]]]
+            self.staging, self.result, at = torch.empty(world * m, **new), torch.empty(m, **new), 0
+        else:  # the parts back to back; under ZeRO-1 only this rank's is read back
+            self.sources = [grads[o:o + n] for o, n in spans]
+            self.staging = self.result = torch.empty(sum(self.shares), **new)
+            at = sum(self.shares[:mine])
+        self.targets = []  # (this rank's slice of the gradients, its reduced values)
+        for o, n in parts[mine]:
+            self.targets.append((grads[o:o + n], self.result[at:at + n]))
+            at += n
+
+    def launch(self) -> list:
+        """The bucket's collectives, launched (asynchronous work handles)."""
+        torch.cat(self.sources, out=self.staging)  # on the backward's stream, which NCCL waits on
+        if self.collective == "reduce_scatter":
+            return [dist.reduce_scatter_tensor(self.result, self.staging, op=dist.ReduceOp.SUM,
+                                               async_op=True)]
+        if self.collective == "reduce":  # each rank's part summed on that rank
+            starts = [sum(self.shares[:r]) for r in range(len(self.shares))]
+            return [dist.reduce(self.staging[at:at + n], dst=r, op=dist.ReduceOp.SUM,
+                                async_op=True)
+                    for r, (at, n) in enumerate(zip(starts, self.shares)) if n]
+        return [dist.all_reduce(self.staging, op=dist.ReduceOp.SUM, async_op=True)]
+
+    def copy_out(self) -> None:
+        for grad, reduced in self.targets:
+            grad.copy_(reduced)
+
+
+class OverlappedReduction:
+    """The gradients summed over ranks bucket by bucket during the backward pass. A hook on
+    each parameter (run when its gradient has been accumulated into the flat buffer) counts the
+    bucket's gradients down; a complete bucket is copied into its staging buffer and reduced
+    with an asynchronous collective (NCCL runs it on its own stream after waiting for the
+    copy), while backward computes the next layers. `wait` then makes the current stream wait
+    for each collective and copies the sums back, before anything reads the gradients.
+
+    Without ZeRO a bucket is all-reduced; under ZeRO-1 each rank needs only its shard's sums,
+    which NCCL gives by reduce-scatter or reduces (zero1_collective), and gloo by all-reduce.
+    Each bucket has its own staging buffer: one more gradient buffer's memory in all.
+
+    Only an `arm`ed backward launches anything: the earlier micro-steps of a window only
+    accumulate. Buckets launch in a fixed order (a bucket complete before an earlier one waits
+    for it), so every rank issues the same collectives in the same order. With world = 2 each
+    sum is of two terms, which is exact in any order: the gradients equal the single
+    collective's bit for bit (on more ranks NCCL's order may differ by a rounding)."""
+
+    def __init__(self, flat: FlatParameters, *, rank: int, world: int, zero_stage: int,
+                 sharded_collectives: bool, bucket_bytes: int = BUCKET_BYTES):
+        plan = bucket_plan([layer for _, _, layer, _, _ in flat.slices],
+                           [n for *_, n in flat.slices], flat.grads.element_size(), bucket_bytes)
+        self.buckets = [_Bucket(flat.grads, [flat.slices[i][3:] for i in b], rank=rank,
+                                world=world, zero_stage=zero_stage,
+                                sharded_collectives=sharded_collectives) for b in plan]
+        self._bucket_of = {flat.slices[i][0]: k for k, b in enumerate(plan) for i in b}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._landed)
+                       for p in self._bucket_of]
+        self.armed = False
+        self._pending: list[int] = []
+        self._works: list = []
+
+    def arm(self) -> None:
+        """The next backward pass launches the reductions."""
+        self.armed, self._works = True, []
+        self._pending = [b.count for b in self.buckets]
+
+    def _landed(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        self._pending[self._bucket_of[param]] -= 1
+        while len(self._works) < len(self.buckets) and self._pending[len(self._works)] == 0:
+            self._works.append(self.buckets[len(self._works)].launch())
+
+    def wait(self) -> None:
+        """Launch any bucket still waiting (a parameter this backward did not reach), wait for
+        every collective and copy the sums into the flat gradient buffer."""
+        while len(self._works) < len(self.buckets):
+            self._works.append(self.buckets[len(self._works)].launch())
+        for bucket, works in zip(self.buckets, self._works):
+            for work in works:
+                work.wait()  # NCCL: the current stream waits; gloo: the host
+            bucket.copy_out()
+        self.armed, self._works = False, []
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

@@ -55,6 +55,22 @@ def test_zero1_is_the_default_with_more_than_one_gpu_worker_and_z0_still_wins():
     assert parse_args(["-z", "1", "--cpu"]).resolve(gpus_available=0).zero_stage == 1
 
 
+@pytest.mark.parametrize("argv, gpus, overlap", [
+    (["--no-compile"], 2, True),  # backward lands each layer's gradients as it goes
+    ([], 2, False),  # the whole-model compile lands them all at its end: nothing to overlap
+    (["--compile-scope", "blocks"], 2, True),
+    ([], 0, False),  # CPU: mostly wte, which lands last; the staging copies cost more
+    (["--overlap-comm"], 0, True), (["--no-overlap-comm", "--no-compile"], 2, False)])
+def test_overlap_comm_is_on_by_default_where_backward_lands_gradients_layer_by_layer(
+        argv, gpus, overlap):
+    assert parse_args(argv).resolve(gpus_available=gpus).overlap_comm is overlap
+
+
+def test_compile_scope_is_model_or_blocks():
+    with pytest.raises(ConfigError, match="--compile-scope"):
+        parse_args(["--compile-scope", "layers"])
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["-k", "cosine_with_restarts"], "-k/--scheduler"),
     (["-d", "1000"], "-d/--total-batch-size"),

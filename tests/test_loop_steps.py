@@ -206,6 +206,22 @@ def test_act_on_publishes_saves_and_stops_as_agreed(ready, save, stop):
 
 # ---------------------------------------------------------------------- cadence, metrics, errors
 
+def test_only_the_windows_last_backward_reduces_during_itself():
+    """forward_backward arms the overlapped reduction (AdamW.reduce_during_backward) once, just
+    before the last micro-step's backward: the earlier ones only accumulate."""
+    events = []
+    w = torch.ones((), requires_grad=True)
+    w.register_post_accumulate_grad_hook(lambda p: events.append("backward"))
+    batch = (torch.zeros(1, 2), torch.zeros(1, 2))
+    r = NS(flat=NS(zero_grad=lambda: None), grad_accum=3, session=NS(device=torch.device("cpu")),
+           train_loader=NS(next_batch=lambda device: batch, last_global_samples=np.arange(1)),
+           forward=lambda x, y, z_loss: (w * 2.0, torch.zeros(())), tokens_per_step=1,
+           faults=NS(nan_now=lambda step: False), cfg=NS(z_loss=0.0, prefetch_batches=False),
+           opt=NS(reduce_during_backward=lambda: events.append("arm")))
+    loop.forward_backward(r, step=0)
+    assert events == ["backward", "backward", "arm", "backward"]
+
+
 @pytest.mark.parametrize("every, step, last, expected", [
     (0, 10, False, False), (0, 10, True, False), (5, 0, False, False), (5, 0, True, False),
     (5, 5, False, True), (5, 10, False, True), (5, 6, False, False), (5, 7, True, True),

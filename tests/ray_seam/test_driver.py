@@ -70,6 +70,17 @@ def test_checkpoints_are_stored_by_rename_and_their_timeline_is_in_the_summary(u
     assert all(step in (8, 12) and waited >= 0 for step, waited in summary["checkpoint_waits"])
 
 
+def test_the_overlapped_reduction_changes_no_loss(uninterrupted, tmp_path):
+    """The uninterrupted run reduced its gradients in one collective after the backward pass
+    (--overlap-comm is off on CPUs), over 2 micro-steps a step; reducing them during the last
+    backward gives the same losses as floats (a sum of 2 terms is exact in any order)."""
+    run_dir, cfg, _ = uninterrupted
+    assert not cfg.resolve(0).overlap_comm and cfg.resolve(0).grad_accum_steps(2) == 2
+    # no validation or periodic checkpoints: neither changes a train loss
+    go(tiny_config(tmp_path, **{**TWO, "checkpoint_every": 0}, overlap_comm=True))
+    assert train_losses(tmp_path) == train_losses(run_dir)
+
+
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     two = tiny_config(tmp_path / "two", num_workers=2, max_steps=4, checkpoint_every=0, shuffle=False)
     one = tiny_config(tmp_path / "one", num_workers=1, batch_size=8, max_steps=4,

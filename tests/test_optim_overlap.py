@@ -1,0 +1,187 @@
+"""The gradient reduction overlapped with the backward pass (raygpt.optim.OverlappedReduction):
+its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
+losses, reduced gradients and weights equal the single collective's bit for bit."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raygpt.determinism import run_switches
+from raygpt.model import GPT, GPTConfig, kernels_for
+import raygpt.optim
+from raygpt.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
+                          shard_pieces, zero1_collective)
+
+# head size 16: raygpt's attention kernel (the deterministic one on CUDA) takes it
+TINY = GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=3, n_head=2,
+                 n_embd=32)
+STEPS, GRAD_ACCUM, B, T = 3, 2, 2, 8
+
+
+def test_buckets_run_from_the_last_layer_to_the_first_and_the_embeddings_last():
+    layers = [None, None, 0, 1, 2, 0, 1, 2, None]  # wte, wpe, two tensors per layer, ln_f
+    sizes = [10] * 9
+    # a layer is 40 bytes: 2 layers fill an 80-byte bucket; layer 0 alone; then wte, wpe, ln_f
+    assert bucket_plan(layers, sizes, element_size=2, bucket_bytes=80) == [
+        [4, 7, 3, 6], [2, 5], [0, 1, 8]]
+    assert bucket_plan(layers, sizes, element_size=2, bucket_bytes=10**9) == [
+        [4, 7, 3, 6, 2, 5], [0, 1, 8]]
+
+
+def test_a_bucket_is_cut_at_the_shard_boundaries():
+    assert shard_pieces([(0, 3), (5, 10)], shard=8, world=2) == [[(0, 3), (5, 3)], [(8, 7)]]
+    assert shard_pieces([(9, 2)], shard=8, world=2) == [[], [(9, 2)]]
+
+
+def test_zero1_sums_a_bucket_with_the_collective_that_moves_fewer_bytes():
+    assert zero1_collective([[(0, 5)], [(5, 5)]]) == "reduce_scatter"  # half the bytes
+    assert zero1_collective([[(0, 10)], []]) == "reduce_scatter"  # as many as a reduce: one call
+    # 8 ranks, the bucket in two shards: the padded reduce-scatter moves 7 * 5, the reduces 10
+    assert zero1_collective([[(0, 5)], [(5, 5)]] + [[]] * 6) == "reduce"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# (ZeRO stage, reduction): the single collective after backward, or overlapped buckets, which
+# under ZeRO-1 are all-reduced (gloo) or summed by NCCL's choice of reduce-scatter ("sharded",
+# which gloo has too) or reduces to each part's owner (forced: 2 ranks never choose them)
+VARIANTS = [(0, "single"), (0, "overlap"), (1, "single"), (1, "overlap"), (1, "overlap-sharded"),
+            (1, "overlap-reduce")]
+
+
+def _train(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` ranks (gloo on the CPU, NCCL on GPU `rank` with bf16 weights and the
+    deterministic kernels): each variant trains a fresh model STEPS steps of GRAD_ACCUM
+    micro-steps, llm.c's step as raygpt.loop takes it (the window's last backward armed, the
+    reduction waited, the norm of the shards, the update); saves the step losses, the reduced
+    gradients and the final weights of each."""
+    torch.set_num_threads(1)
+    cuda = out.endswith("cuda.pt")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    with run_switches(cuda):
+        results = {variant: _train_variant(rank, world, device, *variant) for variant in VARIANTS}
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
+                   reduction: str) -> dict:
+    cuda = device.type == "cuda"
+    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(cuda, device.type)).to(device)
+    flat = FlatParameters(model, device, torch.bfloat16 if cuda else torch.float32,
+                          pad_multiple=world)
+    # 64-byte buckets: one per layer here, and the embeddings' bucket
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
+                zero_stage=zero_stage, overlap=reduction != "single", bucket_bytes=64)
+    sharded = reduction in ("overlap-sharded", "overlap-reduce")
+    if sharded or (world == 1 and reduction != "single"):
+        # NCCL's collectives, which gloo has too; on one GPU AdamW builds none: the machinery
+        # (hooks, staging, 1-rank collectives) must still leave the gradients exact
+        if opt.overlap is not None:
+            opt.overlap.remove()
+        choose = raygpt.optim.zero1_collective
+        if reduction == "overlap-reduce":
+            raygpt.optim.zero1_collective = lambda parts: "reduce"
+        opt.overlap = OverlappedReduction(flat, rank=rank, world=world, zero_stage=zero_stage,
+                                          sharded_collectives=sharded, bucket_bytes=64)
+        raygpt.optim.zero1_collective = choose
+    # when the gradient reaches the embeddings' output every block's backward is done, and
+    # the embedding's own is not: the layers' buckets must be in flight then
+    in_flight = []
+
+    def count_in_flight(grad):
+        if opt.overlap is not None and opt.overlap.armed:
+            in_flight.append(len(opt.overlap._works))
+
+    model.transformer.wte.register_forward_hook(
+        lambda m, i, o: o.register_hook(count_in_flight) and None)
+    g = torch.Generator().manual_seed(rank)
+    tokens = world * GRAD_ACCUM * B * T
+    losses, grads = [], []
+    for step in range(STEPS):
+        flat.zero_grad()
+        loss_acc = torch.zeros((), device=device)
+        for micro in range(GRAD_ACCUM):
+            x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
+            loss_sum, _ = model(x, torch.roll(x, -1, 1))
+            if micro == GRAD_ACCUM - 1:
+                opt.reduce_during_backward()
+            (loss_sum / tokens).backward()
+            loss_acc += loss_sum.detach()
+        opt.reduce_gradients()
+        norm_sq = opt.grad_norm_squared()
+        agreed = torch.stack([loss_acc, norm_sq if zero_stage or rank == 0 else norm_sq * 0])
+        dist.all_reduce(agreed)
+        losses.append(agreed[0].item() / tokens)
+        grads.append(opt.shard_grads.cpu())
+        norm = agreed[1].sqrt().item()
+        opt.step(lr=1e-2, grad_scale=min(1.0, 1.0 / norm), t=step + 1, seed=step)
+    buckets = opt.overlap.buckets if opt.overlap is not None else []
+    return {"losses": losses, "grads": grads, "params": flat.params.cpu(),
+            "in_flight": in_flight, "buckets": len(buckets),
+            "collectives": sorted({b.collective for b in buckets})}
+
+
+def run_ranks(out_dir, world: int, device: str) -> list[dict]:
+    """Every variant's results on each of `world` ranks (one process per rank for them all)."""
+    outs = [str(out_dir / f"rank{r}_{device}.pt") for r in range(world)]
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_train, args=(r, world, port, outs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(tmp_path_factory.mktemp("overlap"), 2, "cpu")
+
+
+@pytest.mark.parametrize("zero_stage, reduction", [v for v in VARIANTS if v[1] != "single"])
+def test_overlapped_reduction_equals_the_single_collective_bit_for_bit(two_ranks, zero_stage,
+                                                                        reduction):
+    for rank in (0, 1):
+        a, b = two_ranks[rank][zero_stage, "single"], two_ranks[rank][zero_stage, reduction]
+        assert b["buckets"] == TINY.n_layer + 1
+        assert b["collectives"] == {"overlap": ["all_reduce"],
+                                    "overlap-sharded": ["reduce_scatter"],
+                                    "overlap-reduce": ["reduce"]}[reduction]
+        assert a["losses"] == b["losses"]  # as Python floats, step by step
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+        assert torch.equal(a["params"], b["params"])
+        # launched during backward: every layer's bucket before the embedding's backward ran
+        assert a["in_flight"] == [] and b["in_flight"] == [TINY.n_layer] * STEPS
+    single = two_ranks[0][zero_stage, "single"]["losses"]
+    assert single == two_ranks[1][zero_stage, "single"]["losses"]
+    assert len(set(single)) == STEPS  # it trains: the losses move
+
+
+@pytest.mark.gpu
+def test_on_gpus_the_overlapped_reduction_equals_the_single_collective(tmp_path):
+    """The same on NCCL, bf16 (two GPUs where there are, else the machinery on one: hooks,
+    staging copies and waits on NCCL's stream, a 1-rank collective), deterministic kernels."""
+    world = min(2, torch.cuda.device_count())
+    results = run_ranks(tmp_path, world, "cuda")
+    for rank in range(world):
+        for zero_stage, reduction in VARIANTS:
+            a, b = results[rank][zero_stage, "single"], results[rank][zero_stage, reduction]
+            assert a["losses"] == b["losses"], (zero_stage, reduction)
+            assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+            assert torch.equal(a["params"], b["params"])
+            if reduction != "single":
+                assert b["in_flight"] == [TINY.n_layer] * STEPS
