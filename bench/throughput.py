@@ -380,32 +380,47 @@ def counted_flops_per_step(depth: int, batch: int, seq: int, probe_batch: int = 
     return (counter.get_total_flops() - attention / 2) * batch / probe_batch
 
 
-def raygpt_split(args, loader, loop_overrides: dict):
-    # the variant's performance fields, as the loop reads them; the split runs the whole --batch
-    # in one pass whatever mb@N says (the loop's row is the micro-batched one)
-    perf = TrainConfig(**{k: v for k, v in loop_overrides.items() if k != "micro_batch"})
-    model = GPT(GPTConfig.from_depth(args.depth), init_seed=1337, loss_impl=perf.loss_impl,
-                ce_kernel=perf.ce_kernel, ce_chunk_rows=perf.ce_chunk_rows).cuda()
-    # and the kernels the loop's build_model would pick (det turned strict mode on for this)
-    model.use_kernels(**kernels_for(torch.are_deterministic_algorithms_enabled(), "cuda",
+def build_step(depth: int, perf: TrainConfig, device=torch.device("cuda"),
+               dtype=torch.bfloat16, compile_fn=None):
+    """raygpt's training step without Ray or the loop: GPT-2 at `depth` with `perf`'s
+    performance fields and the kernels the loop's build_model would pick (deterministic mode
+    as the process has it), its parameters in FlatParameters' working buffer (bf16 over fp32
+    masters on GPUs), raygpt's AdamW, and the forward `compile_fn(model)` returns (default
+    torch.compile with perf's mode; `lambda m: m` runs eagerly). Returns (model, flat, opt,
+    fwd, update): update() is one AdamW step at a constant LR with a fresh stochastic-rounding
+    seed each time."""
+    model = GPT(GPTConfig.from_depth(depth), init_seed=1337, loss_impl=perf.loss_impl,
+                ce_kernel=perf.ce_kernel, ce_chunk_rows=perf.ce_chunk_rows,
+                recompute=perf.recompute).to(device)
+    model.use_kernels(**kernels_for(torch.are_deterministic_algorithms_enabled(), device.type,
                                     sdpa_backend=perf.sdpa_backend,
                                     embedding_impl=perf.embedding_impl))
-    flat = FlatParameters(model, torch.device("cuda"), torch.bfloat16)
+    flat = FlatParameters(model, device, dtype)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    fwd = torch.compile(model, mode=perf.compile_mode)
-    tokens = args.batch * args.seq
+    fwd = (compile_fn or (lambda m: torch.compile(m, mode=perf.compile_mode)))(model)
     rng = 13371337
+
+    def update():
+        nonlocal rng
+        seed, rng = random_u32(rng)
+        opt.step(lr=3e-4, grad_scale=1.0, t=1, seed=seed)
+
+    return model, flat, opt, fwd, update
+
+
+def raygpt_split(args, loader, loop_overrides: dict):
+    # the variant's performance fields, as the loop reads them; the split runs the whole --batch
+    # in one pass whatever mb@N says (the loop's row is the micro-batched one); det turned
+    # strict mode on for build_step's choice of kernels
+    perf = TrainConfig(**{k: v for k, v in loop_overrides.items() if k != "micro_batch"})
+    model, flat, opt, fwd, step = build_step(args.depth, perf)
+    tokens = args.batch * args.seq
 
     def fwd_bwd():
         flat.zero_grad()
         x, y = loader.next_batch()
         loss_sum, _ = fwd(x.cuda(non_blocking=True), y.cuda(non_blocking=True))
         (loss_sum / tokens).backward()
-
-    def step():
-        nonlocal rng
-        seed, rng = random_u32(rng)
-        opt.step(lr=3e-4, grad_scale=1.0, t=1, seed=seed)
 
     split = {"fwd_bwd": [], "norm": [], "opt": []}
     t0 = time.perf_counter()

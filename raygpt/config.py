@@ -1,7 +1,7 @@
 """Every knob of a raygpt run, as typed dataclasses, and the command line that fills them.
 
 The command line takes long options and llm.c's short flags with llm.c's meanings (`-i -j -o -e
--b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z`). It is generated from the
+-b -t -d -l -u -q -c -k -x -v -m -s -g -sl -sg -n -nk -nm -y -z -r`). It is generated from the
 dataclasses: every field is a flag whose help is the field's docstring (`field_docs`, read with
 `ast`) and whose default is the field's default, so `--help` and the code cannot drift.
 
@@ -346,6 +346,13 @@ class TrainConfig:
     nn.Embedding (its deterministic CUDA backward is a sort-based kernel, ~3.6 ms a step at d12
     B=64 on an H200); raygpt = raygpt.ops.embedding (a Triton backward over sorted ids, no
     atomics). An explicit choice is taken as given."""
+    recompute: int = knob(0, section="performance", short="-r", choices=(0, 1, 2),
+                          may_change_on_resume=True)
+    """Activation recomputation (llm.c's -r): 0 none; 1 each block's MLP half (ln_2, c_fc,
+    GELU) recomputed in backward, its (B, T, 4C) activations not held; 2 the whole block
+    recomputed from its input, one (B, T, C) tensor held per layer. Less memory for a larger
+    -b, more compute per step (1: one c_fc matmul, 2: a second forward pass of every block);
+    the same losses and gradients, bit for bit."""
     preemption_poll_steps: int = knob(10, section="performance", may_change_on_resume=True)
     """Steps between polls of Ray's preemption notice (ray.train.get_preemption_info, a barrier
     of every worker)."""
@@ -500,7 +507,7 @@ class TrainConfig:
             choices = f.metadata["choices"]
             if f.metadata["section"] == "performance" and choices:
                 need(getattr(self, f.name) in choices, "--" + f.name.replace("_", "-"),
-                     " | ".join(choices), getattr(self, f.name))
+                     " | ".join(map(str, choices)), getattr(self, f.name))
         need(isinstance(self.ce_chunk_rows, int) and self.ce_chunk_rows >= 1, "--ce-chunk-rows",
              "an integer >= 1", self.ce_chunk_rows)
         need(self.preemption_poll_steps >= 1, "--preemption-poll-steps", "an integer >= 1",

@@ -60,10 +60,11 @@ def build_model(cfg: TrainConfig, device: torch.device, *, init: bool = True) ->
         model = load_hf(cfg.model)
     else:
         model = load_model_file(cfg.model)
-    # the performance fields: --loss-impl, --no-ce-kernel, --ce-chunk-rows, --sdpa-backend,
-    # --embedding-impl (raygpt's deterministic kernels under --deterministic on CUDA: kernels_for)
-    model.loss_impl, model.ce_kernel, model.ce_chunk_rows = (cfg.loss_impl, cfg.ce_kernel,
-                                                             cfg.ce_chunk_rows)
+    # the performance fields: --loss-impl, --no-ce-kernel, --ce-chunk-rows, --recompute,
+    # --sdpa-backend, --embedding-impl (raygpt's deterministic kernels under --deterministic on
+    # CUDA: kernels_for)
+    model.loss_impl, model.ce_kernel, model.ce_chunk_rows, model.recompute = (
+        cfg.loss_impl, cfg.ce_kernel, cfg.ce_chunk_rows, cfg.recompute)
     model.use_kernels(**kernels_for(cfg.deterministic, torch.device(device).type,
                                     sdpa_backend=cfg.sdpa_backend,
                                     embedding_impl=cfg.embedding_impl))

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from raygpt import ops
 from raygpt.model_shapes import MODEL_SHAPES
@@ -100,6 +101,16 @@ DEFAULT_SDPA_BACKEND = "default"
 # and wpe read as a slice, whose gradient is a plain sum over the batch.
 EMBEDDING_IMPLS = ("torch", "raygpt")
 DEFAULT_EMBEDDING_IMPL = "torch"
+# Activation recomputation (llm.c's -r): what a block holds from its forward pass for backward.
+# 0 = everything backward reads; 1 = the MLP half (ln_2, c_fc, GELU, c_proj) recomputed in
+# backward from the residual stream it reads, so ln_2's output and the (B, T, 4C) pre- and
+# post-GELU activations are not held (llm.c's -r 1 recomputes the GELU alone), for one more
+# c_fc matmul; 2 = the whole block recomputed from its input, one (B, T, C) tensor held per
+# layer, for a second forward pass of every block. torch.compile's partitioner honours the
+# regions (test_model's saved-bytes test measures it). The values are the same either way:
+# recomputation runs the same ops on the same inputs.
+RECOMPUTE_LEVELS = (0, 1, 2)
+DEFAULT_RECOMPUTE = 0
 
 
 def kernels_for(deterministic: bool, device_type: str, *, sdpa_backend: str = "auto",
@@ -298,10 +309,24 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: int = 0) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); `recompute` a RECOMPUTE_LEVELS level."""
+        if recompute == 2:
+            return _recomputed(self.forward, x)
         x = x + self.attn(self.ln_1(x))  # pre-norm residual blocks, (B, T, C) throughout
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        if recompute == 1:
+            return x + _recomputed(self._mlp_branch, x)
+        return x + self._mlp_branch(x)
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_2(x))
+
+
+def _recomputed(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x), its intermediate activations recomputed in backward instead of held.
+    torch.utils.checkpoint's non-reentrant form (torch.compile traces it and its partitioner
+    recomputes the region); no RNG state is kept since GPT has no randomness in its forward."""
+    return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -324,13 +349,14 @@ class GPT(nn.Module):
     Implementation choices, each None = its default above (a run passes TrainConfig's): loss_impl
     ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
     (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
-    gradient as raygpt's kernel, see fused_classifier_loss). They change speed, memory and
-    determinism, not the function computed (`use_kernels` changes the last two later)."""
+    gradient as raygpt's kernel, see fused_classifier_loss); recompute (RECOMPUTE_LEVELS, the
+    activations recomputed in backward). They change speed, memory and determinism, not the
+    function computed (`use_kernels` changes sdpa_backend and embedding_impl later)."""
 
     def __init__(self, config: GPTConfig, *, init_seed: int | None = 42,
                  loss_impl: str | None = None, ce_chunk_rows: int | None = None,
                  sdpa_backend: str | None = None, embedding_impl: str | None = None,
-                 ce_kernel: bool = True):
+                 ce_kernel: bool = True, recompute: int | None = None):
         super().__init__()
         self.config = config
         self.loss_impl = DEFAULT_LOSS_IMPL if loss_impl is None else loss_impl
@@ -341,6 +367,9 @@ class GPT(nn.Module):
             raise ValueError(f"GPT loss_impl: expected one of {LOSS_IMPLS}, found {self.loss_impl!r}")
         if not isinstance(self.ce_chunk_rows, int) or self.ce_chunk_rows < 1:
             raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
+        self.recompute = DEFAULT_RECOMPUTE if recompute is None else recompute
+        if self.recompute not in RECOMPUTE_LEVELS:
+            raise ValueError(f"GPT recompute: expected one of {RECOMPUTE_LEVELS}, found {self.recompute!r}")
         with torch.device("meta") if init_seed is not None else contextlib.nullcontext():
             self.transformer = nn.ModuleDict(dict(
                 wte=_embedding(config.padded_vocab_size, config.n_embd),  # (Vp, C)
@@ -444,8 +473,9 @@ class GPT(nn.Module):
         else:
             pos = torch.arange(T, dtype=torch.long, device=idx.device)    # (T,)
             x = self.transformer.wte(idx) + self.transformer.wpe(pos)      # (B, T, C)
+        recompute = self.recompute if torch.is_grad_enabled() else 0  # nothing held without grad
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, recompute)
         x = self.transformer.ln_f(x)                                       # (B, T, C)
 
         if targets is None:

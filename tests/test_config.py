@@ -265,11 +265,12 @@ def test_performance_switches_are_flags_and_may_change_on_resume():
     cfg = parse_args(["--no-prefetch", "--no-gc-freeze", "--compile-mode", "reduce-overhead",
                       "--loss-impl", "reference", "--no-ce-kernel", "--preemption-poll-steps", "1",
                       "--ce-chunk-rows", "4096", "--sdpa-backend", "cudnn",
-                      "--embedding-impl", "raygpt"])
+                      "--embedding-impl", "raygpt", "-r", "2"])
     assert (cfg.prefetch_batches, cfg.gc_freeze, cfg.ce_kernel) == (False, False, False)
     assert (cfg.compile_mode, cfg.loss_impl, cfg.preemption_poll_steps) == (
         "reduce-overhead", "reference", 1)
     assert (cfg.ce_chunk_rows, cfg.sdpa_backend, cfg.embedding_impl) == (4096, "cudnn", "raygpt")
+    assert cfg.recompute == 2 and TrainConfig().recompute == 0
     assert set(TrainConfig.section_fields("performance")) <= RESUME_MUTABLE_FIELDS
     assert TrainConfig().identity() == cfg.identity()  # a checkpoint resumes with any of them
     resolved = TrainConfig(device="cpu").resolve(0)
@@ -280,6 +281,8 @@ def test_performance_switches_are_flags_and_may_change_on_resume():
         resolved.with_overrides({"sdpa_backend": "xformers"}).validate()
     with pytest.raises(ConfigError, match=r"--embedding-impl: expected auto \| torch \| raygpt"):
         resolved.with_overrides({"embedding_impl": "sparse"}).validate()
+    with pytest.raises(ConfigError, match=r"--recompute: expected 0 \| 1 \| 2, found 3"):
+        resolved.with_overrides({"recompute": 3}).validate()
     with pytest.raises(ConfigError, match=r"--ce-chunk-rows: expected an integer >= 1, found 0"):
         resolved.with_overrides({"ce_chunk_rows": 0}).validate()
 

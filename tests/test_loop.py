@@ -62,6 +62,28 @@ def test_resume_after_crash_is_bit_exact(uninterrupted, tmp_path):
     assert audit and "verified bit-exact over 2 steps" in audit[0]["message"]
 
 
+def test_recompute_levels_train_and_resume_with_the_same_losses(uninterrupted, tmp_path):
+    """--recompute changes memory, not the function: a run at -r 1 crashes at step 6 and
+    resumes at -r 2 (a checkpoint resumes with another level), and every loss of both attempts
+    equals the uninterrupted -r 0 run's as a float, as do the final weights."""
+    full_dir, cfg, _ = uninterrupted
+    run_dir = tmp_path / "recomputed"
+    crashed = cfg.with_overrides({"output_dir": str(run_dir), "fault": "raise:rank=0,step=6",
+                                  "async_checkpoint": False, "recompute": 1})
+    with pytest.raises(InjectedFault):
+        run_local(crashed)
+    resumed_cfg = crashed.with_overrides({"resume": 1, "recompute": 2})
+    assert check_resume(resumed_cfg.resolve(0)) == ["resume: step 4"]
+    assert run_local(resumed_cfg)["step"] == 12
+    full = train_losses(full_dir)
+    first, resumed = train_losses(run_dir, attempt=1), train_losses(run_dir, attempt=2)
+    assert sorted(first) == list(range(6)) and sorted(resumed) == list(range(4, 12))
+    assert all(first[s] == full[s] for s in first), (first, full)  # -r 1, equal as floats
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # -r 2
+    assert state_arrays(run_dir, 12, summary_params(full_dir))[1] == \
+        state_arrays(full_dir, 12, summary_params(full_dir))[1]
+
+
 def test_a_run_resumes_where_its_shards_moved_but_not_onto_other_bytes(uninterrupted, tmp_path):
     """Shards are identified by their bytes, not their path: a moved checkout (the bundled data's
     default path moves with it), another mount point or Ray's working_dir puts the same files

@@ -481,12 +481,13 @@ def test_build_model_takes_the_performance_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "kernels_for",
                         lambda *a, **kw: (asked.append((a, kw)), kernels_for(*a, **kw))[1])
     cfg = wiring_config(tmp_path, loss_impl="fused", ce_kernel=False, ce_chunk_rows=123,
-                        sdpa_backend="flash", embedding_impl="raygpt", seed=11)
+                        sdpa_backend="flash", embedding_impl="raygpt", seed=11, recompute=2)
     model = loop.build_model(cfg, torch.device("cpu"))
     # the kernel choice is asked with the run's deterministic mode and the device's type (on a
     # GPU, deterministic picks raygpt's kernels for "auto")
     assert asked == [((True, "cpu"), {"sdpa_backend": "flash", "embedding_impl": "raygpt"})]
     assert (model.loss_impl, model.ce_kernel, model.ce_chunk_rows) == ("fused", False, 123)
+    assert model.recompute == 2
     assert {b.attn.sdpa_backend for b in model.transformer.h} == {"flash"}
     assert model.embedding_impl == "raygpt"
     ref = GPT(GPTConfig.from_depth(2), init_seed=11)

@@ -443,6 +443,96 @@ def test_fused_loss_compiled_on_cuda_matches_textbook():
     assert torch.all(got[4][V:] == 0)
 
 
+# ---------------------------------------------------------------------- activation recomputation
+
+def saved_activation_bytes(model, fn):
+    """(fn()'s result, bytes of the distinct storages autograd holds for backward while fn
+    runs, the parameters' own left out): what recomputation is for. Compiled or not, autograd
+    packs each tensor a backward will read, so the hook sees them all."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(held.values())
+
+
+def sgd_steps(recompute, backend=None, steps=3, z_loss=1e-3, config=CFG):
+    """`steps` SGD steps of a fresh GPT at this recompute level, compiled whole with `backend`
+    (None: eager): each step's loss as a float, the last step's gradients, and the activation
+    bytes the first step held for backward."""
+    model = GPT(config, init_seed=7, recompute=recompute)
+    forward = model if backend is None else torch.compile(model, dynamic=False, backend=backend)
+    losses, held = [], None
+    for step in range(steps):
+        idx, targets = batch(seed=step)
+        model.zero_grad(set_to_none=True)
+        (loss_sum, z_sum), nbytes = saved_activation_bytes(
+            model, lambda: forward(idx, targets, z_loss=z_loss))
+        held = nbytes if held is None else held
+        ((loss_sum + z_sum) / targets.numel()).backward()
+        losses.append(loss_sum.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return losses, {n: p.grad for n, p in model.named_parameters()}, held
+
+
+def assert_recompute_exact(runs):
+    """Every level's losses equal level 0's as floats, gradients equal bit for bit, and each
+    level holds fewer activation bytes than the one below it."""
+    losses0, grads0, _ = runs[0]
+    for level, (losses, grads, _) in runs.items():
+        assert losses == losses0, (level, losses, losses0)
+        for name, g in grads0.items():
+            assert torch.equal(grads[name], g), (level, name)
+    held = [runs[level][2] for level in sorted(runs)]
+    assert all(a > b for a, b in zip(held, held[1:])), held
+
+
+def test_recompute_levels_are_bit_exact_and_hold_less():
+    """Eager: the checkpointed regions free what they recompute (level 1 the MLP's
+    activations, level 2 all but each block's input) and give the same values."""
+    runs = {level: sgd_steps(level) for level in raygpt.model.RECOMPUTE_LEVELS}
+    assert_recompute_exact(runs)
+    # level 2 holds one (B, T, C) fp32 input per block plus the embedding and loss's own
+    B, T = batch()[0].shape
+    assert runs[2][2] < runs[0][2] / 3, [r[2] for r in runs.values()]
+    assert runs[2][2] >= CFG.n_layer * B * T * CFG.n_embd * 4
+
+
+def test_recompute_is_bit_exact_and_holds_less_under_compile():
+    """Compiled whole, as the loop does: AOTAutograd's min-cut partitioner decides what the
+    compiled forward saves (it may recompute on its own), and it honours the checkpointed
+    regions: fewer saved bytes at each level, the same losses and gradients bit for bit.
+    aot_eager_decomp_partition is Inductor's decompositions and partitioner (the same saved
+    bytes as Inductor) run with eager kernels: Inductor's C++ compile would cost a minute of
+    CPU per level. Inductor's own kernels are checked on the GPU (test_gpu_training)."""
+    import torch._dynamo
+
+    runs = {}
+    for level in raygpt.model.RECOMPUTE_LEVELS:
+        torch._dynamo.reset()
+        runs[level] = sgd_steps(level, backend="aot_eager_decomp_partition", steps=2)
+    assert_recompute_exact(runs)
+
+
+def test_recompute_level_is_checked_and_needs_grad():
+    with pytest.raises(ValueError, match="GPT recompute: expected one of"):
+        GPT(CFG, init_seed=None, recompute=3)
+    model = GPT(CFG, init_seed=7, recompute=2)
+    idx, targets = batch()
+    with torch.no_grad():  # evaluation holds nothing, so nothing is recomputed
+        _, nbytes = saved_activation_bytes(model, lambda: model(idx, targets))
+    assert nbytes == 0
+
+
 # ---------------------------------------------------------------------- sampling
 
 def test_generate_shape_determinism_and_crop(model):
