@@ -24,11 +24,14 @@ and the loss's chunk are all alive), in bytes, with N parameters, w bytes per wo
 
 Activations a layer, in units of B T C: ln_1's input and output (2), q, k, v (3), the attention
 output before c_proj (1), ln_2's input and output (2), c_fc's output and GELU's (8), and the
-residual streams' copies and LayerNorm statistics the eager autograd keeps besides (a few):
-the constants below are fitted to measured runs (tests/test_memory.py states the margin;
-bench/memory_estimate.py prints estimate against measured on a GPU). `recompute` (--recompute:
-1 recomputes the MLP's hidden values in backward, 2 the whole block) keeps fewer per layer and
-adds one layer's worth back while that layer's backward runs.
+LayerNorm statistics and copies autograd keeps besides: 18 measured on a CPU (the resident set
+after an eager forward pass at d2 and d4, the allocator told to return freed memory). The runtime
+is fitted to peak resident sets of the real loop on a CPU, where the C library's allocator keeps
+some freed memory: tests/test_memory.py states the margin at the shapes it measures.
+The GPU's figures (compiled by Inductor, bf16) are the same formula and not yet measured:
+bench/memory_estimate.py prints estimate against torch.cuda.max_memory_allocated there.
+`recompute` (--recompute: 1 recomputes the MLP's hidden values in backward, 2 the whole block)
+keeps fewer per layer and adds one layer's worth back while that layer's backward runs.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ GPT2_VOCAB, GPT2_PADDED_VOCAB = 50257, 50304
 LLMC_MODEL_MAGIC = 20240326  # raygpt.llmc.model_file.MODEL_MAGIC (that module imports torch)
 GiB = 1 << 30
 
-# B T C values kept a layer: all of them, without the MLP's 8 (recompute 1), the block input
-# only (recompute 2).
+# B T C values kept a layer, by --recompute: all of them, without the MLP's 8 (1), the
+# block's input only (2).
 ACTIVATIONS_PER_LAYER = {0: 18, 1: 10, 2: 1}
 # ...plus the embeddings' sum, ln_f's input and output and the loss's input (B T C each).
 ACTIVATIONS_OUTSIDE_LAYERS = 4
@@ -56,8 +59,8 @@ LOSS_BYTES_PER_LOGIT = {"gpu": 4, "cpu": 16}
 # The reference loss holds the whole (B T, V) logits: working dtype, an fp32 copy, the
 # softmax its backward reads and that backward's fp32 gradient.
 REFERENCE_LOSS_BYTES_PER_LOGIT = {"gpu": 2 + 4 + 4 + 4, "cpu": 4 + 4 + 4}
-# The process before it trains: on a CPU the Python process with torch and the data loader
-# (resident set), on a GPU the CUDA context, cuBLAS's workspace and the compiled kernels, which
+# The process before it trains: on a CPU the Python process with torch, the data loader and
+# what the allocator keeps of freed memory (resident set), on a GPU the CUDA context, cuBLAS's workspace and the compiled kernels, which
 # torch.cuda.max_memory_allocated does not count but the GPU's memory must hold.
 RUNTIME_BYTES = {"cpu": 600 << 20, "gpu": 1 * GiB}
 
