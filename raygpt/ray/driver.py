@@ -141,7 +141,7 @@ def killed_for_memory(error) -> tuple[int, str] | None:
     error (WorkerGroupError's worker_failures, by rank), else None."""
     failures = getattr(error, "worker_failures", None) or {}
     for rank in sorted(failures):
-        for cause in compat.worker_death_causes(failures[rank]):
+        for cause in reversed(compat.worker_death_causes(failures[rank])):  # innermost first
             if isinstance(cause, ray.exceptions.OutOfMemoryError) or any(
                     w in str(cause) for w in _MEMORY_MONITOR_WORDS):
                 return rank, str(cause)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from raygpt.config import as_command
 from raygpt.errors import EXIT_BAD_INPUT
+from raygpt.ray.driver import StopOnRunStopped, killed_for_memory
 from tests.helpers import records, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +65,26 @@ def test_a_worker_killed_by_rays_memory_monitor_ends_the_run_with_exit_2(tmp_pat
     assert line.endswith("; lower -b (now 4)"), line
     starts = [r for r in records(run_dir) if r["kind"] in ("start", "resume")]
     assert len(starts) == 1, starts  # one attempt: --max-failures 3 was not spent on it
+
+
+def test_the_failure_policy_raises_on_a_worker_the_memory_monitor_killed():
+    """As Ray Train 2.60 delivers the kill: the dead worker's health-check poll met Ray's
+    OutOfMemoryError, wrapped in WorkerHealthCheckFailedError; any other death is retried."""
+    from ray.exceptions import OutOfMemoryError
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    said = ("1 worker(s) were killed due to the node running low on memory. Memory on the node "
+            "(IP: 10.0.0.1, ID: fed9) was 6.07GB used / 23.54GB limit (0.257885)")
+    killed = WorkerGroupError("rank 1 died", {
+        0: RuntimeError("gloo: connection closed by peer"),
+        1: WorkerHealthCheckFailedError("A worker health check failed.",
+                                        failure=OutOfMemoryError(said))})
+    assert killed_for_memory(killed) == (1, said)
+    assert StopOnRunStopped(FailureConfig(max_failures=3)).make_decision(killed) == FailureDecision.RAISE
+    lost = WorkerGroupError("rank 1 died", {1: WorkerHealthCheckFailedError(
+        "A worker health check failed.", failure=RuntimeError("The actor died unexpectedly"))})
+    assert killed_for_memory(lost) is None
+    assert StopOnRunStopped(FailureConfig(max_failures=3)).make_decision(lost) == FailureDecision.RETRY
