@@ -98,7 +98,8 @@ def main() -> None:
 
     what = "peak RSS" if args.cpu else "max_memory_allocated (reserved)"
     print(f"\nestimate vs measured, {device}, recompute {args.recompute}: {what}, GiB")
-    print(f"{'shape':<16}{'estimate':>10}{'measured':>10}{'est/meas':>10}{'reserved':>10}  breakdown")
+    print(f"{'shape':<16}{'estimate':>10}{'measured':>10}{'est/meas':>10}{'reserved':>10}"
+          f"  breakdown")
     for spec, est, meas, reserved, note in rows:
         if est is None:
             print(f"{spec:<16}{'':>40}  {note}")

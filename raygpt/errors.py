@@ -56,9 +56,9 @@ def stop_code(exc: BaseException) -> int | None:
     """EXIT_BAD_INPUT for an input the run cannot use, EXIT_FAILED for a stop raygpt decided,
     None for a fault a restart may cure (the retry budget is for those).
 
-    Bad input: OutOfMemory (the configuration does not fit the machine), ConfigError, CheckpointError (a verified checkpoint that this run cannot use, a
-    corrupt run-dir file), StateFileError (a rank's llm.c state file that does not parse),
-    ShardError (a token shard that is wrong or changed under the loader)
+    Bad input: OutOfMemory (the micro-batch does not fit the machine), ConfigError,
+    CheckpointError (a verified checkpoint that this run cannot use, a corrupt run-dir file),
+    StateFileError (a rank's llm.c state file that does not parse), ShardError (a token shard that is wrong or changed under the loader)
     and TrackingError (a --wandb / --mlflow tracker that cannot start: a URI MLflow refuses, a
     W&B login that is missing, a corrupt tracking.json), unless the error was caused by an
     OSError: a read that failed on a flaky mount or object store, or a tracking server that

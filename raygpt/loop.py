@@ -34,7 +34,8 @@ from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
 from raygpt.determinism import run_switches
-from raygpt.errors import OutOfMemory, TrainingStopped  # TrainingStopped: the spike policy escalates
+# OutOfMemory: -b does not fit the device; TrainingStopped: the spike policy escalates to a human
+from raygpt.errors import OutOfMemory, TrainingStopped
 from raygpt.faults import plan_for
 from raygpt.gc_freeze import GCFreeze
 from raygpt.llmc.model_file import load_model_file
@@ -178,7 +179,8 @@ def out_of_memory_reported(cfg: TrainConfig, device: torch.device, step_of):
             if device.type == "cuda":
                 where, limit = "on the GPU", torch.cuda.get_device_properties(device).total_memory
             else:
-                where, limit = "in host memory", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                where = "in host memory"
+                limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             raise OutOfMemory(out_of_memory_line(cfg, where, limit, step=step_of())) from exc
         return False
     return on_exit

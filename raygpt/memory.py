@@ -12,7 +12,8 @@ and the loss's chunk are all alive), in bytes, with N parameters, w bytes per wo
     grads        N w                      the flat gradient buffer
     optimizer    (8 + 4 master) N / shard AdamW's m and v in fp32, fp32 master weights when w = 2;
                                           shard = world under ZeRO-1, else 1
-    snapshot     optimizer + N w (rank 0) the checkpoint's copy of that state (checkpointing.snapshot)
+    snapshot     optimizer + N w (rank 0) the checkpoint's copy of that state
+                                          (raygpt.checkpointing.snapshot)
     activations  B T (L a C + 4 C) w      what backward keeps: a C-wide values a layer (below),
                  + L B nh T 4             the attention's fp32 row log-sum-exp
     loss         chunk Vp k + 2 Vp C 4    the fused loss's chunk of logits with its k bytes a
@@ -60,8 +61,9 @@ LOSS_BYTES_PER_LOGIT = {"gpu": 4, "cpu": 16}
 # softmax its backward reads and that backward's fp32 gradient.
 REFERENCE_LOSS_BYTES_PER_LOGIT = {"gpu": 2 + 4 + 4 + 4, "cpu": 4 + 4 + 4}
 # The process before it trains: on a CPU the Python process with torch, the data loader and
-# what the allocator keeps of freed memory (resident set), on a GPU the CUDA context, cuBLAS's workspace and the compiled kernels, which
-# torch.cuda.max_memory_allocated does not count but the GPU's memory must hold.
+# what the allocator keeps of freed memory (resident set); on a GPU the CUDA context, cuBLAS's
+# workspace and the compiled kernels, which torch.cuda.max_memory_allocated does not count but
+# the GPU's memory must hold.
 RUNTIME_BYTES = {"cpu": 600 << 20, "gpu": 1 * GiB}
 
 

@@ -64,7 +64,8 @@ SHAPES = [dict(model="d2", batch_size=64, seq_len=256), dict(model="d2", batch_s
           dict(model="d4", batch_size=16, seq_len=128)]
 
 
-@pytest.mark.parametrize("fields", SHAPES, ids=lambda f: f"{f['model']}-B{f['batch_size']}-T{f['seq_len']}")
+@pytest.mark.parametrize("fields", SHAPES,
+                         ids=lambda f: f"{f['model']}-B{f['batch_size']}-T{f['seq_len']}")
 def test_the_estimate_is_within_the_margin_of_the_measured_peak(tmp, fields):
     peak = peak_rss(tmp, **fields)
     est = estimate(shape_of(fields["model"]), device="cpu", batch_size=fields["batch_size"],

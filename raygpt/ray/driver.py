@@ -407,11 +407,12 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
 
 
 def memory_kill_line(cfg: TrainConfig, since: float, rank: int, ray_message: str) -> str:
-    """The one line for a worker Ray's memory monitor killed: its step (the run's last train
-    record of this launch), the estimate and -b, then Ray's own figures."""
+    """The one line for a worker Ray's memory monitor killed: the node's memory as Ray saw it,
+    the step (after the run's last train record of this launch), the estimate and -b."""
     steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
              if r.get("kind") == "train" and r.get("time", 0) >= since]
-    used = re.search(r"Memory on the node \(.*?\) was ([\d.]+GB used / [\d.]+GB limit)", ray_message)
+    used = re.search(r"Memory on the node \(.*?\) was ([\d.]+GB used / [\d.]+GB limit)",
+                     ray_message)
     where = (f"in host memory (rank {rank} killed by Ray's memory monitor"
              + (f", the node at {used.group(1)})" if used else ")"))
     return out_of_memory_line(cfg, where, None, step=steps[-1] + 1 if steps else None,

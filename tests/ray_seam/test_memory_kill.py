@@ -83,8 +83,9 @@ def test_the_failure_policy_raises_on_a_worker_the_memory_monitor_killed():
         1: WorkerHealthCheckFailedError("A worker health check failed.",
                                         failure=OutOfMemoryError(said))})
     assert killed_for_memory(killed) == (1, said)
-    assert StopOnRunStopped(FailureConfig(max_failures=3)).make_decision(killed) == FailureDecision.RAISE
+    policy = StopOnRunStopped(FailureConfig(max_failures=3))
+    assert policy.make_decision(killed) == FailureDecision.RAISE
     lost = WorkerGroupError("rank 1 died", {1: WorkerHealthCheckFailedError(
         "A worker health check failed.", failure=RuntimeError("The actor died unexpectedly"))})
     assert killed_for_memory(lost) is None
-    assert StopOnRunStopped(FailureConfig(max_failures=3)).make_decision(lost) == FailureDecision.RETRY
+    assert policy.make_decision(lost) == FailureDecision.RETRY
