@@ -387,7 +387,7 @@ def main():
     del master, param, m, v, grad_bf16
 
     # --- the classifier's cross-entropy gradient (one chunk of the fused loss) ----------------
-    rows, Vp, V = 16384, 50304, 50257  # raygpt.model.DEFAULT_CE_CHUNK_ROWS rows of GPT-2's logits
+    rows, Vp, V = 16384, 50304, 50257  # CE_CHUNK_ROWS["gpu"] rows of GPT-2's logits
     logits = (torch.randn(rows, Vp, device="cuda") * 3).to(torch.bfloat16)
     targets = torch.randint(0, V, (rows,), device="cuda")
     ce_bytes = 2 * 2 * rows * Vp  # read the bf16 logits once, write the bf16 gradient once

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raygpt.model_shapes import MODEL_SHAPES
+from raygpt.model_shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 from raygpt.runlog import tracking
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -329,9 +329,10 @@ class TrainConfig:
                            may_change_on_resume=True)
     """The fused loss's softmax gradient as raygpt.ops.cross_entropy_grad (one Triton kernel on
     CUDA), not as PyTorch ops (Inductor's kernel, which reads each row three times)."""
-    ce_chunk_rows: int = knob(16384, section="performance", may_change_on_resume=True)
-    """Rows of the (B*T, Vp) logits the fused loss holds at once: 16384 rows of GPT-2's Vp =
-    50304 are 1.6 GB in bf16; fewer, larger chunks mean fewer read-modify-writes of the weight
+    ce_chunk_rows: int | None = knob(None, section="performance", may_change_on_resume=True)
+    """Rows of the (B*T, Vp) logits the fused loss holds at once. Default: 16384 on GPUs (1.6 GB
+    of GPT-2's logits in bf16), 512 on CPUs (whose eager loss holds about four fp32 copies of a
+    chunk: 103 MB each). Fewer, larger chunks mean fewer read-modify-writes of the weight
     gradient's fp32 accumulator, smaller ones less memory."""
     sdpa_backend: str = knob("auto", section="performance",
                              choices=("auto", "default", "cudnn", "flash", "raygpt"),
@@ -440,6 +441,8 @@ class TrainConfig:
             c.deterministic = on_gpu
         if c.zero_stage is None:
             c.zero_stage = 1 if on_gpu and c.num_workers > 1 else 0
+        if c.ce_chunk_rows is None:
+            c.ce_chunk_rows = CE_CHUNK_ROWS[c.device]
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint,

@@ -35,6 +35,11 @@ class TrainingStopped(Exception):
     """raygpt decided to stop the run: the spike policy escalates to a human."""
 
 
+class OutOfMemory(Exception):
+    """A worker ran out of memory (a CUDA allocation, the host's, or Ray's memory monitor):
+    a restart at the same micro-batch would again. The message names -b (raygpt.memory)."""
+
+
 class RunStopped(Exception):
     """Raised by a worker whose error a restart would meet again: the run ends now with
     `message`, and the driver exits with `exit_code` (EXIT_BAD_INPUT or EXIT_FAILED)."""
@@ -51,9 +56,9 @@ def stop_code(exc: BaseException) -> int | None:
     """EXIT_BAD_INPUT for an input the run cannot use, EXIT_FAILED for a stop raygpt decided,
     None for a fault a restart may cure (the retry budget is for those).
 
-    Bad input: ConfigError, CheckpointError (a verified checkpoint that this run cannot use, a
-    corrupt run-dir file), StateFileError (a rank's llm.c state file that does not parse),
-    ShardError (a token shard that is wrong or changed under the loader)
+    Bad input: OutOfMemory (the micro-batch does not fit the machine), ConfigError,
+    CheckpointError (a verified checkpoint that this run cannot use, a corrupt run-dir file),
+    StateFileError (a rank's llm.c state file that does not parse), ShardError (a token shard that is wrong or changed under the loader)
     and TrackingError (a --wandb / --mlflow tracker that cannot start: a URI MLflow refuses, a
     W&B login that is missing, a corrupt tracking.json), unless the error was caused by an
     OSError: a read that failed on a flaky mount or object store, or a tracking server that
@@ -65,6 +70,8 @@ def stop_code(exc: BaseException) -> int | None:
         return EXIT_BAD_INPUT
     if isinstance(exc, TrainingStopped):
         return EXIT_FAILED
+    if isinstance(exc, OutOfMemory):
+        return EXIT_BAD_INPUT
     if isinstance(exc, (ConfigError, CheckpointError, StateFileError, ShardError, TrackingError)):
         return None if _caused_by_os_error(exc) else EXIT_BAD_INPUT
     return None

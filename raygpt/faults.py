@@ -16,6 +16,8 @@ are separated by ';', each `kind:key=value,...`:
     sigusr1:rank=0,step=9       send SIGUSR1 to this worker process (checkpoint, continue)
     preempt:rank=0,step=9       behave as if Ray announced a preemption of this node
     nan:rank=1,step=12          make this rank's loss (and so every gradient) NaN at step 12
+    hog:rank=0,step=2           grow this worker's host memory, 64 MiB a touch, until something
+                                kills it (Ray's memory monitor, the kernel's OOM killer)
     crash_before_done:step=20   checkpoint 20's files reach storage but DONE is never written
                                 (the driver's finalizer leaves it, as if it had died there), and
                                 this rank is SIGKILLed two steps later (Ray only)
@@ -52,7 +54,8 @@ from raygpt.storage import parse_json
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "crash_before_done")
+KINDS = ("kill", "raise", "bad_input", "sigterm", "sigusr1", "preempt", "nan", "hog",
+         "crash_before_done")
 EXTERNAL_KINDS = ("ctrl_c", "remove_node", "kill_worker")
 
 # what each kind does, as `raygpt status` says it
@@ -64,6 +67,7 @@ WHAT = {
     "sigusr1": "SIGUSR1 to the worker process",
     "preempt": "a preemption notice",
     "nan": "a NaN loss",
+    "hog": "the worker's host memory grown until it is killed",
     "crash_before_done": "checkpoint left without DONE/MANIFEST, the worker SIGKILLed 2 steps later",
     "ctrl_c": "SIGINT to the driver's process group (a terminal's Ctrl-C)",
     "remove_node": "a Ray node removed under the run (its processes killed)",
@@ -170,6 +174,8 @@ class FaultPlan:
         if self._arm("bad_input", step):
             raise InjectedBadInput(f"injected bad input at step {step}: a shard's token count "
                                    f"changed under the loader")
+        if self._arm("hog", step):
+            hog_memory()
         if self._arm("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._arm("sigusr1", step):
@@ -180,6 +186,33 @@ class FaultPlan:
 
     def nan_now(self, step: int) -> bool:
         return self._arm("nan", step) is not None
+
+
+HOG_CHUNK = 64 << 20
+HOG_SPARE = 1 << 30
+
+
+def hog_memory() -> None:
+    """Allocate and touch host memory until this process is killed: a worker whose memory
+    outgrows the machine, as Ray's memory monitor sees one (the pages are written, so resident).
+    It stops growing, and waits, while the machine has less than HOG_SPARE available: the
+    kernel's OOM killer would pick a process of its own choosing."""
+    held = []
+    while True:
+        if _available_bytes() > HOG_SPARE:
+            chunk = bytearray(HOG_CHUNK)
+            chunk[::4096] = b"\1" * (HOG_CHUNK // 4096)  # one byte a page: every page resident
+            held.append(chunk)
+        time.sleep(0.05)  # ~1.3 GB/s: Ray's monitor, sampling every few tens of ms, sees it rise
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (the memory new allocations can take), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def plan_for(spec: str, rank: int, run_dir=None) -> FaultPlan:

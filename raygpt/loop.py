@@ -34,10 +34,12 @@ from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
 from raygpt.determinism import run_switches
-from raygpt.errors import TrainingStopped  # the spike policy escalates: the run needs a human
+# OutOfMemory: -b does not fit the device; TrainingStopped: the spike policy escalates to a human
+from raygpt.errors import OutOfMemory, TrainingStopped
 from raygpt.faults import plan_for
 from raygpt.gc_freeze import GCFreeze
 from raygpt.llmc.model_file import load_model_file
+from raygpt.memory import out_of_memory_line
 from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.optim import AdamW, FlatParameters, random_u32
 from raygpt.runlog.reporter import Reporter
@@ -177,6 +179,22 @@ def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
     return tokenizer.decode(out[0, 1:].tolist())
 
 
+def out_of_memory_reported(cfg: TrainConfig, device: torch.device, step_of):
+    """An exit callback for the loop's ExitStack: a torch.OutOfMemoryError leaving the loop
+    becomes OutOfMemory, one line with the step (`step_of()`), this shape's estimate against
+    the device's memory and -b (raygpt.errors: a restart at the same -b would run out again)."""
+    def on_exit(exc_type, exc, tb) -> bool:
+        if isinstance(exc, torch.OutOfMemoryError):
+            if device.type == "cuda":
+                where, limit = "on the GPU", torch.cuda.get_device_properties(device).total_memory
+            else:
+                where = "in host memory"
+                limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            raise OutOfMemory(out_of_memory_line(cfg, where, limit, step=step_of())) from exc
+        return False
+    return on_exit
+
+
 def train(cfg: TrainConfig, session: Session) -> dict:
     """Train this worker's share of the run and return a summary (rank 0's is the run's)."""
     # rank 0's appends (loss_history.jsonl, main.log) run on a writer thread: a step never
@@ -311,6 +329,7 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
 def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
            gc_freeze: GCFreeze) -> dict:
     r = build_run(cfg, session, on_exit)
+    on_exit.push(out_of_memory_reported(cfg, torch.device(session.device), lambda: r.state.step))
     state, ckpt, runlog = r.state, r.ckpt, r.runlog
     runlog.start(world=session.world, grad_accum=r.grad_accum, tokens_per_step=r.tokens_per_step,
                  resumed_from=r.resumed_from)

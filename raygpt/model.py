@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from raygpt import ops
-from raygpt.model_shapes import MODEL_SHAPES
+from raygpt.model_shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 from raygpt.ops.reference import ATTENTION_HEAD_DIMS, logit_statistics
 
 
@@ -83,10 +83,16 @@ class GPTConfig:
 # benches set those same fields.
 LOSS_IMPLS = ("reference", "fused")
 DEFAULT_LOSS_IMPL = "fused"
-# Rows of the (B*T, Vp) logits the fused loss holds at once. 16384 rows of GPT-2's Vp = 50304
-# are 1.6 GB in bf16; fewer, larger chunks mean fewer fp32 read-modify-writes of the (Vp, C)
+# Rows of the (B*T, Vp) logits the fused loss holds at once; None = by the device the loss runs
+# on (model_shapes.CE_CHUNK_ROWS: 16384 on CUDA, 512 on a CPU, whose eager loss holds fp32
+# temporaries per chunk). Fewer, larger chunks mean fewer fp32 read-modify-writes of the (Vp, C)
 # weight-gradient accumulator, smaller ones less memory. B*T need not be a multiple.
-DEFAULT_CE_CHUNK_ROWS = 16384
+DEFAULT_CE_CHUNK_ROWS = None
+
+
+def ce_chunk_rows_for(device_type: str) -> int:
+    """The fused loss's default rows per chunk on a torch device type ("cuda", "cpu", ...)."""
+    return CE_CHUNK_ROWS["gpu" if device_type == "cuda" else "cpu"]
 # Attention kernel preference: "default" = PyTorch's own choice (flash attention on Hopper),
 # "cudnn" = cuDNN's fused attention first, then flash / memory-efficient / math (a preference:
 # where cuDNN cannot run, e.g. on the CPU, the usual kernels do), "flash" = FlashAttention-2 first
@@ -227,7 +233,7 @@ class _FusedClassifierLoss(torch.autograd.Function):
 
 def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           vocab_size: int, *, z_loss: float = 0.0,
-                          chunk_rows: int = DEFAULT_CE_CHUNK_ROWS, ce_kernel: bool = True):
+                          chunk_rows: int | None = None, ce_kernel: bool = True):
     """Cross-entropy of the classifier x @ weight^T over the first vocab_size columns, in row
     chunks, without the full logits. x (N, C) final hidden states, weight (Vp, C), targets (N,)
     with -1 = ignore. Returns fp32 scalars (loss_sum, z_sum, max_abs_logit):
@@ -238,7 +244,9 @@ def fused_classifier_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     ce_kernel: the softmax gradient without z-loss as raygpt.ops.cross_entropy_grad (one Triton
     kernel on CUDA, one read of the logits), else as PyTorch ops (which Inductor fuses into a
     kernel that reads each row three times); z-loss keeps the PyTorch ops, as it also needs
-    the softmax itself."""
+    the softmax itself. chunk_rows None: ce_chunk_rows_for(x's device)."""
+    if chunk_rows is None:
+        chunk_rows = ce_chunk_rows_for(x.device.type)
     if chunk_rows < 1:
         raise ValueError(f"fused_classifier_loss: expected chunk_rows >= 1, found {chunk_rows}")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -347,7 +355,8 @@ class GPT(nn.Module):
     to be loaded, or set later by `init_gpt2`).
 
     Implementation choices, each None = its default above (a run passes TrainConfig's): loss_impl
-    ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss), sdpa_backend
+    ("reference" | "fused"), ce_chunk_rows (rows per chunk of the fused loss; None stays None,
+    chosen by the device at each forward: ce_chunk_rows_for), sdpa_backend
     (SDPA_BACKENDS), embedding_impl (EMBEDDING_IMPLS); ce_kernel (the fused loss's softmax
     gradient as raygpt's kernel, see fused_classifier_loss); recompute (RECOMPUTE_LEVELS, the
     activations recomputed in backward). They change speed, memory and determinism, not the
@@ -365,8 +374,10 @@ class GPT(nn.Module):
         sdpa_backend = DEFAULT_SDPA_BACKEND if sdpa_backend is None else sdpa_backend
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"GPT loss_impl: expected one of {LOSS_IMPLS}, found {self.loss_impl!r}")
-        if not isinstance(self.ce_chunk_rows, int) or self.ce_chunk_rows < 1:
-            raise ValueError(f"GPT ce_chunk_rows: expected an integer >= 1, found {self.ce_chunk_rows!r}")
+        if self.ce_chunk_rows is not None and (not isinstance(self.ce_chunk_rows, int)
+                                               or self.ce_chunk_rows < 1):
+            raise ValueError(f"GPT ce_chunk_rows: expected None or an integer >= 1, "
+                             f"found {self.ce_chunk_rows!r}")
         self.recompute = DEFAULT_RECOMPUTE if recompute is None else recompute
         if self.recompute not in RECOMPUTE_LEVELS:
             raise ValueError(f"GPT recompute: expected one of {RECOMPUTE_LEVELS}, found {self.recompute!r}")

@@ -21,7 +21,9 @@ was expected, or returns what it found (for the start-up line):
   mlflow package is refused earlier, by `TrainConfig.validate`).
 - the workers against this machine, when raygpt starts a Ray of its own here
   (`check_fits_this_machine`): more GPU or CPU workers than it has would wait for them forever
-  (a cluster may grow: its own scheduler decides there).
+  (a cluster may grow: its own scheduler decides there), and a worker's estimated peak memory
+  (raygpt.memory) against the GPU's memory, or the CPU workers' together against the host
+  memory Ray's memory monitor lets them take: one that cannot fit is refused naming -b.
 
 `raygpt.ray.trials.preflight_sweep` runs the model, data and tracker checks over every trial config
 of a Ray Tune sweep that can be known before Tune samples anything, before Ray starts.
@@ -36,10 +38,12 @@ import os
 
 import uuid
 
+from raygpt import memory
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
 from raygpt.data.sources import is_remote, shard_token_counts
 from raygpt.llmc.shards import HEADER_BYTES, ShardError
+from raygpt.memory import GiB
 
 
 def check(cfg: TrainConfig, *, machine: dict[str, int] | None = None) -> list[str]:
@@ -70,6 +74,30 @@ def check_fits_this_machine(cfg: TrainConfig, machine: dict[str, int]) -> None:
         raise ConfigError(f"{flag}: expected at most {have}, the {kind}s of this machine (each "
                           f"{cfg.device} worker takes one, and the Ray raygpt starts here has no "
                           f"more; RAY_ADDRESS runs on a cluster), found {need}")
+    check_memory(cfg, machine)
+
+
+def check_memory(cfg: TrainConfig, machine: dict[str, int]) -> None:
+    """A worker's estimated peak (raygpt.memory) against what `machine` says it may take:
+    "gpu_memory" (one GPU's bytes: each GPU worker has one) or "memory" (the host memory all of
+    this machine's CPU workers share). A figure `machine` lacks, or a model whose shape
+    cannot be read, is not checked."""
+    est = memory.estimate_for(cfg)
+    if est is None:
+        return
+    if cfg.device == "gpu":
+        limit, workers, what = machine.get("gpu_memory"), 1, "the GPU's memory"
+    else:
+        limit, workers = machine.get("memory"), cfg.num_workers
+        what = "the host memory Ray lets this machine's workers take"
+    if limit is None or workers * est.total <= limit:
+        return
+    each = (f"{workers} {cfg.device} workers x {est.total / GiB:.1f} GiB = " if workers > 1
+            else "")
+    raise ConfigError(f"-b/--batch-size: expected a micro-batch whose estimated peak fits "
+                      f"{what}, {limit / GiB:.1f} GiB, found {cfg.batch_size}: "
+                      f"{each}{workers * est.total / GiB:.1f} GiB at B={cfg.batch_size} "
+                      f"T={cfg.seq_len} (raygpt.memory: {est.line()}); lower -b")
 
 
 def check_trackers(cfg: TrainConfig) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import ray
 from raygpt.checkpointing import protocol as ck
-from raygpt import cli, preflight
+from raygpt import cli, memory, preflight
 from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.llmc.shards import write_shard
@@ -459,3 +459,77 @@ def test_command_line_refuses_in_one_line_with_exit_2_fast(data, case):
         assert lines[0].startswith("raygpt: error: --num-workers: expected at most "), lines
     assert proc.stdout == ""  # nothing started, nothing printed
     assert elapsed < 15, elapsed
+
+
+# ---------------------------------------------------------------------- memory
+
+GIB = 1 << 30
+# the issue's machine: 24 GB, Ray's monitor at 95%, 2 GiB for Ray's own processes
+MACHINE_24GB = """MemTotal:       24000000 kB
+MemFree:        20000000 kB
+MemAvailable:   22500000 kB
+"""
+
+
+def test_the_memory_ray_lets_the_workers_take():
+    total, available = 24000000 << 10, 22500000 << 10
+    assert capacity.memory_for_workers(MACHINE_24GB, environ={}) == int(
+        available - 0.05 * total) - capacity.RAY_PROCESSES_BYTES
+    lower = capacity.memory_for_workers(MACHINE_24GB, environ={"RAY_memory_usage_threshold": "0.5"})
+    assert lower == int(available - 0.5 * total) - capacity.RAY_PROCESSES_BYTES
+
+
+def test_workers_whose_memory_cannot_fit_this_machine_are_refused_before_anything_is_made(
+        data, no_ray, capsys, monkeypatch):
+    """The CPU workers' estimated peaks together against what Ray's memory monitor lets them
+    take here: both sides of the line, one line naming -b, exit 2, no run directory."""
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 2)
+    two = args(data, "--num-workers", "2")
+    est = memory.estimate_for(parse_args(two).resolve(0)).total
+    cfg = parse_args(two).resolve(0)
+    monkeypatch.setattr(capacity, "memory_for_workers", lambda: 2 * est - 1)  # just past it
+    err = refused(two, capsys)
+    assert err == (f"raygpt: error: -b/--batch-size: expected a micro-batch whose estimated peak "
+                   f"fits the host memory Ray lets this machine's workers take, "
+                   f"{(2 * est - 1) / GIB:.1f} GiB, found 2: 2 cpu workers x {est / GIB:.1f} GiB "
+                   f"= {2 * est / GIB:.1f} GiB at B=2 T=16 (raygpt.memory: "
+                   f"{memory.estimate_for(cfg).line()}); lower -b"), err
+    assert not (data / "run").exists()
+    monkeypatch.setattr(capacity, "memory_for_workers", lambda: 2 * est)  # just fits
+    preflight.check(cfg, machine=capacity.this_machine(cfg))
+    preflight.check(cfg)  # a cluster it joins (no machine figures): not checked here
+
+
+def test_the_issues_run_is_refused_on_a_24gb_machine_with_the_old_loss_chunk(
+        data, no_ray, capsys, monkeypatch):
+    """2 d2 workers at B=64 T=256 held 14 GB each with 16384-row loss chunks on a CPU: Ray's
+    monitor killed them on a 24 GB machine. With the CPU's 512-row default they fit."""
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 2)
+    limit = capacity.memory_for_workers(MACHINE_24GB, environ={})
+    monkeypatch.setattr(capacity, "memory_for_workers", lambda: limit)
+    run = args(data, "--num-workers", "2", "-e", "d2", "-b", "64", "-t", "256")
+    err = refused([*run, "--ce-chunk-rows", "16384"], capsys)
+    assert "-b/--batch-size: expected a micro-batch whose estimated peak fits" in err, err
+    assert "found 64: 2 cpu workers x 13." in err and err.endswith("; lower -b"), err
+    cfg = parse_args(run).resolve(0)
+    assert cfg.ce_chunk_rows == 512
+    preflight.check_fits_this_machine(cfg, capacity.this_machine(cfg))
+
+
+def test_a_gpu_workers_estimate_is_held_against_the_gpus_memory(data, no_ray):
+    cfg = parse_args(args(data, "--gpu", "--num-workers", "1")).resolve(gpus_available=1)
+    est = memory.estimate_for(cfg).total
+    preflight.check(cfg, machine={"GPU": 1, "gpu_memory": est})
+    with pytest.raises(ConfigError, match=r"^-b/--batch-size: expected a micro-batch whose "
+                                          r"estimated peak fits the GPU's memory, "):
+        preflight.check(cfg, machine={"GPU": 1, "gpu_memory": est - 1})
+    preflight.check(cfg, machine={"GPU": 1})  # no figure for the GPU's memory: not checked
+
+
+def test_a_sweep_refuses_a_trial_whose_memory_cannot_fit(data, no_ray, capsys, monkeypatch):
+    monkeypatch.setattr(capacity, "local_cpus", lambda: 1)
+    monkeypatch.setattr(capacity, "memory_for_workers", lambda: GIB)
+    err = refused(args(data, "-e", "d2", "-t", "16", "--grid", "batch_size=2,256", out="sweep"),
+                  capsys, command="sweep")
+    assert err.startswith("raygpt sweep: error: trial batch_size=256: -b/--batch-size: expected "
+                          "a micro-batch whose estimated peak fits the host memory"), err

@@ -63,6 +63,19 @@ def autoscaling_coordinator():
     return get_or_create_autoscaling_coordinator()
 
 
+def worker_death_causes(failure: BaseException) -> list[BaseException]:
+    """What a Ray Train worker failure is made of: the failure itself and, for a worker whose
+    process died, the error its health-check poll met (WorkerHealthCheckFailedError keeps it
+    as `health_check_failure`: an ActorDiedError, or an OutOfMemoryError when Ray's memory
+    monitor killed the worker). Checked on Ray 2.60.0."""
+    causes, seen = [], set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        causes.append(failure)
+        failure = getattr(failure, "health_check_failure", None) or failure.__cause__
+    return causes
+
+
 # ---------------------------------------------------------------------- names, resolved on first use
 
 def _controller_callback():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -55,10 +56,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raygpt import preflight, signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
-from raygpt.errors import EXIT_ABORTED, EXIT_FAILED, RunStopped
+from raygpt.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
 from raygpt.faults import parse_spec
+from raygpt.memory import out_of_memory_line
 from raygpt.ownership import claimed_run_dir
-from raygpt.ray import capacity
+from raygpt.ray import capacity, compat
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,
@@ -108,11 +110,13 @@ def preemption_callbacks() -> list:
 
 class StopOnRunStopped(DefaultFailurePolicy):
     """Ray Train's failure policy, except that a worker group in which any worker raised
-    `RunStopped` is not restarted: the run ends at once with that error (see raygpt.errors).
+    `RunStopped`, or one Ray's memory monitor killed, is not restarted: the run ends at once
+    with that error (see raygpt.errors; the same micro-batch would outgrow the node again).
     Everything else (a lost process, node or collective, preemptions) keeps Ray's budgets."""
 
     def make_decision(self, training_failed_error):
-        if run_stopped(training_failed_error) is not None:
+        if (run_stopped(training_failed_error) is not None
+                or killed_for_memory(training_failed_error) is not None):
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
 
@@ -124,6 +128,23 @@ def run_stopped(error) -> RunStopped | None:
     for rank in sorted(failures):
         if isinstance(failures[rank], RunStopped):
             return failures[rank]
+    return None
+
+
+# How Ray's memory monitor words the death of a worker it killed (its OutOfMemoryError, or
+# an ActorDiedError carrying the same message).
+_MEMORY_MONITOR_WORDS = ("running low on memory", "memory monitor")
+
+
+def killed_for_memory(error) -> tuple[int, str] | None:
+    """(rank, Ray's message) of a worker that Ray's memory monitor killed, found in a Ray Train
+    error (WorkerGroupError's worker_failures, by rank), else None."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        for cause in reversed(compat.worker_death_causes(failures[rank])):  # innermost first
+            if isinstance(cause, ray.exceptions.OutOfMemoryError) or any(
+                    w in str(cause) for w in _MEMORY_MONITOR_WORDS):
+                return rank, str(cause)
     return None
 
 
@@ -162,6 +183,11 @@ def fit_or_raise(trainer, cfg: TrainConfig, since: float):
             raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
                             f"would fail again): {stopped.message}", stopped.exit_code,
                             final=True) from e
+        killed = killed_for_memory(e)
+        if killed is not None:
+            raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
+                            f"would fail again): " + memory_kill_line(cfg, since, *killed),
+                            EXIT_BAD_INPUT, final=True) from e
         raise RunFailed(_failure_report(cfg, since, e)) from e
 
 
@@ -378,6 +404,19 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
         ray.get(coordinator.__ray_ready__.remote(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         pass  # the controller's own request will say so, if it still cannot reach it
+
+
+def memory_kill_line(cfg: TrainConfig, since: float, rank: int, ray_message: str) -> str:
+    """The one line for a worker Ray's memory monitor killed: the node's memory as Ray saw it,
+    the step (after the run's last train record of this launch), the estimate and -b."""
+    steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
+             if r.get("kind") == "train" and r.get("time", 0) >= since]
+    used = re.search(r"Memory on the node \(.*?\) was ([\d.]+GB used / [\d.]+GB limit)",
+                     ray_message)
+    where = (f"in host memory (rank {rank} killed by Ray's memory monitor"
+             + (f", the node at {used.group(1)})" if used else ")"))
+    return out_of_memory_line(cfg, where, None, step=steps[-1] + 1 if steps else None,
+                              workers=cfg.num_workers if cfg.device == "cpu" else 1)
 
 
 def _failure_report(cfg, since: float, error) -> str:
