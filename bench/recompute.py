@@ -224,6 +224,9 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=512, help="the largest B the search tries")
     p.add_argument("--no-time-largest", dest="time_largest", action="store_false",
                    help="time each level at the fixed B only, not also at its own largest B")
+    p.add_argument("--eager", action="store_true",
+                   help="no torch.compile: one probe costs a step, not a compilation (eager holds "
+                        "more activations than the compiled step, so its largest B is a bound)")
     p.add_argument("--smoke", action="store_true",
                    help="d2, T=64, B up to 4, 2 steps, eager on the CPU (the script's test)")
     args = p.parse_args(argv)
@@ -235,7 +238,7 @@ def main(argv=None):
     bad = [v for v in args.levels if v not in RECOMPUTE_LEVELS]
     if bad:
         raise SystemExit(f"--levels: expected levels in {RECOMPUTE_LEVELS}, found {bad}")
-    args.eager = args.smoke
+    args.eager = args.smoke or args.eager
     args.device = torch.device("cpu" if args.smoke else "cuda")
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
