@@ -388,7 +388,7 @@ def snapshot_bench(args) -> list[dict]:
                 def one_step() -> float:
                     nonlocal step
                     t0 = time.perf_counter()
-                    forward_backward(r, step)
+                    forward_backward(r.micro, step)
                     r.opt.reduce_gradients()
                     r.opt.step(lr=1e-5, grad_scale=1.0, t=step + 1, seed=step)
                     sync()

@@ -4,8 +4,9 @@
 train_gpt2.cu: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
 (the micro-steps, one agreement collective, the outlier verdict, lr, the update) and logging.
 Each line of the step is one call to a component that decides its own policy (`build_run`
-names them: the checkpointer, the reporter, the fault plan, the signal flags); `rewind` takes
-the run and the verdict.
+names them: the checkpointer, the reporter, the fault plan, the signal flags), and each helper
+takes the parts it uses (`MicroSteps` for the forward and backward passes, `Agreement` for the
+collective), not the whole `Run`.
 Everything Ray-specific (rank, device, reporting a checkpoint, the checkpoint to resume from)
 comes through `session` (see `raygpt.session`), so the same loop runs under Ray Train and as a
 plain single process.
@@ -226,13 +227,12 @@ class Run:
     ckpt: Checkpointer
     runlog: Reporter
     faults: object  # raygpt.faults' plan for this rank
-    flags: object  # SIGTERM / SIGUSR1 as flags (raygpt.signals)
     save_clock: signals.SaveClock
+    micro: "MicroSteps"  # what the step's forward and backward passes use
+    agreement: "Agreement"  # what the step's one collective reads
     max_steps: int
-    grad_accum: int
     tokens_per_step: int
     resumed_from: int | None  # a checkpoint that exists at this step: do not write it again
-    agree: torch.Tensor  # the per-step agreement vector (LOSS ... RAY_REPORT)
     hellaswag: list | None = None  # this rank's HellaSwag examples (--hellaswag)
     stop_requested: bool = False
     val_loss: float = float("nan")
@@ -314,16 +314,23 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     runlog = on_exit.enter_context(Reporter(cfg, session, max_steps=max_steps,
                                             resumed_from=resumed_from, model_config=model.config,
                                             n_params=num_parameters(model), startup=startup))
+    faults = plan_for(cfg.fault, rank, session.run_dir)
+    save_clock = signals.SaveClock(cfg.checkpoint_minutes if rank == 0 else 0.0)
+    micro = MicroSteps(forward=forward, loader=train_loader, opt=opt, faults=faults,
+                       grad_accum=cfg.grad_accum_steps(world),
+                       tokens_per_step=cfg.total_batch_size, z_loss=cfg.z_loss,
+                       prefetch=cfg.prefetch_batches, device=device)
+    agreement = Agreement(
+        vector=torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device), session=session,
+        flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
+        faults=faults, save_clock=save_clock, ckpt=ckpt, runlog=runlog,
+        zero_stage=cfg.zero_stage, tokens_per_step=cfg.total_batch_size)
     return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
                flat=flat, opt=opt, train_loader=train_loader,
                val_loader=val_loader, hellaswag=hellaswag_share(cfg, rank, world),
-               state=state, ckpt=ckpt, runlog=runlog,
-               faults=plan_for(cfg.fault, rank, session.run_dir),
-               flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
-               save_clock=signals.SaveClock(cfg.checkpoint_minutes if rank == 0 else 0.0),
-               max_steps=max_steps, grad_accum=cfg.grad_accum_steps(world),
-               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from,
-               agree=torch.zeros(NUM_SLOTS, dtype=torch.float32, device=device))
+               state=state, ckpt=ckpt, runlog=runlog, faults=faults, save_clock=save_clock,
+               micro=micro, agreement=agreement, max_steps=max_steps,
+               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from)
 
 
 def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
@@ -331,7 +338,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
     r = build_run(cfg, session, on_exit)
     on_exit.push(out_of_memory_reported(cfg, torch.device(session.device), lambda: r.state.step))
     state, ckpt, runlog = r.state, r.ckpt, r.runlog
-    runlog.start(world=session.world, grad_accum=r.grad_accum, tokens_per_step=r.tokens_per_step,
+    runlog.start(world=session.world, grad_accum=r.micro.grad_accum, tokens_per_step=r.tokens_per_step,
                  resumed_from=r.resumed_from)
     if cfg.compile:
         runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
@@ -362,15 +369,16 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         # ---------------------------------------------------------- TRAINING SECTION
         t0 = time.perf_counter()
         r.faults.before_update(step)
-        loss_sum, step_samples = forward_backward(r, step)
+        loss_sum, step_samples = forward_backward(r.micro, step)
         r.opt.reduce_gradients()  # or waits for the buckets the backward pass launched
-        agreed = agree(r, step, loss_sum, r.opt.grad_norm_squared())  # the step's one sync
+        agreed = agree(r.agreement, step, loss_sum, r.opt.grad_norm_squared())  # the one sync
         verdict = state.judge(cfg, step, agreed.loss, agreed.norm)
         lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
                            warmup_steps=cfg.warmup_steps, total_steps=r.max_steps,
                            final_lr_frac=cfg.final_lr_frac) * state.lr_scale
         if verdict.kind in ("rewind", "escalate"):
-            rewind(r, step, verdict, step_samples)
+            r.resumed_from = rewind(cfg, state, ckpt, runlog, r.train_loader, step, verdict,
+                                    step_samples)
             continue
         watching = session.rank == 0 and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
         before = r.flat.params[:r.flat.num_parameters].clone() if watching else None
@@ -398,7 +406,8 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         # ---------------------------------------------------------- what the ranks agreed on
         r.stop_requested = act_on(agreed, state, ckpt, r.val_loss) or r.stop_requested
 
-    return finish(r, time.perf_counter() - t_start)
+    return finish(state, ckpt, runlog, time.perf_counter() - t_start, max_steps=r.max_steps,
+                  val_loss=r.val_loss, device=session.device)
 
 
 def after_first_step(compiled: CompileCache | None, session: Session,
@@ -415,25 +424,41 @@ def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:
     return cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step)
 
 
-def forward_backward(r: Run, step: int) -> tuple[torch.Tensor, list]:
+@dataclasses.dataclass
+class MicroSteps:
+    """What a step's forward and backward passes use: the model, the batches, the gradient
+    buffers' owner, and the window's shape."""
+
+    forward: object  # the model, or its torch.compile'd wrapper
+    loader: DistributedDataLoader
+    opt: AdamW
+    faults: object  # raygpt.faults' plan for this rank (the injected NaN)
+    grad_accum: int
+    tokens_per_step: int
+    z_loss: float
+    prefetch: bool
+    device: torch.device
+
+
+def forward_backward(m: MicroSteps, step: int) -> tuple[torch.Tensor, list]:
     """The step's micro-steps: gradients summed over the window (the token-weighted mean over
     the whole window and all ranks, as grads are SUM-reduced); returns this rank's loss sum
     (on the device, no sync) and the global sample indices each micro-batch trained on."""
-    r.flat.zero_grad()
+    m.opt.flat.zero_grad()
     step_samples = []
-    loss_acc = torch.zeros((), dtype=torch.float32, device=r.session.device)
-    for micro in range(r.grad_accum):
-        x, y = r.train_loader.next_batch(r.session.device)
-        step_samples.append(r.train_loader.last_global_samples)
-        loss_sum, z_sum = r.forward(x, y, z_loss=r.cfg.z_loss)
-        if r.faults.nan_now(step):
+    loss_acc = torch.zeros((), dtype=torch.float32, device=m.device)
+    for micro in range(m.grad_accum):
+        x, y = m.loader.next_batch(m.device)
+        step_samples.append(m.loader.last_global_samples)
+        loss_sum, z_sum = m.forward(x, y, z_loss=m.z_loss)
+        if m.faults.nan_now(step):
             loss_sum = loss_sum * float("nan")
-        if micro == r.grad_accum - 1:  # the window's last backward reduces as it goes (with
-            r.opt.reduce_during_backward()  # --overlap-comm); the earlier ones only accumulate
-        ((loss_sum + z_sum) / r.tokens_per_step).backward()
+        if micro == m.grad_accum - 1:  # the window's last backward reduces as it goes (with
+            m.opt.reduce_during_backward()  # --overlap-comm); the earlier ones only accumulate
+        ((loss_sum + z_sum) / m.tokens_per_step).backward()
         loss_acc += loss_sum.detach()
-        if r.cfg.prefetch_batches:  # the next micro-batch's gather and copy, during this backward
-            r.train_loader.prefetch(r.session.device)
+        if m.prefetch:  # the next micro-batch's gather and copy, during this backward
+            m.loader.prefetch(m.device)
     return loss_acc, step_samples
 
 
@@ -449,23 +474,39 @@ class Agreed:
     ray_report: bool  # report this step's metrics to Ray (rank 0's clock decided)
 
 
-def agree(r: Run, step: int, loss_sum: torch.Tensor, norm_sq: torch.Tensor) -> Agreed:
+@dataclasses.dataclass
+class Agreement:
+    """What the step's one collective reads: its vector (LOSS ... RAY_REPORT) and everything
+    that may ask the ranks to stop, save or report."""
+
+    vector: torch.Tensor
+    session: Session  # rank, world, the driver's requests
+    flags: object  # SIGTERM / SIGUSR1 as flags (raygpt.signals)
+    faults: object  # raygpt.faults' plan for this rank (an injected preemption)
+    save_clock: signals.SaveClock
+    ckpt: Checkpointer
+    runlog: Reporter
+    zero_stage: int
+    tokens_per_step: int
+
+
+def agree(g: Agreement, step: int, loss_sum: torch.Tensor, norm_sq: torch.Tensor) -> Agreed:
     """One collective: the loss, the squared norm, and every flag the ranks must agree on; one
     host sync reads it back."""
-    a, cfg = r.agree, r.cfg
+    a, session = g.vector, g.session
     a[LOSS] = loss_sum
-    a[NORM_SQ] = norm_sq if (cfg.zero_stage == 1 or r.session.rank == 0) else 0.0  # ZeRO: shards
-    outside_stop, outside_save = r.session.poll_requests()  # driver signals, preemption
-    a[STOP] = max(r.flags.stop_requested(), float(outside_stop))
-    a[SAVE] = max(r.flags.take_save_request(), float(outside_save),
-                  float(r.faults.preempt_now(step)), float(r.save_clock.due()))
-    a[CKPT_READY] = r.ckpt.ready()
-    a[RAY_REPORT] = r.runlog.wants_ray_report(step)  # rank 0's clock decides for all ranks
-    all_reduce_sum(a, r.session.world)
+    a[NORM_SQ] = norm_sq if (g.zero_stage == 1 or session.rank == 0) else 0.0  # ZeRO: shards
+    outside_stop, outside_save = session.poll_requests()  # driver signals, preemption
+    a[STOP] = max(g.flags.stop_requested(), float(outside_stop))
+    a[SAVE] = max(g.flags.take_save_request(), float(outside_save),
+                  float(g.faults.preempt_now(step)), float(g.save_clock.due()))
+    a[CKPT_READY] = g.ckpt.ready()
+    a[RAY_REPORT] = g.runlog.wants_ray_report(step)  # rank 0's clock decides for all ranks
+    all_reduce_sum(a, session.world)
     loss_v, norm_sq_v, stop_v, save_v, ready_v, report_v = a.tolist()  # the one host sync
-    return Agreed(loss=loss_v / r.tokens_per_step,
+    return Agreed(loss=loss_v / g.tokens_per_step,
                   norm=math.sqrt(norm_sq_v) if norm_sq_v >= 0 else float("nan"),
-                  stop=stop_v > 0, save=save_v > 0, checkpoint_ready=ready_v >= r.session.world,
+                  stop=stop_v > 0, save=save_v > 0, checkpoint_ready=ready_v >= session.world,
                   ray_report=report_v > 0)
 
 
@@ -497,22 +538,22 @@ def act_on(agreed: Agreed, state: TrainState, ckpt: Checkpointer, val_loss: floa
     return agreed.stop
 
 
-def finish(r: Run, elapsed: float) -> dict:
+def finish(state: TrainState, ckpt: Checkpointer, runlog: Reporter, elapsed: float, *,
+           max_steps: int, val_loss: float, device: torch.device) -> dict:
     """Wait for the last checkpoint, then the run's summary (the end record, the last line)."""
-    state, ckpt, device = r.state, r.ckpt, r.session.device
     ckpt.finish()
-    summary = {"step": state.step, "max_steps": r.max_steps, "val_loss": r.val_loss,
-               "stopped_early": state.step < r.max_steps, "skips": state.skips,
+    summary = {"step": state.step, "max_steps": max_steps, "val_loss": val_loss,
+               "stopped_early": state.step < max_steps, "skips": state.skips,
                "rewinds": state.ledger.rewinds, "elapsed_s": elapsed,
                "checkpoint_stall_s": ckpt.stall_seconds, "checkpoint_stalls": ckpt.stalls,
                "checkpoints_written": len(ckpt.write_seconds),
                "checkpoint_write_s": ckpt.write_seconds, "checkpoint_load_s": ckpt.load_seconds,
                "checkpoint_waits": ckpt.waits, "checkpoint_timeline": ckpt.timeline,
-               "attempt": r.runlog.attempt,
+               "attempt": runlog.attempt,
                # this rank's high-water mark of tensor memory (ZeRO-1 against unsharded)
                "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                    if device.type == "cuda" else None)}
-    r.runlog.end(summary)
+    runlog.end(summary)
     signals.unwatch()
     return summary
 
@@ -531,11 +572,12 @@ def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
             "update_ratio": dict(zip(flat.names, ratios.tolist()))}
 
 
-def rewind(r: Run, step: int, verdict, step_samples: list) -> None:
+def rewind(cfg: TrainConfig, state: TrainState, ckpt: Checkpointer, runlog: Reporter,
+           loader: DistributedDataLoader, step: int, verdict, step_samples: list) -> int:
     """Back to the newest verified checkpoint before the spike began, with the spike's data
     window added to the persisted skip list; escalate (TrainingStopped) past the policy's
-    limits. The decision is durable before the run goes on from the checkpoint."""
-    cfg, state, ckpt = r.cfg, r.state, r.ckpt
+    limits. The decision is durable before the run goes on from the checkpoint. Returns the
+    step it went back to (its checkpoint exists: the loop does not write it again)."""
     ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
     window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
     spike_start = verdict.spike_start if verdict.spike_start is not None else step
@@ -549,10 +591,10 @@ def rewind(r: Run, step: int, verdict, step_samples: list) -> None:
     if target is None and escalation is None:
         escalation = (f"no verified checkpoint at or before step {spike_start - cfg.spike.safety_steps}"
                       f" to rewind to (the spike began at step {spike_start})")
-    r.runlog.rewind(step, verdict, target=target, window=window, lr_scale=lr_scale,
+    runlog.rewind(step, verdict, target=target, window=window, lr_scale=lr_scale,
                     rewinds=state.ledger.rewinds)
     if escalation is not None:
         raise TrainingStopped(f"step {step}: {verdict.reason}; stopping: {escalation}")
-    ckpt.rewind_to(target, state, r.train_loader, window)  # the decision is durable first
-    r.runlog.restart_at(state.step)
-    r.resumed_from = state.step  # its checkpoint exists: do not write it again
+    ckpt.rewind_to(target, state, loader, window)  # the decision is durable first
+    runlog.restart_at(state.step)
+    return state.step

@@ -49,8 +49,8 @@ class OtherRank:
 
 def agree_run(*, rank=0, world=1, zero_stage=0, tokens=64, stop=0.0, save=0.0, outside=(False, False),
               preempt=False, clock_due=False, ready=False, report=False):
-    return NS(agree=torch.zeros(loop.NUM_SLOTS, dtype=torch.float32),
-              cfg=NS(zero_stage=zero_stage), tokens_per_step=tokens,
+    return NS(vector=torch.zeros(loop.NUM_SLOTS, dtype=torch.float32),
+              zero_stage=zero_stage, tokens_per_step=tokens,
               session=NS(rank=rank, world=world, poll_requests=lambda: outside),
               flags=NS(stop_requested=lambda: stop, take_save_request=lambda: save),
               faults=NS(preempt_now=lambda step: preempt and step == 5), save_clock=NS(due=lambda: clock_due),
@@ -213,12 +213,13 @@ def test_only_the_windows_last_backward_reduces_during_itself():
     w = torch.ones((), requires_grad=True)
     w.register_post_accumulate_grad_hook(lambda p: events.append("backward"))
     batch = (torch.zeros(1, 2), torch.zeros(1, 2))
-    r = NS(flat=NS(zero_grad=lambda: None), grad_accum=3, session=NS(device=torch.device("cpu")),
-           train_loader=NS(next_batch=lambda device: batch, last_global_samples=np.arange(1)),
-           forward=lambda x, y, z_loss: (w * 2.0, torch.zeros(())), tokens_per_step=1,
-           faults=NS(nan_now=lambda step: False), cfg=NS(z_loss=0.0, prefetch_batches=False),
-           opt=NS(reduce_during_backward=lambda: events.append("arm")))
-    loop.forward_backward(r, step=0)
+    m = loop.MicroSteps(
+        forward=lambda x, y, z_loss: (w * 2.0, torch.zeros(())),
+        loader=NS(next_batch=lambda device: batch, last_global_samples=np.arange(1)),
+        opt=NS(flat=NS(zero_grad=lambda: None), reduce_during_backward=lambda: events.append("arm")),
+        faults=NS(nan_now=lambda step: False), grad_accum=3, tokens_per_step=1, z_loss=0.0,
+        prefetch=False, device=torch.device("cpu"))
+    loop.forward_backward(m, step=0)
     assert events == ["backward", "backward", "arm", "backward"]
 
 
@@ -289,10 +290,16 @@ def rewind_run(target, *, max_rewinds=5):
               train_loader="loader", resumed_from=None)
 
 
+def rewind(r, step, verdict, step_samples):
+    """loop.rewind with the stand-in run's parts; the step it returns as the loop keeps it."""
+    r.resumed_from = loop.rewind(r.cfg, r.state, r.ckpt, r.runlog, r.train_loader, step, verdict,
+                                 step_samples)
+
+
 def test_a_rewind_goes_to_the_target_before_the_spike_and_skips_its_data():
     r = rewind_run(target=30)
     verdict = Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38)
-    loop.rewind(r, 40, verdict, [np.array([[0, 7]])])
+    rewind(r, 40, verdict, [np.array([[0, 7]])])
     window = [(0, 5, 8)]
     assert r.ckpt.calls[0] == ("wait_and_publish", (), {})  # before choosing: a pending one counts
     assert r.ckpt.calls[1] == ("rewind_target", (38, 2), {})
@@ -307,7 +314,7 @@ def test_a_rewind_goes_to_the_target_before_the_spike_and_skips_its_data():
 
 def test_a_rewind_without_a_spike_start_begins_at_this_step():
     r = rewind_run(target=30)
-    loop.rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z"), [np.array([[0, 7]])])
+    rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z"), [np.array([[0, 7]])])
     assert r.ckpt.calls[1] == ("rewind_target", (40, 2), {})
     assert r.state.ledger.history[0].region_start == 40
 
@@ -315,7 +322,7 @@ def test_a_rewind_without_a_spike_start_begins_at_this_step():
 def test_no_checkpoint_to_rewind_to_stops_the_run_saying_why():
     r = rewind_run(target=None)
     with pytest.raises(TrainingStopped) as e:
-        loop.rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
+        rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
     assert str(e.value) == ("step 40: hard z; stopping: no verified checkpoint at or before step "
                             "36 to rewind to (the spike began at step 38)")
     assert [c[0] for c in r.ckpt.calls] == ["wait_and_publish", "rewind_target"]
@@ -325,14 +332,14 @@ def test_no_checkpoint_to_rewind_to_stops_the_run_saying_why():
 def test_the_ledgers_escalation_stops_the_run_before_any_rewind():
     r = rewind_run(target=30, max_rewinds=0)
     with pytest.raises(TrainingStopped, match=r"^step 40: hard z; stopping: spike policy: rewind 1"):
-        loop.rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
+        rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
     assert "rewind_to" not in [c[0] for c in r.ckpt.calls]
 
 
 def test_an_escalate_verdict_stops_with_its_own_reason():
     r = rewind_run(target=30)
     with pytest.raises(TrainingStopped) as e:
-        loop.rewind(r, 40, Verdict("escalate", 25.0, 1.0, "too many", spike_start=38), [])
+        rewind(r, 40, Verdict("escalate", 25.0, 1.0, "too many", spike_start=38), [])
     assert str(e.value) == "step 40: too many; stopping: too many"
     assert "rewind_to" not in [c[0] for c in r.ckpt.calls]
 
@@ -342,6 +349,6 @@ def test_only_rank_0_chooses_the_target(monkeypatch):
     r.ckpt.rank, r.ckpt.world = 1, 2
     fake = two_ranks(monkeypatch, [0.0])
     with pytest.raises(TrainingStopped):  # rank 0 (the stand-in broadcast) sent no step
-        loop.rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
+        rewind(r, 40, Verdict("rewind", 25.0, 1.0, "hard z", spike_start=38), [])
     assert "rewind_target" not in [c[0] for c in r.ckpt.calls]
     assert fake.calls == [("broadcast", -1)]

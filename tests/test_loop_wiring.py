@@ -409,14 +409,15 @@ def test_build_run_builds_what_the_config_says(tmp_path):
         vl = r.val_loader
         assert (vl.pattern, vl.B, vl.T, vl.rank, vl.world, vl.should_shuffle, vl.seed) == (
             cfg.input_val_bin, cfg.val_batch_size, 8, 0, 1, False, 7)
-        assert r.max_steps == STEPS and r.grad_accum == 2 and r.tokens_per_step == 32
+        assert r.max_steps == STEPS and r.micro.grad_accum == 2 and r.tokens_per_step == 32
         assert r.resumed_from is None and r.state.step == 0
         assert r.state.rng_state == TrainState.fresh(cfg).rng_state
         assert r.faults.nan_now(1) and not r.faults.nan_now(0)
         assert r.save_clock.interval_s == 150.0
         assert r.ckpt.max_steps == STEPS  # the WSD decay point in every manifest's retention
-        assert not r.flags.stop_requested() and not r.flags.take_save_request()
-        assert r.agree.dtype == torch.float32 and r.agree.tolist() == [0.0] * loop.NUM_SLOTS
+        assert not r.agreement.flags.stop_requested() and not r.agreement.flags.take_save_request()
+        assert r.agreement.vector.dtype == torch.float32
+        assert r.agreement.vector.tolist() == [0.0] * loop.NUM_SLOTS
         assert r.ckpt.rank == 0 and r.ckpt.world == 1 and r.ckpt.flat is r.flat
         assert r.runlog.max_steps == STEPS and r.session.rank == 0 and r.cfg is cfg
         assert r.stop_requested is False and math.isnan(r.val_loss)
@@ -766,7 +767,7 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
         assert (r.opt.rank, r.opt.world, r.opt.zero_stage) == (1, 3, 1)
         assert (r.train_loader.rank, r.train_loader.world) == (1, 3)
         assert (r.val_loader.rank, r.val_loader.world) == (1, 3)
-        assert r.save_clock.interval_s == 0.0 and r.grad_accum == 2
+        assert r.save_clock.interval_s == 0.0 and r.micro.grad_accum == 2
         assert r.opt.overlap is not None and len(r.opt.overlap.buckets) == 2  # d2: 1 + embeddings
 
 
@@ -783,7 +784,8 @@ def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):
     r = NS(state=NS(step=4, skips=1, ledger=NS(rewinds=2)), ckpt=ckpt, max_steps=5,
            session=NS(device=torch.device("cuda", 0)), val_loss=3.5,
            runlog=NS(attempt=3, end=ended.append))
-    summary = loop.finish(r, 12.0)
+    summary = loop.finish(r.state, r.ckpt, r.runlog, 12.0, max_steps=r.max_steps,
+                          val_loss=r.val_loss, device=r.session.device)
     assert summary == {"step": 4, "max_steps": 5, "val_loss": 3.5, "stopped_early": True,
                        "skips": 1, "rewinds": 2, "elapsed_s": 12.0, "checkpoint_stall_s": 0.5,
                        "checkpoint_stalls": [(4, 0.5)], "checkpoints_written": 2,
