@@ -13,7 +13,10 @@ and the loss's chunk are all alive), in bytes, with N parameters, w bytes per wo
     optimizer    (8 + 4 master) N / shard AdamW's m and v in fp32, fp32 master weights when w = 2;
                                           shard = world under ZeRO-1, else 1
     snapshot     optimizer + N w (rank 0) the checkpoint's copy of that state
-                                          (raygpt.checkpointing.snapshot)
+                                          (raygpt.checkpointing.snapshot): host memory on a
+                                          CPU; on a GPU only with --checkpoint-snapshot device
+                                          (the default copies straight to pinned host memory)
+    staging      N w (world > 1)          --overlap-comm's bucket buffers (raygpt.optim)
     activations  B T (L a C + 4 C) w      what backward keeps: a C-wide values a layer (below),
                  + L B nh T 4             the attention's fp32 row log-sum-exp
     loss         chunk Vp k + 2 Vp C 4    the fused loss's chunk of logits with its k bytes a
@@ -29,8 +32,8 @@ LayerNorm statistics and copies autograd keeps besides: 18 measured on a CPU (th
 after an eager forward pass at d2 and d4, the allocator told to return freed memory). The runtime
 is fitted to peak resident sets of the real loop on a CPU, where the C library's allocator keeps
 some freed memory: tests/test_memory.py states the margin at the shapes it measures.
-The GPU's figures (compiled by Inductor, bf16) are the same formula and not yet measured:
-bench/memory_estimate.py prints estimate against torch.cuda.max_memory_allocated there.
+The GPU's figures (compiled by Inductor, bf16) are the same formula: bench/memory_estimate.py
+prints estimate against torch.cuda.max_memory_allocated there.
 `recompute` (--recompute: 1 recomputes the MLP's hidden values in backward, 2 the whole block)
 keeps fewer per layer and adds one layer's worth back while that layer's backward runs.
 """
@@ -136,15 +139,21 @@ class Estimate:
 
 def estimate(shape: Shape, *, device: str, batch_size: int, seq_len: int, world: int = 1,
              zero_stage: int = 0, loss_impl: str = "fused", ce_chunk_rows: int | None = None,
-             recompute: int = 0, rank: int = 0) -> Estimate:
+             recompute: int = 0, rank: int = 0, snapshot_to: str = "host",
+             overlap: bool = False) -> Estimate:
     """One worker's peak bytes for a micro-batch (batch_size, seq_len) of `shape` on `device`
-    ("cpu": fp32 eager; "gpu": bf16 working weights, fp32 master, compiled)."""
+    ("cpu": fp32 eager; "gpu": bf16 working weights, fp32 master, compiled). snapshot_to:
+    --checkpoint-snapshot (a GPU's snapshot holds device memory only when "device"); overlap:
+    --overlap-comm."""
     B, T, L, C = batch_size, seq_len, shape.n_layer, shape.n_embd
     Vp, V, N = shape.padded_vocab_size, shape.vocab_size, shape.num_parameters
     w = 2 if device == "gpu" else 4
     shard = world if zero_stage == 1 else 1
     optimizer = (8 + (4 if w == 2 else 0)) * (-(-N // shard))
     snapshot = optimizer + (N * w if rank == 0 else 0)
+    if device == "gpu" and snapshot_to != "device":
+        snapshot = 0  # pinned host memory, not the GPU's
+    staging = N * w if overlap and world > 1 else 0
     per_layer = ACTIVATIONS_PER_LAYER[recompute]
     # one layer's full set again while that layer's backward recomputes it
     regrown = (ACTIVATIONS_PER_LAYER[0] - per_layer) if recompute else 0
@@ -155,7 +164,7 @@ def estimate(shape: Shape, *, device: str, batch_size: int, seq_len: int, world:
     else:
         rows = min(B * T, ce_chunk_rows or CE_CHUNK_ROWS[device])
         loss = rows * Vp * LOSS_BYTES_PER_LOGIT[device] + 2 * Vp * C * 4 + B * T * C * 4
-    return Estimate(weights=N * w, grads=N * w, optimizer=optimizer, snapshot=snapshot,
+    return Estimate(weights=N * w, grads=N * w + staging, optimizer=optimizer, snapshot=snapshot,
                     activations=activations, loss=loss, runtime=RUNTIME_BYTES[device])
 
 
@@ -167,7 +176,8 @@ def estimate_for(cfg) -> Estimate | None:
         return None
     return estimate(shape, device=cfg.device, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                     world=cfg.num_workers, zero_stage=cfg.zero_stage, loss_impl=cfg.loss_impl,
-                    ce_chunk_rows=cfg.ce_chunk_rows, recompute=getattr(cfg, "recompute", 0) or 0)
+                    ce_chunk_rows=cfg.ce_chunk_rows, recompute=cfg.recompute,
+                    snapshot_to=cfg.checkpoint_snapshot, overlap=bool(cfg.overlap_comm))
 
 
 def out_of_memory_line(cfg, where: str, limit: int | None, *, step: int | None = None,

@@ -104,14 +104,24 @@ def test_shapes_from_a_model_file_and_a_hugging_face_folder(tmp_path):
 
 def test_what_each_setting_moves():
     d12 = shape_of("d12")
-    base = estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=8)
+    base = estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=8,
+                    snapshot_to="device")
     N = d12.num_parameters
     assert (base.weights, base.grads, base.optimizer) == (2 * N, 2 * N, 12 * N)
     assert base.snapshot == 12 * N + 2 * N
-    zero = estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=8, zero_stage=1)
+    zero = estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=8, zero_stage=1,
+                    snapshot_to="device")
     assert zero.optimizer == 12 * (-(-N // 8))  # m, v and master sharded over the ranks
     assert estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=8, zero_stage=1,
-                    rank=1).snapshot == zero.optimizer  # rank 0 alone keeps the weights
+                    rank=1, snapshot_to="device").snapshot == zero.optimizer  # rank 0's weights
+    # the default snapshot goes to pinned host memory: none on the GPU, all of it on a CPU
+    assert estimate(d12, device="gpu", batch_size=16, seq_len=1024).snapshot == 0
+    assert estimate(d12, device="cpu", batch_size=16, seq_len=1024).snapshot == 8 * N + 4 * N  # no master in fp32
+    # --overlap-comm's bucket buffers: one more gradient buffer, with more than one rank
+    assert estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=2,
+                    overlap=True).grads == 4 * N
+    assert estimate(d12, device="gpu", batch_size=16, seq_len=1024, world=1,
+                    overlap=True).grads == 2 * N
     levels = [estimate(d12, device="gpu", batch_size=16, seq_len=1024, recompute=r).activations
               for r in (0, 1, 2)]
     assert levels[0] > levels[1] > levels[2]
