@@ -352,8 +352,9 @@ class TrainConfig:
     """Activation recomputation (llm.c's -r): 0 none; 1 each block's MLP half (ln_2, c_fc,
     GELU) recomputed in backward, its (B, T, 4C) activations not held; 2 the whole block
     recomputed from its input, one (B, T, C) tensor held per layer. Less memory for a larger
-    -b, more compute per step (1: one c_fc matmul, 2: a second forward pass of every block);
-    the same losses and gradients, bit for bit."""
+    -b, more compute per step (1: one c_fc matmul, 2: a second forward pass of every block).
+    The same losses bit for bit on CPUs and eagerly; compiled on a GPU, within bf16 rounding
+    (Inductor rounds a recomputed region's values its own way)."""
     preemption_poll_steps: int = knob(10, section="performance", may_change_on_resume=True)
     """Steps between polls of Ray's preemption notice (ray.train.get_preemption_info, a barrier
     of every worker)."""

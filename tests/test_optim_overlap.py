@@ -78,7 +78,10 @@ def _train(rank: int, world: int, port: int, out: str) -> None:
 def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
                    reduction: str) -> dict:
     cuda = device.type == "cuda"
-    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(cuda, device.type)).to(device)
+    # the embedding as nn.Embedding on every device: the in-flight probe below hooks its
+    # output (raygpt's embedding kernel, a GPU run's deterministic default, bypasses the module)
+    model = GPT(TINY, init_seed=5).use_kernels(
+        **kernels_for(cuda, device.type, embedding_impl="torch")).to(device)
     flat = FlatParameters(model, device, torch.bfloat16 if cuda else torch.float32,
                           pad_multiple=world)
     # 64-byte buckets: one per layer here, and the embeddings' bucket

@@ -91,6 +91,7 @@ class PinnedBuffers:
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
         self._registered: dict[str, int] = {}  # name -> data_ptr registered with CUDA
+        self._lengths: dict[str, int] = {}  # name -> bytes registered from that address
         self._warned = False
         self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
 
@@ -104,6 +105,7 @@ class PinnedBuffers:
             err = torch.cuda.cudart().cudaHostRegister(ptr, pages, CUDA_HOST_REGISTER_PORTABLE)
             if err == torch.cuda.cudart().cudaError.success:
                 self._registered[name] = ptr
+                self._lengths[name] = pages
             elif not self._warned:
                 self._warned = True
                 log.warning(f"raygpt | WARNING: checkpoint snapshot: could not pin "
@@ -113,7 +115,16 @@ class PinnedBuffers:
         self.buffers[name] = buf
         return buf
 
+    def pins(self, t: torch.Tensor) -> bool:
+        """Whether t's bytes lie on pages this object registered with CUDA. (torch's
+        is_pinned() asks about the start of t's storage, which here lies before the registered
+        pages: the buffers are page-aligned views into a larger allocation.)"""
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        return any(ptr <= lo and hi <= ptr + self._lengths[name]
+                   for name, ptr in self._registered.items())
+
     def _drop(self, name: str) -> None:
+        self._lengths.pop(name, None)
         ptr = self._registered.pop(name, None)
         if ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -188,6 +199,10 @@ class StateSnapshot:
         self.reserve_seconds: float | None = None  # how long pinning the host buffers took
 
     # ------------------------------------------------------------------ pinned buffers
+    def pins(self, t: torch.Tensor) -> bool:
+        """Whether t lies in host memory this snapshot pinned (PinnedBuffers.pins)."""
+        return self._host is not None and self._host.pins(t)
+
     def reserve(self, tensors: dict) -> None:
         """Allocate and pin the host buffers for `tensors` ({name: tensor or None}) ahead of
         the first capture (nothing to do on a CPU)."""

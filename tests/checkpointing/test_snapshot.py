@@ -347,7 +347,7 @@ def test_through_the_checkpointer_each_checkpoint_holds_its_steps_state_when_the
             held.clear()
             ck.save(r.state, r.train_loader, blocking=False)
             if step == 4:  # the next step and its update, the copy not yet run
-                forward_backward(r, step)
+                forward_backward(r.micro, step)
                 r.opt.step(lr=0.1, grad_scale=1.0, t=step + 1, seed=3)
             else:  # a rewind's restore of checkpoint 4, the copy not yet run
                 ck.load(4, r.state, r.train_loader)
@@ -388,6 +388,36 @@ def test_each_host_buffer_lies_on_whole_pages_no_other_buffer_shares():
         spans.append((ptr, ptr + length, buf))  # kept alive: the next allocation is its neighbour
     for a, b in zip(sorted(spans, key=lambda s: s[0]), sorted(spans, key=lambda s: s[0])[1:]):
         assert a[1] <= b[0], "two buffers share a page"
+
+
+def test_pins_answers_for_the_pages_cuda_registered_and_nothing_else(monkeypatch):
+    """PinnedBuffers.pins: a buffer whose registration succeeded, not one whose registration
+    failed, not memory it never registered, not after close (CUDA's runtime stood in for)."""
+    from raygpt.checkpointing.snapshot import PinnedBuffers
+
+    calls = []
+
+    class Runtime:
+        class cudaError:
+            success = 0
+
+        def cudaHostRegister(self, ptr, length, flags):
+            calls.append(("register", ptr, length))
+            return 1 if len(calls) == 2 else 0  # the second buffer's registration fails
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+
+        def cudaGetErrorString(self, err):
+            return "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    pinned = PinnedBuffers()
+    ok, failed = pinned.get("m", torch.empty(1000)), pinned.get("v", torch.empty(10))
+    assert pinned.pins(ok) and pinned.pins(ok[10:20]) and not pinned.pins(failed)
+    assert not pinned.pins(torch.empty(8))
+    pinned.close()
+    assert not pinned.pins(ok) and ("unregister", calls[0][1]) in calls
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -436,7 +466,7 @@ def test_on_a_gpu_the_host_copy_is_the_state_at_capture_though_the_update_follow
     torch.cuda.synchronize()
     for k, t in live.items():
         assert not torch.equal(t.cpu(), at_capture[k]), f"the update left {k} unchanged"
-        assert out[k].is_pinned(), k
+        assert snap.pins(out[k]), k
         assert torch.equal(out[k], at_capture[k]), k
 
 
@@ -493,7 +523,7 @@ def test_on_a_gpu_the_training_thread_does_not_wait_and_the_copy_is_the_state_at
     writer = threading.Thread(target=lambda: out.update(snap.to_host()))
     writer.start()
     writer.join(60)
-    assert out["m"].is_pinned() and out["params"] is None
+    assert snap.pins(out["m"]) and out["params"] is None
     assert torch.equal(out["m"], expected["m"]) and torch.equal(out["v"], expected["v"])
 
 
@@ -511,7 +541,7 @@ def test_without_gpu_memory_for_the_device_copy_it_says_so_and_copies_to_the_hos
     snap.before_write()
     live["m"].add_(1.0)
     out = snap.to_host()
-    assert out["m"].is_pinned() and torch.equal(out["m"], expected)
+    assert snap.pins(out["m"]) and torch.equal(out["m"], expected)
 
 
 @pytest.mark.gpu
@@ -522,6 +552,7 @@ def test_small_host_buffers_side_by_side_are_each_pinned():
 
     pinned = PinnedBuffers()
     bufs = [pinned.get(f"t{i}", torch.empty(n)) for i, n in enumerate([1, 3, 1000, 5, 70_000])]
-    assert all(b.is_pinned() for b in bufs)
+    assert all(pinned.pins(b) for b in bufs)
+    assert not pinned.pins(torch.empty(8))  # memory it did not register
     pinned.close()
     assert not pinned.buffers
