@@ -9,7 +9,7 @@ LocalSession, no Ray) for two steps with a checkpoint after the first, so the se
 with the checkpoint snapshot's buffers alive, as every step of a run after its first
 checkpoint does. Measured: on a GPU torch.cuda.max_memory_allocated (what the tensors hold,
 compared with the estimate less its runtime term) and max_memory_reserved (the caching
-allocator's pool); on a CPU the child's peak resident set (ru_maxrss, compared with the whole
+allocator's pool); on a CPU the child's peak resident set (VmHWM, compared with the whole
 estimate). A shape that runs out of memory is a row saying so. The table comes last.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,9 @@ def child(model: str, batch: int, seq: int, device: str, recompute: int) -> dict
                    reserved=torch.cuda.max_memory_reserved(),
                    gpu_total=torch.cuda.get_device_properties(0).total_memory)
     else:
-        out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM, not ru_maxrss: that would count the parent's resident set at the fork
+        out["rss"] = [int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                      if l.startswith("VmHWM:")][0]
     return out
 
 

@@ -2,8 +2,8 @@
 
 Each measurement is a child process running the real loop (raygpt.loop.train under a
 LocalSession, no Ray) for two steps with a checkpoint after the first, as bench/memory_estimate.py
-does; its peak resident set (ru_maxrss of the child) is what Ray's memory monitor and the
-machine see.
+does; its peak resident set (VmHWM of the child) is what Ray's memory monitor and the machine
+see.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from raygpt.memory import GiB, Shape, estimate, shape_of
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
-import json, resource, sys, tempfile, torch
+import json, sys, tempfile, torch
 torch.set_num_threads(1)
 from raygpt.config import TrainConfig
 from raygpt.loop import train
@@ -32,7 +32,10 @@ run_dir = tempfile.mkdtemp(dir=sys.argv[1])
 fields = dict(json.loads(sys.argv[2]), max_steps=2, checkpoint_every=1, val_every=0,
               sample_every=0, output_dir=run_dir, device="cpu", num_workers=1, warmup_steps=0)
 train(TrainConfig(**fields).resolve(0), LocalSession(open_run_dir(run_dir), torch.device("cpu")))
-print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+# VmHWM, this process's own high-water mark: ru_maxrss would also count the parent's resident
+# set at the fork before exec (Linux folds the old address space's mark into it)
+print("PEAK", [int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+               if l.startswith("VmHWM:")][0])
 """
 
 
