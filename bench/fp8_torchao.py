@@ -89,7 +89,9 @@ def main() -> None:
     rows = {}
     for v in args.variants.split(","):
         rows[v] = run(v, args)
-        print(f"{v}: {rows[v]['tok_s']:.0f} tok/s, first step {rows[v]['first_s']:.1f} s", flush=True)
+        print(f"{v}: {rows[v]['tok_s']:.0f} tok/s, first step {rows[v]['first_s']:.1f} s, "
+              f"peak {rows[v]['peak_gib']:.2f} GiB, loss over the last half "
+              f"{rows[v]['late_loss']:.4f}", flush=True)
         torch._dynamo.reset()
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -3,7 +3,8 @@ baseline, side by side on one GPU.
 
     python bench/throughput.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30] [--ray]
                                [--variants default,cudnn,det,ckpt@100] [--split-only]
-                               [--no-rebaseline] [--no-baseline] [--no-llmc] [--anchors DIR]
+                               [--no-rebaseline] [--no-baseline] [--no-llmc] [--no-split]
+                               [--anchors DIR]
 
 The baseline of record is llm.c's PyTorch trainer, unchanged (`../shared/anchors`, run by
 bench/anchor.py in a child process with the same model, batch and constant learning rate): its
@@ -451,6 +452,9 @@ def main():
                         "(default: $RAYGPT_ANCHORS or ../shared/anchors)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the PyTorch baseline (raygpt rows only, compared with the first)")
+    p.add_argument("--no-split", action="store_true",
+                   help="raygpt variants: the loop only, no separate forward+backward / norm / "
+                        "optimizer pass (one compile per variant: the big models' bench)")
     p.add_argument("--split-only", action="store_true",
                    help="raygpt variants: only the forward+backward / norm / optimizer split")
     args = p.parse_args()
@@ -566,9 +570,12 @@ def main():
             r_losses, r_times, summary, window = [], [], None, (None, None)
             if not args.split_only:
                 r_losses, r_times, summary, window = raygpt_loop(args, loop_overrides)
-            loader.reset()
-            split, first_s, what = raygpt_split(args, loader, loop_overrides)
-            peak = torch.cuda.max_memory_allocated() / 2**30
+            peak = torch.cuda.max_memory_allocated() / 2**30  # the loop's own peak
+            split, first_s, what = {}, float("nan"), "the loop only (--no-split)"
+            if not args.no_split:
+                loader.reset()
+                split, first_s, what = raygpt_split(args, loader, loop_overrides)
+                peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"variant {spec}: {what}", flush=True)
             clocks.mark(label, window)
             row(label, r_times, split, peak, r_losses, first_s, summary)
