@@ -41,7 +41,7 @@ import torch
 from raygpt.config import TrainConfig
 from raygpt.determinism import set_switches
 from raygpt.loop import compile_model
-from raygpt.model import RECOMPUTE_LEVELS
+from raygpt.model import RECOMPUTE_LEVELS, saved_activation_bytes
 
 from throughput import build_step  # bench/throughput.py (bench/ is this script's directory)
 
@@ -82,23 +82,6 @@ def batches(B: int, T: int, step: int, device: torch.device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def held_bytes(model, fn):
-    """fn()'s result and the bytes of the distinct storages autograd holds for backward while
-    it runs, the parameters' own left out (as tests/test_model.py measures)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            held[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(held.values())
-
-
 class Steps:
     """One level's training step (build_step) and what running it measures."""
 
@@ -118,7 +101,7 @@ class Steps:
             t0 = time.perf_counter()
             self.flat.zero_grad()
             if measure_held and step == 0:
-                (loss_sum, _), held = held_bytes(self.model, lambda: self.fwd(x, y))
+                (loss_sum, _), held = saved_activation_bytes(self.model, lambda: self.fwd(x, y))
             else:
                 loss_sum, _ = self.fwd(x, y)
             (loss_sum / (B * T)).backward()

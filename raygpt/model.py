@@ -538,6 +538,24 @@ class GPT(nn.Module):
         return idx
 
 
+def saved_activation_bytes(model: nn.Module, fn):
+    """(fn()'s result, the bytes of the distinct storages autograd saves for backward while fn
+    runs, the model's parameters left out): what --recompute trades for compute. Compiled or
+    not, autograd packs every tensor a backward will read, so the hook sees them all."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(held.values())
+
+
 def num_parameters(model: GPT) -> int:
     """Parameter count as llm.c counts it (the padded wte once): the N of MFU's 6N."""
     return sum(p.numel() for p in model.parameters())  # parameters() yields the tied one once

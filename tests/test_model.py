@@ -11,7 +11,7 @@ import raygpt.model
 
 from raygpt.model import (
     GPT, LLMC_DECAY, LLMC_TENSOR_NAMES, GPTConfig, fused_classifier_loss, llmc_parameter_layout,
-    llmc_tensor_shapes, num_parameters,
+    llmc_tensor_shapes, num_parameters, saved_activation_bytes,
 )
 
 # Tiny: 2 layers, C=64, 2 heads, block 32, vocab 100 padded to 128.
@@ -444,24 +444,6 @@ def test_fused_loss_compiled_on_cuda_matches_textbook():
 
 
 # ---------------------------------------------------------------------- activation recomputation
-
-def saved_activation_bytes(model, fn):
-    """(fn()'s result, bytes of the distinct storages autograd holds for backward while fn
-    runs, the parameters' own left out): what recomputation is for. Compiled or not, autograd
-    packs each tensor a backward will read, so the hook sees them all."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            held[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(held.values())
-
 
 def sgd_steps(recompute, backend=None, steps=3, z_loss=1e-3, config=CFG):
     """`steps` SGD steps of a fresh GPT at this recompute level, compiled whole with `backend`
