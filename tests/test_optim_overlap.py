@@ -2,6 +2,7 @@
 its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
 losses, reduced gradients and weights equal the single collective's bit for bit."""
 
+import functools
 import socket
 
 import pytest
@@ -221,6 +222,9 @@ def _gather_ranks(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    # Dynamo (what meets the hooks) with the eager backend: the loop's compiles in seconds, not
+    # inductor's tens of seconds (this process only)
+    torch.compile = functools.partial(torch.compile, backend="aot_eager")
     results = {(mode, gather): _train_gather(rank, mode, gather)
                for mode in GATHER_MODES for gather in GATHERS}
     torch.save(results, out)
