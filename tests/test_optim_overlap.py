@@ -219,19 +219,26 @@ GATHERS = ("all_gather", "overlap", "deferred")
 
 
 def _gather_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` ranks: gloo on the CPU, or NCCL on GPU `rank` with bf16 weights, the
+    deterministic kernels and inductor."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    # Dynamo (what meets the hooks) with the eager backend: the loop's compiles in seconds, not
-    # inductor's tens of seconds (this process only)
-    torch.compile = functools.partial(torch.compile, backend="aot_eager")
-    results = {(mode, gather): _train_gather(rank, mode, gather)
-               for mode in GATHER_MODES for gather in GATHERS}
+    cuda = out.endswith("cuda.pt")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    if not cuda:  # Dynamo (what meets the hooks) with the eager backend: the loop's compiles
+        # in seconds, not inductor's tens of seconds (this process only)
+        torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    with run_switches(cuda):
+        results = {(mode, gather): _train_gather(rank, device, mode, gather)
+                   for mode in GATHER_MODES for gather in GATHERS}
     torch.save(results, out)
     dist.destroy_process_group()
 
 
-def _train_gather(rank: int, mode: str, gather: str) -> dict:
+def _train_gather(rank: int, device: torch.device, mode: str, gather: str) -> dict:
     """STEPS steps under ZeRO-1 with the overlapped reduction, as raygpt.loop takes them, with
     a validation-like forward before each; then the checkpoint's capture right after the last
     update. Returns the losses, what each unit's start saw in flight, the final weights and
@@ -240,9 +247,10 @@ def _train_gather(rank: int, mode: str, gather: str) -> dict:
     from raygpt.checkpointing.snapshot import StateSnapshot
     from raygpt.loop import compile_model
 
-    world = dist.get_world_size()
-    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(False, "cpu"))
-    flat = FlatParameters(model, torch.device("cpu"), torch.float32, pad_multiple=world)
+    world, cuda = dist.get_world_size(), device.type == "cuda"
+    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(cuda, device.type)).to(device)
+    flat = FlatParameters(model, device, torch.bfloat16 if cuda else torch.float32,
+                          pad_multiple=world)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
                 zero_stage=1, overlap=True, bucket_bytes=64)
     per_block = mode != "model"
@@ -271,12 +279,12 @@ def _train_gather(rank: int, mode: str, gather: str) -> dict:
         losses, val_losses = [], []
         for step in range(STEPS):
             with torch.no_grad():  # validation at the top of the loop: the gather in flight
-                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
                 val_losses.append(forward(x, torch.roll(x, -1, 1))[0].item())
             flat.zero_grad()
-            loss_acc = torch.zeros(())
+            loss_acc = torch.zeros((), device=device)
             for micro in range(GRAD_ACCUM):
-                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
                 loss_sum, _ = forward(x, torch.roll(x, -1, 1))
                 if micro == GRAD_ACCUM - 1:
                     opt.reduce_during_backward()
@@ -297,21 +305,22 @@ def _train_gather(rank: int, mode: str, gather: str) -> dict:
                                        extras=lambda self: {}))()
         ckpt._host_snapshot(state, type("Loader", (), {"state_dict": lambda self: {}})())
         captured = ckpt._snapshot.to_host()["params"].clone()
+        ckpt._snapshot.close()
         opt.params_ready()
     finally:
         dist.broadcast = broadcast
     return {"losses": losses, "val_losses": val_losses, "seen": seen,
-            "in_flight_at_capture": in_flight_at_capture, "params": flat.params.clone(),
+            "in_flight_at_capture": in_flight_at_capture, "params": flat.params.cpu(),
             "captured": captured}
 
 
-@pytest.fixture(scope="module")
-def gathered(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("gather")
-    outs = [str(out_dir / f"rank{r}.pt") for r in range(2)]
+def gather_ranks(out_dir, world: int, device: str) -> list[dict]:
+    """Every mode and gather's results on each of `world` ranks."""
+    outs = [str(out_dir / f"gather{r}_{device}.pt") for r in range(world)]
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gather_ranks, args=(r, 2, port, outs[r])) for r in range(2)]
+    procs = [ctx.Process(target=_gather_ranks, args=(r, world, port, outs[r]))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -320,29 +329,31 @@ def gathered(tmp_path_factory) -> list[dict]:
     return [torch.load(o) for o in outs]
 
 
-@pytest.mark.parametrize("mode", GATHER_MODES)
-@pytest.mark.parametrize("gather", ["overlap", "deferred"])
-def test_the_overlapped_gather_equals_the_all_gather_bit_for_bit(gathered, mode, gather):
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> list[dict]:
+    return gather_ranks(tmp_path_factory.mktemp("gather"), 2, "cpu")
+
+
+def check_gather(results: list[dict], mode: str, gather: str) -> None:
     """The losses (training and validation) as floats at every step and the weights bit for
     bit; with the broadcasts deferred to their waits, equal only if every forward unit, the
     next update and the checkpoint's capture waited for their pieces."""
     n = TINY.n_layer
-    for rank in (0, 1):
-        a, b = gathered[rank][mode, "all_gather"], gathered[rank][mode, gather]
-        assert a["losses"] == b["losses"] and a["val_losses"] == b["val_losses"]
+    per_forward = n + 2 if mode != "model" else 1  # the probes: model, blocks, ln_f
+    # after an update (the validation forward of steps 1 and 2): each unit found its own
+    # pieces waited for and the later units' still in flight; in the other forwards (the first
+    # step's, the micro-steps after a validation forward) nothing was in flight
+    after_update = {s * (1 + GRAD_ACCUM) for s in range(1, STEPS)}
+    for rank, result in enumerate(results):
+        a, b = result[mode, "all_gather"], result[mode, gather]
+        assert a["losses"] == b["losses"] and a["val_losses"] == b["val_losses"], rank
         assert torch.equal(a["params"], b["params"])
         assert torch.equal(b["captured"], b["params"][:b["captured"].numel()])
-        # the capture came while every unit was still in flight
-        assert b["in_flight_at_capture"] == list(range(n + 2))
-        forwards = [b["seen"][i:i + (n + 2 if mode != "model" else 1)]
-                    for i in range(0, len(b["seen"]), n + 2 if mode != "model" else 1)]
+        assert b["in_flight_at_capture"] == list(range(n + 2))  # captured mid-gather
+        forwards = [b["seen"][i:i + per_forward] for i in range(0, len(b["seen"]), per_forward)]
         assert len(forwards) == STEPS * (1 + GRAD_ACCUM)
-        # after an update (the validation forward of steps 1, 2): each unit found its own
-        # pieces waited for and the later units' still in flight; the first step's, and the
-        # micro-steps after a validation forward, nothing in flight
-        after_update = {s * (1 + GRAD_ACCUM) for s in range(1, STEPS)}
         for k, seen in enumerate(forwards):
-            if mode == "model":
+            if mode == "model":  # the whole-model graph: everything waited for first
                 assert seen == [("model", [])]
             elif k in after_update:
                 assert seen == ([("model", list(range(1, n + 2)))]
@@ -350,4 +361,22 @@ def test_the_overlapped_gather_equals_the_all_gather_bit_for_bit(gathered, mode,
                                 + [("ln_f", [])])
             else:
                 assert all(flight == [] for _, flight in seen)
-    assert len(set(gathered[0][mode, "all_gather"]["losses"])) == STEPS
+    assert len(set(results[0][mode, "all_gather"]["losses"])) == STEPS  # it trains
+
+
+@pytest.mark.parametrize("mode", GATHER_MODES)
+@pytest.mark.parametrize("gather", ["overlap", "deferred"])
+def test_the_overlapped_gather_equals_the_all_gather_bit_for_bit(gathered, mode, gather):
+    """2 gloo ranks, eager, compiled blocks, compiled model: see check_gather."""
+    check_gather(gathered, mode, gather)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_two_gpus_the_overlapped_gather_equals_the_all_gather(tmp_path):
+    """The same on NCCL (the hooks' waits are the stream's), bf16, deterministic kernels,
+    inductor's compiles."""
+    results = gather_ranks(tmp_path, 2, "cuda")
+    for mode in GATHER_MODES:
+        for gather in ("overlap", "deferred"):
+            check_gather(results, mode, gather)
