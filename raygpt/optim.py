@@ -146,7 +146,7 @@ class AdamW:
         block waits for its own weights (forward pre-hooks); otherwise (a whole-model compile,
         which would trace per-block hooks) the model's forward waits for all of them first."""
         if self.overlap is not None and self.zero_stage == 1 and self.gather is None:
-            self.gather = OverlappedGather(self.flat, rank=self.rank, world=self.world)
+            self.gather = OverlappedGather(self.flat, world=self.world)
             self.gather.attach(model, per_block=per_block)
 
     def params_ready(self) -> None:
@@ -398,7 +398,8 @@ def forward_units(slices: list[tuple[str, int | None]], n_layer: int) -> list[li
     also the tied lm_head, read again at the end), block 0, ..., block n_layer - 1, ln_f."""
     units: list[list[int]] = [[] for _ in range(n_layer + 2)]
     for i, (name, layer) in enumerate(slices):
-        units[n_layer + 1 if name in ("lnfw", "lnfb") else 0 if layer is None else layer + 1].append(i)
+        unit = n_layer + 1 if name in ("lnfw", "lnfb") else 0 if layer is None else layer + 1
+        units[unit].append(i)
     return units
 
 
@@ -415,7 +416,7 @@ class OverlappedGather:
     All ranks launch the same broadcasts in the same order. `wait_all` is the barrier that
     everything else reading or writing the weights goes through (AdamW.params_ready)."""
 
-    def __init__(self, flat: FlatParameters, *, rank: int, world: int):
+    def __init__(self, flat: FlatParameters, *, world: int):
         self.params = flat.params
         shard = flat.params.numel() // world
         n_layer = 1 + max((layer for *_, layer, _, _ in flat.slices if layer is not None),
