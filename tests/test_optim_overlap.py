@@ -1,6 +1,9 @@
 """The gradient reduction overlapped with the backward pass (raygpt.optim.OverlappedReduction):
 its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
-losses, reduced gradients and weights equal the single collective's bit for bit."""
+losses, reduced gradients and weights equal the single collective's bit for bit. Then ZeRO-1's
+gather overlapped with the next forward (raygpt.optim.OverlappedGather): eager and compiled,
+equal to the blocking all-gather, each forward unit waiting for its own weights, and a
+checkpoint's capture seeing them whole."""
 
 import functools
 import socket
