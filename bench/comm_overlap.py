@@ -6,13 +6,15 @@ micro-steps, the reduction, the norm, the update), random tokens.
     NCCL_NVLS_ENABLE=0 python bench/comm_overlap.py [--depths 12,24] [-b 16] [-t 1024]
         [--grad-accum 1] [--worlds 1,2] [--transports socket,nvlink] [--modes eager,compiled,blocks]
         [--steps 12] [--bucket-mb 32] [--zero-stage 0]
-    python bench/comm_overlap.py --cpu   # a dry run: 2 gloo processes, a tiny model
+    python bench/comm_overlap.py --cpu [--zero-stage 1]  # a dry run: 2 gloo processes, a tiny model
 
 For each depth, world (GPUs, those present), transport and model mode, one process group runs
 three reductions, each for --steps steps after 3 warm-up ones, and rank 0 prints the median:
   none:    no reduction at all (the control: compute alone)
   single:  one collective after the whole backward (--no-overlap-comm)
   overlap: buckets launched during the last backward (--overlap-comm)
+  gather:  (--zero-stage 1 only) overlap, and the update's gather overlapped with the next
+           forward, waited for block by block (AdamW.gather_during_forward; --overlap-comm)
 exposed = step time - none's. Transports: socket = NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL
 over TCP, standing in for a network between nodes); nvlink = NCCL's default on one host.
 Model modes (raygpt.loop.compile_model's): eager (--no-compile), compiled (the whole model, the
@@ -43,7 +45,7 @@ from raygpt.loop import compile_model
 from raygpt.model import GPT, GPTConfig, kernels_for
 from raygpt.optim import AdamW, FlatParameters, OverlappedReduction
 
-REDUCTIONS = ("none", "single", "overlap")
+REDUCTIONS = ("none", "single", "overlap", "gather")
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 TINY = GPTConfig(block_size=64, vocab_size=512, padded_vocab_size=512, n_layer=4, n_head=2,
                  n_embd=64)
@@ -80,7 +82,7 @@ def step(forward, flat, opt, reduction: str, batches, tokens: int) -> torch.Tens
     loss_acc = torch.zeros((), device=flat.grads.device)
     for micro, (x, y) in enumerate(batches):
         loss_sum, _ = forward(x, y)
-        if reduction == "overlap" and micro == len(batches) - 1:
+        if reduction in ("overlap", "gather") and micro == len(batches) - 1:
             opt.reduce_during_backward()
         (loss_sum / tokens).backward()
         loss_acc += loss_sum.detach()
@@ -111,10 +113,12 @@ def worker(rank, world, port, depth, mode, batch, seq, grad_accum, steps, bucket
         tokens = batch * seq * grad_accum * world
         start = flat.params.clone()
         row = {}
-        for reduction in REDUCTIONS:
+        for reduction in REDUCTIONS[:4 if zero_stage == 1 else 3]:
             # every reduction from the same weights and optimizer state: comparable losses
             flat.params.copy_(start)
             opt.m.zero_(), opt.v.zero_(), opt.take_master_from_params()
+            if reduction == "gather":
+                opt.gather_during_forward(model, per_block=mode != "compiled")
             times, losses = [], []
             for i in range(3 + steps):
                 t0 = time.perf_counter()
@@ -123,6 +127,8 @@ def worker(rank, world, port, depth, mode, batch, seq, grad_accum, steps, bucket
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
             row[reduction] = (statistics.median(times), losses)
+        if opt.gather is not None:
+            opt.gather.remove()
     if rank == 0:
         results.put(row)
     dist.barrier()
@@ -194,14 +200,18 @@ def main():
                           flush=True)
     print(f"\nB={args.batch} T={args.seq} grad_accum={args.grad_accum} zero={args.zero_stage} "
           f"bucket={args.bucket_mb} MB; ms per step (median of {args.steps}), exposed = step - none")
+    gather = args.zero_stage == 1
     print(f"{'model':>6} {'world':>5} {'transport':>9} {'mode':>8} {'none':>8} {'single':>8} "
-          f"{'overlap':>8} {'exp.single':>10} {'exp.overlap':>11} {'same':>5}")
+          f"{'overlap':>8} {'exp.single':>10} {'exp.overlap':>11}"
+          + (f" {'gather':>8} {'exp.gather':>10}" if gather else "") + f" {'same':>5}")
     for depth, world, transport, mode, r in rows:
-        none, single, overlap = (r[k][0] * 1e3 for k in REDUCTIONS)
-        same = r["single"][1] == r["overlap"][1]
+        none, single, overlap = (r[k][0] * 1e3 for k in REDUCTIONS[:3])
+        same = all(r[k][1] == r["single"][1] for k in REDUCTIONS[2:] if k in r)
         print(f"{'d' + str(depth) if depth else 'tiny':>6} {world:>5} {transport:>9} {mode:>8} "
               f"{none:8.1f} {single:8.1f} {overlap:8.1f} {single - none:10.1f} "
-              f"{overlap - none:11.1f} {str(same):>5}")
+              f"{overlap - none:11.1f}"
+              + (f" {r['gather'][0] * 1e3:8.1f} {(r['gather'][0] - r['none'][0]) * 1e3:10.1f}"
+                 if gather else "") + f" {str(same):>5}")
 
 
 if __name__ == "__main__":

@@ -310,8 +310,9 @@ class TrainConfig:
     GPUs without --compile or with --compile-scope blocks. The whole-model compile runs
     backward as one graph whose gradients all land at its end: there it overlaps nothing. On
     CPUs the small models are mostly wte, whose bucket comes last, and the buckets' staging
-    copies cost more than the overlap saves. Losses are the same either way (exactly, on 2
-    workers)."""
+    copies cost more than the overlap saves. Under ZeRO-1 the update's gather of the weights
+    overlaps the next forward too, each block waiting for its own (the whole-model compile
+    waits for all of them first). Losses are the same either way (exactly, on 2 workers)."""
     prefetch_batches: bool = knob(True, section="performance", long="--no-prefetch",
                                   may_change_on_resume=True)
     """Gather the next micro-batch on the host and copy it to the device during the backward

@@ -308,6 +308,9 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                     "load_s": ckpt.load_seconds,
                     # where the loaded files came from: this node's local copy or storage
                     "load_from": sorted(set(ckpt.load_sources.values()))})
+    # ZeRO-1 with --overlap-comm: each update's gather waited for block by block in the next
+    # forward (hooks in place before compiling; the whole-model graph waits for all first)
+    opt.gather_during_forward(model, per_block=not cfg.compile or cfg.compile_scope == "blocks")
     forward = compile_model(model, cfg.compile_mode, cfg.compile_scope) if cfg.compile else model
     # every event goes to the reporter once: console, main.log, loss history, TensorBoard, Ray,
     # trackers
@@ -399,6 +402,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
                         if cfg.record_samples else {}))
         if watching:
+            r.opt.params_ready()  # the update's gather, if overlapped, is still arriving
             runlog.watch(step, watch_metrics(r.flat, before, getattr(r.model, "last_max_logit", None),
                                              (state.clipped - clipped_at_last_watch) / cfg.watch_every))
             clipped_at_last_watch = state.clipped

@@ -128,6 +128,9 @@ class AdamW:
                                             sharded_collectives=dist.get_backend() == "nccl",
                                             bucket_bytes=bucket_bytes)
                         if overlap and world > 1 else None)
+        # ZeRO-1's gather overlapped with the next forward (gather_during_forward), or None:
+        # the blocking all-gather
+        self.gather: OverlappedGather | None = None
 
     @property
     def shard_params(self) -> torch.Tensor:
@@ -137,7 +140,24 @@ class AdamW:
     def shard_grads(self) -> torch.Tensor:
         return self.flat.grads[self.lo:self.hi]
 
+    def gather_during_forward(self, model: torch.nn.Module, *, per_block: bool) -> None:
+        """With the overlapped reduction under ZeRO-1, each update's gather runs beside the next
+        forward (OverlappedGather) instead of blocking at the end of `step`: per_block, each
+        block waits for its own weights (forward pre-hooks); otherwise (a whole-model compile,
+        which would trace per-block hooks) the model's forward waits for all of them first."""
+        if self.overlap is not None and self.zero_stage == 1 and self.gather is None:
+            self.gather = OverlappedGather(self.flat, world=self.world)
+            self.gather.attach(model, per_block=per_block)
+
+    def params_ready(self) -> None:
+        """Wait for every piece of the working weights still being gathered (nothing to do
+        without the overlapped gather). Whatever reads or writes them outside the training
+        forward calls this first: a checkpoint, a restore, the next update, the watch metrics."""
+        if self.gather is not None:
+            self.gather.wait_all()
+
     def step(self, *, lr: float, grad_scale: float, t: int, seed: int) -> None:
+        self.params_ready()  # the last gather still reads this shard and writes the others
         self.before_write()
         ops.adamw_update(self.shard_params, self.shard_grads, self.m, self.v, self.master,
                          self.segments, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
@@ -149,6 +169,7 @@ class AdamW:
         weights set after the optimizer was built (a model initialised once no checkpoint was
         found to load)."""
         if self.master is not None:
+            self.params_ready()
             self.before_write()
             self.master.copy_(self.shard_params)
 
@@ -156,9 +177,11 @@ class AdamW:
         """Write the working weights from the master weights with the stochastic-rounding seed of
         the last update (llm.c's `init_from_master_only`): reproduces them bit for bit."""
         if self.master is not None:
+            self.params_ready()
             self.before_write()
             ops.copy_master_to_params(self.shard_params, self.master, self.segments, seed)
             self.gather_params()
+            self.params_ready()  # a restore or a rewind: rare, so gathered before it returns
 
     # ------------------------------------------------------------------ data parallelism
     def grad_norm_squared(self) -> torch.Tensor:
@@ -174,7 +197,10 @@ class AdamW:
     def reduce_gradients(self) -> None:
         """Sum the gradients over ranks: all of them (DDP), or this rank's shard (ZeRO-1, through
         reduce-scatter where the backend has it; gloo all-reduces and each rank reads its slice).
-        After a backward pass that reduced during itself, wait for its collectives instead."""
+        After a backward pass that reduced during itself, wait for its collectives instead.
+        Every piece of the last update's gather is waited for too (the forward's hooks did:
+        this holds whatever a forward did not reach)."""
+        self.params_ready()
         if self.overlap is not None and self.overlap.armed:
             self.overlap.wait()
             return
@@ -189,10 +215,15 @@ class AdamW:
             dist.all_reduce(grads, op=dist.ReduceOp.SUM)
 
     def gather_params(self) -> None:
-        """ZeRO-1: every rank updated its shard of the working weights; gather them all."""
+        """ZeRO-1: every rank updated its shard of the working weights; gather them all (with
+        the overlapped gather, launched: the next forward or `params_ready` waits)."""
         if self.world == 1 or self.zero_stage == 0:
             return
+        self.params_ready()
         self.before_write()
+        if self.gather is not None:
+            self.gather.launch()
+            return
         params = self.flat.params
         shard = params.numel() // self.world
         mine = params[self.rank * shard:(self.rank + 1) * shard].clone()
@@ -356,3 +387,90 @@ class OverlappedReduction:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+# ---------------------------------------------------------------------- overlapped gather
+
+
+def forward_units(slices: list[tuple[str, int | None]], n_layer: int) -> list[list[int]]:
+    """FlatParameters.slices' indices (given each slice's llm.c name and layer) grouped by the
+    part of the forward that first reads them, in that order: the embeddings (wte, wpe; wte is
+    also the tied lm_head, read again at the end), block 0, ..., block n_layer - 1, ln_f."""
+    units: list[list[int]] = [[] for _ in range(n_layer + 2)]
+    for i, (name, layer) in enumerate(slices):
+        unit = n_layer + 1 if name in ("lnfw", "lnfb") else 0 if layer is None else layer + 1
+        units[unit].append(i)
+    return units
+
+
+class OverlappedGather:
+    """ZeRO-1's gather of the working weights, overlapped with the next forward. After an
+    update each rank's shard holds new values of parts of many tensors (llm.c's layout spreads
+    a block's 12 tensors over the whole buffer); every piece of a tensor that lies in one
+    rank's shard is broadcast from that rank straight into every rank's flat buffer
+    (asynchronous: the same bytes as the all-gather, and the same values bit for bit), launched
+    in the order the forward reads them: the embeddings, block 0, ..., ln_f. Forward pre-hooks
+    wait for a unit's pieces before it runs (on NCCL the current stream waits, the host does
+    not; gloo's wait is the host's), so block i computes while block i + 1's weights arrive.
+
+    All ranks launch the same broadcasts in the same order. `wait_all` is the barrier that
+    everything else reading or writing the weights goes through (AdamW.params_ready)."""
+
+    def __init__(self, flat: FlatParameters, *, world: int):
+        self.params = flat.params
+        shard = flat.params.numel() // world
+        n_layer = 1 + max((layer for *_, layer, _, _ in flat.slices if layer is not None),
+                          default=-1)
+        units = forward_units([(name, layer) for _, name, layer, _, _ in flat.slices], n_layer)
+        # per unit, (owner, offset, n) for each piece of its slices in one shard
+        self.pieces = [[(owner, o, n)
+                        for owner, part in enumerate(shard_pieces(
+                            [flat.slices[i][3:] for i in unit], shard, world))
+                        for o, n in part] for unit in units]
+        self._works: list[list] = [[] for _ in units]
+        self._hooks: list = []
+
+    @property
+    def in_flight(self) -> list[int]:
+        """The units whose pieces are launched and not yet waited for."""
+        return [u for u, works in enumerate(self._works) if works]
+
+    def launch(self) -> None:
+        assert not self.in_flight, "a gather launched over one still in flight"
+        for u, pieces in enumerate(self.pieces):
+            self._works[u] = [dist.broadcast(self.params[o:o + n], src=owner, async_op=True)
+                              for owner, o, n in pieces]
+
+    def wait(self, unit: int) -> None:
+        works, self._works[unit] = self._works[unit], []
+        for work in works:
+            work.wait()  # NCCL: the current stream waits; gloo: the host
+
+    def wait_all(self) -> None:
+        for unit in range(len(self._works)):
+            self.wait(unit)
+
+    def attach(self, model: torch.nn.Module, *, per_block: bool) -> None:
+        """The forward pre-hooks that wait: on the model (the embeddings; or everything when
+        not per_block), each block and ln_f. torch.compiler.disable: a compiled block (or the
+        compiled model's wrapper) runs them outside its graph, every call."""
+        def waiting(units):
+            @torch.compiler.disable
+            def hook(module, args):
+                for unit in units:
+                    self.wait(unit)
+            return hook
+
+        last = len(self._works) - 1
+        self._hooks.append(model.register_forward_pre_hook(
+            waiting([0] if per_block else range(last + 1))))
+        if per_block:
+            for i, block in enumerate(model.transformer.h):
+                self._hooks.append(block.register_forward_pre_hook(waiting([i + 1])))
+            self._hooks.append(model.transformer.ln_f.register_forward_pre_hook(waiting([last])))
+
+    def remove(self) -> None:
+        self.wait_all()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

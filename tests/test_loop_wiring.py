@@ -750,7 +750,7 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
     """What a second rank of three builds (the process group's broadcast stood in for: the test is one
     process): padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
     clock of its own (only rank 0's wall clock may ask for a checkpoint), and with
-    --overlap-comm the gradient reduction overlapped with backward."""
+    --overlap-comm the gradient reduction overlapped with backward and the gather with forward."""
     broadcasts = []
     monkeypatch.setattr(loop.dist, "broadcast", lambda t, src: broadcasts.append((t, src)))
     monkeypatch.setattr(loop.dist, "get_backend", lambda: "gloo")
@@ -769,6 +769,9 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
         assert (r.val_loader.rank, r.val_loader.world) == (1, 3)
         assert r.save_clock.interval_s == 0.0 and r.micro.grad_accum == 2
         assert r.opt.overlap is not None and len(r.opt.overlap.buckets) == 2  # d2: 1 + embeddings
+        # and ZeRO-1's gather overlapped with the forward, waited for per unit: embeddings,
+        # 2 blocks, ln_f
+        assert r.opt.gather is not None and len(r.opt.gather.pieces) == 4
 
 
 def test_finish_reports_the_peak_memory_of_a_gpu(monkeypatch):

@@ -1,7 +1,11 @@
 """The gradient reduction overlapped with the backward pass (raygpt.optim.OverlappedReduction):
 its bucket plan, and 2 real gloo processes training a tiny GPT with grad accumulation, whose
-losses, reduced gradients and weights equal the single collective's bit for bit."""
+losses, reduced gradients and weights equal the single collective's bit for bit. Then ZeRO-1's
+gather overlapped with the next forward (raygpt.optim.OverlappedGather): eager and compiled,
+equal to the blocking all-gather, each forward unit waiting for its own weights, and a
+checkpoint's capture seeing them whole."""
 
+import functools
 import socket
 
 import pytest
@@ -13,7 +17,7 @@ from raygpt.determinism import run_switches
 from raygpt.model import GPT, GPTConfig, kernels_for
 import raygpt.optim
 from raygpt.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
-                          shard_pieces, zero1_collective)
+                          forward_units, shard_pieces, zero1_collective)
 
 # head size 16: raygpt's attention kernel (the deterministic one on CUDA) takes it
 TINY = GPTConfig(block_size=16, vocab_size=60, padded_vocab_size=64, n_layer=3, n_head=2,
@@ -188,3 +192,194 @@ def test_on_gpus_the_overlapped_reduction_equals_the_single_collective(tmp_path)
             assert torch.equal(a["params"], b["params"])
             if reduction != "single":
                 assert b["in_flight"] == [TINY.n_layer] * STEPS
+
+
+# ---------------------------------------------------------------------- the overlapped gather
+
+def test_forward_units_are_the_embeddings_each_block_and_ln_f_in_forward_order():
+    # llm.c's order: wte, wpe, then each kind stacked over the 2 layers, then ln_f
+    slices = [("wte", None), ("wpe", None), ("ln1w", 0), ("ln1w", 1), ("qkvw", 0), ("qkvw", 1),
+              ("lnfw", None), ("lnfb", None)]
+    assert forward_units(slices, n_layer=2) == [[0, 1], [2, 4], [3, 5], [6, 7]]
+
+
+class Deferred:
+    """A broadcast that happens only when waited for: a read that does not wait for its
+    unit then sees the weights of the step before, whatever the timing."""
+
+    def __init__(self, broadcast, tensor, src):
+        self.run = lambda: broadcast(tensor, src=src)
+
+    def wait(self):
+        self.run()
+        self.run = lambda: None
+
+
+# the model's modes (raygpt.loop.compile_model's scopes, or none) x the gathers: ZeRO-1's
+# blocking all-gather, the overlapped one, and the overlapped one with its broadcasts deferred
+GATHER_MODES = ("eager", "blocks", "model")
+GATHERS = ("all_gather", "overlap", "deferred")
+
+
+def _gather_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` ranks: gloo on the CPU, or NCCL on GPU `rank` with bf16 weights, the
+    deterministic kernels and inductor."""
+    torch.set_num_threads(1)
+    cuda = out.endswith("cuda.pt")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    if not cuda:  # Dynamo (what meets the hooks) with the eager backend: the loop's compiles
+        # in seconds, not inductor's tens of seconds (this process only)
+        torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    with run_switches(cuda):
+        results = {(mode, gather): _train_gather(rank, device, mode, gather)
+                   for mode in GATHER_MODES for gather in GATHERS}
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _train_gather(rank: int, device: torch.device, mode: str, gather: str) -> dict:
+    """STEPS steps under ZeRO-1 with the overlapped reduction, as raygpt.loop takes them, with
+    a validation-like forward before each; then the checkpoint's capture right after the last
+    update. Returns the losses, what each unit's start saw in flight, the final weights and
+    the captured ones."""
+    from raygpt.checkpointing.runtime import Checkpointer
+    from raygpt.checkpointing.snapshot import StateSnapshot
+    from raygpt.loop import compile_model
+
+    world, cuda = dist.get_world_size(), device.type == "cuda"
+    model = GPT(TINY, init_seed=5).use_kernels(**kernels_for(cuda, device.type)).to(device)
+    flat = FlatParameters(model, device, torch.bfloat16 if cuda else torch.float32,
+                          pad_multiple=world)
+    opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, rank=rank, world=world,
+                zero_stage=1, overlap=True, bucket_bytes=64)
+    per_block = mode != "model"
+    if gather != "all_gather":
+        opt.gather_during_forward(model, per_block=per_block)
+    seen = []  # (unit, the units in flight as it starts), after the gather's own hook
+
+    def probe(unit):
+        @torch.compiler.disable
+        def hook(module, args):
+            seen.append((unit, opt.gather.in_flight if opt.gather is not None else []))
+        return hook
+
+    model.register_forward_pre_hook(probe("model"))
+    if per_block:  # hooks inside the whole-model graph would be traced
+        for i, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(probe(i))
+        model.transformer.ln_f.register_forward_pre_hook(probe("ln_f"))
+    forward = model if mode == "eager" else compile_model(model, "default", mode)
+    broadcast = dist.broadcast
+    if gather == "deferred":
+        dist.broadcast = lambda tensor, src, async_op=False: Deferred(broadcast, tensor, src)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        tokens = world * GRAD_ACCUM * B * T
+        losses, val_losses = [], []
+        for step in range(STEPS):
+            with torch.no_grad():  # validation at the top of the loop: the gather in flight
+                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
+                val_losses.append(forward(x, torch.roll(x, -1, 1))[0].item())
+            flat.zero_grad()
+            loss_acc = torch.zeros((), device=device)
+            for micro in range(GRAD_ACCUM):
+                x = torch.randint(0, TINY.vocab_size, (B, T), generator=g).to(device)
+                loss_sum, _ = forward(x, torch.roll(x, -1, 1))
+                if micro == GRAD_ACCUM - 1:
+                    opt.reduce_during_backward()
+                (loss_sum / tokens).backward()
+                loss_acc += loss_sum.detach()
+            opt.reduce_gradients()
+            agreed = torch.stack([loss_acc, opt.grad_norm_squared()])
+            dist.all_reduce(agreed)
+            losses.append(agreed[0].item() / tokens)
+            opt.step(lr=1e-2, grad_scale=min(1.0, 1.0 / agreed[1].sqrt().item()), t=step + 1,
+                     seed=step)
+        # a checkpoint right after the update, its gather still in flight: the checkpointer's
+        # capture (rank 0 holds the working weights) must see them whole
+        ckpt = object.__new__(Checkpointer)
+        ckpt.opt, ckpt.flat, ckpt.rank, ckpt._snapshot = opt, flat, 0, StateSnapshot()
+        in_flight_at_capture = opt.gather.in_flight if opt.gather is not None else []
+        state = type("State", (), dict(step=STEPS, rng_state=1, rng_state_last_update=1,
+                                       extras=lambda self: {}))()
+        ckpt._host_snapshot(state, type("Loader", (), {"state_dict": lambda self: {}})())
+        captured = ckpt._snapshot.to_host()["params"].clone()
+        ckpt._snapshot.close()
+        opt.params_ready()
+    finally:
+        dist.broadcast = broadcast
+    return {"losses": losses, "val_losses": val_losses, "seen": seen,
+            "in_flight_at_capture": in_flight_at_capture, "params": flat.params.cpu(),
+            "captured": captured}
+
+
+def gather_ranks(out_dir, world: int, device: str) -> list[dict]:
+    """Every mode and gather's results on each of `world` ranks."""
+    outs = [str(out_dir / f"gather{r}_{device}.pt") for r in range(world)]
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gather_ranks, args=(r, world, port, outs[r]))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> list[dict]:
+    return gather_ranks(tmp_path_factory.mktemp("gather"), 2, "cpu")
+
+
+def check_gather(results: list[dict], mode: str, gather: str) -> None:
+    """The losses (training and validation) as floats at every step and the weights bit for
+    bit; with the broadcasts deferred to their waits, equal only if every forward unit, the
+    next update and the checkpoint's capture waited for their pieces."""
+    n = TINY.n_layer
+    per_forward = n + 2 if mode != "model" else 1  # the probes: model, blocks, ln_f
+    # after an update (the validation forward of steps 1 and 2): each unit found its own
+    # pieces waited for and the later units' still in flight; in the other forwards (the first
+    # step's, the micro-steps after a validation forward) nothing was in flight
+    after_update = {s * (1 + GRAD_ACCUM) for s in range(1, STEPS)}
+    for rank, result in enumerate(results):
+        a, b = result[mode, "all_gather"], result[mode, gather]
+        assert a["losses"] == b["losses"] and a["val_losses"] == b["val_losses"], rank
+        assert torch.equal(a["params"], b["params"])
+        assert torch.equal(b["captured"], b["params"][:b["captured"].numel()])
+        assert b["in_flight_at_capture"] == list(range(n + 2))  # captured mid-gather
+        forwards = [b["seen"][i:i + per_forward] for i in range(0, len(b["seen"]), per_forward)]
+        assert len(forwards) == STEPS * (1 + GRAD_ACCUM)
+        for k, seen in enumerate(forwards):
+            if mode == "model":  # the whole-model graph: everything waited for first
+                assert seen == [("model", [])]
+            elif k in after_update:
+                assert seen == ([("model", list(range(1, n + 2)))]
+                                + [(i, list(range(i + 2, n + 2))) for i in range(n)]
+                                + [("ln_f", [])])
+            else:
+                assert all(flight == [] for _, flight in seen)
+    assert len(set(results[0][mode, "all_gather"]["losses"])) == STEPS  # it trains
+
+
+@pytest.mark.parametrize("mode", GATHER_MODES)
+@pytest.mark.parametrize("gather", ["overlap", "deferred"])
+def test_the_overlapped_gather_equals_the_all_gather_bit_for_bit(gathered, mode, gather):
+    """2 gloo ranks, eager, compiled blocks, compiled model: see check_gather."""
+    check_gather(gathered, mode, gather)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_two_gpus_the_overlapped_gather_equals_the_all_gather(tmp_path):
+    """The same on NCCL (the hooks' waits are the stream's), bf16, deterministic kernels,
+    inductor's compiles."""
+    results = gather_ranks(tmp_path, 2, "cuda")
+    for mode in GATHER_MODES:
+        for gather in ("overlap", "deferred"):
+            check_gather(results, mode, gather)

@@ -37,17 +37,38 @@ def ddp(tmp_path_factory):
     return d
 
 
-def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, tmp_path):
-    run(cfg_for(tmp_path, zero_stage=1))
-    a, b = train_losses(ddp), train_losses(tmp_path)
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zero1")
+    run(cfg_for(d, zero_stage=1))
+    return d
+
+
+def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, zero1):
+    a, b = train_losses(ddp), train_losses(zero1)
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-6)
-    zero, full = open_run_dir(str(tmp_path)), open_run_dir(str(ddp))
+    zero, full = open_run_dir(str(zero1)), open_run_dir(str(ddp))
     n = ck.read_manifest(full, 8)["num_parameters"]
     sizes = [zero.size_of(f"step_00000008/{ck.state_file(8, r)}") for r in (0, 1)]
     full_size = full.size_of(f"step_00000008/{ck.state_file(8, 0)}")
     # m and v (fp32) are split in two: each rank's file holds half of the 8 bytes per parameter
     assert all(abs(s - (full_size - 4 * n)) < 4096 for s in sizes)
+
+
+def test_zero1_gather_overlapped_with_the_forward_trains_as_the_all_gather(zero1, tmp_path):
+    """ZeRO-1 with --overlap-comm, the gather waited for in the next forward: the losses equal
+    the blocking all-gather's as floats and each checkpoint's model file is the same bytes
+    (captured at steps 4 and 8 right after an update, its gather in flight: validation comes at
+    3, 6, 9); validation, samples and the watch metrics read the weights between updates."""
+    run(cfg_for(tmp_path, zero_stage=1, overlap_comm=True, val_every=3, sample_every=3,
+                watch_every=2))
+    assert train_losses(tmp_path) == train_losses(zero1)
+    assert [r["step"] for r in records(tmp_path) if r["kind"] == "val"] == [0, 3, 6, 9, 10]
+    a, b = open_run_dir(str(zero1)), open_run_dir(str(tmp_path))
+    for step in (4, 8, 10):
+        name = f"{ck.step_dir(step)}/{ck.model_file(step)}"
+        assert a.read_bytes(name) == b.read_bytes(name), step
 
 
 def test_resume_two_to_one_worker(ddp, tmp_path):

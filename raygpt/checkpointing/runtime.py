@@ -352,6 +352,7 @@ class Checkpointer:
         """The state at this step: the small values copied here, the tensors captured by
         `StateSnapshot` (on a GPU a copy to pinned host memory on a side stream that the
         training thread does not wait for; the writer thread waits for it, `_write_files`)."""
+        self.opt.params_ready()  # ZeRO-1's overlapped gather: never half-gathered weights
         self._snapshot.capture(self._checkpointed())
         return {"step": state.step, "rng_state": state.rng_state,
                 "rng_state_last_update": state.rng_state_last_update,
@@ -453,6 +454,7 @@ class Checkpointer:
             self.publish_pending(metrics or {"step": self._pending[0]})
 
     def finish(self) -> None:
+        self.opt.params_ready()  # the run ends with its weights whole
         self.wait_and_publish()
         self._snapshot.close()  # the pinned host buffers
         self.local.remove_all()  # the run is over: its fast-resume copies go
@@ -597,6 +599,7 @@ class Checkpointer:
               else self._read_resharded_state(step, manifest, files))
         sdir = ck.step_dir(step)
         opt = self.opt
+        opt.params_ready()  # no gather still writing the weights this load replaces
         opt.before_write()  # a checkpoint's copy of these tensors may still be reading them
         # 1. optimizer state and master weights
         opt.m.copy_(_host_tensor(sf.m))
