@@ -140,18 +140,25 @@ def _train_variant(rank: int, world: int, device: torch.device, zero_stage: int,
             "collectives": sorted({b.collective for b in buckets})}
 
 
-def run_ranks(out_dir, world: int, device: str) -> list[dict]:
-    """Every variant's results on each of `world` ranks (one process per rank for them all)."""
-    outs = [str(out_dir / f"rank{r}_{device}.pt") for r in range(world)]
+def spawn_ranks(target, out_dir, world: int, name: str, device: str,
+                timeout: float = 300) -> list[dict]:
+    """target(rank, world, port, out) in one spawned process per rank (out ends with the
+    device's name, which the rank reads); each rank's results."""
+    outs = [str(out_dir / f"{name}{r}_{device}.pt") for r in range(world)]
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_train, args=(r, world, port, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, outs[r])) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=timeout)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return [torch.load(o) for o in outs]
+
+
+def run_ranks(out_dir, world: int, device: str) -> list[dict]:
+    """Every variant's results on each of `world` ranks (one process per rank for them all)."""
+    return spawn_ranks(_train, out_dir, world, "rank", device)
 
 
 @pytest.fixture(scope="module")
@@ -319,17 +326,7 @@ def _train_gather(rank: int, device: torch.device, mode: str, gather: str) -> di
 
 def gather_ranks(out_dir, world: int, device: str) -> list[dict]:
     """Every mode and gather's results on each of `world` ranks."""
-    outs = [str(out_dir / f"gather{r}_{device}.pt") for r in range(world)]
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gather_ranks, args=(r, world, port, outs[r]))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    return [torch.load(o) for o in outs]
+    return spawn_ranks(_gather_ranks, out_dir, world, "gather", device, timeout=600)
 
 
 @pytest.fixture(scope="module")
