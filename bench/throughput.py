@@ -50,7 +50,9 @@ raygpt's kernels explicitly (`det+raygpt`), `ckpt@N` checkpoints every N steps
 compiles the model with mode="reduce-overhead" (CUDA graphs), `regional` compiles each
 transformer block on its own instead of the whole model, `pieces` the final norm and the fused
 loss on their own too, `mb@N` trains each step's --batch
-sequences as micro-batches of N accumulated into one update; `default` is TrainConfig's
+sequences as micro-batches of N accumulated into one update, `seed@N` draws the loop's
+initialization from seed N (rows with several seeds give the loss's spread across
+initializations, against which llm.c's one seed is compared); `default` is TrainConfig's
 defaults with deterministic off. A variant sets the loop's performance fields of TrainConfig (loss_impl, ce_kernel,
 ce_chunk_rows, sdpa_backend, embedding_impl, prefetch_batches, compile_mode, deterministic),
 and Inductor's config for its run, restored after.
@@ -115,8 +117,9 @@ VARIANT_TOKENS = {
     "regional": "each transformer block compiled on its own (loop.compile_model replaced for the row)",
     "pieces": "regional, plus the final norm and the fused loss each compiled on their own",
     "mb": "mb@N: micro-batches of N sequences, accumulated to the bench's --batch per step",
+    "seed": "seed@N: the loop's --seed N (another initialization: the loss's noise across seeds)",
 }
-WITH_ARG = {"fused", "ckpt", "mb"}
+WITH_ARG = {"fused", "ckpt", "mb", "seed"}
 
 
 def parse_variant(spec: str) -> tuple[dict, dict]:
@@ -126,10 +129,11 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
     for token in spec.split("+"):
         name, _, arg = token.partition("@")
         if (name not in VARIANT_TOKENS or (arg and name not in WITH_ARG)
-                or (name in ("ckpt", "mb") and not arg.isdigit()) or (arg and not arg.isdigit())):
+                or (name in ("ckpt", "mb", "seed") and not arg.isdigit())
+                or (arg and not arg.isdigit())):
             raise SystemExit(f"--variants: unknown token {token!r} in {spec!r}; expected "
-                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N, mb@N), joined by "
-                             f"'+'")
+                             f"{', '.join(VARIANT_TOKENS)} (fused@ROWS, ckpt@N, mb@N, seed@N), "
+                             f"joined by '+'")
         if name == "ref":
             loop["loss_impl"] = "reference"
         elif name == "fused":
@@ -162,6 +166,8 @@ def parse_variant(spec: str) -> tuple[dict, dict]:
             inductor["_regional"] = "pieces"
         elif name == "mb":
             loop["micro_batch"] = int(arg)  # loop_config turns it into batch_size + accumulation
+        elif name == "seed":
+            loop["seed"] = int(arg)
     return inductor, loop
 
 
@@ -619,7 +625,7 @@ def main():
     anchors = [r[1] for r in rows if r[0].startswith("llm.c")]
     if anchors:
         mean_anchor = statistics.mean(anchors)
-        print(f"llm.c train_gpt2.py before / after the raygpt rows: "
+        print("llm.c train_gpt2.py before / after the raygpt rows: "
               + " / ".join(f"{a:.0f}" for a in anchors) + f" tok/s; ratios against {mean_anchor:.0f}")
         for name, tps, *_ in rows:
             if name.startswith("raygpt"):
