@@ -1,86 +1,117 @@
-"""python3 bench/memory_held.py cuda 12   (needs llm.c's file in .anchors/; `cpu 2,4` is a dry run)
+"""What a compiled forward pass holds for backward, raygpt's GPT against llm.c's.
 
-Memory held after a compiled forward pass (what backward will read) and the step's peak:
-raygpt's GPT (bf16 weights; det = raygpt's attention + embedding kernels, flash = PyTorch's
-SDPA) against llm.c's GPT (fp32 weights, bf16 autocast, flash), at two depths so the slope
-gives bytes a layer."""
+    python3 bench/memory_held.py --depths 12        # on a GPU, B=8 T=1024
+    python3 bench/memory_held.py --cpu --depths 2   # a dry run: builds and steps, measures nothing
+
+Three models, each compiled and stepped three times (the last one measured): raygpt's GPT in
+bf16 with raygpt's deterministic attention and embedding kernels (`raygpt-det`, the GPU
+default) and with PyTorch's flash SDPA (`raygpt-fl`), and llm.c's GPT from its own
+train_gpt2.py (fp32 weights, bf16 autocast, flash). No optimizer: the rows compare activations
+and the loss's memory, not optimizer state. Printed per model and depth: memory allocated after
+the forward pass over the memory before it (what backward will read, the loss's gradients
+included for raygpt's fused loss), the forward's peak over that base, the step's peak, and the
+held bytes a layer per B*T*C. llm.c's file comes from --anchors (bench/anchor.py's folder).
+"""
+
+from __future__ import annotations
+
+import argparse
 import importlib.util
-import os
-import sys
+
 import torch
+
+import anchor
 from raygpt.model import GPT, GPTConfig
 
-dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-B, T = (8, 1024) if dev == "cuda" else (2, 64)
-depths = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "6,12").split(",")]
-comp = dev == "cuda"
-spec = importlib.util.spec_from_file_location("llmc", os.path.join(".anchors", "llmc_train_gpt2.py"))
-llmc = importlib.util.module_from_spec(spec); spec.loader.exec_module(llmc)
-llmc.FLASH = int(comp)
 MiB = 1 << 20
 
-def measure(name, d, build, step):
+
+def load_llmc(anchors, flash: bool):
+    """llm.c's train_gpt2.py as a module (its main() is behind __name__)."""
+    path = anchor.runner_path(anchors).parent / "llmc_train_gpt2.py"
+    spec = importlib.util.spec_from_file_location("llmc_train_gpt2", path)
+    llmc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llmc)
+    llmc.FLASH = int(flash)
+    return llmc
+
+
+def measure(build, step, dev: str, B: int, T: int) -> tuple[int, int, int, int]:
+    """(held after forward, forward peak over base, step peak, base) in bytes; zeros on a CPU."""
     torch._dynamo.reset()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-    model = build(d)
-    m = torch.compile(model) if comp else model
+    model = build()
+    compiled = torch.compile(model) if dev == "cuda" else model
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 50257, (B, T), generator=g).to(dev)
     tgt = torch.randint(0, 50257, (B, T), generator=g).to(dev)
-    out = []
-    for it in range(3):
+    cuda = dev == "cuda"
+    for _ in range(3):  # the first compiles; the last is measured
         for p in model.parameters():
             p.grad = None
-        if dev == "cuda":
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        loss = step(m, idx, tgt)
-        if dev == "cuda":
-            torch.cuda.synchronize(); held = torch.cuda.memory_allocated() - base
-            fpeak = torch.cuda.max_memory_allocated() - base
-        else:
-            held = fpeak = 0
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        loss = step(compiled, idx, tgt)
+        if cuda:
+            torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base if cuda else 0
+        forward_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
         loss.backward()
-        if dev == "cuda":
-            torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated()
-        else:
-            peak = 0
-        out = (held, fpeak, peak, base if dev == "cuda" else 0)
-    del model, m, loss
-    print(f"{name:10s} d{d:<3d} held after fwd {out[0]/MiB:9.1f} MiB | fwd peak over base {out[1]/MiB:9.1f} | step peak {out[2]/MiB:9.1f} | base {out[3]/MiB:9.1f}", flush=True)
-    return out
+        if cuda:
+            torch.cuda.synchronize()
+        step_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    if cuda:
+        del model, compiled, loss
+        torch.cuda.empty_cache()
+    return held, forward_peak, step_peak, base
 
-def raygpt_build(kernels):
-    def build(d):
-        m = GPT(GPTConfig.from_depth(d), init_seed=1, sdpa_backend=kernels[0], embedding_impl=kernels[1])
-        return m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-    return build
 
-def raygpt_step(m, idx, tgt):
-    loss, _ = m(idx, tgt)
-    return loss / tgt.numel()
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--depths", default="12")
+    p.add_argument("--batch", type=int, default=None, help="default 8 on a GPU, 2 on a CPU")
+    p.add_argument("--seq", type=int, default=None, help="default 1024 on a GPU, 64 on a CPU")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--anchors", default=None)
+    args = p.parse_args()
+    dev = "cpu" if args.cpu else "cuda"
+    B = args.batch or (2 if args.cpu else 8)
+    T = args.seq or (64 if args.cpu else 1024)
+    llmc = load_llmc(args.anchors, flash=not args.cpu)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
 
-def llmc_build(d):
-    c = GPTConfig.from_depth(d); C, nh = c.n_embd, c.n_head
-    return llmc.GPT(llmc.GPTConfig(block_size=1024, vocab_size=50257, n_layer=d, n_head=nh, n_embd=C)).to(dev)
+    def raygpt(d, sdpa, embedding):
+        return lambda: GPT(GPTConfig.from_depth(d), init_seed=1, sdpa_backend=sdpa,
+                           embedding_impl=embedding).to(dev, dtype)
 
-def llmc_step(m, idx, tgt):
-    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
-        _, loss = m(idx, tgt, return_logits=False)
-    return loss
+    def raygpt_step(m, idx, tgt):
+        loss_sum, _ = m(idx, tgt)
+        return loss_sum / tgt.numel()
 
-rows = {}
-impls = [("raygpt-det", raygpt_build(("raygpt", "raygpt")) if dev == "cuda" else raygpt_build(("default", "torch")), raygpt_step),
-         ("raygpt-fl", raygpt_build(("flash" if dev == "cuda" else "default", "torch")), raygpt_step),
-         ("llm.c", llmc_build, llmc_step)]
-for name, build, step in impls:
-    for d in depths:
-        rows[name, d] = measure(name, d, build, step)
-BTC = lambda d: B * T * GPTConfig.from_depth(d).n_embd
-print(f"\nB={B} T={T}; held after forward, per layer (slope between d{depths[0]} and d{depths[-1]}), in bytes per B*T*C:")
-for name, *_ in impls:
-    a, b = rows[name, depths[0]], rows[name, depths[-1]]
-    # per layer: held(d2) - held(d1) over layers, per BTC (C differs by depth: use each depth's C)
-    pa, pb = a[0] / depths[0] / BTC(depths[0]), b[0] / depths[-1] / BTC(depths[-1])
-    print(f"{name:10s} held/layer/BTC d{depths[0]} {pa:5.2f} d{depths[-1]} {pb:5.2f} | step peak d{depths[-1]} {b[2]/MiB:9.1f} MiB")
+    def llmc_model(d):
+        c = GPTConfig.from_depth(d)
+        return lambda: llmc.GPT(llmc.GPTConfig(block_size=1024, vocab_size=50257, n_layer=d,
+                                               n_head=c.n_head, n_embd=c.n_embd)).to(dev)
+
+    def llmc_step(m, idx, tgt):
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=not args.cpu):
+            _, loss = m(idx, tgt, return_logits=False)
+        return loss
+
+    det = ("default", "torch") if args.cpu else ("raygpt", "raygpt")  # Triton kernels: GPU only
+    flash = ("default" if args.cpu else "flash", "torch")
+    print(f"B={B} T={T} on {dev}; MiB, and held bytes a layer per B*T*C", flush=True)
+    for d in (int(x) for x in args.depths.split(",")):
+        btc = B * T * GPTConfig.from_depth(d).n_embd
+        for name, build, step in (("raygpt-det", raygpt(d, *det), raygpt_step),
+                                  ("raygpt-fl", raygpt(d, *flash), raygpt_step),
+                                  ("llm.c", llmc_model(d), llmc_step)):
+            held, fpeak, peak, base = measure(build, step, dev, B, T)
+            print(f"{name:10s} d{d:<3d} held after fwd {held / MiB:9.1f} | fwd peak over base "
+                  f"{fpeak / MiB:9.1f} | step peak {peak / MiB:9.1f} | base {base / MiB:9.1f} | "
+                  f"held a layer per BTC {held / d / btc:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
