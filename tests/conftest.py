@@ -3,6 +3,7 @@ every test process uses one thread."""
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,32 @@ def _environment_handed_back():
     for key, value in saved.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_directories_removed(request, tmp_path_factory):
+    """What a module made on disk goes when it ends without a failure, as a passing test's
+    tmp_path does (pyproject's tmp_path_retention_policy): its shared directories
+    (tmp_path_factory.mktemp) and the nodes' local copies of its runs' checkpoints (kept for days
+    after a run that did not finish cleanly, which a fault test's run is by design). Kept for the
+    whole session they added up to tens of gigabytes. Set up before the module's own fixtures,
+    so torn down after them (its Ray cluster is gone by then)."""
+    from raygpt.checkpointing.local_copy import LOCAL_COPY_ROOT
+
+    roots = [tmp_path_factory.getbasetemp(), Path(LOCAL_COPY_ROOT)]
+    before = {root: _entries(root) for root in roots}
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    for root in roots:
+        for made in _entries(root) - before[root]:
+            if made.is_dir() and not made.is_symlink():
+                shutil.rmtree(made, ignore_errors=True)
+
+
+def _entries(root: Path) -> set:
+    return set(root.iterdir()) if root.is_dir() else set()
 
 
 @pytest.fixture(autouse=True)

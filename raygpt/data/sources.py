@@ -355,8 +355,9 @@ class ShardCache:
                     continue
             elif entry.name.startswith("."):
                 continue
-            st = entry.stat(follow_symlinks=False)
-            entries.append((st.st_mtime_ns, entry.path, st.st_size, entry.name.startswith(".")))
+            st = _stat_or_none(entry)
+            if st is not None:
+                entries.append((st.st_mtime_ns, entry.path, st.st_size, entry.name.startswith(".")))
         used = sum(size for _, _, size, _ in entries)
         for _, path, size, is_tmp in sorted(entries):
             if used + incoming <= self.max_bytes:
@@ -366,8 +367,8 @@ class ShardCache:
 
     def cached_bytes(self) -> int:
         """Bytes of the shards in the cache now."""
-        return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(self.root)
-                   if not e.name.startswith("."))
+        sizes = (_stat_or_none(e) for e in os.scandir(self.root) if not e.name.startswith("."))
+        return sum(st.st_size for st in sizes if st is not None)
 
 
 def verify_fetched(shard: Shard, head: bytes, size: int, sha256: str, expected: dict | None) -> None:
@@ -396,6 +397,15 @@ def _store_id(source: ShardSource) -> str:
     with contextlib.suppress(Exception):  # only S3 and GCS filesystems carry these options
         endpoint = str(fs.__reduce__()[1][0].get("endpoint_override", ""))
     return f"{source.pattern.split('://', 1)[0]}|{endpoint}"
+
+
+def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
+    """An entry's stat, or None when it went between the listing and now: another worker of the
+    node renamed its fetched file into place, or evicted a shard."""
+    try:
+        return entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _evict_if_unheld(path: str) -> bool:

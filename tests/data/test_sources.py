@@ -233,6 +233,39 @@ def test_a_shard_held_open_is_not_evicted(s3, tmp_path):
     first.close()
 
 
+def test_a_file_gone_between_the_listing_and_its_stat_is_counted_as_gone(s3, tmp_path, monkeypatch):
+    """Another worker of the node renames its fetched file into place, or evicts a shard, while
+    this one lists the cache: counting bytes and making room go on without the file."""
+    uri = put_shards(s3, "racing", [1000, 1000])
+    size = HEADER_BYTES + 2000
+    cache = ShardCache(str(tmp_path / "cache"), max_bytes=2 * size)
+    source = list_shards(uri)
+    real_scandir = os.scandir
+
+    def listed_then_gone(path):
+        entries = list(real_scandir(path))
+        for e in entries:
+            if e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+        return iter(entries)
+
+    for use in ("count", "make room"):
+        cache.open(source, 0).close()
+        with open(os.path.join(cache.root, f".tmp-{os.getpid()}-racing"), "wb") as f:
+            f.write(bytes(size))  # a live fetch's temp file, about to be renamed
+        with monkeypatch.context() as m:
+            m.setattr(os, "scandir", listed_then_gone)
+            if use == "count":
+                assert cache.cached_bytes() == 0
+            else:
+                held = cache.open(source, 1)
+        if use == "make room":
+            assert np.array_equal(np.fromfile(held.path, dtype="<u2", offset=HEADER_BYTES),
+                                  tokens_of(1, 1000))
+            held.close()
+    assert cache_files(cache.root) == [cache.name_of(source, 1, None)]
+
+
 def test_a_planted_symlink_as_the_cache_is_refused(tmp_path):
     """Another user of the node plants the cache's name as a link to a directory of theirs:
     raygpt must neither follow it nor write shards there."""
