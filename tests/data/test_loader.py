@@ -721,7 +721,8 @@ def bucket_copy(s3, directory, prefix) -> str:
 
 
 def cached_bytes(cache_dir) -> int:
-    """Bytes held in a shard cache; a file the fetch thread evicts while it is listed holds none."""
+    """Bytes held in a shard cache, in-flight temp files included (ShardCache.cached_bytes leaves
+    them out); a file the fetch thread evicts while it is listed holds none."""
     total = 0
     for f in cache_dir.iterdir():
         try:

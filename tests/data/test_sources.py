@@ -249,20 +249,22 @@ def test_a_file_gone_between_the_listing_and_its_stat_is_counted_as_gone(s3, tmp
                 os.unlink(e.path)
         return iter(entries)
 
-    for use in ("count", "make room"):
+    def cached_and_fetching():  # shard 0 cached, and a live fetch's temp file about to be renamed
         cache.open(source, 0).close()
         with open(os.path.join(cache.root, f".tmp-{os.getpid()}-racing"), "wb") as f:
-            f.write(bytes(size))  # a live fetch's temp file, about to be renamed
-        with monkeypatch.context() as m:
-            m.setattr(os, "scandir", listed_then_gone)
-            if use == "count":
-                assert cache.cached_bytes() == 0
-            else:
-                held = cache.open(source, 1)
-        if use == "make room":
-            assert np.array_equal(np.fromfile(held.path, dtype="<u2", offset=HEADER_BYTES),
-                                  tokens_of(1, 1000))
-            held.close()
+            f.write(bytes(size))
+
+    cached_and_fetching()
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", listed_then_gone)
+        assert cache.cached_bytes() == 0
+    cached_and_fetching()
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", listed_then_gone)
+        held = cache.open(source, 1)  # making room lists the cache
+    assert np.array_equal(np.fromfile(held.path, dtype="<u2", offset=HEADER_BYTES),
+                          tokens_of(1, 1000))
+    held.close()
     assert cache_files(cache.root) == [cache.name_of(source, 1, None)]
 
 
