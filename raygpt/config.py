@@ -38,17 +38,6 @@ DEFAULT_VAL = str(DATA_DIR / "tiny_shakespeare_val.bin")
 
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 
-# Fields only the command line gives, never a file (a --config file, a sweep's sweep.json): such a
-# file often lives where others can write (a shared sweep directory), and each of these lets its
-# writer act as the user who runs it. `fault`, `allow_fault_injection`: arm kills and bad inputs;
-# `storage_endpoint`: the server that serves and receives the run directory's files (and sees the
-# AWS access key id); `mlflow`: the server (or local directory) that receives every metric and
-# the config, with the MLFLOW_TRACKING_* credentials of the environment. Data and model paths
-# (-i, -j, -e) stay a file's to say: they are read as data, never run.
-COMMAND_LINE_ONLY = {"fault": "--fault", "allow_fault_injection": "--allow-fault-injection",
-                     "storage_endpoint": "--storage-endpoint", "mlflow": "--mlflow"}
-# ...and a --config file may not name where the run writes, nor whether it may delete or resume.
-CONFIG_FILE_FORBIDDEN = ("output_dir", "overwrite", "resume", *COMMAND_LINE_ONLY)
 CONFIG_FILE_MAX_BYTES = 1 << 20
 
 
@@ -68,17 +57,22 @@ SECTION_TITLES = {
 
 def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSING,
          short: str | None = None, long: str | None = None, choices: tuple | None = None,
-         metavar: str | None = None, may_change_on_resume: bool = False):
+         metavar: str | None = None, may_change_on_resume: bool = False,
+         from_file: bool | None = None):
     """A config field and everything the rest of raygpt needs to know about it, in one place:
     its `section` (a SECTION_TITLES key: --help groups the flags by it), its llm.c `short` flag,
     a `long` flag that is not the name with dashes (a boolean whose default is on has a flag
     that turns it off), its closed set of `choices` (validate() checks the same tuples), the
-    `metavar` --help shows, and whether it `may_change_on_resume` (a checkpoint's identity,
-    `TrainConfig.identity`, leaves those fields out: e.g. extending -x)."""
+    `metavar` --help shows, whether it `may_change_on_resume` (a checkpoint's identity,
+    `TrainConfig.identity`, leaves those fields out: e.g. extending -x), and whether a file
+    (a --config file, a sweep's sweep.json, a stored search space) may set it: `from_file`.
+    Unsaid, a free text field may not (it can name a place on this machine, a server or a
+    credential) and every other field may (a number, a switch or one of `choices` names none);
+    a field that arms or deletes says False, a path read only as data says True."""
     assert section in SECTION_TITLES, section
     return field(default=default, default_factory=factory, metadata=dict(
         section=section, short=short, long=long, choices=choices, metavar=metavar,
-        may_change_on_resume=may_change_on_resume))
+        may_change_on_resume=may_change_on_resume, from_file=from_file))
 
 
 @dataclass
@@ -115,10 +109,12 @@ class TrainConfig:
     from the hardware (GPT-2 124M in bf16 on GPUs, a small fp32 model on 2 CPU workers)."""
 
     # ==== data: the token shards and the batch (-i -j -b -t -d)
-    input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB")
+    input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB",
+                          from_file=True)  # read as data; a URI from a file carries no options
     """Glob of llm.c train token shards (-i): local files, or an s3:// or gs:// URI glob whose
     shards each node fetches into its cache (--shard-cache-dir)."""
-    input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB")
+    input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB",
+                              from_file=True)
     """Glob of llm.c validation token shards (-j), local or s3:// / gs://; empty turns
     validation off."""
     shard_cache_gb: float = knob(50.0, section="data", metavar="GB", may_change_on_resume=True)
@@ -142,7 +138,8 @@ class TrainConfig:
     """Seeds init, the data shuffle and stochastic rounding."""
 
     # ==== model (-e)
-    model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE|DIR")
+    model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE|DIR",
+                             from_file=True)
     """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M), an llm.c model_*.bin
     file, or a Hugging Face GPT-2 folder (config.json, model.safetensors: `raygpt export` writes
     one) to start from. Default: d12 on GPUs, d4 on CPUs."""
@@ -201,7 +198,8 @@ class TrainConfig:
     """Tokens per generated sample (-g)."""
     watch_every: int = knob(50, section="eval", may_change_on_resume=True)
     """Every N steps log watch metrics: clipped fraction, max logit, update/param ratios."""
-    hellaswag: str = knob("", section="eval", metavar="FILE", may_change_on_resume=True)
+    hellaswag: str = knob("", section="eval", metavar="FILE", may_change_on_resume=True,
+                          from_file=True)
     """HellaSwag's hellaswag_val.jsonl (a path or URI), scored as llm.c scores it (acc_norm,
     llm.c's -h 1) every --hellaswag-every steps, the examples spread over the ranks; '' is off."""
     hellaswag_every: int | None = knob(None, section="eval", may_change_on_resume=True)
@@ -222,9 +220,10 @@ class TrainConfig:
                                        may_change_on_resume=True)
     """Keep every checkpoint whose step is a multiple of M forever (-nm); 0 turns it off."""
     resume: int = knob(0, section="checkpoint", short="-y", choices=(0, 1),
-                       may_change_on_resume=True)
+                       may_change_on_resume=True, from_file=False)
     """1: resume from the newest verified checkpoint in the run directory (-y)."""
-    overwrite: bool = knob(False, section="checkpoint", may_change_on_resume=True)
+    overwrite: bool = knob(False, section="checkpoint", may_change_on_resume=True,
+                           from_file=False)
     """Allow a fresh start over a run directory that already holds a run."""
     async_checkpoint: bool = knob(True, section="checkpoint", long="--sync-checkpoint",
                                   may_change_on_resume=True)
@@ -266,7 +265,8 @@ class TrainConfig:
     directory (needs 'raygpt[mlflow]'); empty: off."""
     fault: str = knob("", section="run", metavar="SPEC", may_change_on_resume=True)
     """Fault injection for tests, e.g. 'kill:rank=1,step=7' (see raygpt.faults); off when empty."""
-    allow_fault_injection: bool = knob(False, section="run", may_change_on_resume=True)
+    allow_fault_injection: bool = knob(False, section="run", may_change_on_resume=True,
+                                       from_file=False)
     """Let RAYGPT_FAULT from the environment arm faults (refused without it: an inherited
     variable must not inject kills into a real run)."""
 
@@ -622,6 +622,70 @@ RESUME_MUTABLE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig
                                   if f.metadata["may_change_on_resume"])
 
 
+def _value_type(f: dataclasses.Field) -> type:
+    """bool, int, float or str from a field's annotation ('int | None' is int)."""
+    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    parts = {p.strip() for p in str(hint).split("|")}
+    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
+
+
+def _from_file(f: dataclasses.Field) -> bool:
+    """Whether a file may set field `f` (its knob's `from_file`; unsaid: any but free text)."""
+    allowed = f.metadata["from_file"]
+    if allowed is None:
+        allowed = bool(f.metadata["choices"]) or _value_type(f) is not str
+    return allowed
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a TrainConfig field ('spike.x' for SpikeConfig's)."""
+    cls, key = (SpikeConfig, name[6:]) if name.startswith("spike.") else (TrainConfig, name)
+    meta = next(f for f in dataclasses.fields(cls) if f.name == key).metadata
+    return meta["long"] or "--" + name.replace(".", "-").replace("_", "-")
+
+
+# The fields no file may set (each knob's `from_file`): where a run writes, whether it overwrites
+# or resumes, fault injection, servers (storage endpoint, MLflow, W&B), the shard cache's directory.
+FILE_REFUSED = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                     if f.name != "spike" and not _from_file(f))
+assert all(_from_file(f) for f in dataclasses.fields(SpikeConfig))  # (numbers: none to refuse)
+CONFIG_FILE_FORBIDDEN = FILE_REFUSED  # (the name launchers and sweeps know it by)
+# ...of which the launcher of each run sets these three itself (a sweep's trials, a resume)
+PLACEMENT = ("output_dir", "overwrite", "resume")
+# ...and the rest only the command line gives: a stored config holds them at their defaults, and
+# the command that reads it back hands on its own (`command_line_only`).
+COMMAND_LINE_ONLY = {name: flag_of(name) for name in FILE_REFUSED if name not in PLACEMENT}
+
+
+def check_file_fields(d: dict, where: str) -> None:
+    """The fields of a config read from a file (`--config`, sweep.json, a stored search space)
+    against each knob's declaration: ConfigError naming `where` and the fields a file may not
+    set, or the field whose URI carries options (an endpoint, credentials: `storage.uri`)."""
+    flat = dict(d)
+    spike = flat.pop("spike", None)
+    if isinstance(spike, dict):
+        flat.update({f"spike.{k}": v for k, v in spike.items()})
+    refused = sorted(k for k in flat if k in FILE_REFUSED)  # (spike.* are numbers: none refused)
+    if refused:
+        raise ConfigError(f"{where}: may not set {refused} (a file names no place this run "
+                          f"writes or caches in, no server, and neither arms nor deletes; give "
+                          f"them on the command line: {', '.join(flag_of(k) for k in refused)})")
+    from raygpt.storage.uri import URIRefused, check_plain
+    for key, value in flat.items():
+        try:
+            check_plain(value, f"{where}: {key}")
+        except URIRefused as e:
+            raise ConfigError(str(e)) from None
+
+
+def stored_fields(d: dict) -> dict:
+    """A config dict as raygpt writes it into a file it will read back (`check_file_fields`):
+    every URI without its options (the endpoint comes back from the reading command's
+    --storage-endpoint or environment)."""
+    from raygpt.storage.uri import without_options
+    return {k: stored_fields(v) if isinstance(v, dict) else without_options(v) for k, v in d.items()}
+
+
 def _typed(cls, d: dict, where: str) -> dict:
     """`d` with every value checked against `cls`'s annotation for it (and ints made floats
     where a float is expected); ConfigError naming the first field that does not fit."""
@@ -663,23 +727,24 @@ def _fits(value, t) -> tuple[bool, object]:
 
 def as_command(cfg: "TrainConfig") -> tuple[dict, list[str]]:
     """`cfg` split as a launcher hands it to `raygpt train --config FILE FLAGS...`: the fields a
-    --config file may hold, and the flags for the ones only the command line gives
-    (CONFIG_FILE_FORBIDDEN), those at their defaults left out. The writer beside
+    --config file may hold, and flags for the rest (FILE_REFUSED, and a URI with options, which
+    only a command line may give), those at their defaults left out. The writer beside
     read_config_file's reader."""
+    from raygpt.storage.uri import uri_options
     fields, default = cfg.to_dict(), TrainConfig()
     flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
     if fields.pop("overwrite"):
         flags.append("--overwrite")
-    for name, flag in COMMAND_LINE_ONLY.items():
+    for name in [*COMMAND_LINE_ONLY, *(k for k, v in fields.items() if uri_options(v))]:
         value = fields.pop(name)
         if value != getattr(default, name):
-            flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+            flags += [flag_of(name)] if isinstance(value, bool) else [flag_of(name), str(value)]
     return fields, flags
 
 
 def read_config_file(path: str) -> dict:
-    """The fields of a --config JSON file: bounded in size, an object, none of
-    CONFIG_FILE_FORBIDDEN (the types are checked by TrainConfig.from_dict)."""
+    """The fields of a --config JSON file: bounded in size, an object, each one a file may set
+    (`check_file_fields`; the types are checked by TrainConfig.from_dict)."""
     try:
         with open(path, "rb") as f:
             data = f.read(CONFIG_FILE_MAX_BYTES + 1)
@@ -697,21 +762,17 @@ def read_config_file(path: str) -> dict:
     if not isinstance(d, dict):
         raise ConfigError(f"--config {path}: expected a JSON object of config fields, "
                           f"found {type(d).__name__}")
-    forbidden = sorted(set(d) & set(CONFIG_FILE_FORBIDDEN))
-    if forbidden:
-        raise ConfigError(f"--config {path}: may not set {forbidden} (where a run writes, whether "
-                          f"it overwrites or resumes, fault injection, the storage endpoint and "
-                          f"the MLflow server are given on the command line: -o, --overwrite, "
-                          f"-y, {', '.join(COMMAND_LINE_ONLY.values())})")
+    check_file_fields(d, f"--config {path}")
     return d
 
 
 def config_read_back(d, where: str) -> "TrainConfig":
     """A TrainConfig that raygpt wrote into a directory and reads back (a sweep's base config):
     typed like a --config file, and refused (ConfigError naming `where` and the field) when it
-    sets a COMMAND_LINE_ONLY field to anything but its default, since whoever can write the
-    directory could have. raygpt writes such configs with those fields at their defaults
-    (`without_command_line_only`) and takes them from the reading command's own line."""
+    sets a COMMAND_LINE_ONLY field to anything but its default, or names a URI with options,
+    since whoever can write the directory could have. raygpt writes such configs with those
+    fields at their defaults (`without_command_line_only`) and its URIs plain (`stored_fields`),
+    and takes them from the reading command's own line."""
     cfg = TrainConfig.from_dict(d, where)
     default = TrainConfig()
     for name, flag in COMMAND_LINE_ONLY.items():
@@ -719,6 +780,7 @@ def config_read_back(d, where: str) -> "TrainConfig":
         if value != getattr(default, name):
             raise ConfigError(f"{where}: {name}: expected {getattr(default, name)!r} (only the "
                               f"command line sets it: {flag}), found {value!r}")
+    check_file_fields({k: v for k, v in cfg.to_dict().items() if k not in FILE_REFUSED}, where)
     return cfg
 
 
@@ -927,12 +989,6 @@ def field_docs(cls) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
-
-
-def _value_type(f: dataclasses.Field) -> type:
-    """bool, int, float or str from a field's annotation ('int | None' is int)."""
-    parts = {p.strip() for p in str(f.type).split("|")}
-    return next((t for t in (bool, int, float) if t.__name__ in parts), str)
 
 
 def _show(value) -> str:

@@ -112,8 +112,8 @@ def shard_cache(cfg: TrainConfig) -> ShardCache | None:
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
 
 
-def build_val_loader(cfg: TrainConfig, rank: int, world: int,
-                     cache: ShardCache | None = None) -> DistributedDataLoader | None:
+def build_val_loader(cfg: TrainConfig, rank: int, world: int, cache: ShardCache | None = None,
+                     vocab_size: int | None = None) -> DistributedDataLoader | None:
     """This rank's validation loader, or None on a rank that sits validation out: a validation
     set smaller than world * val_batch_size samples feeds only the first ranks
     (`data.ranks_with_data`; the config's resolution chose the sizes)."""
@@ -122,7 +122,8 @@ def build_val_loader(cfg: TrainConfig, rank: int, world: int,
     if rank >= val_world:
         return None
     return DistributedDataLoader(cfg.input_val_bin, cfg.val_batch_size, cfg.seq_len, rank,
-                                 val_world, shuffle=False, seed=cfg.seed, cache=cache)
+                                 val_world, shuffle=False, seed=cfg.seed, cache=cache,
+                                 vocab_size=vocab_size)
 
 
 @torch.no_grad()
@@ -269,10 +270,12 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     mark("model_built")
     cache = shard_cache(cfg)  # shards in a bucket: fetched from here on, beside the restore
     train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
-                                         shuffle=cfg.shuffle, seed=cfg.seed, cache=cache)
+                                         shuffle=cfg.shuffle, seed=cfg.seed, cache=cache,
+                                         vocab_size=model.config.vocab_size)
     on_exit.callback(train_loader.close)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
-    val_loader = build_val_loader(cfg, rank, world, cache) if validating else None
+    val_loader = (build_val_loader(cfg, rank, world, cache, model.config.vocab_size)
+                  if validating else None)
     if val_loader is not None:
         on_exit.callback(val_loader.close)
     max_steps = (cfg.max_steps if cfg.max_steps > 0

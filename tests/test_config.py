@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from raygpt import config
 from raygpt.config import ConfigError, TrainConfig, absolute_paths, parse_args
 
 
@@ -350,3 +351,108 @@ def test_as_command_puts_what_a_config_file_may_not_hold_on_the_command_line(tmp
     assert parse_args(["--config", str(f), *flags]) == cfg
     fields, flags = as_command(TrainConfig(output_dir="r"))
     assert flags == ["-o", "r", "-y", "0"]
+
+
+# ---------------------------------------------------------------- what a file may set (knob)
+
+# Every field that names a place this run writes or caches in, a server, or that arms or deletes:
+# a --config file, a sweep's sweep.json or a stored search space may set none of them.
+REFUSED_FROM_FILES = {"output_dir": "runs/x", "overwrite": True, "resume": 1, "fault": "kill:step=1",
+                      "allow_fault_injection": True, "storage_endpoint": "http://evil:9000",
+                      "mlflow": "http://evil:5000", "wandb": "project", "shard_cache_dir": "/home/u"}
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_FROM_FILES))
+def test_a_config_file_may_not_set_a_place_a_server_or_a_switch_that_arms(tmp_path, field):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"seed": 7, field: REFUSED_FROM_FILES[field]}))
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    flag = config.flag_of(field)
+    assert str(e.value).startswith(f"--config {path}: may not set ['{field}']")
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+def test_what_a_file_may_set_is_each_knobs_declaration():
+    """The rule behind the list: a free text field is refused unless its knob says from_file=True
+    (a new one is refused until someone decides); numbers, switches and closed choices are not."""
+    import dataclasses
+    assert sorted(config.FILE_REFUSED) == sorted(REFUSED_FROM_FILES)
+
+    @dataclasses.dataclass
+    class Probe:
+        text: str = config.knob("", section="run")
+        data: str = config.knob("", section="data", from_file=True)
+        arms: bool = config.knob(False, section="run", from_file=False)
+        kind: str = config.knob("a", section="run", choices=("a", "b"))
+        rate: float = config.knob(1.0, section="optimizer")
+
+    allowed = {f.name: config._from_file(f) for f in dataclasses.fields(Probe)}
+    assert allowed == {"text": False, "data": True, "arms": False, "kind": True, "rate": True}
+
+
+@pytest.mark.parametrize("field", ["input_bin", "input_val_bin", "hellaswag", "model"])
+@pytest.mark.parametrize("uri", ["s3://b/x_*.bin?endpoint_override=evil:80&scheme=http",
+                                 "s3://b/x_*.bin?region=eu-west-1", "s3://AK:SE@b/x_*.bin",
+                                 "gs://b/x_*.bin?endpoint_override=evil:80&scheme=http"])
+def test_a_uri_from_a_file_names_a_place_and_not_its_server(tmp_path, field, uri):
+    """The credentials go where a URI's options point: only the command line and the environment
+    may give them (issue 53: a config file's -i sent the user's keys to another host)."""
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({field: uri}))
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    message = str(e.value)
+    assert message.startswith(f"--config {path}: {field}: expected a plain URI or path")
+    assert "--storage-endpoint" in message and "\n" not in message
+    assert "SE" not in message.split("found", 1)[1].split("with", 1)[0]  # credentials redacted
+    # the same URI on the command line is the user's own to give
+    flag = {"input_bin": "-i", "input_val_bin": "-j", "hellaswag": "--hellaswag", "model": "-e"}[field]
+    assert getattr(parse_args([flag, uri]), field) == uri
+
+
+def test_a_plain_uri_and_a_local_path_from_a_file_are_data(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"input_bin": "s3://b/fw/fw_train_*.bin",
+                                "input_val_bin": str(tmp_path / "val_*.bin"),
+                                "hellaswag": "gs://b/hellaswag_val.jsonl"}))
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.input_bin == "s3://b/fw/fw_train_*.bin" and cfg.hellaswag.startswith("gs://")
+
+
+def test_as_command_keeps_a_uris_options_on_the_command_line(tmp_path):
+    """A launcher's split of a config whose shards carry their endpoint (resolve() writes it into
+    the URI): the URI goes as a flag, the file holds only what a file may, and the two parse back
+    to the same config."""
+    cfg = TrainConfig(input_bin="s3://b/x_*.bin?endpoint_override=h:1&scheme=http",
+                      shard_cache_dir="/fast/cache", wandb="proj", seed=5)
+    fields, flags = config.as_command(cfg)
+    assert "input_bin" not in fields and "shard_cache_dir" not in fields and "wandb" not in fields
+    assert flags[flags.index("--input-bin") + 1] == cfg.input_bin
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(fields))
+    assert parse_args(["--config", str(path), *flags]) == cfg
+
+
+def test_a_config_read_back_from_a_directory_is_held_to_the_same_rule():
+    base = TrainConfig().to_dict()
+    for changed, match in (({"shard_cache_dir": "/home/u"}, "shard_cache_dir: expected ''"),
+                           ({"wandb": "p"}, "wandb: expected ''"),
+                           ({"input_val_bin": "s3://b/v_*.bin?endpoint_override=evil:1"},
+                            "input_val_bin: expected a plain URI or path")):
+        with pytest.raises(ConfigError, match=match):
+            config.config_read_back({**base, **changed}, "sweep.json: base")
+    stored = config.stored_fields({**base, "input_bin": "s3://AK:SE@b/x_*.bin?endpoint_override=h:1"})
+    assert stored["input_bin"] == "s3://b/x_*.bin"
+    assert config.config_read_back(stored, "sweep.json: base").input_bin == "s3://b/x_*.bin"
+
+
+def test_a_stored_trials_override_may_not_carry_a_uris_options():
+    from raygpt.ray.trials import check_trials
+    trials = [{"name": "trial_000", "overrides": {"input_bin": "s3://b/x?endpoint_override=evil:1"}}]
+    with pytest.raises(ConfigError, match=r"trials\[0\] \(trial_000\): overrides: input_bin: "
+                                          r"expected a plain URI"):
+        check_trials(TrainConfig(), trials, "sweep.json: trials")
+    for key in ("shard_cache_dir", "wandb"):
+        with pytest.raises(ConfigError, match=f"search space key '{key}'"):
+            check_trials(TrainConfig(), [{"name": "trial_000", "overrides": {key: "x"}}], "t")

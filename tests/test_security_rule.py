@@ -55,9 +55,9 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/atomic_file.py", "_create_new"): "O_CREAT|O_EXCL|O_NOFOLLOW in a checked directory",
     ("raygpt/atomic_file.py", "move_local_file"): "rename of a staged file into a checked directory",
     ("raygpt/atomic_file.py", "open_local_append"): "O_APPEND|O_NOFOLLOW, directories walked without links",
-    ("raygpt/storage.py", "RunDir.write_bytes_atomic"): "object stores only (no links); local: atomic_file",
-    ("raygpt/storage.py", "RunDir.open_write"): "object stores only (no links); local: atomic_file",
-    ("raygpt/storage.py", "RunDir.move_file"): "object stores only (no links); local: atomic_file",
+    ("raygpt/storage/rundir.py", "RunDir.write_bytes_atomic"): "object stores only (no links); local: atomic_file",
+    ("raygpt/storage/rundir.py", "RunDir.open_write"): "object stores only (no links); local: atomic_file",
+    ("raygpt/storage/rundir.py", "RunDir.move_file"): "object stores only (no links); local: atomic_file",
     ("raygpt/checkpointing/local_copy.py", "LocalCopies.keep"):
         "hard links into the private node-local copy root (atomic_file.private_dir)",
     ("raygpt/checkpointing/runtime.py", "Checkpointer._write_files"):
@@ -71,6 +71,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/data/sources.py", "ShardCache._fetch"):
         "O_EXCL|O_NOFOLLOW temp in the private shard cache, renamed once verified",
     ("raygpt/data/sources.py", "_flocked"): "O_NOFOLLOW lock files in the private shard cache",
+    ("raygpt/data/sources.py", "_write_marker"): "O_EXCL|O_NOFOLLOW marker in the private shard cache",
     ("raygpt/data/sources.py", "ShardFetcher._run"): "ShardCache.open, a read: not a write",
     ("raygpt/hf.py", "export_hf"):
         "a private mkdtemp folder beside the new or empty -o, renamed onto it when complete",
@@ -202,6 +203,28 @@ def test_nothing_read_runs_as_code_outside_the_reviewed_places():
 def test_files_are_written_only_by_the_reviewed_writers():
     assert _violations(WRITES, REVIEWED_WRITES) == [], \
         "a file written outside the reviewed writers (they refuse links, never truncate foreign files)"
+
+
+# Calls that turn a string into a place (a filesystem, a store): only the URI door makes them, so
+# that options from files are refused, endpoints applied and calls bounded in one place.
+OPENS_A_STORE = ("pyarrow.fs.FileSystem.from_uri", ".from_uri", "pyarrow.fs.S3FileSystem",
+                 "pyarrow.fs.GcsFileSystem", "fsspec.filesystem", "fsspec.open")
+DOOR = "raygpt/storage/uri.py"
+
+
+def _stores_opened(path: Path) -> list[str]:
+    """`line: name` of every call in `path` that opens a store (isinstance checks are no call)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = _aliases(tree)
+    return [f"{node.lineno}: {name}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and (name := _dotted(node.func, aliases)) and _matches(name, OPENS_A_STORE)]
+
+
+def test_every_uri_is_opened_through_the_one_door():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{hit}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.relative_to(PACKAGE.parent).as_posix() != DOOR for hit in _stores_opened(path)]
+    assert found == [], "a store opened outside raygpt/storage/uri.py (the URI door)"
+    assert len(_stores_opened(PACKAGE.parent / DOOR)) >= 3, "the door's own calls not seen"
 
 
 def test_every_reviewed_place_still_exists():

@@ -78,14 +78,14 @@ def kind_of(name: str) -> str | None:
 
 
 def filesystem_for(uri: str, endpoint: str = "") -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path within it) for a local path or a URI, honouring a storage endpoint as a
-    run directory does (raygpt.storage.with_endpoint)."""
-    from raygpt.storage import with_endpoint
+    """(filesystem, path within it) for a local path or a URI, opened through the URI door
+    (raygpt.storage.uri.open_filesystem: the storage endpoint applied, every call bounded)."""
+    from raygpt.storage.uri import open_filesystem
 
     if "://" not in uri:
         return pafs.LocalFileSystem(), posixpath.abspath(uri)
     try:
-        return pafs.FileSystem.from_uri(with_endpoint(uri, endpoint))
+        return open_filesystem(uri, endpoint)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
         raise CorpusError(f"{uri}: cannot open ({type(e).__name__}: {e})") from None
 

@@ -129,7 +129,7 @@ class DistributedDataLoader:
 
     def __init__(self, pattern: str, B: int, T: int, rank: int, world: int, *,
                  shuffle: bool = False, seed: int = 1337, max_open_shards: int | None = None,
-                 cache: ShardCache | None = None):
+                 cache: ShardCache | None = None, vocab_size: int | None = None):
         if B < 1 or T < 1:
             raise ValueError(f"DistributedDataLoader: B and T: expected integers >= 1, found B={B}, T={T}")
         if world < 1 or not 0 <= rank < world:
@@ -139,6 +139,8 @@ class DistributedDataLoader:
         self.B, self.T, self.rank, self.world = int(B), int(T), int(rank), int(world)
         self.should_shuffle = bool(shuffle)
         self.seed = int(seed)
+        # token ids must index the model's embedding: a shard of another tokenizer is bad input
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
 
         # Validate every shard before any batch is served: a bad shard deep in the glob must not
         # surface hours into a run (headers only: one range read each on an object store).
@@ -299,9 +301,19 @@ class DistributedDataLoader:
             tokens = self._shard_tokens(int(shard))
             # (rows, T+1) token offsets: sample i covers tokens [i*T, i*T + T].
             buf[rows] = tokens[mine[rows, 1][:, None] * T + window[None, :]]
+            if self.vocab_size is not None and buf[rows].max() >= self.vocab_size:
+                self._bad_token(int(shard), mine[rows, 1], buf[rows])
         if device is not None:
             data = data.to(device, non_blocking=to_cuda)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def _bad_token(self, shard: int, samples: np.ndarray, window: np.ndarray) -> None:
+        """ShardError (bad input, never retried) naming the shard, the sample, the token id."""
+        row, col = np.unravel_index(int(np.argmax(window)), window.shape)
+        raise ShardError(f"{self.paths[shard]}: token {int(samples[row]) * self.T + int(col):,}: "
+                         f"expected a token id below the model's vocabulary of "
+                         f"{self.vocab_size:,}, found {int(window[row, col]):,} (shards of "
+                         f"another tokenizer?)")
 
     # What fixes the next samples: the position in the stream and the skip list (the orders are
     # functions of seed, epoch and shard). The skip list is versioned, as it is replaced whole.

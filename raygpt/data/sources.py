@@ -34,6 +34,8 @@ import hashlib
 import os
 import posixpath
 import queue
+import re
+import stat
 import tempfile
 import threading
 import uuid
@@ -169,6 +171,12 @@ def list_shards(pattern: str, endpoint: str = "", *, fs=None) -> ShardSource:
 
 def _local_shard(path: str) -> Shard:
     st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block its reader forever
+        from raygpt.storage.uri import URIRefused, check_regular
+        try:
+            check_regular(path, "shard")
+        except URIRefused as e:
+            raise ShardError(str(e)) from None
     return Shard(path, path, st.st_size, st.st_mtime_ns)
 
 
@@ -177,15 +185,14 @@ def _path_of(pattern: str) -> str:
 
 
 def _open_store(pattern: str, endpoint: str):
-    import pyarrow.fs as pafs
-
-    from raygpt.storage import bounded_filesystem, redact, with_endpoint
+    from raygpt.storage import redact
+    from raygpt.storage.uri import open_filesystem
     try:
-        fs, path = pafs.FileSystem.from_uri(with_endpoint(pattern, endpoint))
+        fs, path = open_filesystem(pattern, endpoint)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
         raise ShardError(f"shard pattern {redact(pattern)}: expected a URI pyarrow can open "
                          f"({_one_line(e)})") from None
-    return bounded_filesystem(fs), path
+    return fs, path
 
 
 def _list_matching(fs, path: str, shown: str) -> list:
@@ -246,14 +253,51 @@ def default_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"raygpt_shards_{os.getuid()}")
 
 
+# What the cache writes, and all it ever deletes: a fetched shard "<20 hex>-<its basename>", a
+# fetch's temp file ".tmp-<pid>-<id>", the lock directory (which holds the cache's marker).
+_CACHED_NAME = re.compile(r"^[0-9a-f]{20}-[^/]+$")
+_TMP_NAME = re.compile(r"^\.tmp-([0-9]+)-[^/]+$")
+LOCKS = ".locks"
+MARKER = "raygpt-shard-cache"  # in LOCKS: this directory is a cache raygpt made
+
+
+def _is_own_name(name: str) -> bool:
+    return name == LOCKS or bool(_CACHED_NAME.match(name) or _TMP_NAME.match(name))
+
+
 def _private_cache_dir(path: str) -> str:
     """`path` as a directory only this user can use (atomic_file.private_dir: a directory another
-    user made first, or a planted link, would let them feed this user's training its data); a
+    user made first, or a planted link, would let them feed this user's training its data), and
+    one the cache may evict from: made by it (its marker in LOCKS), or holding nothing but names
+    of the cache's own form (an empty directory, an earlier raygpt's cache), which it then marks.
+    Any other directory (a home, a project) is refused: eviction would delete its files. A
     ShardError naming it otherwise."""
+    from raygpt.terminal import printable
     try:
-        return str(private_dir(path, "shard cache (or give --shard-cache-dir)"))
+        root = str(private_dir(path, "shard cache (or give --shard-cache-dir)"))
     except NotPrivateError as e:
         raise ShardError(str(e)) from None
+    marker = os.path.join(root, LOCKS, MARKER)
+    if os.path.isfile(marker) and not os.path.islink(marker):
+        return root
+    foreign = sorted(n for n in os.listdir(root) if not _is_own_name(n))
+    if foreign:
+        raise ShardError(f"{printable(root)}: expected a shard cache raygpt made, or an empty "
+                         f"directory (or give --shard-cache-dir a new one), found "
+                         f"{len(foreign)} file(s) of something else, e.g. "
+                         f"{printable(foreign[0])!r}: the cache evicts what it holds")
+    os.makedirs(os.path.join(root, LOCKS), mode=0o700, exist_ok=True)
+    _write_marker(marker)
+    return root
+
+
+def _write_marker(marker: str) -> None:
+    with contextlib.suppress(FileExistsError):  # another worker of the node marked it first
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            _write_all(fd, b"a raygpt shard cache: raygpt evicts the shards it fetched here\n")
+        finally:
+            os.close(fd)
 
 
 @dataclasses.dataclass
@@ -278,7 +322,6 @@ class ShardCache:
             raise ValueError(f"ShardCache: max_bytes: expected an integer >= 1, found {max_bytes}")
         self.root = _private_cache_dir(root or default_cache_dir())
         self.max_bytes = int(max_bytes)
-        os.makedirs(os.path.join(self.root, ".locks"), mode=0o700, exist_ok=True)
 
     def name_of(self, source: ShardSource, i: int, expected: dict | None) -> str:
         """A shard's cache name: its basename after a hash of its store, path, size, mtime and
@@ -324,7 +367,10 @@ class ShardCache:
             digest, head, size = hashlib.sha256(), b"", 0
             try:
                 with source.fs.open_input_stream(shard.path) as f:
-                    while chunk := f.read(_CHUNK):
+                    # at most one byte past the listed size: an object grown since is refused
+                    # (verify_fetched) without filling the cache with it
+                    while size <= shard.size and (
+                            chunk := f.read(min(_CHUNK, shard.size + 1 - size))):
                         if len(head) < HEADER_BYTES:
                             head += chunk[:HEADER_BYTES - len(head)]
                         digest.update(chunk)
@@ -345,19 +391,20 @@ class ShardCache:
 
     def _make_room(self, incoming: int) -> None:
         """Evict least recently used shards no process holds until `incoming` more bytes fit
-        (temp files of dead fetches removed first)."""
+        (temp files of dead fetches removed first). Only names of the cache's own form are
+        counted or removed, and only regular files: anything else here is left alone."""
         entries = []
         for entry in os.scandir(self.root):
-            if entry.name.startswith(".tmp-"):
-                if not _pid_alive(entry.name.split("-")[1]):
+            if (tmp := _TMP_NAME.match(entry.name)) and not _pid_alive(tmp.group(1)):
+                if _is_regular(entry):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
-                    continue
-            elif entry.name.startswith("."):
+                continue
+            if not (tmp or _CACHED_NAME.match(entry.name)):
                 continue
             st = _stat_or_none(entry)
-            if st is not None:
-                entries.append((st.st_mtime_ns, entry.path, st.st_size, entry.name.startswith(".")))
+            if st is not None and stat.S_ISREG(st.st_mode):
+                entries.append((st.st_mtime_ns, entry.path, st.st_size, bool(tmp)))
         used = sum(size for _, _, size, _ in entries)
         for _, path, size, is_tmp in sorted(entries):
             if used + incoming <= self.max_bytes:
@@ -367,8 +414,8 @@ class ShardCache:
 
     def cached_bytes(self) -> int:
         """Bytes of the shards in the cache now."""
-        sizes = (_stat_or_none(e) for e in os.scandir(self.root) if not e.name.startswith("."))
-        return sum(st.st_size for st in sizes if st is not None)
+        sizes = (_stat_or_none(e) for e in os.scandir(self.root) if _CACHED_NAME.match(e.name))
+        return sum(st.st_size for st in sizes if st is not None and stat.S_ISREG(st.st_mode))
 
 
 def verify_fetched(shard: Shard, head: bytes, size: int, sha256: str, expected: dict | None) -> None:
@@ -406,6 +453,11 @@ def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
         return entry.stat(follow_symlinks=False)
     except FileNotFoundError:
         return None
+
+
+def _is_regular(entry: os.DirEntry) -> bool:
+    st = _stat_or_none(entry)
+    return st is not None and stat.S_ISREG(st.st_mode)
 
 
 def _evict_if_unheld(path: str) -> bool:

@@ -57,14 +57,12 @@ def read_examples(path: str, endpoint: str = "") -> list[Example]:
 
 def _read(path: str, endpoint: str) -> bytes:
     try:
+        from raygpt.storage.uri import open_filesystem, open_regular  # bounded calls; no FIFO wait
         if "://" in path:
-            import pyarrow.fs as pafs
-
-            from raygpt.storage import with_endpoint
-            fs, inner = pafs.FileSystem.from_uri(with_endpoint(path, endpoint))
+            fs, inner = open_filesystem(path, endpoint)
             stream = fs.open_input_stream(inner)
         else:
-            stream = open(path, "rb")
+            stream = open_regular(path, "HellaSwag file")
         with stream as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except (OSError, ValueError) as e:

@@ -100,7 +100,8 @@ from ray.tune.schedulers import ASHAScheduler
 from raygpt import signed_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import (RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig, command_line_only,
-                           config_read_back, without_command_line_only)
+                           config_read_back, shards_with_endpoint, stored_fields,
+                           without_command_line_only)
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.ownership import Lease, check_claim, claim_dir
 from raygpt.ray import capacity
@@ -174,7 +175,11 @@ def write_plan(sweep: RunDir, plan: SweepPlan) -> None:
     caller, and the trials get the plan from the driver's memory, not from this file. The
     plan's configs hold no COMMAND_LINE_ONLY field (`config.without_command_line_only`):
     `read_plan` refuses one."""
-    text = json.dumps(plan.to_dict(), indent=1, sort_keys=True)
+    d = plan.to_dict()
+    for key in ("base", "user_base"):  # read back by check_plan: URIs without their options
+        d[key] = stored_fields(d[key])
+    d["trials"] = [{**t, "overrides": stored_fields(t["overrides"])} for t in d["trials"]]
+    text = json.dumps(d, indent=1, sort_keys=True)
     sweep.write_bytes_atomic(PLAN_FILE, redact(text).encode())
 
 
@@ -646,7 +651,7 @@ def resume_sweep(sweep_dir: str, *, command_line: dict | None = None,
     _ensure_ray(ray_address)
     with _sweep_lease(sweep_dir) as lease:
         sweep = open_run_dir(_abs(sweep_dir))
-        plan = read_plan(sweep, _abs(sweep_dir))
+        plan = _with_endpoints(read_plan(sweep, _abs(sweep_dir)), command_line)
         ledger = read_ledger(sweep)
         rows = trial_rows(plan, ledger)
         todo = [r.name for r in rows if needs_resume(r.status, retry_errored)]
@@ -663,6 +668,18 @@ def resume_sweep(sweep_dir: str, *, command_line: dict | None = None,
         return _fit(plan, todo, experiment=experiment, command_line=command_line,
                     lineage=lease.token, ledger=ledger,
                     replay={r.name: r.val_curve for r in rows})
+
+
+def _with_endpoints(plan: SweepPlan, command_line: dict) -> SweepPlan:
+    """A plan read back (its shard URIs stored plain) with this driver's storage endpoint
+    (--storage-endpoint, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) in its shard URIs again,
+    as a fresh sweep's are: the trials, on other machines, open the same store."""
+    endpoint = command_line.get("storage_endpoint", "")
+    base = dict(plan.base)
+    for key, flag in (("input_bin", "-i/--input-bin"), ("input_val_bin", "-j/--input-val-bin")):
+        if isinstance(base.get(key), str):
+            base[key] = shards_with_endpoint(flag, base[key], endpoint)
+    return dataclasses.replace(plan, base=base)
 
 
 def needs_resume(status: str, retry_errored: bool) -> bool:
@@ -958,7 +975,7 @@ def best_config(user_base: TrainConfig, overrides: dict) -> dict:
             out.update({f"spike.{k}": v for k, v in value.items() if v != default["spike"][k]})
         elif value != default[key]:
             out[key] = value
-    return out
+    return stored_fields(out)  # read back by --config: its URIs plain (check_file_fields)
 
 
 def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_curve=None,

@@ -28,14 +28,14 @@ import re
 import numpy as np
 
 from raygpt import preflight
-from raygpt.config import (CONFIG_FILE_FORBIDDEN, ConfigError, FlagParser, SpikeConfig,
-                           TrainConfig, absolute_paths)
+from raygpt.config import (FILE_REFUSED, ConfigError, FlagParser, SpikeConfig, TrainConfig,
+                           absolute_paths, check_file_fields)
 from raygpt.ray import capacity
 
 # Fields that place or arm a run, not configure it: the sweep's own command line gives them
-# (never a search-space key, nor a stored trial's overrides) and best_config.json leaves them out,
-# as a --config file may not set them.
-PLACEMENT_FIELDS = CONFIG_FILE_FORBIDDEN
+# (never a search-space key, nor a stored trial's overrides: sweep.json is a file, and a file may
+# not set them) and best_config.json leaves them out.
+PLACEMENT_FIELDS = FILE_REFUSED
 # A trial's name, which is also its run directory under <sweep>/trials/ (so never a path).
 TRIAL_NAME_RE = re.compile(r"^trial_[0-9]{3,9}$")
 # Known trial configs checked before Ray starts, at most (a larger product is checked one
@@ -92,6 +92,9 @@ def check_space(base: TrainConfig, space: dict) -> None:
                               f"(expected a training field)")
         value = current["spike"].get(key[6:]) if key.startswith("spike.") else current.get(key)
         base.with_overrides({key: value})  # raises ConfigError naming an unknown key
+        # sweep.json stores the space's values: a URI there may not carry options either
+        for known in known_values(space[key]) or []:
+            check_file_fields({key: known}, "search space")
 
 
 def trial_name(index: int) -> str:
@@ -148,6 +151,7 @@ def check_trials(base: TrainConfig, trials, where: str) -> list[dict]:
                               f"{type(overrides).__name__}")
         try:
             check_space(base, overrides)
+            check_file_fields(overrides, "overrides")
             base.with_overrides(overrides)
         except ConfigError as e:
             raise ConfigError(f"{where}[{i}] ({name}): {e}") from None

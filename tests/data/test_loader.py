@@ -815,3 +815,26 @@ def test_the_shard_fetched_ahead_is_the_one_the_stream_visits_next(tmp_path):
     # at each change the shard predicted inside the previous visit is the one reached
     assert len(visits) >= 10
     assert predicted[:-1] == visits[1:]
+
+
+def test_a_token_id_past_the_models_vocabulary_is_bad_input_naming_the_shard(tmp_path):
+    """llm.c's shards are uint16: ids 50257..65535 fit the file but index past GPT-2's embedding.
+    The loader says so in one line that is never retried (issue 53), at the last id that fits
+    and the first that does not."""
+    from raygpt.errors import EXIT_BAD_INPUT, stop_code
+    tokens = np.arange(64) % 50
+    tokens[37] = 50256  # the largest id the vocabulary has
+    write_shard(tmp_path / "ok_000000.bin", tokens)
+    loader = DistributedDataLoader(str(tmp_path / "ok_*.bin"), 2, 8, 0, 1, vocab_size=50257)
+    for _ in range(3):
+        loader.next_batch()
+    tokens[37] = 50257
+    write_shard(tmp_path / "bad_000000.bin", tokens)
+    loader = DistributedDataLoader(str(tmp_path / "bad_*.bin"), 2, 8, 0, 1, vocab_size=50257)
+    with pytest.raises(ShardError) as e:
+        for _ in range(3):
+            loader.next_batch()
+    assert str(e.value) == (f"{tmp_path / 'bad_000000.bin'}: token 37: expected a token id below "
+                            f"the model's vocabulary of 50,257, found 50,257 (shards of another "
+                            f"tokenizer?)")
+    assert stop_code(e.value) == EXIT_BAD_INPUT

@@ -374,3 +374,82 @@ def test_two_workers_fetching_one_shard_download_it_once(s3, tmp_path):
     assert handler.streams == 1
     assert all(np.array_equal(g, tokens_of(0, 300_000)) for g in got) and len(got) == 2
     assert len(cache_files(cache.root)) == 1
+
+
+# ------------------------------------------------------------ what the cache may delete (issue 53)
+
+def test_a_directory_holding_other_files_is_never_a_cache(s3, tmp_path):
+    """--shard-cache-dir ~ (or a config file's): eviction would delete the user's files as if they
+    were shards. A private directory holding anything but the cache's own names is refused, its
+    files untouched."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    (home / "thesis.tex").write_text("years of work")
+    with pytest.raises(ShardError) as e:
+        ShardCache(str(home), max_bytes=1)
+    (line,) = str(e.value).splitlines()
+    assert line.startswith(f"{home}: expected a shard cache raygpt made, or an empty directory")
+    assert "'thesis.tex'" in line
+    assert sorted(os.listdir(home)) == ["thesis.tex"]
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    os.chmod(empty, 0o700)
+    assert ShardCache(str(empty)).root == str(empty)  # an empty one is adopted, and marked
+    assert os.path.isfile(empty / ".locks" / "raygpt-shard-cache")
+
+
+def test_eviction_deletes_only_what_the_cache_fetched(s3, tmp_path):
+    """A file that reaches a marked cache later (moved there, another tool's) is left alone, even
+    when the bound makes the cache evict everything it can."""
+    uri = put_shards(s3, "foreign", [1000, 1000])
+    cache = ShardCache(str(tmp_path / "cache"), max_bytes=HEADER_BYTES + 2000)
+    source = list_shards(uri)
+    cache.open(source, 0).close()
+    root = tmp_path / "cache"
+    (root / "photos.tar").write_bytes(b"x" * 50_000)
+    os.utime(root / "photos.tar", (1, 1))  # the oldest entry: first in line were it a shard
+    (root / "notes").mkdir()
+    (root / ".tmp-1-not-ours-but-named-so").mkdir()  # our temp name, but not a regular file
+    cache.open(source, 1).close()
+    assert sorted(os.listdir(root)) == sorted([".locks", ".tmp-1-not-ours-but-named-so", "notes",
+                                               "photos.tar", cache.name_of(source, 1, None)])
+    assert cache.cached_bytes() == HEADER_BYTES + 2000  # the foreign file is not counted
+
+
+def test_an_object_replaced_by_a_shorter_valid_shard_after_listing_is_refused(s3, tmp_path):
+    """The listed size is what the fingerprint and the plan saw: a valid shard of another size
+    served in its place is refused, not cached."""
+    uri = put_shards(s3, "shrunk", [1000])
+    source = list_shards(uri)
+    with s3.fs().open_output_stream("bucket/shrunk/shard_000000.bin") as f:
+        f.write(shard_bytes(tokens_of(0, 900)))
+    with pytest.raises(ShardError, match=rf"size: expected {HEADER_BYTES + 2000:,} bytes \(as "
+                                         rf"listed\), fetched {HEADER_BYTES + 1800:,}"):
+        ShardCache(str(tmp_path / "cache")).open(source, 0)
+    assert cache_files(tmp_path / "cache") == []
+
+
+def test_an_object_that_grew_after_listing_is_read_only_one_byte_past_its_size(s3, tmp_path):
+    uri = put_shards(s3, "grown", [1000])
+    fs, handler = counted(s3)
+    source = list_shards(uri, fs=fs)
+    with s3.fs().open_output_stream("bucket/grown/shard_000000.bin") as f:
+        f.write(shard_bytes(tokens_of(0, 400_000)))  # 800 KB where 2 KB were listed
+    handler.bytes_read = 0
+    with pytest.raises(ShardError, match=r"size: expected .* \(as listed\), fetched "
+                                         rf"{HEADER_BYTES + 2001:,}"):
+        ShardCache(str(tmp_path / "cache")).open(source, 0)
+    assert handler.bytes_read == HEADER_BYTES + 2001
+    assert cache_files(tmp_path / "cache") == []
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_among_local_shards_is_refused_without_waiting_on_it(tmp_path):
+    write_shard(tmp_path / "shard_000000.bin", tokens_of(0, 100))
+    os.mkfifo(tmp_path / "shard_000001.bin")
+    with pytest.raises(ShardError) as e:
+        list_shards(str(tmp_path / "shard_*.bin"))
+    assert str(e.value) == (f"shard {str(tmp_path / 'shard_000001.bin')!r}: expected a regular "
+                            f"file, found a FIFO")
+    assert stop_code(e.value) == EXIT_BAD_INPUT

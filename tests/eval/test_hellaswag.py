@@ -4,6 +4,7 @@ scoring, and every malformed line refused naming it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -156,3 +157,45 @@ def test_preflight_refuses_a_bad_file_or_an_example_longer_than_the_context(tmp_
         check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
     f.write_text(json.dumps(GOOD) + "\n")
     check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_as_the_hellaswag_file_is_refused_without_waiting_on_it(tmp_path):
+    fifo = tmp_path / "hellaswag_val.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(hellaswag.HellaSwagError, match="expected a regular file, found a FIFO"):
+        hellaswag.read_examples(str(fifo))
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_never_answers_ends_the_read_within_its_bounds(monkeypatch):
+    """A --hellaswag URI goes through the URI door like every other reader: bounded calls (a
+    server that accepts and then says nothing hung the run for good before, issue 53)."""
+    import socket
+    import threading
+
+    from raygpt.storage import uri
+    monkeypatch.setattr(uri, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(uri, "REQUEST_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(uri, "S3_MAX_ATTEMPTS", 1)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # accepts connections (the kernel's backlog) and never answers
+        where = "%s:%d" % server.getsockname()
+        outcome = []
+
+        def read():
+            try:
+                hellaswag.read_examples(f"s3://b/hellaswag_val.jsonl?endpoint_override={where}"
+                                        f"&scheme=http&region=us-east-1")
+            except hellaswag.HellaSwagError as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the read still waits on a server that never answers"
+    assert outcome and "cannot read" in str(outcome[0])

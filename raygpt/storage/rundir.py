@@ -10,11 +10,8 @@ PUT is already all-or-nothing. `append_text` is for local / NFS run directories 
 stores have no append: their logs are raygpt.runlog.segments); `RunDir.background_appends` moves
 rank 0's appends onto a writer thread so that a step never waits for an fsync.
 
-`open_run_dir` opens object stores where the user points and bounded: an S3-compatible endpoint
-comes from the URI's `?endpoint_override=`, else `--storage-endpoint`, else
-AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (`with_endpoint` writes it into the URI, so every
-process opens the same store); S3 calls are bounded by CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S and
-S3_MAX_ATTEMPTS, GCS retries by GCS_RETRY_LIMIT_S. `check_reachable` says within a deadline,
+`open_run_dir` opens object stores through the URI door (`raygpt.storage.uri.open_filesystem`:
+the endpoint applied, every call bounded in time). `check_reachable` says within a deadline,
 before Ray starts, whether the store is there, as one line naming the URI and the cause.
 """
 
@@ -30,10 +27,12 @@ import queue
 import re
 import threading
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
+from raygpt.storage.uri import (CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S,  # noqa: F401
+                                REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS, bounded_filesystem,
+                                open_filesystem, rebuilt, with_endpoint)
 from raygpt.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
                                 open_local_append, open_local_read, write_local_atomic)
 
@@ -523,8 +522,8 @@ def open_run_dir(uri) -> RunDir:
     uri = os.fspath(uri)
     if "://" not in uri:
         return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri))
-    fs, path = pafs.FileSystem.from_uri(with_endpoint(uri))
-    return RunDir(bounded_filesystem(fs), path)
+    fs, path = open_filesystem(uri)
+    return RunDir(fs, path)
 
 
 def store_png(run_dir_uri, out_png, data: bytes) -> None:
@@ -543,11 +542,6 @@ def store_png(run_dir_uri, out_png, data: bytes) -> None:
 # ---------------------------------------------------------------------- object stores: endpoint,
 # timeouts, reachability
 
-ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the AWS tools' order
-CONNECT_TIMEOUT_S = 5.0    # a TCP/TLS connection to the store
-REQUEST_TIMEOUT_S = 30.0   # a request with no byte moving this long fails (curl's low-speed rule)
-S3_MAX_ATTEMPTS = 3        # tries of one S3 call in all (AWS standard retries: backoff + jitter)
-GCS_RETRY_LIMIT_S = 60.0   # pyarrow's GCS client retries transient errors this long (default 15 min)
 REACHABLE_DEADLINE_S = 10.0  # how long `check_reachable` waits for the store's first answer
 
 
@@ -557,70 +551,6 @@ class StorageError(ValueError):
     def __init__(self, uri: str, cause: str):
         super().__init__(f"{uri}: {cause}")
         self.uri, self.cause = uri, cause
-
-
-def _endpoint_query(endpoint: str, source: str) -> str:
-    """`http://host:port` -> `endpoint_override=host:port&scheme=http` (pyarrow's URI options)."""
-    parts = urlsplit(endpoint.strip())
-    if (parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/")
-            or parts.query or parts.fragment or "@" in parts.netloc):
-        raise ValueError(f"{source}: expected an endpoint URL such as http://minio:9000 or "
-                         f"https://s3.example.com, found {endpoint!r}")
-    return f"endpoint_override={parts.netloc}&scheme={parts.scheme}"
-
-
-def with_endpoint(uri: str, endpoint: str = "", environ=None) -> str:
-    """An s3:// URI that names its endpoint: unchanged when it is not s3:// or already has
-    `endpoint_override=`; else with the endpoint of `endpoint` (--storage-endpoint), or of
-    AWS_ENDPOINT_URL_S3, or of AWS_ENDPOINT_URL (the precedence of the AWS CLI and SDKs) added
-    as pyarrow's `endpoint_override` and `scheme` options; unchanged when none is set. In the
-    URI because Ray's workers and controller (on other machines, with other environments) open
-    the run directory from the same string as the driver (pyarrow reads the two variables too,
-    but only where they are set). ValueError, naming the setting, for an
-    endpoint that is not an http(s)://host[:port] URL."""
-    if not uri.startswith("s3://"):
-        return uri
-    query = urlsplit(uri).query
-    if "endpoint_override" in parse_qs(query):
-        return uri
-    environ = os.environ if environ is None else environ
-    source, value = "--storage-endpoint", endpoint
-    for name in ENDPOINT_VARIABLES:
-        if value:
-            break
-        source, value = name, environ.get(name, "")
-    if not value:
-        return uri
-    return f"{uri}{'&' if query else '?'}{_endpoint_query(value, source)}"
-
-
-def bounded_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
-    """`fs` with every remote call bounded in time, options the URI set kept: S3 (pyarrow's
-    default is no connect or request timeout) gets CONNECT_TIMEOUT_S / REQUEST_TIMEOUT_S and
-    S3_MAX_ATTEMPTS standard retries; GCS (default: retries for 15 minutes) GCS_RETRY_LIMIT_S.
-    Other filesystems are returned as they are."""
-    return _rebuilt(fs, connect=lambda t: t if t > 0 else CONNECT_TIMEOUT_S,
-                    request=lambda t: t if t > 0 else REQUEST_TIMEOUT_S,
-                    s3_attempts=S3_MAX_ATTEMPTS,
-                    gcs_limit=lambda t: t or datetime.timedelta(seconds=GCS_RETRY_LIMIT_S))
-
-
-def _rebuilt(fs: pafs.FileSystem, *, connect, request, s3_attempts: int, gcs_limit) -> pafs.FileSystem:
-    """`fs` made again from the options pyarrow parsed from its URI (its pickle state: the one
-    place raygpt reads it), each limit replaced by its function of the current one: S3's
-    `connect` and `request` timeouts (<= 0: none) with `s3_attempts` standard retries, GCS's
-    retry time limit (None: pyarrow's 15 minutes). Other filesystems are returned unchanged."""
-    if isinstance(fs, pafs.S3FileSystem):
-        options = fs.__reduce__()[1][0]
-        options["connect_timeout"] = connect(options["connect_timeout"])
-        options["request_timeout"] = request(options["request_timeout"])
-        return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=s3_attempts))
-    if isinstance(fs, pafs.GcsFileSystem):
-        options = fs.__reduce__()[1][0]
-        options["retry_time_limit"] = gcs_limit(options["retry_time_limit"])
-        return pafs.GcsFileSystem(**options)
-    return fs
 
 
 _NO_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
@@ -652,7 +582,7 @@ def _probe_filesystem(fs: pafs.FileSystem, deadline_s: float) -> pafs.FileSystem
     tries of at most deadline_s/2.5 each): no call is left running when the probe answers, so
     a command that then exits does not wait for the normal timeouts of a call in flight."""
     step = max(1.0, deadline_s / 2.5)
-    return _rebuilt(fs, connect=lambda t: min(t, step), request=lambda t: min(t, step),
+    return rebuilt(fs, connect=lambda t: min(t, step), request=lambda t: min(t, step),
                     s3_attempts=2, gcs_limit=lambda t: datetime.timedelta(seconds=step))
 
 
