@@ -290,9 +290,12 @@ def check_private_dir(path: str | os.PathLike, what: str) -> None:
 def open_private_file(path: str | os.PathLike, what: str) -> int:
     """A read-only descriptor of the regular file `path`, owned by this user with no group or
     other permission bits (checked on the open file: O_NOFOLLOW refuses a symlink, fstat sees
-    the file that was opened); NotPrivateError naming it otherwise. FileNotFoundError passes."""
+    the file that was opened; a FIFO or device is refused without blocking); NotPrivateError
+    naming it otherwise. FileNotFoundError passes."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO planted there opens at once (then refused), never waits for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise NotPrivateError(f"{path}: expected a private {what}, found a symlink (to "

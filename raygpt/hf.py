@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,18 @@ GPT2_FIXED = {"model_type": "gpt2", "activation_function": ("gelu_new", "gelu_py
               "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
               "reorder_and_upcast_attn": False}
 MAX_CONFIG_BYTES = 1 << 20
+# What missing GPT2_FIXED fields mean: transformers' GPT2Config defaults (GPT-2's own choices)
+GPT2_DEFAULTS = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+                 "tie_word_embeddings": True, "scale_attn_weights": True,
+                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+# Upper bounds on config.json's shape fields, checked before anything is built from them: past
+# these a file is corrupt or hostile (hf_shapes makes 12 entries a layer, wpe holds T rows).
+MAX_N_LAYER = 1024  # 20x GPT-2 XL's 48 layers
+MAX_N_EMBD = 1 << 16  # 40x GPT-2 XL's 1600 channels
+MAX_N_HEAD = 1 << 10  # 40x GPT-2 XL's 25 heads
+MAX_N_POSITIONS = 1 << 20  # 1024x GPT-2's context
+SHAPE_BOUNDS = {"n_positions": MAX_N_POSITIONS, "n_ctx": MAX_N_POSITIONS, "n_embd": MAX_N_EMBD,
+                "n_layer": MAX_N_LAYER, "n_head": MAX_N_HEAD}
 
 
 class HFError(ValueError):
@@ -187,36 +200,69 @@ def write_gpt2_tokenizer(out_dir) -> None:
 
 # ---------------------------------------------------------------------- reader
 
-def read_hf_config(path: str) -> GPTConfig:
-    """The GPTConfig of the Hugging Face folder `path`, its config.json checked against GPT-2's
-    fixed choices (HFError naming the field)."""
+def read_config_json(path: str) -> dict:
+    """The JSON object of the folder `path`'s config.json: the one read of that file (HFError
+    naming it, one line, when it is not a regular file, larger than MAX_CONFIG_BYTES, nested too
+    deep, not UTF-8 JSON, or not an object). Never blocks on a FIFO planted there."""
+    from raygpt.storage import parse_json
     file = os.path.join(path, CONFIG)
     try:
-        with open(file, "rb") as f:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise HFError(f"{file}: expected a regular file, found another kind of entry")
             raw = f.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise HFError(f"{file}: expected at most {MAX_CONFIG_BYTES:,} bytes, found more")
-        d = json.loads(raw)
-    except (OSError, ValueError, RecursionError) as e:
-        raise HFError(f"{file}: expected a Hugging Face config.json ({str(e)[:200]})") from None
+    except OSError as e:
+        raise HFError(f"{file}: expected a readable Hugging Face config.json "
+                      f"({e.strerror or e})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise HFError(f"{file}: expected at most {MAX_CONFIG_BYTES:,} bytes, found more")
+    try:
+        d = parse_json(raw, file)
+    except ValueError as e:  # storage.JSONError: names the file, one line
+        raise HFError(" ".join(str(e).split())[:300]) from None
     if not isinstance(d, dict):
         raise HFError(f"{file}: expected a JSON object, found {type(d).__name__}")
+    return d
+
+
+def _size(d: dict, field: str, file: str, *, required: bool = True) -> int | None:
+    """The positive integer `field` of config.json, at most its SHAPE_BOUNDS bound."""
+    v = d.get(field)
+    if v is None and not required:
+        return None
+    bound = SHAPE_BOUNDS.get(field)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (bound and v > bound):
+        within = f" of at most {bound:,}" if bound else ""
+        raise HFError(f"{file}: {field}: expected a positive integer{within}, "
+                      f"found {v!r:.60}")
+    return v
+
+
+def read_hf_config(path: str) -> GPTConfig:
+    """The GPTConfig of the Hugging Face folder `path`, its config.json (read_config_json)
+    checked against GPT-2's fixed choices and every shape field against its bound (HFError
+    naming the field) before anything is built from it."""
+    file = os.path.join(path, CONFIG)
+    d = read_config_json(path)
     for field, want in GPT2_FIXED.items():
-        found = d.get(field, want if field != "model_type" else None)
+        found = d.get(field, GPT2_DEFAULTS.get(field))
         if found not in (want if isinstance(want, tuple) else (want,)):
-            raise HFError(f"{file}: {field}: expected {want!r} (GPT-2), found {found!r}")
+            raise HFError(f"{file}: {field}: expected {want!r} (GPT-2), found {found!r:.60}")
     sizes = {}
-    for field in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        v = d.get(field)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise HFError(f"{file}: {field}: expected a positive integer, found {v!r}")
-        sizes[field] = v
+    for field in ("vocab_size", "n_embd", "n_layer", "n_head"):
+        sizes[field] = _size(d, field, file)
+    ctx = _size(d, "n_ctx", file, required=False)  # the older name of n_positions
+    sizes["n_positions"] = _size(d, "n_positions", file, required=ctx is None) or ctx
+    if ctx is not None and ctx != sizes["n_positions"]:
+        raise HFError(f"{file}: n_ctx: expected n_positions {sizes['n_positions']} (or no "
+                      f"n_ctx), found {ctx}")
     if sizes["vocab_size"] != GPT2_VOCAB:
         raise HFError(f"{file}: vocab_size: expected GPT-2's {GPT2_VOCAB} (raygpt trains with "
                       f"GPT-2's tokenizer), found {sizes['vocab_size']}")
     if d.get("n_inner") not in (None, 4 * sizes["n_embd"]):
         raise HFError(f"{file}: n_inner: expected None or 4 * n_embd = {4 * sizes['n_embd']}, "
-                      f"found {d.get('n_inner')!r}")
+                      f"found {d.get('n_inner')!r:.60}")
     if sizes["n_embd"] % sizes["n_head"]:
         raise HFError(f"{file}: n_embd: expected a multiple of n_head {sizes['n_head']}, found "
                       f"{sizes['n_embd']}")

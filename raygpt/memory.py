@@ -41,9 +41,7 @@ keeps fewer per layer and adds one layer's worth back while that layer's backwar
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from pathlib import Path
 
 from raygpt.model_shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 
@@ -91,15 +89,20 @@ class Shape:
 
 def shape_of(model: str) -> Shape | None:
     """The Shape behind -e: dN, an llm.c model file's header, a Hugging Face GPT-2 folder's
-    config.json; None when it cannot be read (raygpt.preflight.check_model names that)."""
+    config.json (read only by raygpt.hf.read_hf_config, the bounded reader that checks it);
+    None when it cannot be read (raygpt.preflight.check_model names that)."""
     if model.startswith("d") and model[1:].isdigit() and int(model[1:]) in MODEL_SHAPES:
         C, nh = MODEL_SHAPES[int(model[1:])]
         return Shape(int(model[1:]), C, nh)
     try:
-        if os.path.isdir(model):
-            hf = json.loads(Path(model, "config.json").read_text())
-            return Shape(hf["n_layer"], hf["n_embd"], hf["n_head"], hf["vocab_size"],
-                         hf["vocab_size"], hf["n_positions"])
+        if os.path.isdir(model):  # raygpt.hf imports torch: only for a Hugging Face folder
+            from raygpt.hf import HFError, read_hf_config
+            try:
+                c = read_hf_config(model)
+            except HFError:
+                return None
+            return Shape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.padded_vocab_size,
+                         c.block_size)
         import numpy as np
         h = np.fromfile(model, dtype="<i4", count=256)  # llm.c: maxT, V, L, nh, C, Vp at 2..7
         if len(h) < 8 or int(h[0]) != LLMC_MODEL_MAGIC or min(h[2:8]) < 1:

@@ -139,8 +139,9 @@ def read_marker(run_dir: RunDir) -> dict | None:
                             f"found a symlink or another kind of entry; remove it by hand")
     try:
         d = read_json_bounded(run_dir, MARKER)
-    except ValueError as e:
-        raise RunDirRefused(f"{run_dir.uri(MARKER)}: {e}") from e
+    except ValueError as e:  # JSONError / FileTooLarge name the file already
+        named = str(e) if str(e).startswith(run_dir.uri(MARKER)) else f"{run_dir.uri(MARKER)}: {e}"
+        raise RunDirRefused(named) from e
     if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
         found = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise RunDirRefused(f"{run_dir.uri(MARKER)}: format: expected {MARKER_FORMAT!r}, "

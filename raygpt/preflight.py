@@ -207,13 +207,9 @@ def check_hellaswag(cfg: TrainConfig) -> None:
     from raygpt.eval import hellaswag
     try:
         examples = hellaswag.read_examples(cfg.hellaswag, cfg.storage_endpoint)
+        hellaswag.check_context(examples, _block_size(cfg), cfg.hellaswag)
     except hellaswag.HellaSwagError as e:
         raise ConfigError(f"--hellaswag: {e}") from None
-    longest = max(hellaswag.render(ex)[0].shape[1] for ex in examples)
-    limit = _block_size(cfg)
-    if longest > limit:
-        raise ConfigError(f"--hellaswag {cfg.hellaswag}: expected examples of at most {limit} "
-                          f"tokens (the model's context), found one of {longest}")
 
 
 def _block_size(cfg: TrainConfig) -> int:

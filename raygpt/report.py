@@ -668,5 +668,5 @@ def plot_main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
-    print(line)
+    print(printable(line))  # -o and the run's name come from the command line or the URI
     return 0

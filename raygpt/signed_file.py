@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -73,6 +74,8 @@ def load_or_create_key(path: str | os.PathLike | None = None) -> ArtifactKey:
     path = Path(path) if path is not None else key_path()
     try:
         try:
+            if path.parent.is_dir():  # not there yet: _create_key makes and checks it
+                _check_key_dir(path.parent)
             return _read_key(path)
         except FileNotFoundError:
             _create_key(path)
@@ -96,11 +99,25 @@ def _read_key(path: Path) -> ArtifactKey:
     return ArtifactKey(secret)
 
 
+def _check_key_dir(directory: Path) -> None:
+    """NotPrivateError naming `directory` unless it is this user's and no one else may write
+    it: in a directory others can write, they could swap the key file for their own, or (owning
+    it) read the temporary file it is written through."""
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode):
+        raise NotPrivateError(f"{directory}: expected a directory owned by you (uid "
+                              f"{os.geteuid()}), not writable by others, to hold the signing key; "
+                              f"found one owned by uid {st.st_uid}, mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}")
+
+
 def _create_key(path: Path) -> None:
     """Write a new key to `path` whole or not at all: into a new 0600 file beside it (mkstemp:
     O_EXCL, never a planted symlink), then linked to `path`, which fails if another process
-    made the key meanwhile (its key is then read: the two agree). The directory is made 0700."""
+    made the key meanwhile (its key is then read: the two agree). The directory is made 0700,
+    and one that exists must be this user's and not writable by others (`_check_key_dir`)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_key_dir(path.parent)  # exist_ok: another user may have made it first
     fd, tmp = tempfile.mkstemp(prefix=".artifact.key.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

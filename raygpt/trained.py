@@ -20,7 +20,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.errors import EXIT_BAD_INPUT
 from raygpt.model import GPT
 from raygpt.storage import open_run_dir
-from raygpt.terminal import printable
+from raygpt.terminal import printable, printable_lines
 
 
 class NoModel(ValueError):
@@ -91,7 +91,11 @@ def export_parser() -> argparse.ArgumentParser:
 
 def sample_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raygpt sample", description=(
-        "Generate text from a checkpoint's model, streaming tokens to the terminal."))
+        "Generate text from a checkpoint's model, streaming tokens to the terminal. The text "
+        "is the model's, and a model file can be made to emit anything: every control or "
+        "format character but the newline (escape sequences, CR, bidi overrides) is shown as "
+        "a visible escape (\\x1b, \\u202e); newlines stay line breaks. --raw writes the "
+        "bytes as made."))
     _common(p)
     p.add_argument("--prompt", default="", help="the text to continue (default: none, an "
                                                 "<|endoftext|> start)")
@@ -99,6 +103,9 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--raw", action="store_true",
+                   help="write the text exactly as decoded, control characters included (for a "
+                        "file or a pipe; never a terminal you trust)")
     _device_flag(p)
     return p
 
@@ -129,7 +136,7 @@ def export_main(argv: list[str]) -> int:
     except (NoModel, HFError, ValueError, OSError) as e:
         print(f"raygpt export: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"raygpt export: step {step} of {printable(args.run_dir)} -> {out} "
+    print(f"raygpt export: step {step} of {printable(args.run_dir)} -> {printable(out)} "
           f"({str(dtype).removeprefix('torch.')})")
     return 0
 
@@ -151,7 +158,9 @@ def sample_main(argv: list[str]) -> int:
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
+    # the model's text is data: escaped but its newlines (terminal.printable_lines) unless --raw
+    show = (lambda text: text) if args.raw else printable_lines
+    sys.stdout.write(show(args.prompt))
     done: list[int] = []
     shown = ""
     for _ in range(args.gen_tokens):
@@ -160,10 +169,10 @@ def sample_main(argv: list[str]) -> int:
         done.append(int(idx[0, -1]))
         text = tokenizer.decode(done)
         if not text.endswith("\ufffd"):  # a character split over tokens waits for its rest
-            sys.stdout.write(text[len(shown):])
+            sys.stdout.write(show(text[len(shown):]))
             sys.stdout.flush()
             shown = text
-    sys.stdout.write(tokenizer.decode(done)[len(shown):] + "\n")
+    sys.stdout.write(show(tokenizer.decode(done)[len(shown):]) + "\n")
     return 0
 
 
@@ -174,6 +183,7 @@ def eval_main(argv: list[str]) -> int:
         examples = hellaswag.read_examples(args.hellaswag)
         device = _device(args.device)
         model, step, _ = model_at(args.run_dir, args.step)
+        hellaswag.check_context(examples, model.config.block_size, args.hellaswag)  # all, first
     except (NoModel, hellaswag.HellaSwagError, ValueError, OSError) as e:
         print(f"raygpt eval: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -28,9 +28,23 @@ from tests.helpers import tiny_config, train_losses  # noqa: E402
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    model = GPT(GPTConfig.from_depth(2, block_size=64), init_seed=7).eval()
+    model = distinct(GPT(GPTConfig.from_depth(2, block_size=64), init_seed=7).eval())
     write_model_file(str(root / "model.bin"), model)
     return model, root / "model.bin", hf.export_hf(model, str(root / "out"), dtype=torch.float32)
+
+
+def distinct(model: GPT) -> GPT:
+    """`model` with every tensor seeded random and unlike every other (GPT's own init makes each
+    LayerNorm weight 1 and bias 0, so two of them swapped in the map would go unseen); wte's
+    padded rows stay zero, as raygpt keeps them."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 + (1.0 if name.endswith("ln_1.weight")
+                    or name.endswith("ln_2.weight") or name.endswith("ln_f.weight") else 0.0)
+                    + 1e-3 * i)
+        model.transformer.wte.weight[model.config.vocab_size:] = 0
+    return model
 
 
 def llmc_export_mapping(model_file) -> dict[str, np.ndarray]:
@@ -199,3 +213,62 @@ def test_export_refuses_a_directory_holding_files(exported, tmp_path):
     with pytest.raises(hf.HFError, match="expected a new or empty directory"):
         hf.export_hf(exported[0], str(tmp_path / "taken"), dtype=torch.float32)
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+def test_a_config_without_activation_function_is_gpt2s_default(tmp_path):
+    config = {k: v for k, v in GPT2_CONFIG.items() if k != "activation_function"}
+    assert hf.read_hf_config(str(_folder(tmp_path, config))).n_layer == 2
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n_layer", 10**8), ("n_embd", 2**40), ("n_head", 10**9), ("n_positions", 10**12),
+    ("n_ctx", 10**12),
+])
+def test_shape_fields_past_their_bound_are_refused_naming_the_field(tmp_path, field, value):
+    d = _folder(tmp_path, {**GPT2_CONFIG, field: value})
+    with pytest.raises(hf.HFError, match=f"config.json: {field}: expected .*at most"):
+        hf.read_hf_config(str(d))
+
+
+def test_a_config_too_large_or_too_deep_is_one_line_naming_the_file(tmp_path):
+    d = _folder(tmp_path, GPT2_CONFIG)
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(hf.HFError, match=r"config.json: .*nested") as e:
+        hf.read_hf_config(str(d))
+    assert "\n" not in str(e.value)
+    with open(d / "config.json", "wb") as f:
+        f.truncate(2 << 30)  # sparse: costs no disk
+    with pytest.raises(hf.HFError, match=r"config.json: expected at most"):
+        hf.read_hf_config(str(d))
+
+
+def test_the_preflight_reads_a_hostile_config_only_through_the_bounded_reader(tmp_path):
+    """The memory estimate (raygpt.memory.shape_of) runs before check_model: it must neither
+    recurse out on deep nesting nor take a huge n_layer, and the error names the file."""
+    from raygpt import preflight
+    d = _folder(tmp_path, GPT2_CONFIG)
+    machine = {"CPU": 64, "memory": 1 << 50}
+    cfg = tiny_config(tmp_path / "r", model=str(d)).resolve(0)
+    (d / "config.json").write_text("{\"a\":" * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ConfigError, match=r"-e/--model: .*config.json: .*nested") as e:
+        preflight.check(cfg, machine=machine)
+    assert "\n" not in str(e.value)
+    (d / "config.json").write_text(json.dumps({**GPT2_CONFIG, "n_layer": 10**8}))
+    with pytest.raises(ConfigError, match=r"-e/--model: .*config.json: n_layer: expected"):
+        preflight.check(cfg, machine=machine)
+
+
+def test_the_hf_folders_shape_for_the_estimate_is_the_bounded_readers(tmp_path):
+    import tracemalloc
+
+    from raygpt import memory
+    d = _folder(tmp_path, GPT2_CONFIG)
+    assert memory.shape_of(str(d)) == memory.Shape(2, 128, 2, 50257, 50304, 64)  # Vp as GPT pads
+    with open(d / "config.json", "r+b") as f:
+        f.truncate(64 << 20)  # sparse
+    tracemalloc.start()
+    try:
+        assert memory.shape_of(str(d)) is None  # preflight.check_model names why
+        assert tracemalloc.get_traced_memory()[1] < (8 << 20)
+    finally:
+        tracemalloc.stop()

@@ -98,8 +98,9 @@ def test_shapes_from_a_model_file_and_a_hugging_face_folder(tmp_path):
     assert shape_of(str(tmp_path / "model.bin")) == Shape(3, 128, 2, 50257, 50304, 256)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(
-        dict(n_layer=3, n_embd=128, n_head=2, vocab_size=50257, n_positions=256)))
-    assert shape_of(str(tmp_path / "hf")) == Shape(3, 128, 2, 50257, 50257, 256)
+        dict(model_type="gpt2", n_layer=3, n_embd=128, n_head=2, vocab_size=50257,
+             n_positions=256)))  # read by raygpt.hf's bounded reader, wte padded as GPT pads it
+    assert shape_of(str(tmp_path / "hf")) == Shape(3, 128, 2, 50257, 50304, 256)
     (tmp_path / "zeros.bin").write_bytes(b"\0" * 4096)
     assert shape_of(str(tmp_path / "zeros.bin")) is None  # preflight.check_model names it
     assert shape_of(str(tmp_path / "missing.bin")) is None

@@ -503,7 +503,7 @@ def test_compact_takes_the_runs_lease_and_touches_only_a_run_of_yours(s3, capsys
     _put(fs, f"{other}/main.log", b"theirs\n")
     _put(fs, f"{other}/main_log/part-00000000-bbbbbbbb.log", b"s:0 trl:1.0\n")
     before = listing(other)
-    assert main(["compact", uri(other)]) == 1
+    assert main(["compact", uri(other)]) == 2  # not a run of yours: bad input, as for train
     assert "expected a raygpt run directory of yours" in capsys.readouterr().err
     assert listing(other) == before
 

@@ -132,3 +132,51 @@ def test_a_key_that_cannot_be_made_says_where_to_put_one(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{path}: the compiled-artifact signing key: cannot "
                                           rf"make or read it .*{signed_file.KEY_ENV}"):
         load_or_create_key(path)
+
+
+@pytest.mark.parametrize("owner", ["another uid", "you"])
+def test_a_key_directory_others_can_write_is_refused_and_no_key_is_made_there(
+        tmp_path, monkeypatch, owner):
+    """A raygpt/ directory another user made first (or anyone may write) would let them swap
+    or read the key beside its making: one ConfigError line naming the directory, nothing
+    created in it."""
+    shared = tmp_path / "config" / "raygpt"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    if owner == "another uid":
+        if os.geteuid() != 0:
+            pytest.skip("making a directory another uid owns needs root")
+        os.chown(shared, 4242, 4242)
+    monkeypatch.delenv(signed_file.KEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    with pytest.raises(ConfigError) as e:
+        load_or_create_key()
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{shared}: expected a directory owned by you "
+                                                f"(uid {os.geteuid()}), not writable by others")
+    assert list(shared.iterdir()) == []
+
+
+def test_a_fifo_planted_as_the_key_file_is_refused_without_blocking(tmp_path):
+    import threading
+    fifo = tmp_path / "artifact.key"
+    os.mkfifo(fifo, 0o600)
+    result = []
+    t = threading.Thread(target=lambda: result.append(_load(fifo)), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the open so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("load_or_create_key blocked on a FIFO")
+    assert isinstance(result[0], ConfigError), result
+    assert str(result[0]).startswith(f"{fifo}: expected a private signing key file, found "
+                                     f"another kind of file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def _load(path):
+    try:
+        return load_or_create_key(path)
+    except ConfigError as e:
+        return e

@@ -104,3 +104,43 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, argv, message):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+HOSTILE = "ok\x1b]0;owned\x07\r\u202eevil\nnext line\x9b2J"
+
+
+@pytest.fixture
+def hostile_generate(monkeypatch):
+    """A model whose weights were rewritten to emit escape sequences: generate() appends the
+    tokens of HOSTILE one at a time (the streaming path), then spaces."""
+    from raygpt.model import GPT
+    want = tokenizer.encode(HOSTILE)
+
+    def generate(self, idx, n, **_):
+        i = idx.shape[1] - 1  # after the <|endoftext|> start
+        nxt = want[i] if i < len(want) else tokenizer.encode(" ")[0]
+        return torch.cat([idx, torch.tensor([[nxt]], device=idx.device)], dim=1)
+    monkeypatch.setattr(GPT, "generate", generate)
+    return len(want)
+
+
+def test_sample_escapes_what_the_model_makes_but_keeps_its_newlines(run, capsys,
+                                                                    hostile_generate):
+    assert cli(["sample", str(run), "-g", str(hostile_generate)]) == 0
+    out = capsys.readouterr().out
+    assert out == "ok\\x1b]0;owned\\x07\\x0d\\u202eevil\nnext line\\x9b2J\n", out
+    assert cli(["sample", str(run), "-g", str(hostile_generate), "--raw"]) == 0
+    assert capsys.readouterr().out == HOSTILE + "\n"
+    assert "--raw" in trained.sample_parser().format_help()
+
+
+def test_eval_refuses_an_example_longer_than_the_context_before_scoring(run, tmp_path, capsys):
+    ok = {"ctx": "A man is sitting on a roof. he", "label": 0,
+          "endings": ["is using wrap.", "is ripping tiles off.", "is holding a cube.", "sits."]}
+    long = dict(ok, ctx="word " * 1100)
+    f = tmp_path / "hellaswag_val.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in (ok, ok, long)) + "\n")
+    assert cli(["eval", str(run), "--hellaswag", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hellaswag_val.jsonl: line 3: expected" in err[0], err
+    assert "at most 1024 tokens" in err[0], err

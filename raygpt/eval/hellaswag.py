@@ -33,6 +33,7 @@ class Example:
     ctx: str
     endings: tuple[str, str, str, str]
     label: int
+    line: int = dataclasses.field(default=0, compare=False)  # in its file, for errors
 
 
 MAX_FILE_BYTES = 256 << 20  # the validation split is about 11 MB
@@ -87,7 +88,23 @@ def _example(raw: bytes, path: str, n: int) -> Example:
                              f"{endings!r:.80}")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
         raise HellaSwagError(f"{path}: line {n}: label: expected 0, 1, 2 or 3, found {label!r}")
-    return Example(ctx, tuple(endings), label)
+    return Example(ctx, tuple(endings), label, n)
+
+
+def tokens_of(example: Example) -> int:
+    """The length of the longest of the example's four rows (render's T)."""
+    ctx = len(tokenizer.encode(example.ctx))
+    return max(ctx + len(tokenizer.encode(" " + e)) for e in example.endings)
+
+
+def check_context(examples: list[Example], block_size: int, path: str) -> None:
+    """HellaSwagError naming the file and the line of the first example longer than the
+    model's context (`block_size` tokens), checked for all before any is scored."""
+    for ex in examples:
+        n = tokens_of(ex)
+        if n > block_size:
+            raise HellaSwagError(f"{path}: line {ex.line}: expected an example of at most "
+                                 f"{block_size} tokens (the model's context), found {n}")
 
 
 def render(example: Example) -> tuple[torch.Tensor, torch.Tensor]:

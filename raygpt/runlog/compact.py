@@ -16,7 +16,9 @@ from raygpt.ownership import Lease, RunDirBusy, check_own_run
 from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
 from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
 from raygpt.runlog.segments import compact
-from raygpt.storage import open_run_dir, redact
+from raygpt.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from raygpt.storage import open_run_dir
+from raygpt.terminal import printable
 
 LAYOUTS = (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG)
 
@@ -32,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def compact_main(argv: list[str]) -> int:
-    """`raygpt compact RUN_DIR`: 0 done, 1 an error (one line on stderr, nothing deleted that
-    was not merged)."""
+    """`raygpt compact RUN_DIR`: 0 done; 2 bad input (a run directory not yours, or a file of it
+    that is not raygpt's: too large, nested too deep, wrong types); 1 another error (a job
+    holds the lease, storage failed). One line on stderr; nothing deleted that was not merged."""
     args = build_parser().parse_args(argv)
     try:
         run_dir = open_run_dir(args.run_dir)
@@ -46,11 +49,17 @@ def compact_main(argv: list[str]) -> int:
                                      f"{lease.lost}")
                 done = compact(run_dir, layout)
                 if done["base"] is None:
-                    print(f"{layout.legacy}: nothing to compact")
+                    print(f"{printable(layout.legacy)}: nothing to compact")
                 else:
                     print(f"{layout.legacy}: {done['parts']} segments merged into "
-                          f"{redact(run_dir.uri(done['base']))} ({done['bytes']:,} bytes)")
-    except (OSError, ValueError) as e:  # RunDirRefused and RunDirBusy are ValueErrors
-        print(f"raygpt compact: error: {redact(str(e))}", file=sys.stderr)
-        return 1
+                          f"{printable(run_dir.uri(done['base']))} ({done['bytes']:,} bytes)")
+    except RunDirBusy as e:  # a job runs there now: the same command may succeed later
+        print(f"raygpt compact: error: {printable(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as e:  # RunDirRefused, JSONError, FileTooLarge, RefusedPath: bad input
+        print(f"raygpt compact: error: {printable(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"raygpt compact: error: {printable(e)}", file=sys.stderr)
+        return EXIT_FAILED
     return 0

@@ -152,8 +152,9 @@ def test_preflight_refuses_a_bad_file_or_an_example_longer_than_the_context(tmp_
     f.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": 9}) + "\n")
     with pytest.raises(ConfigError, match="--hellaswag: .*hs.jsonl: line 2: label"):
         check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
-    f.write_text(json.dumps({**GOOD, "ctx": "word " * 1100}) + "\n")
-    with pytest.raises(ConfigError, match="expected examples of at most 1024 tokens"):
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "ctx": "word " * 1100}) + "\n")
+    with pytest.raises(ConfigError, match="hs.jsonl: line 2: expected an example of at most 1024 "
+                                          "tokens .*, found 110"):
         check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
     f.write_text(json.dumps(GOOD) + "\n")
     check_hellaswag(tiny_config(tmp_path, hellaswag=str(f)).resolve(0))
