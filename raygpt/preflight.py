@@ -171,6 +171,13 @@ def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str
                           f"loader holds {SHARDS_HELD} shards in the node's cache, and {uri} is "
                           f"{(HEADER_BYTES + 2 * ntok) / 2**30:.3g} GB), found "
                           f"{cfg.shard_cache_gb:g}")
+    # the directory as this node's workers will take it: a home or a project is refused here,
+    # before Ray starts, not in every worker (eviction would delete its files)
+    from raygpt.data.sources import ShardError, cache_root
+    try:
+        cache_root(cfg.shard_cache_dir or None)
+    except ShardError as e:
+        raise ConfigError(f"--shard-cache-dir: {e}") from None
 
 
 # ---------------------------------------------------------------------- model file

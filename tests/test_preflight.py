@@ -296,6 +296,23 @@ def test_shards_in_a_bucket_are_checked_before_ray_starts(data, no_ray, capsys, 
                           f"endpoint does not answer"), err
 
 
+def test_a_shard_cache_dir_holding_the_users_files_is_refused_before_ray_starts(data, no_ray,
+                                                                                capsys, s3, tmp_path):
+    """--shard-cache-dir ~ would have the cache evict the home's files as if they were shards
+    (issue 53): one line naming the flag and the directory, the files untouched."""
+    where = _bucket_shards(s3, data, "home")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    (home / "thesis.tex").write_text("years of work")
+    err = refused([*SMALL, "-o", str(data / "run"), "--storage-endpoint", s3.endpoint,
+                   "-i", f"{where}/train.bin", "-j", f"{where}/val.bin",
+                   "--shard-cache-dir", str(home), "--shard-cache-gb", "1e-4"], capsys)
+    assert err.startswith(f"raygpt: error: --shard-cache-dir: {home}: expected a shard cache "
+                          f"raygpt made, or an empty directory"), err
+    assert os.listdir(home) == ["thesis.tex"]
+
+
 def test_shards_in_a_bucket_pass_the_checks_and_the_endpoint_goes_into_their_uris(data, s3):
     where = _bucket_shards(s3, data, "ok")
     cfg = parse_args([*SMALL, "-o", str(data / "run"), "--storage-endpoint", s3.endpoint,

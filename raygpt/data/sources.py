@@ -313,6 +313,12 @@ class CachedShard:
             self.fd = -1
 
 
+def cache_root(root: str | None) -> str:
+    """The node's shard cache directory as ShardCache takes it (made, or checked and marked);
+    ShardError naming it when it is not one the cache may evict from."""
+    return _private_cache_dir(root or default_cache_dir())
+
+
 class ShardCache:
     """A node's cache of remote shards in a private directory, at most `max_bytes` of them
     (plus the shards processes hold open, which are never evicted)."""
@@ -320,7 +326,7 @@ class ShardCache:
     def __init__(self, root: str | None = None, max_bytes: int = int(DEFAULT_CACHE_GB * 2**30)):
         if max_bytes < 1:
             raise ValueError(f"ShardCache: max_bytes: expected an integer >= 1, found {max_bytes}")
-        self.root = _private_cache_dir(root or default_cache_dir())
+        self.root = cache_root(root)
         self.max_bytes = int(max_bytes)
 
     def name_of(self, source: ShardSource, i: int, expected: dict | None) -> str:
