@@ -78,6 +78,9 @@ class ShardCutter:
         pos = 0
         while pos < len(tokens):
             take = min(self.capacity() - self.filled, len(tokens) - pos)
+            if take < 1:  # a shard with no room left would never fill: fail, never spin
+                raise ValueError(f"ShardCutter: shard {self.index}: expected room for a token, "
+                                 f"found capacity {self.capacity()} with {self.filled} filled")
             self.buffer[self.filled:self.filled + take] = tokens[pos:pos + take]
             self.filled += take
             pos += take

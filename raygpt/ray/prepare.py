@@ -28,7 +28,11 @@ from raygpt.data.corpus import CorpusError
 from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, PROGRESS, STAGING, PrepareError, Progress,
                                       ShardCutter, identity, make_manifest, publish, read_manifest,
                                       read_progress, shard_name, write_progress, write_staged_shard)
+from raygpt.atomic_file import RefusedPath
+from raygpt.config import ConfigError
 from raygpt.errors import EXIT_BAD_INPUT
+from raygpt.ownership import RunDirRefused, check_claim, claim_dir
+from raygpt.terminal import printable
 from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
 from raygpt.tokenizer import tokenizer_fingerprint
 
@@ -101,6 +105,12 @@ def plan(s: PrepareSettings) -> Plan:
                            else posixpath.abspath(s.out))
     except ValueError as e:  # a malformed URI or endpoint
         raise CorpusError(f"-o {redact(s.out)}: {e}") from None
+    # the output is this user's prepare, or new or empty: a planted progress.json or
+    # manifest.json (whose identity anyone can compute) is refused before it is read
+    try:
+        check_claim(out, PREPARE_KIND, s.out, holds=_holds_prepare, resume=True)
+    except RunDirRefused as e:
+        raise PrepareError(str(e)) from None
     complete, progress = read_manifest(out), read_progress(out)
     if complete is not None and complete["identity"] != ident:
         raise PrepareError(f"-o {redact(out.uri())}: holds a complete prepare of other inputs or "
@@ -110,11 +120,15 @@ def plan(s: PrepareSettings) -> Plan:
         raise PrepareError(f"-o {redact(out.uri())}: holds a prepare under way of other inputs or "
                            f"settings ({out.uri(PROGRESS)}); expected an empty directory or this "
                            f"prepare's own; choose another -o, or delete {out.uri(STAGING)}")
-    held = out.listdir() if complete is None and progress is None and out.exists() else []
-    if held:
-        raise PrepareError(f"-o {redact(out.uri())}: expected an empty or new directory, found "
-                           f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}")
     return Plan(s, fs, files, units, name, val_tokens, ident, out, progress, complete)
+
+
+PREPARE_KIND = "prepare"  # the output's marker kind (ownership.py): a run's or a sweep's is refused
+
+
+def _holds_prepare(out: RunDir) -> bool:
+    """Whether `out` holds a prepare (finished, or under way)."""
+    return any(out.exists(name) for name in ("manifest.json", PROGRESS, STAGING))
 
 
 def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
@@ -128,6 +142,10 @@ def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
 
     if p.complete is not None:
         return p.complete
+    try:  # marked as this user's before anything is written (checked again, as plan() did)
+        claim_dir(p.out, PREPARE_KIND, p.settings.out, holds=_holds_prepare, resume=True)
+    except RunDirRefused as e:
+        raise PrepareError(str(e)) from None
     progress = p.progress or Progress(p.identity)
     first, drop, docs_before = progress.restart_point()
     staged = list(progress.shards)
@@ -275,20 +293,21 @@ def main(argv: list[str], prog: str = "raygpt prepare") -> int:
     try:
         p = plan(settings)
         if p.complete is not None:
-            print(f"{prog}: {redact(p.out.uri())} is complete ({len(p.complete['shards'])} shards, "
+            print(f"{prog}: {printable(p.out.uri())} is complete ({len(p.complete['shards'])} shards, "
                   f"{p.complete['tokens']:,} tokens): nothing to do")
             return 0
         if p.progress is not None:
-            print(f"{prog}: continuing the prepare in {redact(p.out.uri())} after "
+            print(f"{prog}: continuing the prepare in {printable(p.out.uri())} after "
                   f"{len(p.progress.shards)} finished shard(s)", file=sys.stderr)
         manifest = run(p)
-    except (CorpusError, PrepareError) as e:
-        print(f"{prog}: error: {redact(str(e))}", file=sys.stderr)
+    except (CorpusError, PrepareError, ConfigError, RefusedPath) as e:
+        # one line, escaped: names and text in it come from files (a planted name, a field)
+        print(f"{prog}: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for s in manifest["shards"]:
-        print(f"wrote {redact(p.out.uri(s['name']))}: {s['tokens']:,} tokens")
+        print(f"wrote {printable(p.out.uri(s['name']))}: {s['tokens']:,} tokens")
     print(f"total: {manifest['tokens']:,} tokens from {manifest['documents']:,} documents in "
-          f"{len(manifest['shards'])} shards; manifest {redact(p.out.uri('manifest.json'))}")
+          f"{len(manifest['shards'])} shards; manifest {printable(p.out.uri('manifest.json'))}")
     if len(manifest["shards"]) == 1:
         print(f"{prog}: warning: every token went to the val shard; pass --val-tokens (e.g. "
               f"32768) to hold fewer out for validation", file=sys.stderr)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from raygpt.data import shard_writer as sw
+from raygpt.data.shard_writer import ShardCutter
 from raygpt.llmc.shards import read_shard
 from raygpt.storage import open_run_dir
 
@@ -41,6 +42,7 @@ def _cut(docs, shard_size, val_tokens=None):
     return out
 
 
+@pytest.mark.timeout(60)  # a cutter that stops making progress fails here instead of hanging
 @pytest.mark.parametrize("shard_size", [1, 7, 64, 1000, 5000])
 def test_cut_is_llmc_fineweb_byte_for_byte(shard_size):
     rng = np.random.default_rng(0)
@@ -124,3 +126,19 @@ def test_publish_moves_staged_shards_then_writes_the_manifest_and_can_be_repeate
     (tmp_path / "n_train_000002.bin").unlink()
     with pytest.raises(sw.PrepareError, match="n_train_000002.bin: expected the shard of 3 tokens"):
         sw.publish(out, m)
+
+
+@pytest.mark.timeout(10)
+def test_a_shard_with_no_room_fails_instead_of_looping():
+    """Sizes below one token are refused when the cutter is made; a capacity that is still zero
+    (a subclass, a bug) fails on the first add rather than spinning on it forever."""
+    for shard_size, val_tokens in ((0, 5), (5, 0), (-1, 5)):
+        with pytest.raises(ValueError, match="expected integers >= 1"):
+            ShardCutter(shard_size, val_tokens, lambda i, t: None)
+
+    class NoRoom(ShardCutter):
+        def capacity(self) -> int:
+            return 0
+
+    with pytest.raises(ValueError, match=r"shard 0: expected room for a token, found capacity 0"):
+        NoRoom(5, 5, lambda i, t: None).add(np.arange(3, dtype=np.uint16))
