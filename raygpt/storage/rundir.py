@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 
 from raygpt.storage.uri import (CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S,  # noqa: F401
                                 REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS, bounded_filesystem,
-                                open_filesystem, rebuilt, with_endpoint)
+                                open_filesystem, rebuilt, redact, with_endpoint)
 from raygpt.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
                                 open_local_append, open_local_read, write_local_atomic)
 
@@ -484,20 +484,6 @@ def _fsync_path(path: Path, *, follow: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# credentials a URI can carry: s3://KEY:SECRET@bucket/... and pyarrow's ?access_key=...&secret_key=...
-_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s@]+@")  # "/" too: secrets hold it
-_URI_SECRET_PARAM = re.compile(r"((?:access_key|secret_key|session_token|token|password)=)[^&\s]*",
-                               re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """`text` with every credential a storage URI can carry replaced by ***: whatever raygpt
-    prints about a run directory or stores outside it (failure reports, status, sweep.json)
-    goes through this."""
-    text = _URI_USERINFO.sub(r"\1***@", str(text))
-    return _URI_SECRET_PARAM.sub(r"\1***", text)
 
 
 def join_uri(uri: str, rel: str) -> str:

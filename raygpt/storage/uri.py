@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import os
+import re
 import stat
 from urllib.parse import parse_qs, urlsplit
 
@@ -56,7 +57,6 @@ def check_plain(value, where: str) -> None:
     the endpoint, the scheme, the region and credentials of a store are the command line's and
     the environment's to give (--storage-endpoint, AWS_ENDPOINT_URL, the AWS variables)."""
     if isinstance(value, str) and (found := uri_options(value)):
-        from raygpt.storage.rundir import redact
         raise URIRefused(f"{where}: expected a plain URI or path (a file may name a place, not how "
                          f"to reach it), found {redact(value)!r} with {', '.join(found)}; give "
                          f"the endpoint with --storage-endpoint or AWS_ENDPOINT_URL on the "
@@ -71,6 +71,20 @@ def without_options(value: str) -> str:
     parts = urlsplit(value)
     host = parts.netloc.rpartition("@")[2]
     return f"{parts.scheme}://{host}{parts.path}"
+
+
+# credentials a URI can carry: s3://KEY:SECRET@bucket/... and pyarrow's ?access_key=...&secret_key=...
+_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s@]+@")  # "/" too: secrets hold it
+_URI_SECRET_PARAM = re.compile(r"((?:access_key|secret_key|session_token|token|password)=)[^&\s]*",
+                               re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with every credential a storage URI can carry replaced by ***: whatever raygpt
+    prints about a run directory or stores outside it (failure reports, status, sweep.json)
+    goes through this."""
+    text = _URI_USERINFO.sub(r"\1***@", str(text))
+    return _URI_SECRET_PARAM.sub(r"\1***", text)
 
 
 def _endpoint_query(endpoint: str, source: str) -> str:

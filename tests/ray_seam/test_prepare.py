@@ -125,7 +125,7 @@ def test_from_and_into_a_bucket(local_ray, tmp_path, monkeypatch):
         listed = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("data/shards")))
         want = expected_shards(docs, 500)
         names = ["edu_val_000000.bin"] + [f"edu_train_{i:06d}.bin" for i in range(1, len(want))]
-        assert listed == sorted(names + ["manifest.json"])
+        assert listed == sorted(names + ["manifest.json", "raygpt_run.json"])  # owned, as runs are
         for n, data in zip(names, want):
             with fs.open_input_stream(f"data/shards/{n}") as r:
                 assert r.read() == data
@@ -207,7 +207,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, 
         "null_late": rf"{corpus_dir}/z.jsonl: line 6: field 'text': expected a string, found null",
         "missing_field": rf"{corpus_dir}/a.parquet: --text-field 'body': expected a column",
         "bad_utf8": rf"{corpus_dir}/z.jsonl: line 2: expected UTF-8 JSON, found byte 0xff",
-        "foreign_output": rf"-o {out}: expected an empty or new directory, found notes.txt",
+        "foreign_output": rf"-o/--output-dir {out}: refused, expected an empty or new prepare "
+                          rf"directory, found 1 entries raygpt did not create .*'notes.txt'",
         "missing_input": rf"{tmp_path}/nope: expected an existing file, glob, directory or URI",
         "bad_shard_size": r"--shard-size: expected an integer >= 1, found 0",
     }[case]
@@ -229,6 +230,47 @@ def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, 
     assert bins(out) == [] and not (out / "manifest.json").exists()
     if case == "foreign_output":
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("planted", ["unmarked", "another_users_marker"])
+def test_a_planted_output_is_refused_not_adopted(local_ray, tmp_path, capsys, planted):
+    """Issue 53: a prepare's identity is computed from public facts (the inputs' names and sizes,
+    the settings), so whoever can write -o first can forge a progress.json or manifest.json that
+    matches it. -o is claimed as a run directory is: an unmarked directory holding anything, or
+    one whose marker is another user's, is refused before any of it is read or written."""
+    corpus_dir = tmp_path / "c"
+    corpus_dir.mkdir()
+    (corpus_dir / "book.txt").write_text("the user's own text\n\nsecond part\n")
+    out = tmp_path / "out"
+    args = [str(corpus_dir), "-o", str(out), "--shard-size", "50"]
+    if planted == "unmarked":  # a forged prepare under way, its staged shard the planter's text
+        (out / ".prepare").mkdir(parents=True)
+        (out / ".prepare" / "progress.json").write_text('{"identity": "forged", "shards": []}')
+        (out / ".prepare" / "book_val_000000.bin").write_bytes(b"planted")
+        want = "found 1 entries raygpt did not create for a prepare"
+    else:  # a marker that claims the directory for someone else
+        assert prepare.main(args) == 0
+        marker = out / "raygpt_run.json"
+        doc = json.loads(marker.read_text())
+        marker.write_text(json.dumps({**doc, "uid": doc["uid"] + 4242}))
+        capsys.readouterr()
+        want = "its raygpt_run.json is not yours"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert prepare.main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"raygpt prepare: error: -o/--output-dir {out}: refused") and want in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_error_lines_show_names_from_files_escaped(local_ray, tmp_path, capsys):
+    """A file name is data: its escape sequences and newlines are shown, not acted on."""
+    corpus_dir = tmp_path / "c"
+    corpus_dir.mkdir()
+    (corpus_dir / "x\x1b[2J\nraygpt prepare: ok.jsonl").write_text('{"text": 1}\n')
+    assert prepare.main([str(corpus_dir), "-o", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "x\\x1b[2J\\nraygpt prepare: ok.jsonl: line 1: field 'text': expected a string" in line
+    assert "\x1b" not in line
 
 
 @pytest.mark.parametrize("given,name", [
