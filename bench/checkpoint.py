@@ -131,11 +131,11 @@ class _FakeCheckpoint:  # what Ray hands after_report: only .path is used
 
 def driver_bench(args) -> list[dict]:
     from raygpt.config import TrainConfig
-    from raygpt.model import GPTConfig
+    from raygpt.model.gpt import GPTConfig
     from raygpt.storage import open_run_dir
     from raygpt.ray.checkpoints import CheckpointFinalizer
 
-    from raygpt.model import llmc_num_elements
+    from raygpt.model.gpt import llmc_num_elements
     P = llmc_num_elements(GPTConfig.from_depth(args.depth))
     rng = np.random.default_rng(0)
     rows = []
@@ -325,8 +325,8 @@ def gpu1(args):
     import torch
 
     from raygpt.config import TrainConfig
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
 
     def one(every, resume=0, run_dir=None):
@@ -358,9 +358,9 @@ def snapshot_bench(args) -> list[dict]:
 
     from raygpt.checkpointing.snapshot import nbytes
     from raygpt.config import TrainConfig
-    from raygpt.determinism import run_switches
-    from raygpt.loop import build_run, forward_backward
-    from raygpt.session import LocalSession
+    from raygpt.train.determinism import run_switches
+    from raygpt.train.loop import build_run, forward_backward
+    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
 
     gpu = args.device == "gpu"

@@ -1,4 +1,4 @@
-"""The gradient reduction overlapped with the backward pass (raygpt.optim.OverlappedReduction):
+"""The gradient reduction overlapped with the backward pass (raygpt.train.optim.OverlappedReduction):
 the time per step exposed to communication, without and with the overlap. Plain processes over
 NCCL (torch.multiprocessing, no Ray), the loop's step pieces (FlatParameters, AdamW, the
 micro-steps, the reduction, the norm, the update), random tokens.
@@ -17,11 +17,11 @@ three reductions, each for --steps steps after 3 warm-up ones, and rank 0 prints
            forward, waited for block by block (AdamW.gather_during_forward; --overlap-comm)
 exposed = step time - none's. Transports: socket = NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL
 over TCP, standing in for a network between nodes); nvlink = NCCL's default on one host.
-Model modes (raygpt.loop.compile_model's): eager (--no-compile), compiled (the whole model, the
+Model modes (raygpt.train.loop.compile_model's): eager (--no-compile), compiled (the whole model, the
 GPU default: backward is one graph, the hooks fire at its end and nothing overlaps), blocks
 (--compile-scope blocks: a backward node per block, the hooks fire as each finishes). world=1
 is the no-regression check of the machinery (hooks, staging copies and 1-rank collectives
-against none). Deterministic kernels (raygpt.determinism), so "same" says whether single and
+against none). Deterministic kernels (raygpt.train.determinism), so "same" says whether single and
 overlap gave equal losses as floats.
 The table comes last.
 """
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raygpt.determinism import run_switches
-from raygpt.loop import compile_model
-from raygpt.model import GPT, GPTConfig, kernels_for
-from raygpt.optim import AdamW, FlatParameters, OverlappedReduction
+from raygpt.train.determinism import run_switches
+from raygpt.train.loop import compile_model
+from raygpt.model.gpt import GPT, GPTConfig, kernels_for
+from raygpt.train.optim import AdamW, FlatParameters, OverlappedReduction
 
 REDUCTIONS = ("none", "single", "overlap", "gather")
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
@@ -77,7 +77,7 @@ def build(depth: int, mode: str, dev: torch.device, world: int, rank: int, bucke
 
 
 def step(forward, flat, opt, reduction: str, batches, tokens: int) -> torch.Tensor:
-    """One training step as raygpt.loop takes it; returns the agreed loss (on the device)."""
+    """One training step as raygpt.train.loop takes it; returns the agreed loss (on the device)."""
     flat.zero_grad()
     loss_acc = torch.zeros((), device=flat.grads.device)
     for micro, (x, y) in enumerate(batches):

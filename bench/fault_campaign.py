@@ -12,7 +12,7 @@ process; every job of the campaign run is a real driver process, `python -m rayg
 ... --fault SPEC`, in its own session (its own process group, as a terminal gives it), joined
 to the cluster.
 
-Faults, each a real one. Inside the run (armed with --fault; raygpt/faults.py fires them at
+Faults, each a real one. Inside the run (armed with --fault; raygpt/train/faults.py fires them at
 their exact step): a killed worker (SIGKILL), SIGTERM to a worker (the job stops with exit 3
 and is relaunched with `-y 1`), SIGUSR1, a NaN that rewinds (also given to the reference: it is
 the spike both runs meet), a crash before DONE (the driver leaves a checkpoint incomplete, a
@@ -47,7 +47,7 @@ KINDS = ("kill", "sigterm", "sigusr1", "ctrl_c", "nan", "crash_before_done", "ki
 EXTERNAL = ("ctrl_c", "remove_node")  # injected by this script, not by the workers
 CHECKPOINT_EVERY = 2
 SAFETY_STEPS = 3  # a rewind goes back at least this far: it deletes registered checkpoints
-EXIT_FINISHED, EXIT_STOPPED = 0, 3  # raygpt.errors (not imported: this module loads without torch)
+EXIT_FINISHED, EXIT_STOPPED = 0, 3  # raygpt.train.errors (not imported: this module loads without torch)
 JOB_TIMEOUT_S = 1800.0
 # node death noticed in about 2 s (Ray's default is much slower), as tests/ray_seam/test_node_loss.py
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
@@ -262,7 +262,7 @@ def run_campaign(cfg, campaign: Campaign, cluster: CampaignCluster, workdir: Pat
     """The campaign run: one driver process after another until one finishes (exit 0); a job
     stopped by SIGTERM or Ctrl-C must exit 3 and is relaunched with -y 1. The external faults
     strike as the run reaches their steps. Returns every job's exit code."""
-    from raygpt.faults import record_external
+    from raygpt.train.faults import record_external
     from raygpt.storage import open_run_dir
 
     run_path = Path(cfg.output_dir)
@@ -329,8 +329,8 @@ def final_losses(run_dir) -> dict[int, float]:
 
 
 def fired(run_dir) -> list[dict]:
-    """The records of the faults that fired (raygpt/faults.py's, under <run dir>/faults/)."""
-    from raygpt.faults import read_fired
+    """The records of the faults that fired (raygpt/train/faults.py's, under <run dir>/faults/)."""
+    from raygpt.train.faults import read_fired
     from raygpt.storage import open_run_dir
 
     return read_fired(open_run_dir(str(run_dir)), keep=10**6)[1]

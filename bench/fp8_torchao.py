@@ -1,7 +1,7 @@
 """FP8 block matmuls (torchao's float8 training) against raygpt's bf16 step, side by side on one
 GPU: is FP8 worth an opt-in precision at GPT-2 d24 and up?
 
-Each variant trains the same GPT-2 (raygpt.model.GPT, same init, same batches in the same order)
+Each variant trains the same GPT-2 (raygpt.model.gpt.GPT, same init, same batches in the same order)
 with raygpt's bf16 working weights over fp32 masters, raygpt's AdamW and torch.compile over the
 whole model; `fp8-tensorwise` and `fp8-rowwise` first swap the 4 linears of every block for
 torchao's Float8Linear (dynamic scaling, the recipe's casts compiled by Inductor); the
@@ -22,8 +22,8 @@ import torch
 
 from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader
-from raygpt.model import GPT, GPTConfig
-from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.model.gpt import GPT, GPTConfig
+from raygpt.train.optim import AdamW, FlatParameters, random_u32
 
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 

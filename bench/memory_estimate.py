@@ -1,10 +1,10 @@
-"""raygpt.memory's estimate of a worker's peak against the peak of real training steps.
+"""raygpt.model.memory's estimate of a worker's peak against the peak of real training steps.
 
     python bench/memory_estimate.py            # on a GPU: d12 B=8/16/32, d24 B=8, d48 B=4, T=1024
     python bench/memory_estimate.py --cpu      # d2 B=8 T=64, d2 B=64 T=256, d4 B=16 T=256
     python bench/memory_estimate.py --shapes d12:8:1024,d24:16:1024 [--recompute 1]
 
-Each shape runs in a child process of its own: the real loop (raygpt.loop.train under a
+Each shape runs in a child process of its own: the real loop (raygpt.train.loop.train under a
 LocalSession, no Ray) for two steps with a checkpoint after the first, so the second step runs
 with the checkpoint snapshot's buffers alive, as every step of a run after its first
 checkpoint does. Measured: on a GPU torch.cuda.max_memory_allocated (what the tensors hold,
@@ -32,8 +32,8 @@ def child(model: str, batch: int, seq: int, device: str, recompute: int) -> dict
     import torch
 
     from raygpt.config import TrainConfig
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
 
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
@@ -74,7 +74,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child(model, int(b), int(t), device, args.recompute)))
         return
 
-    from raygpt.memory import estimate, shape_of
+    from raygpt.model.memory import estimate, shape_of
 
     rows = []
     for spec in (args.shapes or (CPU_SHAPES if args.cpu else GPU_SHAPES)).split(","):

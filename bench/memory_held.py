@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 import anchor
-from raygpt.model import GPT, GPTConfig
+from raygpt.model.gpt import GPT, GPTConfig
 
 MiB = 1 << 20
 

@@ -15,13 +15,13 @@
 #
 # `loop` is narrowed: only the step's decision functions (agree, update, act_on, rewind,
 # sampling_step, watch_metrics, broadcast_step, all_reduce_sum, Run.validating, the
-# deterministic-op error) are mutated, against tests/test_loop_steps.py (stand-ins for the run's
+# deterministic-op error) are mutated, against tests/train/test_loop_steps.py (stand-ins for the run's
 # components, milliseconds a test). build_run, _train, forward_backward, evaluate, finish and the
 # torch switches are wiring that only a training run exercises: `loop-all` mutates the whole
 # file against the loop tests (minutes per mutant: many hours on 2 cores). `loop-wiring` mutates
 # those wiring functions (build_model, build_val_loader, evaluate, sample_text, train,
 # build_run, _train, after_first_step, forward_backward, finish) against
-# tests/test_loop_wiring.py: one tiny in-process run compared with a hand-rolled reference loop
+# tests/train/test_loop_wiring.py: one tiny in-process run compared with a hand-rolled reference loop
 # (seconds a mutant).
 #
 # mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
@@ -43,21 +43,21 @@ MODULES=("$@")
 # counted as survived here, and must get a unit test (or an equivalence reason) of its own.
 # Candidate paths that do not exist are dropped (tests move into packages: tests/checkpointing/,
 # tests/llmc/), so the selection follows the tree that is being mutated.
-LOOP_TESTS="tests/test_loop.py tests/test_spike.py tests/test_training_behaviour.py"
+LOOP_TESTS="tests/train/test_loop.py tests/train/test_spike.py tests/train/test_training_behaviour.py"
 candidates_for() {
   case "$1" in
-    schedule)   echo "tests/test_schedule.py" ;;
-    outlier)    echo "tests/test_outlier.py" ;;
-    optim)      echo "tests/test_optim.py" ;;
-    state)      echo "tests/test_state.py" ;;
+    schedule)   echo "tests/train/test_schedule.py" ;;
+    outlier)    echo "tests/train/test_outlier.py" ;;
+    optim)      echo "tests/train/test_optim.py" ;;
+    state)      echo "tests/train/test_state.py" ;;
     data)       echo "tests/data/test_loader.py tests/llmc/test_shards.py" ;;
     checkpoint) echo "tests/checkpointing/test_protocol_messages.py tests/checkpointing/test_protocol.py
                       tests/llmc/test_state_file.py" ;;
-    loop)       echo "tests/test_loop_steps.py" ;;
+    loop)       echo "tests/train/test_loop_steps.py" ;;
     loop-all)   echo "$LOOP_TESTS" ;;
-    loop-wiring) echo "tests/test_loop_wiring.py" ;;
+    loop-wiring) echo "tests/train/test_loop_wiring.py" ;;
     state_file) echo "tests/llmc/test_state_file.py" ;;
-    hashing_writer) echo "tests/test_hashing_writer.py tests/checkpointing/test_snapshot.py" ;;
+    hashing_writer) echo "tests/storage/test_hashing_writer.py tests/checkpointing/test_snapshot.py" ;;
     *) echo "bench/mutants.sh: unknown module '$1' (expected one of schedule outlier optim state data checkpoint state_file hashing_writer loop loop-wiring loop-all)" >&2
        exit 2 ;;
   esac
@@ -74,7 +74,7 @@ tests_for() {
 path_for() {
   case "$1" in
     checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
-    loop-all|loop-wiring) echo "raygpt/loop.py" ;;
+    loop-all|loop-wiring) echo "raygpt/train/loop.py" ;;
     state_file) echo "raygpt/llmc/state_file.py" ;;
     *)          echo "raygpt/$1.py" ;;
   esac
@@ -86,13 +86,13 @@ only_for() {
   elif [ "$1" = loop ]; then
     for f in agree update act_on rewind sampling_step watch_metrics broadcast_step \
              all_reduce_sum; do
-      printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
+      printf 'raygpt.train.loop.x_%s__mutmut_* ' "$f"
     done
-    echo "raygpt.loop.xǁRunǁvalidating__mutmut_*"
+    echo "raygpt.train.loop.xǁRunǁvalidating__mutmut_*"
   elif [ "$1" = loop-wiring ]; then
     for f in build_model build_val_loader evaluate sample_text train build_run _train \
              after_first_step forward_backward finish; do
-      printf 'raygpt.loop.x_%s__mutmut_* ' "$f"
+      printf 'raygpt.train.loop.x_%s__mutmut_* ' "$f"
     done
     echo
   fi

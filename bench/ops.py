@@ -126,7 +126,7 @@ class Table:
 
 
 def classifier_layouts(iters: int) -> None:
-    """The three matmuls of one chunk of the fused loss (raygpt.model._FusedClassifierLoss):
+    """The three matmuls of one chunk of the fused loss (raygpt.model.gpt._FusedClassifierLoss):
     L = X W^T, dX = G W, dW = G^T X, against the same products with the logits stored
     transposed (L^T = W X^T, dX = (G^T)^T W, dW = G^T X from G^T): which layout cuBLAS runs
     faster decides how a chunk's logits should be laid out."""
@@ -268,7 +268,7 @@ def main():
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--layouts", action="store_true",
                         help="only time the fused loss's three classifier matmuls per chunk, as "
-                             "raygpt.model writes them and transposed, under cuBLAS and cuBLASLt")
+                             "raygpt.model.gpt writes them and transposed, under cuBLAS and cuBLASLt")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other block sizes / warps of the Triton kernels")
     parser.add_argument("--det-kernels", action="store_true",

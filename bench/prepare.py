@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raygpt.data.shard_writer import ShardCutter, shard_bytes, shard_name  # noqa: E402
-from raygpt.tokenizer import EOT, get_encoding  # noqa: E402
+from raygpt.data.tokenizer import EOT, get_encoding  # noqa: E402
 
 SHARD = 10**7
 

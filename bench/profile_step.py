@@ -1,5 +1,5 @@
 """Where a step of the real loop spends the GPU's time: a torch.profiler trace of a few steady
-steps of `raygpt.loop.train` (d12, B=64, T=1024 by default), read back as GPU busy time, idle
+steps of `raygpt.train.loop.train` (d12, B=64, T=1024 by default), read back as GPU busy time, idle
 gaps and what the host was doing during each gap; plus Python's garbage-collector pauses.
 
     python bench/profile_step.py [--depth 12] [--batch 64] [--seq 1024] [--steps 30]
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from raygpt.loop import train
-from raygpt.session import LocalSession
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 from throughput import add_loop_args, loop_config, variant_settings  # bench/ is this script's directory
 

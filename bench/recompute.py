@@ -6,9 +6,9 @@ fixed B for every level (and at each level's own largest B).
                               [--steps 10] [--warmup 3] [--start 1] [--resolution 1]
                               [--max-batch 512] [--no-time-largest] [--smoke]
 
-The step is raygpt's own (bench/throughput.py's build_step: raygpt.model.GPT with the level set
+The step is raygpt's own (bench/throughput.py's build_step: raygpt.model.gpt.GPT with the level set
 as loop.build_model sets it, FlatParameters' bf16 working weights over fp32 masters, raygpt's
-AdamW), compiled whole as the loop compiles it (raygpt.loop.compile_model: static shapes, so
+AdamW), compiled whole as the loop compiles it (raygpt.train.loop.compile_model: static shapes, so
 every B is a compilation of its own), in deterministic mode with the kernels a GPU run picks by
 default (raygpt's attention and embedding backward). Tokens are random, from a seeded generator:
 the same batches for every level.
@@ -39,9 +39,9 @@ import time
 import torch
 
 from raygpt.config import TrainConfig
-from raygpt.determinism import set_switches
-from raygpt.loop import compile_model
-from raygpt.model import RECOMPUTE_LEVELS, saved_activation_bytes
+from raygpt.train.determinism import set_switches
+from raygpt.train.loop import compile_model
+from raygpt.model.gpt import RECOMPUTE_LEVELS, saved_activation_bytes
 
 from throughput import build_step  # bench/throughput.py (bench/ is this script's directory)
 

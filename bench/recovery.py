@@ -159,8 +159,8 @@ class Killer(threading.Thread):
 
     def run(self):
         from raygpt.checkpointing import protocol as ck
-        from raygpt.compile_cache import COMPILE_ARTIFACTS
-        from raygpt.faults import record_external
+        from raygpt.artifacts.compile_cache import COMPILE_ARTIFACTS
+        from raygpt.train.faults import record_external
         from raygpt.runlog.history import read_history
         from raygpt.storage import open_run_dir
 
@@ -186,7 +186,7 @@ class Killer(threading.Thread):
 
 def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
     from raygpt.config import TrainConfig
-    from raygpt.faults import read_fired
+    from raygpt.train.faults import read_fired
     from raygpt.runlog.history import read_history, summarize_run
     from raygpt.storage import open_run_dir
     from raygpt.ray.driver import run
@@ -233,12 +233,12 @@ def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
 
 
 # rank 0's start-up after a restart, finer than the ledger: each mark's time after the one
-# before it (raygpt.ray.worker's and raygpt.loop.build_run's marks, the ledger's own between)
+# before it (raygpt.ray.worker's and raygpt.train.loop.build_run's marks, the ledger's own between)
 SETUP_MARKS = (("process_started", "failure recorded -> worker process started"),
                ("group_up", "-> worker group up (controller)"),
                ("process_group", "-> process group formed"),
                ("train_func", "-> train function entered"),
-               ("loop_imported", "-> raygpt.loop imported"),
+               ("loop_imported", "-> raygpt.train.loop imported"),
                ("build_started", "-> session built"),
                ("weights_built", "-> model built (weights, on the device)"),
                ("model_built", "-> flat buffers + optimizer built"),

@@ -47,11 +47,11 @@ t_start = time.time()
 tiny, run_dir, stop, profile = sys.argv[1] == "1", sys.argv[2], int(sys.argv[3]), sys.argv[4]
 import torch
 t_torch = time.time()
-import raygpt.loop
+import raygpt.train.loop
 t_loop = time.time()
 from raygpt.config import TrainConfig
-from raygpt.faults import InjectedFault
-from raygpt.session import LocalSession
+from raygpt.train.faults import InjectedFault
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 torch.set_num_threads(1)  # as a Ray Train worker with one CPU
 cfg = TrainConfig(model="d2" if tiny else "d12", batch_size=4 if tiny else 16,
@@ -64,15 +64,15 @@ if os.environ.get("RESTART_PARTS_REGIONAL"):  # each block compiled on its own (
         for block in model.transformer.h:
             block.compile(mode=mode, dynamic=False)
         return model
-    raygpt.loop.compile_model = compile_blocks
+    raygpt.train.loop.compile_model = compile_blocks
 if os.environ.get("RESTART_PARTS_REGIONAL") == "pieces":  # also the final norm, and the loss
-    import raygpt.model
+    import raygpt.model.gpt
     def compile_pieces(model, mode, scope="model"):
         compile_blocks(model, mode)
         model.transformer.ln_f.compile(mode=mode, dynamic=False)
         return model
-    raygpt.loop.compile_model = compile_pieces
-    raygpt.model.fused_classifier_loss = torch.compile(raygpt.model.fused_classifier_loss,
+    raygpt.train.loop.compile_model = compile_pieces
+    raygpt.model.gpt.fused_classifier_loss = torch.compile(raygpt.model.gpt.fused_classifier_loss,
                                                        dynamic=False)
 prof = None
 if profile:
@@ -80,7 +80,7 @@ if profile:
     prof = cProfile.Profile()
     prof.enable()
 try:
-    raygpt.loop.train(cfg, LocalSession(open_run_dir(run_dir), torch.device(
+    raygpt.train.loop.train(cfg, LocalSession(open_run_dir(run_dir), torch.device(
         "cpu" if tiny else "cuda")))
 except InjectedFault:
     pass
@@ -125,7 +125,7 @@ def split(run_dir: Path, marks: dict) -> dict:
     first = next(r["time"] for r in records(run_dir)
                  if r.get("kind") == "train" and r.get("attempt") == resume["attempt"])
     timeline = [("process start -> torch imported", marks["torch"]),
-                ("-> raygpt.loop imported", marks["loop"])]
+                ("-> raygpt.train.loop imported", marks["loop"])]
     timeline += [(f"-> {k}", setup[k]) for k in SETUP_ORDER if k in setup]
     timeline += [("-> state loaded", startup.get("state_loaded")),
                  ("-> first step trained", first)]

@@ -1,4 +1,4 @@
-"""What the artifact signature costs a new node: sign and verify (raygpt.signed_file) of
+"""What the artifact signature costs a new node: sign and verify (raygpt.artifacts.signed_file) of
 compiled-artifact files of several sizes, read from a run directory as the loader reads them.
 
     python bench/signed_file.py [--sizes-mb 10,100,500] [--repeat 3]
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raygpt import signed_file  # noqa: E402
+from raygpt.artifacts import signed_file  # noqa: E402
 from raygpt.storage import open_run_dir  # noqa: E402
 
 

@@ -10,12 +10,12 @@ The baseline of record is llm.c's PyTorch trainer, unchanged (`../shared/anchors
 bench/anchor.py in a child process with the same model, batch and constant learning rate): its
 row comes first and, unless --no-rebaseline, again after the raygpt rows; every raygpt row's
 ratio is against the mean of the two, and the loss comparison is against its first run.
-Then, in this process, the same GPT-2 (raygpt.model.GPT, same init, same data) on two sides:
+Then, in this process, the same GPT-2 (raygpt.model.gpt.GPT, same init, same data) on two sides:
 - baseline: fp32 weights, torch.compile, autocast bf16, SDPA attention, the textbook loss
   (loss_impl="reference": full logits, fp32 cross-entropy), torch.optim.AdamW(fused=True),
   torch.nn.utils.clip_grad_norm_ (what llm.c's train_gpt2.py does). It is pinned: raygpt's
   model options never change it, so the ratio measures them;
-- raygpt: the real training loop (`raygpt.loop.train` under a LocalSession): bf16 working
+- raygpt: the real training loop (`raygpt.train.loop.train` under a LocalSession): bf16 working
   weights over fp32 master weights, raygpt's global-norm and AdamW kernels, data loading,
   logging (loss_history.jsonl, main.log, TensorBoard) and the console line included; and, with
   --ray, the same run under Ray Train's TorchTrainer with 1 worker (TrainConfig's defaults,
@@ -83,8 +83,8 @@ import torch
 from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader
 from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
-from raygpt.model import GPT, GPTConfig, kernels_for, num_parameters
-from raygpt.optim import AdamW, FlatParameters, random_u32
+from raygpt.model.gpt import GPT, GPTConfig, kernels_for, num_parameters
+from raygpt.train.optim import AdamW, FlatParameters, random_u32
 
 import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 
@@ -179,28 +179,28 @@ def variant_settings(spec: str):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    import raygpt.loop
-    import raygpt.model
+    import raygpt.train.loop
+    import raygpt.model.gpt
 
     inductor, loop = parse_variant(spec)
     regional = inductor.pop("_regional", False)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    whole = raygpt.loop.compile_model
-    loss = raygpt.model.fused_classifier_loss
+    whole = raygpt.train.loop.compile_model
+    loss = raygpt.model.gpt.fused_classifier_loss
     torch._dynamo.reset()
     try:
         if loop.get("deterministic"):  # the split pass too (the loop turns it on for itself)
             torch.use_deterministic_algorithms(True)
         if regional:
-            raygpt.loop.compile_model = compile_blocks
+            raygpt.train.loop.compile_model = compile_blocks
         if regional == "pieces":
-            raygpt.loop.compile_model = compile_pieces
-            raygpt.model.fused_classifier_loss = torch.compile(loss, dynamic=False)
+            raygpt.train.loop.compile_model = compile_pieces
+            raygpt.model.gpt.fused_classifier_loss = torch.compile(loss, dynamic=False)
         with inductor_config.patch(inductor):
             yield loop
     finally:
-        raygpt.loop.compile_model = whole
-        raygpt.model.fused_classifier_loss = loss
+        raygpt.train.loop.compile_model = whole
+        raygpt.model.gpt.fused_classifier_loss = loss
         torch.use_deterministic_algorithms(deterministic)  # the loop leaves it on
         torch._dynamo.reset()
 
@@ -347,8 +347,8 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
 
 def raygpt_loop(args, cfg_overrides=None):
     """The real loop: returns per-step (loss, dt) from its loss history."""
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
 
     run_dir = tempfile.mkdtemp(prefix="raygpt-bench-")

@@ -39,7 +39,7 @@ def generated_corpus(root: Path, files: int = 3, docs: int = 400) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raygpt.tokenizer import RANKS_PATH
+    from raygpt.data.tokenizer import RANKS_PATH
     text = (RANKS_PATH.parent / "input.txt").read_text(encoding="utf-8")
     paras = [p for p in text.split("\n\n") if p]
     rng = np.random.default_rng(0)

@@ -22,11 +22,11 @@ import os
 import sys
 
 from raygpt import __version__
-from raygpt.atomic_file import RefusedPath
+from raygpt.storage.atomic_file import RefusedPath
 from raygpt.config import (EXIT_CODES, ConfigError, FlagParser, absolute_paths, build_parser,
                            parse_args)
 from raygpt.ray import capacity
-from raygpt.terminal import printable, printable_lines
+from raygpt.runlog.terminal import printable, printable_lines
 
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
@@ -50,13 +50,13 @@ def _train(argv: list[str]) -> int:
         cfg = absolute_paths(parse_args(argv))  # the workers' working directory is not this one
         gpus, cpus = _cluster_capacity()
         cfg = cfg.resolve(gpus, notes=adapted, cpus_available=cpus)
-        from raygpt import preflight  # before Ray starts: a bad input costs ~1 s
+        from raygpt.config import preflight  # before Ray starts: a bad input costs ~1 s
         plan = preflight.check(cfg, machine=None if os.environ.get("RAY_ADDRESS")
                                else capacity.this_machine(cfg))
     except ConfigError as e:
         print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return 2
-    from raygpt.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
+    from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
     from raygpt.ray.driver import RunAborted, RunFailed, run
 
     try:
@@ -95,12 +95,12 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    from raygpt import report
+    from raygpt.runlog import report
     return report.status_main(argv)
 
 
 def _plot(argv: list[str]) -> int:
-    from raygpt import report
+    from raygpt.runlog import report
     return report.plot_main(argv)
 
 
@@ -123,7 +123,7 @@ def build_main_parser() -> argparse.ArgumentParser:
 
 def _trained(command: str):
     def handler(argv: list[str]) -> int:
-        from raygpt import trained  # torch, and transformers for export: only when asked
+        from raygpt.interop import trained  # torch, and transformers for export: only when asked
         return getattr(trained, f"{command}_main")(argv)
     return handler
 
@@ -142,10 +142,10 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
         return FlagParser(prog="raygpt sweep", allow_abbrev=False, add_help=False,
                           parents=[build_sweep_parser(), build_parser("raygpt sweep")])
     if command in ("status", "plot"):
-        from raygpt import report
+        from raygpt.runlog import report
         return report.status_parser() if command == "status" else report.plot_parser()
     if command in ("export", "sample", "eval"):
-        from raygpt import trained
+        from raygpt.interop import trained
         return getattr(trained, f"{command}_parser")()
     if command == "prepare":
         from raygpt.ray.prepare import build_parser as prepare_parser

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from raygpt.checkpointing.protocol import step_of_dir
-from raygpt.faults import InjectedFault
-from raygpt.loop import train
-from raygpt.session import LocalSession
+from raygpt.train.faults import InjectedFault
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config, train_losses
 
@@ -48,8 +48,8 @@ def test_recompute_levels_under_inductor_on_the_gpu_agree_within_bf16_rounding(t
     there: Inductor compiles a checkpointed region into kernels of its own and rounds its values
     differently from the forward's stored bf16 copies (one H200, torch 2.11: level 2's first
     loss and every later one of levels 1 and 2 differ near 1e-5 relative), so the losses are held
-    to bf16's rounding. On CPUs and eagerly the levels are bit-exact (tests/test_model.py,
-    tests/test_loop.py)."""
+    to bf16's rounding. On CPUs and eagerly the levels are bit-exact (tests/model/test_model.py,
+    tests/train/test_loop.py)."""
     losses = {}
     for level in (0, 1, 2):
         cfg = gpu_config(tmp_path / f"r{level}", compile=True, recompute=level, max_steps=4)

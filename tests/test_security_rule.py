@@ -30,7 +30,7 @@ DANGEROUS = (
     "runpy.*", "ctypes.*", "os.system", "os.popen", "os.exec*", "os.spawn*",
     "yaml.load", "yaml.unsafe_load", "yaml.full_load",
     ".extractall", ".extract",
-    "raygpt.kernel_bundle.install",  # puts .so files into Triton's cache, which imports them
+    "raygpt.artifacts.kernel_bundle.install",  # puts .so files into Triton's cache, which imports them
 )
 # Calls that create or change a file. Only the reviewed writers may make them: they refuse to
 # write through a link and never truncate what raygpt did not create.
@@ -43,18 +43,18 @@ WRITES = (
 
 # (module, function): why this call site is safe. Reviewed by hand; keep each reason one line.
 REVIEWED_DANGEROUS: dict[tuple[str, str], str] = {
-    ("raygpt/compile_cache.py", "load_compile_artifacts"):
+    ("raygpt/artifacts/compile_cache.py", "load_compile_artifacts"):
         "unpickles only the payload signed_file.verified returned (the user's HMAC key, its name)",
-    ("raygpt/compile_cache.py", "load_kernel_bundle"):
+    ("raygpt/artifacts/compile_cache.py", "load_kernel_bundle"):
         "installs only a bundle whose bytes signed_file.verified returned",
-    ("raygpt/kernel_bundle.py", "raygpt_kernel_names"):
+    ("raygpt/artifacts/kernel_bundle.py", "raygpt_kernel_names"):
         "imports KERNEL_MODULES, a constant tuple of raygpt's own modules",
 }
 REVIEWED_WRITES: dict[tuple[str, str], str] = {
-    ("raygpt/atomic_file.py", "atomic_local_file"): "the writer: O_EXCL|O_NOFOLLOW temp, rename",
-    ("raygpt/atomic_file.py", "_create_new"): "O_CREAT|O_EXCL|O_NOFOLLOW in a checked directory",
-    ("raygpt/atomic_file.py", "move_local_file"): "rename of a staged file into a checked directory",
-    ("raygpt/atomic_file.py", "open_local_append"): "O_APPEND|O_NOFOLLOW, directories walked without links",
+    ("raygpt/storage/atomic_file.py", "atomic_local_file"): "the writer: O_EXCL|O_NOFOLLOW temp, rename",
+    ("raygpt/storage/atomic_file.py", "_create_new"): "O_CREAT|O_EXCL|O_NOFOLLOW in a checked directory",
+    ("raygpt/storage/atomic_file.py", "move_local_file"): "rename of a staged file into a checked directory",
+    ("raygpt/storage/atomic_file.py", "open_local_append"): "O_APPEND|O_NOFOLLOW, directories walked without links",
     ("raygpt/storage/rundir.py", "RunDir.write_bytes_atomic"): "object stores only (no links); local: atomic_file",
     ("raygpt/storage/rundir.py", "RunDir.open_write"): "object stores only (no links); local: atomic_file",
     ("raygpt/storage/rundir.py", "RunDir.move_file"): "object stores only (no links); local: atomic_file",
@@ -62,20 +62,20 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
         "hard links into the private node-local copy root (atomic_file.private_dir)",
     ("raygpt/checkpointing/runtime.py", "Checkpointer._write_files"):
         "a new file in this process's private mkdtemp staging directory",
-    ("raygpt/compile_cache.py", "_touch"): "O_NOFOLLOW marker in the private node compile cache",
-    ("raygpt/ownership.py", "Lease._exclusive"):
+    ("raygpt/artifacts/compile_cache.py", "_touch"): "O_NOFOLLOW marker in the private node compile cache",
+    ("raygpt/storage/ownership.py", "Lease._exclusive"):
         "the lock file, O_NOFOLLOW, in a directory this user claimed; never truncated",
-    ("raygpt/signed_file.py", "_create_key"):
+    ("raygpt/artifacts/signed_file.py", "_create_key"):
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",
-    ("raygpt/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
+    ("raygpt/runlog/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
     ("raygpt/data/sources.py", "ShardCache._fetch"):
         "O_EXCL|O_NOFOLLOW temp in the private shard cache, renamed once verified",
     ("raygpt/data/sources.py", "_flocked"): "O_NOFOLLOW lock files in the private shard cache",
     ("raygpt/data/sources.py", "_write_marker"): "O_EXCL|O_NOFOLLOW marker in the private shard cache",
     ("raygpt/data/sources.py", "ShardFetcher._run"): "ShardCache.open, a read: not a write",
-    ("raygpt/hf.py", "export_hf"):
+    ("raygpt/interop/hf.py", "export_hf"):
         "a private mkdtemp folder beside the new or empty -o, renamed onto it when complete",
-    ("raygpt/hf.py", "write_gpt2_tokenizer"):
+    ("raygpt/interop/hf.py", "write_gpt2_tokenizer"):
         "vocab.json and merges.txt in a TemporaryDirectory, for transformers 4 to read",
     ("raygpt/ray/sweep.py", "plot_val_curves"):
         "savefig into io.BytesIO; stored by storage.store_png (atomic_file)",
@@ -245,7 +245,7 @@ def test_the_scan_sees_each_form(tmp_path, monkeypatch):
         "import numpy as np\n"
         "from ray import tune\n"
         "from torch.compiler import load_cache_artifacts as lca\n"
-        "from raygpt import kernel_bundle\n"
+        "from raygpt.artifacts import kernel_bundle\n"
         "def f(data, path, z):\n"
         "    pickle.loads(data)\n"                                   # 7
         "    torch.load(path)\n"                                     # 8

@@ -102,10 +102,10 @@ def test_resume_one_to_two_workers(ddp, tmp_path):
 def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     """Load a 2-rank ZeRO-1 checkpoint into a 1-rank run: m, v are the shards, concatenated."""
     from raygpt.checkpointing.runtime import Checkpointer
-    from raygpt.loop import build_model
-    from raygpt.optim import AdamW, FlatParameters
-    from raygpt.session import LocalSession
-    from raygpt.state import TrainState
+    from raygpt.train.loop import build_model
+    from raygpt.train.optim import AdamW, FlatParameters
+    from raygpt.train.session import LocalSession
+    from raygpt.train.state import TrainState
     from raygpt.data.loader import DistributedDataLoader
 
     run(cfg_for(tmp_path, zero_stage=1, max_steps=4))

@@ -17,8 +17,8 @@
                    way for preflight's check on the driver and the restore's in the workers
 
 llm.c's file formats (model_*.bin, state_*.bin) are raygpt.llmc's, the training state a
-checkpoint holds raygpt.state's (the loop's too), and the hash-while-writing file
-raygpt.hashing_writer's (the model file's writer uses it too). Ray's side (each rank's
+checkpoint holds raygpt.train.state's (the loop's too), and the hash-while-writing file
+raygpt.storage.hashing_writer's (the model file's writer uses it too). Ray's side (each rank's
 upload, the controller's hook that calls finalize, Ray's own checkpoint list) is the adapter in
 raygpt/ray/checkpoints.py and raygpt/ray/checkpoint_list.py.
 """

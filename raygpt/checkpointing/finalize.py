@@ -4,7 +4,7 @@ off the caller's thread.
 
 Whoever knows that every rank's files are stored calls it: the Ray driver's finalizer
 (raygpt.ray.checkpoints, once Ray's controller has every rank's report) through a
-`FinalizeQueue`, or a single process after its own upload (raygpt.session). A checkpoint whose
+`FinalizeQueue`, or a single process after its own upload (raygpt.train.session). A checkpoint whose
 finalization fails stays without DONE/MANIFEST, and readers treat it as absent.
 """
 

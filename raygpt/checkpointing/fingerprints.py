@@ -9,7 +9,7 @@ import os
 
 from raygpt.config import FILE_FIELDS, TrainConfig
 from raygpt.data.sources import data_fingerprint, file_ends_sha256
-from raygpt.tokenizer import tokenizer_fingerprint
+from raygpt.data.tokenizer import tokenizer_fingerprint
 
 # the file fingerprints a manifest carries besides data_hash (which every manifest has)
 FILE_PRINTS = ("val_data_hash", "model_source")
@@ -22,7 +22,7 @@ def model_source(model: str, depth: int | None) -> str:
     if depth is not None:
         return model
     if os.path.isdir(model):
-        from raygpt.hf import hf_fingerprint
+        from raygpt.interop.hf import hf_fingerprint
         return hf_fingerprint(model)
     size = os.path.getsize(model)
     return f"llm.c model file, {size} bytes, ends sha256 {file_ends_sha256(model, size)}"

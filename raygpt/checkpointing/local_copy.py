@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from raygpt.atomic_file import check_private_dir, private_dir
+from raygpt.storage.atomic_file import check_private_dir, private_dir
 from raygpt.checkpointing import protocol as ck
 
 log = logging.getLogger(__name__)

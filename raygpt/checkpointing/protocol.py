@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from raygpt import atomic_file
+from raygpt.storage import atomic_file
 from raygpt.llmc.state_file import json_default
 from raygpt.storage import (MAX_JSON_BYTES, FileTooLarge, JSONError, RunDir, parse_json,
                             read_json_bounded)
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "raygpt-checkpoint"
 MANIFEST_VERSION = 1
-# A file's optional sha256 per piece (raygpt.hashing_writer.PIECE_BYTES): what its writer hashed
+# A file's optional sha256 per piece (raygpt.storage.hashing_writer.PIECE_BYTES): what its writer hashed
 # beside the whole-file sha256, so that a reader checks the pieces on PIECE_THREADS threads.
 PIECE_KEYS = ("piece_bytes", "piece_sha256")
 PIECE_THREADS = min(8, os.cpu_count() or 1)

@@ -36,21 +36,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raygpt.atomic_file import fsync_directory
+from raygpt.storage.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
 from raygpt.config import TrainConfig
 from raygpt.data.loader import merge_ranges
-from raygpt.hashing_writer import HashingWriter
+from raygpt.storage.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
-from raygpt.model import GPTConfig
-from raygpt.optim import AdamW, FlatParameters, random_u32, shard_range
-from raygpt.outlier import rewind_target
-from raygpt.schedule import wsd_decay_start
-from raygpt.state import TrainState
+from raygpt.model.gpt import GPTConfig
+from raygpt.train.optim import AdamW, FlatParameters, random_u32, shard_range
+from raygpt.train.outlier import rewind_target
+from raygpt.train.schedule import wsd_decay_start
+from raygpt.train.state import TrainState
 from raygpt.storage import RunDir
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ import stat
 import numpy as np
 import pyarrow.fs as pafs
 
-from raygpt import tokenizer
+from raygpt.data import tokenizer
 
 PARQUET = "parquet"
 JSONL = "jsonl"

@@ -288,7 +288,7 @@ class DistributedDataLoader:
         B, T = self.B, self.T
         mine = samples[self.rank * B:(self.rank + 1) * B]
         # torch is imported here, where batches are built, so that the driver's checks of shard
-        # headers (raygpt.preflight, before Ray starts) do not pay for importing it
+        # headers (raygpt.config.preflight, before Ray starts) do not pay for importing it
         import torch
 
         to_cuda = device is not None and torch.device(device).type == "cuda"

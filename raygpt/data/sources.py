@@ -40,7 +40,7 @@ import tempfile
 import threading
 import uuid
 
-from raygpt.atomic_file import NotPrivateError, private_dir
+from raygpt.storage.atomic_file import NotPrivateError, private_dir
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, check_shard_header
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
@@ -272,7 +272,7 @@ def _private_cache_dir(path: str) -> str:
     of the cache's own form (an empty directory, an earlier raygpt's cache), which it then marks.
     Any other directory (a home, a project) is refused: eviction would delete its files. A
     ShardError naming it otherwise."""
-    from raygpt.terminal import printable
+    from raygpt.runlog.terminal import printable
     try:
         root = str(private_dir(path, "shard cache (or give --shard-cache-dir)"))
     except NotPrivateError as e:

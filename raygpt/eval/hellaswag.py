@@ -19,7 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from raygpt import tokenizer
+from raygpt.data import tokenizer
 
 MAX_LINE_BYTES = 1 << 20
 

@@ -6,10 +6,10 @@ is a ModelFileError naming the file, the field, what was expected and what was f
       [0] 20240326 magic   [1] version: 3 = every tensor fp32, 5 = every tensor bf16
       [2] max_seq_len  [3] vocab_size  [4] num_layers  [5] num_heads  [6] channels
       [7] padded_vocab_size
-    then llm.c's 16 parameter tensors back to back in llm.c's order (raygpt.model's
+    then llm.c's 16 parameter tensors back to back in llm.c's order (raygpt.model.gpt's
     llmc_tensor_shapes), each layer-stacked, as fp32 or as raw bf16 words.
 
-The network and the map between its Parameters and llm.c's tensors are raygpt.model's; this module
+The network and the map between its Parameters and llm.c's tensors are raygpt.model.gpt's; this module
 only reads and writes the bytes.
 """
 
@@ -21,9 +21,9 @@ import os
 import numpy as np
 import torch
 
-from raygpt.atomic_file import atomic_local_file
-from raygpt.hashing_writer import HashingWriter
-from raygpt.model import (GPT, GPTConfig, llmc_num_elements, llmc_parameter_layout,
+from raygpt.storage.atomic_file import atomic_local_file
+from raygpt.storage.hashing_writer import HashingWriter
+from raygpt.model.gpt import (GPT, GPTConfig, llmc_num_elements, llmc_parameter_layout,
                           llmc_tensor_shapes)
 
 MODEL_MAGIC = 20240326

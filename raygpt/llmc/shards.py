@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from raygpt.atomic_file import atomic_local_file
+from raygpt.storage.atomic_file import atomic_local_file
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -25,7 +25,7 @@ class ShardError(ValueError):
 
 
 def write_shard(path: str | os.PathLike, tokens) -> None:
-    """Write `tokens` as an llm.c shard at `path`, atomically (raygpt.atomic_file), so a crash
+    """Write `tokens` as an llm.c shard at `path`, atomically (raygpt.storage.atomic_file), so a crash
     never leaves a half-written shard under the final name."""
     path = os.fspath(path)
     toks = np.asarray(tokens)

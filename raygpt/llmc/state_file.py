@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raygpt.atomic_file import write_local_atomic
+from raygpt.storage.atomic_file import write_local_atomic
 
 STATE_MAGIC = 20240527
 STATE_VERSION = 1

@@ -9,7 +9,7 @@ the specification of the math and of the stochastic-rounding hash. Both paths gi
 bf16 for the same fp32 master weights and seed.
 
 All tensors are flat 1-D buffers in llm.c's parameter order (train_gpt2.cu's ParameterTensors;
-raygpt.model's llmc_parameter_layout). A `Segments` says which model tensors a shard [lo, hi) of
+raygpt.model.gpt's llmc_parameter_layout). A `Segments` says which model tensors a shard [lo, hi) of
 that buffer holds (ZeRO-1 updates such a slice; without ZeRO lo=0 and hi=total); build it once
 per run, on the device of the buffers.
 

@@ -25,7 +25,7 @@ import ray
 import ray.train
 from ray.train import Checkpoint, UserCallback
 
-from raygpt.atomic_file import fsync_directory, make_dirs_below, move_local_file
+from raygpt.storage.atomic_file import fsync_directory, make_dirs_below, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import drain_finalize_queues, finalize_queue, queued_run_dirs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot

@@ -2,7 +2,7 @@
 worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpoints'.
 
 - `run(cfg)` (a `raygpt train`, and each sweep trial) checks every input on the driver first
-  (`raygpt.preflight`: shards, model file, resume compatibility, the run directory's
+  (`raygpt.config.preflight`: shards, model file, resume compatibility, the run directory's
   filesystem), claims the run directory (`ownership.claimed_run_dir`: never overwrite a run
   silently, never delete what is not a marked run, one writer at a time through its lease,
   armed faults announced), records
@@ -25,11 +25,11 @@ worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpo
   installs its own SIGINT handler when `fit()` starts its controller (it aborts the run without
   a checkpoint), so `RaygptTrainer` puts raygpt's in its place.
 - A compiled run's workers get the user's signing key for the compiled artifacts they keep in
-  the run directory (raygpt.signed_file: read on this machine, or made on the first compiled
+  the run directory (raygpt.artifacts.signed_file: read on this machine, or made on the first compiled
   run) in Ray Train's train_loop_config, which Ray keeps in memory: never in the TrainConfig
   (config.json is in the run directory) nor in the runtime environment (Ray's dashboard shows
   its variables).
-- Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.errors`) end
+- Errors a restart would meet again (bad input, a stop raygpt decided: `raygpt.train.errors`) end
   the run at once: the worker raises `RunStopped`, and `StopOnRunStopped`, the controller's
   failure policy, answers RAISE instead of spending the retry budget on them (`RunFailed.final`
   tells a sweep's Tune not to re-run it either).
@@ -53,13 +53,14 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt import preflight, signed_file
+from raygpt.config import preflight
+from raygpt.artifacts import signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
-from raygpt.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
-from raygpt.faults import parse_spec
-from raygpt.memory import out_of_memory_line
-from raygpt.ownership import claimed_run_dir
+from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
+from raygpt.train.faults import parse_spec
+from raygpt.model.memory import out_of_memory_line
+from raygpt.storage.ownership import claimed_run_dir
 from raygpt.ray import capacity, compat
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
@@ -68,7 +69,7 @@ from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, Preemption
 from raygpt.ray.driver_signals import DriverSignals
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
-from raygpt.run_config import CONFIG_FILE, write_launch
+from raygpt.runlog.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
 from raygpt.runlog.history import read_history, summarize_run
 from raygpt.storage import open_run_dir, redact
@@ -111,7 +112,7 @@ def preemption_callbacks() -> list:
 class StopOnRunStopped(DefaultFailurePolicy):
     """Ray Train's failure policy, except that a worker group in which any worker raised
     `RunStopped`, or one Ray's memory monitor killed, is not restarted: the run ends at once
-    with that error (see raygpt.errors; the same micro-batch would outgrow the node again).
+    with that error (see raygpt.train.errors; the same micro-batch would outgrow the node again).
     Everything else (a lost process, node or collective, preemptions) keeps Ray's budgets."""
 
     def make_decision(self, training_failed_error):
@@ -164,7 +165,7 @@ class RaygptTrainer(TrainerHooks):
 class RunFailed(RuntimeError):
     """The run ended without finishing; `exit_code` is what the command line exits with
     (EXIT_FAILED, or EXIT_BAD_INPUT when a worker met a bad input). `final`: a worker's error
-    was one a restart would meet again (raygpt.errors), so no one should retry the run as it
+    was one a restart would meet again (raygpt.train.errors), so no one should retry the run as it
     is (a sweep's Tune does not)."""
 
     def __init__(self, message: str, exit_code: int = EXIT_FAILED, final: bool = False):
@@ -293,7 +294,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     """Run one training job under Ray Train and return rank 0's summary: a `raygpt train`, and
     each sweep trial and WSD stable phase (raygpt.ray.sweep) alike. `cfg` is resolved; `adapted`
     are resolve()'s notes on defaults it fitted to the data (printed and recorded). Every input
-    is checked before Ray starts (`raygpt.preflight`, ConfigError in one line), unless the caller
+    is checked before Ray starts (`raygpt.config.preflight`, ConfigError in one line), unless the caller
     did so already and passes what it found as `plan`.
 
     A sweep adds: `callbacks` on the controller, `stop_at_step` (checkpoint and stop once a

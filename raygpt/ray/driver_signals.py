@@ -1,7 +1,7 @@
 """The driver's signals while a run trains, forwarded to the workers through the run's control
 actor (raygpt.ray.worker.RunControl, which rank 0 polls): SIGTERM (e.g. `ray job stop`) and a
 first Ctrl-C ask every rank to checkpoint and stop, SIGUSR1 to checkpoint and go on; a second
-Ctrl-C aborts at once. On the workers, raygpt.signals' handlers are installed by the backend
+Ctrl-C aborts at once. On the workers, raygpt.train.signals' handlers are installed by the backend
 hook (raygpt.ray.worker)."""
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ from raygpt.data.corpus import CorpusError
 from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, PROGRESS, STAGING, PrepareError, Progress,
                                       ShardCutter, identity, make_manifest, publish, read_manifest,
                                       read_progress, shard_name, write_progress, write_staged_shard)
-from raygpt.atomic_file import RefusedPath
+from raygpt.storage.atomic_file import RefusedPath
 from raygpt.config import ConfigError
-from raygpt.errors import EXIT_BAD_INPUT
-from raygpt.ownership import RunDirRefused, check_claim, claim_dir
-from raygpt.terminal import printable
+from raygpt.train.errors import EXIT_BAD_INPUT
+from raygpt.storage.ownership import RunDirRefused, check_claim, claim_dir
+from raygpt.runlog.terminal import printable
 from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
-from raygpt.tokenizer import tokenizer_fingerprint
+from raygpt.data.tokenizer import tokenizer_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)

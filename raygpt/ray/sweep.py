@@ -45,7 +45,7 @@ stop frees everything and leaves a resumable run directory.
 Before Ray starts (raygpt/trials.py holds the configs and the command line, and imports no
 Ray), every trial config that can be known up front (the base, and every combination of grid
 values and choice categories, the bounds of numeric ranges) goes through the single run's
-driver-side checks (`raygpt.preflight`: model file, shards against B, T and
+driver-side checks (`raygpt.config.preflight`: model file, shards against B, T and
 the world size, trackers) and the sweep directory must be writable: a bad value is one line
 naming the trial's overrides and the flag, exit 2, before anything trains. Each trial writes
 its `config.json` like a single run (`run_config.write_launch`, with the sweep's command line).
@@ -55,7 +55,7 @@ worker group inside the trial and the loop resumes from the newest verified chec
 whose driver died (or whose Ray Train retry budget ran out) is re-run by Tune
 (`tune.FailureConfig`); every trial runs with `resume=1`, so a re-run continues its run directory
 instead of refusing it. A trial that raygpt stopped because a restart would meet the same error
-(bad input, a stop raygpt decided: `raygpt.errors`) is not re-run: Tune has no per-error retry
+(bad input, a stop raygpt decided: `raygpt.train.errors`) is not re-run: Tune has no per-error retry
 policy (its controller re-runs any failed trial while `num_failures <= max_failures`), so the
 trial reports the verdict as its last result and `_NoRetryOfStoppedTrials`, a Tune callback on
 the sweep's driver, sets that trial's budget to zero before its error arrives. When the sweep's
@@ -97,21 +97,21 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
-from raygpt import signed_file
+from raygpt.artifacts import signed_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import (RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig, command_line_only,
                            config_read_back, shards_with_endpoint, stored_fields,
                            without_command_line_only)
-from raygpt.errors import EXIT_BAD_INPUT
-from raygpt.ownership import Lease, check_claim, claim_dir
+from raygpt.train.errors import EXIT_BAD_INPUT
+from raygpt.storage.ownership import Lease, check_claim, claim_dir
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
                                _branch_totals, _plain, check_space, check_trials, expand_trials,
                                pin_for_trials, preflight_sweep, space_items, trial_config)
 from raygpt.runlog.history import iter_history
-from raygpt.schedule import wsd_decay_start
-from raygpt.signed_file import ArtifactKey
+from raygpt.train.schedule import wsd_decay_start
+from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact, store_png
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
     """The sweep's command line (`raygpt sweep`, `python -m raygpt.ray.sweep`,
     experiments/sweep_shakespeare.py): 0 when a best trial exists, 1 when none finished, 2 on
     bad input (found before Ray starts, or met by every trial)."""
-    from raygpt.errors import EXIT_BAD_INPUT, EXIT_FAILED
+    from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FAILED
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         build_sweep_parser(prog).print_help()

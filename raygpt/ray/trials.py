@@ -9,7 +9,7 @@ machine's CPU count (raygpt.ray.capacity).
   read back from the (shared, writable by others) sweep directory;
 - `known_trial_points` / `preflight_sweep`: every trial config that can be known before Tune
   samples (grid values and choice categories crossed, the ends of numeric ranges) through the
-  single run's driver-side checks (raygpt.preflight), and the sweep directory's filesystem;
+  single run's driver-side checks (raygpt.config.preflight), and the sweep directory's filesystem;
 - the command line's parser (`build_sweep_parser`, `space_items`): the sweep's flags, every
   other flag a `raygpt train` flag of the base config (raygpt.ray.sweep_command runs it).
 
@@ -27,7 +27,7 @@ import re
 
 import numpy as np
 
-from raygpt import preflight
+from raygpt.config import preflight
 from raygpt.config import (FILE_REFUSED, ConfigError, FlagParser, SpikeConfig, TrainConfig,
                            absolute_paths, check_file_fields)
 from raygpt.ray import capacity
@@ -192,7 +192,7 @@ def known_trial_points(space: dict) -> list[dict]:
 
 def preflight_sweep(pinned: TrainConfig, space: dict, sweep_dir: str, *,
                     on_this_machine: bool = False) -> list[TrainConfig]:
-    """The single run's driver-side checks (raygpt.preflight) on every trial config known up
+    """The single run's driver-side checks (raygpt.config.preflight) on every trial config known up
     front (`on_this_machine`: its workers against the Ray the sweep starts here, too), and the
     sweep directory's filesystem; ConfigError in one line naming the trial's overrides. Needs
     no running Ray: run it before Ray starts. Returns the configs checked."""

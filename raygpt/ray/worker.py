@@ -2,7 +2,7 @@
 the loop talks to Ray through (`RaySession`), the driver's control actor the workers poll
 (`RunControl`), and the backend hook that installs raygpt's signal handlers on each worker.
 
-The loop (raygpt.loop) knows nothing of Ray: everything it needs (rank, device, the checkpoint
+The loop (raygpt.train.loop) knows nothing of Ray: everything it needs (rank, device, the checkpoint
 Ray restored, reporting metrics and checkpoints, requests from the driver, Ray's preemption
 notice, the driver's key for the compiled artifacts) comes through `RaySession`.
 """
@@ -19,13 +19,13 @@ import ray.train
 import torch
 from ray.train.torch import TorchConfig
 
-from raygpt import signals
+from raygpt.train import signals
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
-from raygpt.errors import RunStopped, stop_code
+from raygpt.train.errors import RunStopped, stop_code
 from raygpt.ray import checkpoints, compat
-from raygpt.session import Session
-from raygpt.signed_file import ArtifactKey
+from raygpt.train.session import Session
+from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class RaySession(Session):
 def train_func(config: dict) -> None:
     """What each Ray Train worker runs."""
     _WORKER_MARKS["train_func"] = time.time()
-    from raygpt.loop import train
+    from raygpt.train.loop import train
 
     _WORKER_MARKS["loop_imported"] = time.time()
 
@@ -160,7 +160,7 @@ _STARTUP_MARKS: dict[str, float] = {}
 
 # Wall times of this worker's own start-up before the loop runs (the recovery bench's finer
 # split, kept in the start record's startup["setup"] beside the loop's): the train function
-# entered, raygpt.loop imported.
+# entered, raygpt.train.loop imported.
 _WORKER_MARKS: dict[str, float] = {}
 
 

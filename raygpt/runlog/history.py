@@ -28,7 +28,7 @@ import time
 from raygpt.runlog import segments
 from raygpt.runlog.segments import LogFile, LogLayout
 from raygpt.storage import JSONError, RunDir, parse_json
-from raygpt.terminal import printable
+from raygpt.runlog.terminal import printable
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ import weakref
 from dataclasses import dataclass
 
 from raygpt.storage import FileTooLarge, RunDir
-from raygpt.terminal import printable
+from raygpt.runlog.terminal import printable
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ filesystem plus a root: a local or NFS path, `file://`, `s3://`, `gs://`, or any
 `pyarrow.fs.FileSystem` (tests wrap fsspec's in-memory one in `PyFileSystem`).
 
 Durability per backend, so callers never think about it: locally an atomic write is
-raygpt.atomic_file's (temp file, fsync, rename, fsync of the directory); on an object store one
+raygpt.storage.atomic_file's (temp file, fsync, rename, fsync of the directory); on an object store one
 PUT is already all-or-nothing. `append_text` is for local / NFS run directories only (object
 stores have no append: their logs are raygpt.runlog.segments); `RunDir.background_appends` moves
 rank 0's appends onto a writer thread so that a step never waits for an fsync.
@@ -33,7 +33,7 @@ import pyarrow.fs as pafs
 from raygpt.storage.uri import (CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S,  # noqa: F401
                                 REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS, bounded_filesystem,
                                 open_filesystem, rebuilt, redact, with_endpoint)
-from raygpt.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
+from raygpt.storage.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
                                 open_local_append, open_local_read, write_local_atomic)
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ def storage_elsewhere(monkeypatch):
 
 
 def _train(run_dir, **overrides):
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     # blocking saves: checkpoint 4 is published before step 4 trains, whatever the machine's
@@ -59,7 +59,7 @@ def reference(tmp_path_factory):
 def _lost_after_checkpoint_4(run_dir):
     """A first attempt that saves checkpoint 4 and dies at step 5 (no clean end: its node's
     copies stay, as after a SIGKILL)."""
-    from raygpt.faults import InjectedFault
+    from raygpt.train.faults import InjectedFault
 
     with pytest.raises(InjectedFault):
         _train(run_dir, fault="raise:rank=0,step=5")

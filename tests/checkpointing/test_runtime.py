@@ -24,8 +24,8 @@ def test_a_run_sweeps_the_staging_roots_dead_workers_left_beside_its_training(tm
 
     from raygpt.checkpointing.protocol import STAGE_STALE_S
     from raygpt.checkpointing.runtime import STAGE_SWEEP_THREAD
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.checkpointing.test_protocol import _age, _stage_root_of_a_killed_process
     from tests.helpers import tiny_config
 
@@ -51,8 +51,8 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
     finalize): every file of the checkpoint is fsynced where its rank wrote it, then again as
     stored, and the step directory and the run directory (the names) are fsynced, all before
     DONE is renamed into place (MANIFEST comes after DONE)."""
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     events = []  # ("fsync", path) / ("rename", target), in order, from every thread
@@ -102,7 +102,7 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
 
 def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
     from raygpt.checkpointing.runtime import old_ranks_needed
-    from raygpt.optim import shard_range
+    from raygpt.train.optim import shard_range
 
     total = 1000
     # 4 ZeRO ranks (250 each) onto 2: rank 1 owns [500, 1000) = old ranks 2 and 3, plus rank 0
@@ -125,15 +125,15 @@ def test_a_resume_loads_the_files_its_early_read_hashed_while_the_model_was_buil
     import threading
 
     from raygpt.checkpointing import runtime
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config, train_losses
 
     def run(run_dir, **kw):
         cfg = tiny_config(run_dir, max_steps=12, async_checkpoint=False, **kw).resolve(0)
         return train(cfg, LocalSession(open_run_dir(str(run_dir)), torch.device("cpu")))
 
-    from raygpt.faults import InjectedFault
+    from raygpt.train.faults import InjectedFault
 
     run(tmp_path / "whole")
     with pytest.raises(InjectedFault):  # checkpoint 8 saved, the attempt lost at step 9
@@ -167,8 +167,8 @@ def test_the_early_read_hands_its_files_over_only_for_the_checkpoint_and_files_a
     None for anything else, so restore_latest then reads what it needs itself."""
     from raygpt.checkpointing.protocol import read_manifest
     from raygpt.checkpointing.runtime import ResumeRead
-    from raygpt.loop import train
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     cfg = tiny_config(tmp_path / "run", max_steps=8, async_checkpoint=False).resolve(0)

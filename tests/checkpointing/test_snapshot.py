@@ -33,8 +33,8 @@ def test_a_checkpoint_saves_the_state_at_its_step_while_training_overwrites_it(t
     the weights in place (as the next optimizer step does) and moves the RNG on; the files then
     hold the values of the step saved, not the later ones. The next checkpoint, due meanwhile,
     waits for the writer before it reuses the buffers, and the wait is recorded."""
-    from raygpt.loop import build_run
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import build_run
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     run_dir = tmp_path / "run"
@@ -101,9 +101,9 @@ def test_a_whole_file_hash_behind_the_writes_is_of_the_step_saved(tmp_path, monk
     import hashlib
     import time
 
-    from raygpt import hashing_writer
-    from raygpt.loop import build_run
-    from raygpt.session import LocalSession
+    from raygpt.storage import hashing_writer
+    from raygpt.train.loop import build_run
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     class SlowSha256:
@@ -272,8 +272,8 @@ def test_a_write_that_waits_for_the_copy_leaves_it_the_state_at_capture(waits):
 
 
 def _tiny_optimizer():
-    from raygpt.model import GPT, GPTConfig
-    from raygpt.optim import AdamW, FlatParameters
+    from raygpt.model.gpt import GPT, GPTConfig
+    from raygpt.train.optim import AdamW, FlatParameters
 
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16),
                 init_seed=1)
@@ -321,8 +321,8 @@ def test_through_the_checkpointer_each_checkpoint_holds_its_steps_state_when_the
     and backward run, then the optimizer's update overwrites m, v, master and the weights;
     after checkpoint 5 a restore of checkpoint 4 (a rewind's load) overwrites them at once.
     Each checkpoint's files hold the state of its own step."""
-    from raygpt.loop import build_run, forward_backward
-    from raygpt.session import LocalSession
+    from raygpt.train.loop import build_run, forward_backward
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     run_dir = tmp_path / "run"
@@ -427,8 +427,8 @@ def _gpu_optimizer(depth: int = 12):
     """GPT-2 at `depth` on the GPU in bf16 with master weights, and every tensor a checkpoint
     holds made non-trivial (m, v, master, gradients): d12's 1.7 GB take tens of milliseconds
     to cross PCIe, the update about one."""
-    from raygpt.model import GPT, GPTConfig
-    from raygpt.optim import AdamW, FlatParameters
+    from raygpt.model.gpt import GPT, GPTConfig
+    from raygpt.train.optim import AdamW, FlatParameters
 
     dev = torch.device("cuda")
     model = GPT(GPTConfig.from_depth(depth), init_seed=1).to(dev)

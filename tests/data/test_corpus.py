@@ -14,7 +14,7 @@ import pytest
 
 from raygpt.data import corpus
 from raygpt.data.corpus import CorpusError
-from raygpt.tokenizer import EOT, get_encoding
+from raygpt.data.tokenizer import EOT, get_encoding
 
 
 def _parquet(path, texts, *, field="text", row_group_size=None, type_=pa.string()):

@@ -821,7 +821,7 @@ def test_a_token_id_past_the_models_vocabulary_is_bad_input_naming_the_shard(tmp
     """llm.c's shards are uint16: ids 50257..65535 fit the file but index past GPT-2's embedding.
     The loader says so in one line that is never retried (issue 53), at the last id that fits
     and the first that does not."""
-    from raygpt.errors import EXIT_BAD_INPUT, stop_code
+    from raygpt.train.errors import EXIT_BAD_INPUT, stop_code
     tokens = np.arange(64) % 50
     tokens[37] = 50256  # the largest id the vocabulary has
     write_shard(tmp_path / "ok_000000.bin", tokens)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from raygpt.eval import hellaswag
-from raygpt.model import GPT, GPTConfig
-from raygpt.tokenizer import get_encoding
+from raygpt.model.gpt import GPT, GPTConfig
+from raygpt.data.tokenizer import get_encoding
 
 
 def llmc_prediction(model, ex: hellaswag.Example) -> int:
@@ -107,11 +107,11 @@ def test_read_examples_reads_every_line_and_refuses_an_empty_file(tmp_path):
 def test_a_run_scores_hellaswag_at_its_validation_steps_on_every_rank_share(tmp_path):
     """--hellaswag in a (one-rank, no Ray) run: main.log's llm.c line and the history's eval
     record at each -v step and the last, equal to scoring the checkpoint's model."""
-    from raygpt.loop import train
+    from raygpt.train.loop import train
     from raygpt.runlog.history import read_history
-    from raygpt.session import LocalSession
+    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
-    from raygpt.trained import model_at
+    from raygpt.interop.trained import model_at
     from tests.helpers import tiny_config
 
     f = tmp_path / "hs.jsonl"
@@ -131,7 +131,7 @@ def test_a_run_scores_hellaswag_at_its_validation_steps_on_every_rank_share(tmp_
 
 
 def test_examples_are_spread_over_the_ranks():
-    from raygpt.loop import hellaswag_share
+    from raygpt.train.loop import hellaswag_share
     from tests.helpers import tiny_config
     import tempfile
     with tempfile.TemporaryDirectory() as d:
@@ -146,7 +146,7 @@ def test_examples_are_spread_over_the_ranks():
 
 def test_preflight_refuses_a_bad_file_or_an_example_longer_than_the_context(tmp_path):
     from raygpt.config import ConfigError
-    from raygpt.preflight import check_hellaswag
+    from raygpt.config.preflight import check_hellaswag
     from tests.helpers import tiny_config
     f = tmp_path / "hs.jsonl"
     f.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": 9}) + "\n")

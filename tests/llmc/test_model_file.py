@@ -12,8 +12,8 @@ from raygpt.llmc.model_file import (
     MODEL_MAGIC, ModelFileError, load_model_file, read_model_file, read_model_header,
     write_model_file, write_model_file_from_flat,
 )
-from raygpt.model import GPT, llmc_parameter_layout, llmc_tensor_shapes, num_parameters
-from tests.test_model import CFG, batch, repoint_to_flat
+from raygpt.model.gpt import GPT, llmc_parameter_layout, llmc_tensor_shapes, num_parameters
+from tests.model.test_model import CFG, batch, repoint_to_flat
 
 
 @pytest.fixture

@@ -144,7 +144,7 @@ def test_gpu_causal_attention_composes_with_torch_compile():
 def test_gpu_gpt_with_raygpt_kernels_matches_pytorch_kernels_and_repeats():
     """GPT with sdpa_backend / embedding_impl "raygpt" against PyTorch's kernels (loss and
     gradients close), and two backward passes with raygpt's kernels bitwise equal."""
-    from raygpt.model import GPT, GPTConfig
+    from raygpt.model.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(block_size=128, vocab_size=1000, n_layer=2, n_head=4, n_embd=256)
     idx = torch.randint(0, 1000, (4, 129), generator=torch.Generator().manual_seed(0)).cuda()
@@ -167,7 +167,7 @@ def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function(monkeypatch):
     """On CPU the "raygpt" choices run the references (each layer's attention forward and
     backward, the embedding backward once): the same loss and gradients as PyTorch's path up
     to fp32 rounding (and a head dim the kernel cannot take is refused up front)."""
-    from raygpt.model import GPT, GPTConfig
+    from raygpt.model.gpt import GPT, GPTConfig
 
     calls = []
     for name in ("attention_forward", "attention_backward", "embedding_backward"):
@@ -196,7 +196,7 @@ def test_gpt_raygpt_kernels_on_cpu_compute_the_same_function(monkeypatch):
 
 
 def test_deterministic_runs_pick_raygpt_kernels_on_cuda_only():
-    from raygpt.model import kernels_for
+    from raygpt.model.gpt import kernels_for
 
     ours, torchs = (dict(sdpa_backend="raygpt", embedding_impl="raygpt"),
                     dict(sdpa_backend="default", embedding_impl="torch"))
@@ -216,8 +216,8 @@ def test_a_runs_kernel_fields_reach_the_model_and_name_the_models_choices():
     import dataclasses
 
     from raygpt.config import TrainConfig
-    from raygpt.loop import build_model
-    from raygpt.model import EMBEDDING_IMPLS, SDPA_BACKENDS
+    from raygpt.train.loop import build_model
+    from raygpt.model.gpt import EMBEDDING_IMPLS, SDPA_BACKENDS
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainConfig)}
     assert choices["sdpa_backend"] == ("auto",) + SDPA_BACKENDS

@@ -139,7 +139,7 @@ def test_gpu_kernel_composes_with_torch_compile():
 @pytest.mark.gpu
 def test_gpu_fused_loss_with_the_kernel_matches_the_textbook_loss():
     """GPT's fused loss (the kernel inside) against loss_impl="reference": loss and gradients."""
-    from raygpt.model import GPT, GPTConfig
+    from raygpt.model.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=128)
     idx = torch.randint(0, 50257, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()

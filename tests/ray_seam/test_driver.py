@@ -10,9 +10,9 @@ import ray
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
-from raygpt.faults import read_fired
+from raygpt.train.faults import read_fired
 from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
-from raygpt.report import run_status
+from raygpt.runlog.report import run_status
 from raygpt.storage import open_run_dir
 from raygpt.ray.driver import RunFailed, run
 from tests.helpers import records, tiny_config, train_losses
@@ -216,10 +216,10 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
 
     from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.data.loader import DistributedDataLoader
-    from raygpt.loop import build_model
-    from raygpt.optim import AdamW, FlatParameters
-    from raygpt.session import Session
-    from raygpt.state import TrainState
+    from raygpt.train.loop import build_model
+    from raygpt.train.optim import AdamW, FlatParameters
+    from raygpt.train.session import Session
+    from raygpt.train.state import TrainState
     from raygpt.storage import RunDir
 
     full_dir, cfg, _ = uninterrupted
@@ -336,7 +336,7 @@ def test_validation_on_fewer_ranks_than_workers(tmp_path):
     import torch
 
     from raygpt.llmc.shards import read_shard, write_shard
-    from raygpt.loop import build_model, build_val_loader, evaluate
+    from raygpt.train.loop import build_model, build_val_loader, evaluate
 
     write_shard(tmp_path / "val.bin", np.asarray(read_shard(tiny_config(tmp_path).input_val_bin)[:100]))
     cfg = tiny_config(tmp_path / "run", num_workers=2, max_steps=2, checkpoint_every=0,
@@ -365,7 +365,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     from mlflow.tracking import MlflowClient
     from ray.train import UserCallback
 
-    from raygpt.ownership import prepare_run_dir
+    from raygpt.storage.ownership import prepare_run_dir
     from raygpt.ray.driver import build_trainer, create_control
     from tests.runlog.test_tracking import latest, wandb_history
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from raygpt.config import as_command
-from raygpt.errors import EXIT_BAD_INPUT
+from raygpt.train.errors import EXIT_BAD_INPUT
 from raygpt.ray.driver import StopOnRunStopped, killed_for_memory
 from tests.helpers import records, tiny_config
 

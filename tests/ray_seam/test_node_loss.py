@@ -12,8 +12,8 @@ import torch
 from ray.cluster_utils import Cluster
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.loop import train
-from raygpt.session import LocalSession
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses

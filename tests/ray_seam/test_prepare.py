@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raygpt.ray import prepare
-from raygpt.tokenizer import EOT, get_encoding
+from raygpt.data.tokenizer import EOT, get_encoding
 from tests.helpers import S3Server
 
 REPO = Path(__file__).resolve().parents[2]

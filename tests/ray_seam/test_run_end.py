@@ -22,9 +22,9 @@ from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig, as_command
 from raygpt.llmc.shards import ShardError
 from raygpt.llmc.state_file import StateFileError
-from raygpt.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
+from raygpt.train.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
                            TrainingStopped, stop_code)
-from raygpt.signals import SaveClock
+from raygpt.train.signals import SaveClock
 from raygpt.storage import open_run_dir
 from raygpt.runlog.tracking import TrackingError
 from raygpt.ray.driver import RunFailed, StopOnRunStopped, run

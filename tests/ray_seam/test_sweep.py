@@ -28,7 +28,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main as cli_main
 from raygpt.ray import sweep, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.schedule import learning_rate
+from raygpt.train.schedule import learning_rate
 from raygpt.storage import open_run_dir
 from tests.helpers import records
 
@@ -245,11 +245,11 @@ def test_a_trial_runs_the_single_run_trainer_with_its_callbacks(cluster, tmp_pat
 
 def test_a_compiled_runs_workers_get_the_drivers_key_outside_its_config(cluster, tmp_path,
                                                                           monkeypatch):
-    """The signing key of the compiled artifacts (raygpt.signed_file) goes to the workers in
+    """The signing key of the compiled artifacts (raygpt.artifacts.signed_file) goes to the workers in
     train_loop_config beside the config, read from this machine's key file; the config (written
     to config.json in the run directory) and the workers' environment (on Ray's dashboard)
     do not hold it."""
-    from raygpt import signed_file
+    from raygpt.artifacts import signed_file
     from raygpt.ray import driver
 
     built = []
@@ -277,7 +277,7 @@ def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, 
     """Tune may place a trial's driver on any node: each gets the sweep driver's key through
     with_parameters (Ray's object store), not its node's own, and the plan (sweep.json) does
     not hold it."""
-    from raygpt import signed_file
+    from raygpt.artifacts import signed_file
 
     class Stop(Exception):
         pass
@@ -303,7 +303,7 @@ def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, 
 
 
 def test_an_existing_sweep_is_never_started_over_silently(cluster, tmp_path):
-    from raygpt.ownership import write_marker
+    from raygpt.storage.ownership import write_marker
     write_marker(open_run_dir(str(tmp_path)), "sweep")  # what a sweep's driver writes first
     sweep.write_plan(open_run_dir(str(tmp_path)), sweep.SweepPlan(
         sweep_dir=str(tmp_path), mode="grid", user_base={}, base={}))

@@ -16,7 +16,7 @@ import pytest
 from raygpt.cli import main as cli_main
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.ray import sweep, trials
-from raygpt import ownership
+from raygpt.storage import ownership
 from raygpt.storage import open_run_dir
 
 

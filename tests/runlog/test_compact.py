@@ -9,7 +9,7 @@ import os
 import pytest
 
 from raygpt.cli import main as cli
-from raygpt.ownership import LEASE, MARKER, MARKER_FORMAT
+from raygpt.storage.ownership import LEASE, MARKER, MARKER_FORMAT
 
 
 def _deep(tmp):

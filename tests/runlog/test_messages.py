@@ -11,10 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "raygpt"
 COMMAND_OUTPUT = {
     "raygpt/cli.py": {"_train"},                              # raygpt train's exit line
     "raygpt/ray/sweep_command.py": {"main"},                  # raygpt sweep's help and exit line
-    "raygpt/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
+    "raygpt/runlog/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
     "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
-    "raygpt/trained.py": {"export_main", "sample_main", "eval_main"},  # export, sample, eval
+    "raygpt/interop/trained.py": {"export_main", "sample_main", "eval_main"},  # export, sample, eval
 }
 
 

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from raygpt.loop import train
+from raygpt.train.loop import train
 from raygpt.runlog.console import printable
-from raygpt.session import LocalSession
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
 

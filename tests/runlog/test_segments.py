@@ -269,7 +269,7 @@ def test_leftover_parts_below_a_base_are_not_read_twice(rd):
 
 def test_raygpt_compact_on_a_local_run_directory_has_nothing_to_do(tmp_path, capsys):
     from raygpt.cli import main
-    from raygpt.ownership import write_marker
+    from raygpt.storage.ownership import write_marker
 
     write_marker(open_run_dir(tmp_path), "run")  # compact changes only a run of this user's
     (tmp_path / "loss_history.jsonl").write_text(line(0))
@@ -391,7 +391,7 @@ def test_status_and_plot_in_another_process_see_a_live_run_within_the_interval(t
     """A run writing through the object-store path in one process; `raygpt status` and
     `raygpt plot` in others see each step within the segment interval (plus slack) of its
     append, while the run goes on."""
-    from raygpt.report import run_status
+    from raygpt.runlog.report import run_status
 
     root, interval = tmp_path / "run", 0.5
     p = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(interval), "1000000"],

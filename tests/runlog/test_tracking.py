@@ -16,8 +16,8 @@ import torch
 
 from raygpt.runlog import tracking
 from raygpt.config import ConfigError
-from raygpt.loop import train
-from raygpt.session import LocalSession
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
 
