@@ -13,14 +13,26 @@ The documents' order is the inputs' sorted path order, then file order. Work is 
 `[<|endoftext|>] + encode_ordinary(text)` for each of its documents, concatenated, which is
 llm.c's `dev/data/fineweb.py` rule. Bad input is a `CorpusError` naming the file, and the row
 (1-based line for JSON Lines and text) where there is one.
+
+Bounds: a JSON Lines or text file is streamed (decompressed a chunk at a time), never read
+whole: a record (a line; for text, a blank-line section) longer than `MAX_LINE_BYTES`, or a file
+that decompresses to more than `MAX_UNIT_BYTES`, is a `CorpusError` naming the file and the
+bound, so a few KB of compressed input cannot take a worker's memory. Local inputs are opened
+only as regular files (a FIFO or device named like a corpus file is refused, never waited on).
 """
 
 from __future__ import annotations
 
+import array
+import bz2
 import dataclasses
+import fcntl
 import fnmatch
+import gzip
 import json
+import os
 import posixpath
+import stat
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -33,6 +45,13 @@ TEXT = "text"
 COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 _KINDS = ((".parquet", PARQUET), (".jsonl", JSONL), (".json", JSONL), (".txt", TEXT))
 _GLOB_CHARS = "*?["
+# one JSON Lines record or text document, held whole to tokenize: far above any real document
+MAX_LINE_BYTES = 64 << 20
+# a JSON Lines or text file is one unit whose tokens (uint16, ~half its bytes) one worker holds:
+# above the few-GB shards corpora are published in, below a worker's memory
+MAX_UNIT_BYTES = 4 << 30
+_CHUNK = 1 << 20  # bytes decompressed per read: memory per reader is a line plus a chunk
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 
 
 class CorpusError(ValueError):
@@ -135,6 +154,9 @@ def _matches(given: str, fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.File:
             return [info]
+        if info.type == pafs.FileType.Unknown and isinstance(fs, pafs.LocalFileSystem):
+            raise CorpusError(f"{given}: expected a regular file, found "
+                              f"{_special_kind(os.stat(path).st_mode)}")
         if info.type == pafs.FileType.Directory:
             infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
                      if i.type == pafs.FileType.File and kind_of(i.base_name)
@@ -162,7 +184,7 @@ def plan_units(fs: pafs.FileSystem, files: list[InputFile], text_field: str) -> 
             units.append(Unit(len(units), i, -1, 0, -1, f.size))
             continue
         try:
-            with fs.open_input_file(f.path) as handle:
+            with _open_raw(fs, f, seekable=True) as handle:
                 meta = pq.ParquetFile(handle).metadata
                 schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:
@@ -184,36 +206,179 @@ def plan_units(fs: pafs.FileSystem, files: list[InputFile], text_field: str) -> 
 
 def read_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field: str) -> list[str]:
     """The documents of `unit` of input `f`, each checked to be a string."""
+    return list(iter_documents(fs, f, unit, text_field))
+
+
+def iter_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field: str):
+    """The documents of `unit` of input `f` one at a time (JSON Lines and text streamed within
+    `MAX_LINE_BYTES` and `MAX_UNIT_BYTES`)."""
     if f.kind == PARQUET:
-        return _parquet_documents(fs, f, unit, text_field)
-    data = _read_all(fs, f)
-    if f.kind == TEXT:
-        text = _decode(data, f, what="text")
-        sections = text.split("\n\n")
-        return [s + "\n\n" for s in sections[:-1]] + sections[-1:]
-    return _jsonl_documents(data, f, text_field)
+        yield from _parquet_documents(fs, f, unit, text_field)
+        return
+    with _open_stream(fs, f) as stream:
+        if f.kind == TEXT:
+            yield from _text_documents(stream, f)
+        else:
+            yield from _jsonl_documents(_lines(stream, f), f, text_field)
 
 
-def _read_all(fs: pafs.FileSystem, f: InputFile) -> bytes:
+def _special_kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+
+
+def _open_local(f: InputFile):
+    """A local input opened only if it is a regular file: O_NONBLOCK so a FIFO does not wait for
+    a writer, fstat on what was opened (no race with a rename), then blocking reads again."""
     try:
-        with fs.open_input_stream(f.path, compression="detect") as stream:
-            return stream.read()
+        fd = os.open(f.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CorpusError(f"{f.uri}: cannot read ({e.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorpusError(f"{f.uri}: expected a regular file, found {_special_kind(mode)}")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_raw(fs: pafs.FileSystem, f: InputFile, *, seekable: bool = False):
+    """The input's bytes as stored: a regular local file, or the store's stream (or random
+    access file, for Parquet)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return _open_local(f)
+    try:
+        return fs.open_input_file(f.path) if seekable else fs.open_input_stream(
+            f.path, compression=None)
     except OSError as e:
         raise CorpusError(f"{f.uri}: cannot read ({e})") from None
 
 
-def _decode(data: bytes, f: InputFile, *, what: str, line: int | None = None) -> str:
+class _Stream:
+    """A JSON Lines or text input decompressed a chunk at a time: `read(n)` returns at most n
+    bytes; errors are CorpusErrors naming the file."""
+
+    def __init__(self, fs: pafs.FileSystem, f: InputFile):
+        self.f = f
+        self.raw = _open_raw(fs, f)
+        suffix = "." + f.path.rsplit(".", 1)[-1].lower()
+        self.compressed = suffix in _CODECS
+        try:
+            if suffix == ".gz":
+                self.stream = gzip.GzipFile(fileobj=self.raw, mode="rb")
+            elif suffix == ".bz2":
+                self.stream = bz2.BZ2File(self.raw, mode="rb")
+            elif self.compressed:
+                import pyarrow as pa
+                raw = self.raw if isinstance(self.raw, pa.NativeFile) else pa.PythonFile(self.raw, "r")
+                self.stream = pa.CompressedInputStream(raw, _CODECS[suffix])
+            else:
+                self.stream = self.raw
+        except Exception:
+            self.raw.close()
+            raise
+
+    def read(self, n: int) -> bytes:
+        import pyarrow as pa
+        try:
+            return self.stream.read(n)
+        except (OSError, EOFError, ValueError, pa.ArrowException) as e:
+            raise CorpusError(f"{self.f.uri}: cannot read{' (decompressing)' if self.compressed else ''} "
+                              f"({type(e).__name__}: {e})") from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.stream is not self.raw:
+                self.stream.close()
+        finally:
+            self.raw.close()
+
+
+def _open_stream(fs: pafs.FileSystem, f: InputFile) -> _Stream:
+    return _Stream(fs, f)
+
+
+def _too_much(stream: _Stream) -> CorpusError:
+    return CorpusError(f"{stream.f.uri}: expected at most {MAX_UNIT_BYTES:,} "
+                       f"{'decompressed ' if stream.compressed else ''}bytes (a JSON Lines or text "
+                       f"file is one unit of work), found more; split it into smaller files")
+
+
+def _chunks(stream: _Stream):
+    total = 0
+    while chunk := stream.read(_CHUNK):
+        total += len(chunk)
+        if total > MAX_UNIT_BYTES:
+            raise _too_much(stream)
+        yield chunk
+
+
+def _too_long(f: InputFile, line: int, what: str) -> CorpusError:
+    return CorpusError(f"{f.uri}: line {line}: expected {what} of at most {MAX_LINE_BYTES:,} "
+                       f"bytes, found a longer one")
+
+
+def _lines(stream: _Stream, f: InputFile):
+    """(1-based number, bytes without the newline) of each line; no line held past
+    MAX_LINE_BYTES."""
+    parts: list[bytes] = []
+    held, n = 0, 0
+    for chunk in _chunks(stream):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            n += 1
+            if held + end - start > MAX_LINE_BYTES:
+                raise _too_long(f, n, "lines")
+            yield n, (b"".join(parts) + chunk[start:end]) if parts else chunk[start:end]
+            parts, held, start = [], 0, end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+            held += len(chunk) - start
+            if held > MAX_LINE_BYTES:
+                raise _too_long(f, n + 1, "lines")
+    if parts:
+        yield n + 1, b"".join(parts)
+
+
+def _text_documents(stream: _Stream, f: InputFile):
+    """llm.c's tiny-text rule, streamed: `text.split("\\n\\n")`, each section but the last
+    followed by "\\n\\n"; no section held past MAX_LINE_BYTES."""
+    buf, line = b"", 1  # line: where buf starts
+    for chunk in _chunks(stream):
+        buf += chunk
+        pos = 0
+        while (end := buf.find(b"\n\n", pos)) >= 0:
+            if end - pos > MAX_LINE_BYTES:
+                raise _too_long(f, line, "documents (blank-line sections)")
+            doc = buf[pos:end + 2]
+            yield _decode(doc, f, what="text", first_line=line)
+            line += doc.count(b"\n")
+            pos = end + 2
+        buf = buf[pos:]
+        if len(buf) > MAX_LINE_BYTES + 1:  # + 1: a trailing "\n" may start the separator
+            raise _too_long(f, line, "documents (blank-line sections)")
+    yield _decode(buf, f, what="text", first_line=line)
+
+
+def _decode(data: bytes, f: InputFile, *, what: str, line: int | None = None,
+            first_line: int = 1) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        at = line if line is not None else data.count(b"\n", 0, e.start) + 1
+        at = line if line is not None else first_line + data.count(b"\n", 0, e.start)
         raise CorpusError(f"{f.uri}: line {at}: expected UTF-8 {what}, found byte "
                           f"0x{data[e.start]:02x} that is not") from None
 
 
-def _jsonl_documents(data: bytes, f: InputFile, text_field: str) -> list[str]:
-    docs = []
-    for n, raw in enumerate(data.split(b"\n"), start=1):
+def _jsonl_documents(lines, f: InputFile, text_field: str):
+    for n, raw in lines:
         if not raw.strip():
             continue
         try:
@@ -228,8 +393,7 @@ def _jsonl_documents(data: bytes, f: InputFile, text_field: str) -> list[str]:
         if not isinstance(text, str):
             raise CorpusError(f"{f.uri}: line {n}: field {text_field!r}: expected a string, found "
                               f"{'null' if text is None else type(text).__name__}")
-        docs.append(text)
-    return docs
+        yield text
 
 
 def _parquet_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field: str) -> list[str]:
@@ -237,7 +401,7 @@ def _parquet_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field
     import pyarrow.parquet as pq
 
     try:
-        with fs.open_input_file(f.path) as handle:
+        with _open_raw(fs, f, seekable=True) as handle:
             column = pq.ParquetFile(handle).read_row_group(unit.row_group, columns=[text_field])
     except (OSError, pa.ArrowException) as e:
         raise CorpusError(f"{f.uri}: row group {unit.row_group}: cannot read ({e})") from None
@@ -262,16 +426,22 @@ def _parquet_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field
 def tokenize_documents(docs: list[str]) -> np.ndarray:
     """llm.c's fineweb rule: each document is <|endoftext|> then its encode_ordinary tokens;
     the documents' tokens concatenated, as uint16."""
+    return _tokenize(docs)[0]
+
+
+def _tokenize(docs) -> tuple[np.ndarray, int]:
+    """(tokens, documents) of an iterable of documents; the tokens gathered as uint16 as they
+    come (a Python list of ints costs many times that)."""
     enc = tokenizer.get_encoding()
-    tokens: list[int] = []
+    tokens, count = array.array("H"), 0
     for doc in docs:
         tokens.append(tokenizer.EOT)
         tokens.extend(enc.encode_ordinary(doc))
-    return np.array(tokens, dtype=np.uint16)
+        count += 1
+    return np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16), count
 
 
 def tokenize_unit(fs: pafs.FileSystem, files: list[InputFile], unit: Unit,
                   text_field: str) -> tuple[np.ndarray, int]:
     """(tokens, documents) of one unit."""
-    docs = read_documents(fs, files[unit.file], unit, text_field)
-    return tokenize_documents(docs), len(docs)
+    return _tokenize(iter_documents(fs, files[unit.file], unit, text_field))

@@ -148,3 +148,150 @@ def test_tokens_are_eot_then_encode_ordinary_per_document():
     got = corpus.tokenize_documents(docs)
     assert got.dtype == np.uint16 and got.tolist() == expected
     assert corpus.tokenize_documents([]).tolist() == []
+
+
+# ---------------------------------------------------------------------- bounds (issue 53)
+
+def _bomb(path, opener, payload: bytes, total: int, **kw):
+    """A compressed file of `total` bytes of `payload` repeated, written a chunk at a time."""
+    chunk = payload * max(1, (1 << 20) // len(payload))
+    with opener(path, "wb", **kw) as f:
+        written = 0
+        while written < total:
+            f.write(chunk)
+            written += len(chunk)
+
+
+@pytest.mark.parametrize("suffix,opener,kw", [(".jsonl.gz", gzip.open, {"compresslevel": 1}),
+                                              (".jsonl.bz2", bz2.open, {}),
+                                              (".txt.gz", gzip.open, {"compresslevel": 1})])
+def test_a_line_longer_than_the_bound_is_refused_in_one_line(tmp_path, monkeypatch, suffix,
+                                                            opener, kw):
+    monkeypatch.setattr(corpus, "MAX_LINE_BYTES", 1 << 20)
+    _bomb(tmp_path / f"c{suffix}", opener, b"\0", 8 << 20, **kw)
+    with pytest.raises(CorpusError, match=rf"c{suffix}: line 1: expected .* of at most "
+                                          rf"1,048,576 bytes") as e:
+        _docs(tmp_path, f"c{suffix}")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["c.jsonl", "c.txt"])
+def test_an_uncompressed_giant_line_is_refused_too(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(corpus, "MAX_LINE_BYTES", 1 << 16)
+    (tmp_path / name).write_bytes(b'{"text": "a"}\n\n{"text": "' + b"x" * (1 << 18) + b'"}\n')
+    with pytest.raises(CorpusError, match=rf"{name}: line 3: expected .* of at most 65,536 bytes"):
+        _docs(tmp_path, name)
+
+
+def test_more_decompressed_bytes_than_the_bound_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "MAX_UNIT_BYTES", 1 << 20)
+    _bomb(tmp_path / "c.jsonl.gz", gzip.open, b'{"text": "x"}\n', 4 << 20)
+    with pytest.raises(CorpusError, match=r"c.jsonl.gz: expected at most 1,048,576 "
+                                          r"decompressed bytes"):
+        _docs(tmp_path, "c.jsonl.gz")
+    (tmp_path / "c.jsonl.gz").unlink()
+    _bomb(tmp_path / "p.txt", open, b"word\n\n", 2 << 20)
+    with pytest.raises(CorpusError, match=r"p.txt: expected at most 1,048,576 bytes"):
+        _docs(tmp_path, "p.txt")
+
+
+def test_within_the_bounds_documents_are_read_whole_across_chunks(tmp_path, monkeypatch):
+    """Lines and blank-line sections that straddle the reader's chunks come out whole."""
+    monkeypatch.setattr(corpus, "_CHUNK", 7)
+    rows = [{"text": "héllo wörld " * 5}, {"text": ""}, {"text": "🙂" * 9}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert _docs(tmp_path, "c.jsonl") == [r["text"] for r in rows]
+    text = "First line\n\nSecond\nline\n\n\nlast ✓\n\n\n\n"
+    (tmp_path / "t.txt").write_text(text)
+    sections = text.split("\n\n")
+    assert _docs(tmp_path, "t.txt") == [s + "\n\n" for s in sections[:-1]] + sections[-1:]
+
+
+@pytest.mark.parametrize("suffix,opener", [(".jsonl.gz", gzip.open), (".jsonl.bz2", bz2.open)])
+def test_a_bomb_is_refused_with_memory_bounded(tmp_path, suffix, opener):
+    """A few KB that decompress to 256 MiB of zeros on one line: refused at the line bound,
+    the reader's peak memory (VmHWM, in a child) well below what the file decompresses to."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    total = 256 << 20
+    _bomb(tmp_path / f"c{suffix}", opener, b"\0", total)
+    assert (tmp_path / f"c{suffix}").stat().st_size < total // 1000
+    child = f"""
+import sys
+from raygpt.data import corpus
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+fs, files = corpus.expand_inputs([{str(tmp_path / f"c{suffix}")!r}])
+units = corpus.plan_units(fs, files, "text")
+before = hwm()
+try:
+    corpus.tokenize_unit(fs, files, units[0], "text")
+except corpus.CorpusError as e:
+    print(str(e))
+print(hwm() - before)
+"""
+    repo = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": repo})
+    assert r.returncode == 0, r.stderr[-2000:]
+    said, grew = r.stdout.splitlines()[-2:]
+    assert "expected lines of at most" in said, r.stdout
+    assert int(grew) < total // 2, f"peak memory grew by {int(grew):,} bytes"
+
+
+def test_a_fifo_input_is_refused_not_waited_on(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "c.jsonl")
+    with pytest.raises(CorpusError, match=r"c.jsonl: expected a regular file, found a FIFO"):
+        corpus.expand_inputs([str(tmp_path / "c.jsonl")])
+
+
+class _Unblocker:
+    """Opens the write end of a FIFO (non-blocking, retried) while inside, so a reader that
+    waits on it (the unfixed code) gets an end of file instead of hanging the test."""
+
+    def __init__(self, path):
+        import threading
+        self.path, self.stop = path, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import os
+        while not self.stop.wait(0.05):
+            try:
+                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", ["c.jsonl", "c.txt.gz", "c.parquet"])
+def test_an_input_swapped_for_a_fifo_after_listing_is_refused_not_waited_on(tmp_path, name):
+    import os
+    if name.endswith(".parquet"):
+        _parquet(tmp_path / name, ["a"])
+    else:
+        (tmp_path / name).write_bytes(b"")
+    fs, files = corpus.expand_inputs([str(tmp_path / name)])
+    units = corpus.plan_units(fs, files, "text")
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    with _Unblocker(tmp_path / name):
+        with pytest.raises(CorpusError, match=rf"{name}: expected a regular file, found a FIFO"):
+            corpus.read_documents(fs, files[0], units[0], "text")
+        if name.endswith(".parquet"):  # the only kind whose plan reads the file (its footer)
+            with pytest.raises(CorpusError, match=rf"{name}: expected a regular file, found a FIFO"):
+                corpus.plan_units(fs, files, "text")
