@@ -40,6 +40,13 @@ MANIFEST_FORMAT = "raygpt-shards"
 VERSION = 1
 RULE = "llm.c dev/data/fineweb.py: each document is <|endoftext|> + encode_ordinary(text)"
 DEFAULT_SHARD_SIZE = 10**8
+MAX_SHARD_TOKENS = 2**31 - 1  # the token count is an int32 in llm.c's header
+
+
+def _whole_count(n) -> bool:
+    """A shard capacity: an int (not a bool, float or NaN) from 1 to MAX_SHARD_TOKENS."""
+    return (isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+            and 1 <= n <= MAX_SHARD_TOKENS)
 
 
 class PrepareError(ValueError):
@@ -63,10 +70,11 @@ class ShardCutter:
     for the remainder, if any."""
 
     def __init__(self, shard_size: int, val_tokens: int, emit, *, first_index: int = 0):
-        if shard_size < 1 or val_tokens < 1:
-            raise ValueError(f"shard_size and val_tokens: expected integers >= 1, found "
-                             f"{shard_size} and {val_tokens}")
-        self.shard_size, self.val_tokens, self.emit = shard_size, val_tokens, emit
+        if not (_whole_count(shard_size) and _whole_count(val_tokens)):
+            raise ValueError(f"shard_size and val_tokens: expected integers from 1 to "
+                             f"{MAX_SHARD_TOKENS} (llm.c's int32 header field), found "
+                             f"{shard_size!r} and {val_tokens!r}")
+        self.shard_size, self.val_tokens, self.emit = int(shard_size), int(val_tokens), emit
         self.index = first_index
         self.buffer = np.empty(max(shard_size, val_tokens), dtype=np.uint16)
         self.filled = 0
@@ -77,7 +85,11 @@ class ShardCutter:
     def add(self, tokens: np.ndarray) -> None:
         pos = 0
         while pos < len(tokens):
-            take = min(self.capacity() - self.filled, len(tokens) - pos)
+            room = self.capacity() - self.filled
+            if room < 1:  # a loop that takes nothing would never end
+                raise ValueError(f"shard {self.index}: capacity {self.capacity()} with "
+                                 f"{self.filled} tokens in it: expected room for at least one")
+            take = min(room, len(tokens) - pos)
             self.buffer[self.filled:self.filled + take] = tokens[pos:pos + take]
             self.filled += take
             pos += take

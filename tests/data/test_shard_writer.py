@@ -59,7 +59,7 @@ def test_val_tokens_sizes_shard_zero_alone():
     assert [t.tolist() for _, t in got] == [[0, 1, 2], list(range(3, 13)), list(range(13, 23)),
                                             [23, 24]]
     assert _cut([np.zeros(0, dtype=np.uint16)], 4) == []
-    with pytest.raises(ValueError, match="expected integers >= 1"):
+    with pytest.raises(ValueError, match="expected integers from 1"):
         sw.ShardCutter(0, 1, print)
 
 
@@ -124,3 +124,25 @@ def test_publish_moves_staged_shards_then_writes_the_manifest_and_can_be_repeate
     (tmp_path / "n_train_000002.bin").unlink()
     with pytest.raises(sw.PrepareError, match="n_train_000002.bin: expected the shard of 3 tokens"):
         sw.publish(out, m)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("shard_size,val_tokens", [
+    (float("nan"), 8), (8, float("nan")), (float("inf"), 8), (2.5, 8), (8, 0.5), (True, 8),
+    (8, -1), (2**31, 8), ("8", 8), (None, 8)])
+def test_a_cutter_that_could_not_fill_a_shard_is_refused_at_construction(shard_size, val_tokens):
+    """Capacities that are not whole token counts in llm.c's int32 header field never reach
+    the cut loop."""
+    with pytest.raises(ValueError, match=r"shard_size and val_tokens: expected integers from 1 "
+                                         r"to 2147483647"):
+        sw.ShardCutter(shard_size, val_tokens, print)
+
+
+@pytest.mark.timeout(10)
+def test_a_cut_that_can_take_no_token_fails_instead_of_looping():
+    """A capacity of zero (or less) met in the loop (an attribute changed after construction)
+    is an error, never a loop that takes nothing forever."""
+    cutter = sw.ShardCutter(4, 2, lambda i, t: None)
+    cutter.shard_size = 0
+    with pytest.raises(ValueError, match="capacity 0"):
+        cutter.add(np.arange(10, dtype=np.uint16))
