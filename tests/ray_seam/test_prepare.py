@@ -379,3 +379,20 @@ def test_planted_file_names_are_printed_escaped(local_ray, tmp_path, capsys):
     assert rc == 2
     assert "\x07" not in line
     assert "x\\x1b]0;owned\\x07\\x0araygpt prepare: all fine\\x1b[2J.jsonl: line 2" in line, line
+
+
+def test_a_prepare_killed_before_its_first_progress_write_reruns(local_ray, tmp_path):
+    """A staged shard written, progress.json not yet: the rerun in this user's marked directory
+    starts over and ends with the shards an uninterrupted prepare writes."""
+    from raygpt import ownership
+    from raygpt.storage import open_run_dir
+    corpus_dir, out, _ = _plant_corpus(tmp_path)
+    out.mkdir()
+    ownership.write_marker(open_run_dir(str(out)), "prepare")
+    (out / ".prepare").mkdir()
+    (out / ".prepare" / "c_val_000000.bin").write_bytes(b"torn")
+    assert prepare.main([str(corpus_dir), "-o", str(out), "--shard-size", "50"]) == 0
+    docs = [json.loads(line)["text"] for line in (corpus_dir / "a.jsonl").read_text().splitlines()]
+    want = expected_shards(docs, 50)
+    names = ["c_val_000000.bin"] + [f"c_train_{i:06d}.bin" for i in range(1, len(want))]
+    assert [(out / n).read_bytes() for n in names] == want and bins(out) == sorted(names)
