@@ -274,7 +274,8 @@ class _Stream:
                 self.stream = bz2.BZ2File(self.raw, mode="rb")
             elif self.compressed:
                 import pyarrow as pa
-                raw = self.raw if isinstance(self.raw, pa.NativeFile) else pa.PythonFile(self.raw, "r")
+                raw = (self.raw if isinstance(self.raw, pa.NativeFile)
+                       else pa.PythonFile(self.raw, "r"))
                 self.stream = pa.CompressedInputStream(raw, _CODECS[suffix])
             else:
                 self.stream = self.raw
@@ -287,7 +288,8 @@ class _Stream:
         try:
             return self.stream.read(n)
         except (OSError, EOFError, ValueError, pa.ArrowException) as e:
-            raise CorpusError(f"{self.f.uri}: cannot read{' (decompressing)' if self.compressed else ''} "
+            doing = " (decompressing)" if self.compressed else ""
+            raise CorpusError(f"{self.f.uri}: cannot read{doing} "
                               f"({type(e).__name__}: {e})") from None
 
     def __enter__(self):
@@ -438,7 +440,8 @@ def _tokenize(docs) -> tuple[np.ndarray, int]:
         tokens.append(tokenizer.EOT)
         tokens.extend(enc.encode_ordinary(doc))
         count += 1
-    return np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16), count
+    out = np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16)
+    return out, count
 
 
 def tokenize_unit(fs: pafs.FileSystem, files: list[InputFile], unit: Unit,

@@ -174,13 +174,15 @@ def _check_entries(out: RunDir, entries: list[tuple[str, bool]]) -> None:
             continue
         except OSError as e:  # a link or a file where a directory is expected above it
             raise PrepareError(f"{out.uri(rel)}: expected {'a directory' if is_dir else 'a file'} "
-                               f"written by raygpt prepare, cannot look at it ({e.strerror})") from None
+                               f"written by raygpt prepare, cannot look at it "
+                               f"({e.strerror})") from None
         if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
             found = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
                      if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                      else "a regular file" if stat.S_ISREG(st.st_mode) else "a special file")
-            raise PrepareError(f"{out.uri(rel)}: expected {'a directory' if is_dir else 'a regular file'} "
-                               f"written by raygpt prepare, found {found}; remove it by hand")
+            want = "a directory" if is_dir else "a regular file"
+            raise PrepareError(f"{out.uri(rel)}: expected {want} written by raygpt prepare, "
+                               f"found {found}; remove it by hand")
         if st.st_uid != uid:
             raise PrepareError(f"{out.uri(rel)}: expected a file of yours (uid {uid}) written by "
                                f"raygpt prepare, found one owned by uid {st.st_uid}; name an "
