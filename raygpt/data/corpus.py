@@ -33,6 +33,7 @@ import json
 import os
 import posixpath
 import stat
+import zlib
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -287,7 +288,7 @@ class _Stream:
         import pyarrow as pa
         try:
             return self.stream.read(n)
-        except (OSError, EOFError, ValueError, pa.ArrowException) as e:
+        except (OSError, EOFError, ValueError, zlib.error, pa.ArrowException) as e:
             doing = " (decompressing)" if self.compressed else ""
             raise CorpusError(f"{self.f.uri}: cannot read{doing} "
                               f"({type(e).__name__}: {e})") from None
