@@ -33,6 +33,7 @@ import json
 import os
 import posixpath
 import stat
+import zlib
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -274,7 +275,8 @@ class _Stream:
                 self.stream = bz2.BZ2File(self.raw, mode="rb")
             elif self.compressed:
                 import pyarrow as pa
-                raw = self.raw if isinstance(self.raw, pa.NativeFile) else pa.PythonFile(self.raw, "r")
+                raw = (self.raw if isinstance(self.raw, pa.NativeFile)
+                       else pa.PythonFile(self.raw, "r"))
                 self.stream = pa.CompressedInputStream(raw, _CODECS[suffix])
             else:
                 self.stream = self.raw
@@ -286,8 +288,9 @@ class _Stream:
         import pyarrow as pa
         try:
             return self.stream.read(n)
-        except (OSError, EOFError, ValueError, pa.ArrowException) as e:
-            raise CorpusError(f"{self.f.uri}: cannot read{' (decompressing)' if self.compressed else ''} "
+        except (OSError, EOFError, ValueError, zlib.error, pa.ArrowException) as e:
+            doing = " (decompressing)" if self.compressed else ""
+            raise CorpusError(f"{self.f.uri}: cannot read{doing} "
                               f"({type(e).__name__}: {e})") from None
 
     def __enter__(self):
@@ -438,7 +441,8 @@ def _tokenize(docs) -> tuple[np.ndarray, int]:
         tokens.append(tokenizer.EOT)
         tokens.extend(enc.encode_ordinary(doc))
         count += 1
-    return np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16), count
+    out = np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16)
+    return out, count
 
 
 def tokenize_unit(fs: pafs.FileSystem, files: list[InputFile], unit: Unit,

@@ -10,6 +10,14 @@ cluster's CPUs). Results come back in unit order (`preserve_order`), so the byte
 on how many workers or blocks Ray used, and the driver cuts the stream into shards
 (raygpt.data.shard_writer), staging them until the last unit is in. A rerun of the same prepare
 continues from its last finished shard; a rerun over a complete output says so and does nothing.
+
+The output directory is claimed as a run directory is (raygpt.storage.ownership, kind "prepare"): a new
+or empty one gets this user's marker before anything is written into it, and a rerun continues
+(or reports complete) only a directory carrying this user's marker, whose progress, manifest
+and shards are regular files of this user's: a directory someone else planted, with a forged
+progress.json or manifest.json, is refused in one line, exit 2, before anything is written.
+Every string printed from data (file names, URIs, field values, errors) goes through
+raygpt.runlog.terminal.printable.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import posixpath
+import stat
 import sys
 import time
 
@@ -25,15 +35,14 @@ import numpy as np
 
 from raygpt.data import corpus
 from raygpt.data.corpus import CorpusError
-from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, PROGRESS, STAGING, PrepareError, Progress,
-                                      ShardCutter, identity, make_manifest, publish, read_manifest,
-                                      read_progress, shard_name, write_progress, write_staged_shard)
-from raygpt.storage.atomic_file import RefusedPath
-from raygpt.config import ConfigError
+from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, MANIFEST, MAX_SHARD_TOKENS, PROGRESS,
+                                      STAGING, PrepareError, Progress, ShardCutter, identity,
+                                      make_manifest, publish, read_manifest, read_progress,
+                                      shard_name, write_progress, write_staged_shard)
 from raygpt.train.errors import EXIT_BAD_INPUT
-from raygpt.storage.ownership import RunDirRefused, check_claim, claim_dir
-from raygpt.runlog.terminal import printable
+from raygpt.storage.ownership import check_claim, claim_dir, foreign_entries
 from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
+from raygpt.runlog.terminal import printable
 from raygpt.data.tokenizer import tokenizer_fingerprint
 
 
@@ -47,6 +56,9 @@ class PrepareSettings:
     val_tokens: int | None = None  # None: shard_size, llm.c's
     storage_endpoint: str = ""
     ray_address: str | None = None
+
+
+KIND = "prepare"  # the output directory's marker kind (raygpt.storage.ownership)
 
 
 @dataclasses.dataclass
@@ -88,9 +100,10 @@ def plan(s: PrepareSettings) -> Plan:
         raise CorpusError(f"--shard-size: expected an integer >= 1, found {s.shard_size}")
     if s.val_tokens is not None and s.val_tokens < 1:
         raise CorpusError(f"--val-tokens: expected an integer >= 1, found {s.val_tokens}")
-    if s.shard_size > 2**31 - 1:
-        raise CorpusError(f"--shard-size: expected at most {2**31 - 1} (llm.c's int32 header "
-                          f"field), found {s.shard_size}")
+    for flag, value in (("--shard-size", s.shard_size), ("--val-tokens", s.val_tokens)):
+        if value is not None and value > MAX_SHARD_TOKENS:
+            raise CorpusError(f"{flag}: expected at most {MAX_SHARD_TOKENS} (llm.c's int32 header "
+                              f"field), found {value}")
     fs, files = corpus.expand_inputs(list(s.inputs), s.storage_endpoint)
     units = corpus.plan_units(fs, files, s.text_field)
     name = s.name or default_name(list(s.inputs))
@@ -105,13 +118,20 @@ def plan(s: PrepareSettings) -> Plan:
                            else posixpath.abspath(s.out))
     except ValueError as e:  # a malformed URI or endpoint
         raise CorpusError(f"-o {redact(s.out)}: {e}") from None
-    # the output is this user's prepare, or new or empty: a planted progress.json or
-    # manifest.json (whose identity anyone can compute) is refused before it is read
-    try:
-        check_claim(out, PREPARE_KIND, s.out, holds=_holds_prepare, resume=True)
-    except RunDirRefused as e:
-        raise PrepareError(str(e)) from None
+    _check_ours(out, s.out)
+    _check_entries(out, [(STAGING, True), (PROGRESS, False), (MANIFEST, False)])
     complete, progress = read_manifest(out), read_progress(out)
+    if progress is not None:
+        _check_entries(out, [(rel, False) for e in progress.shards
+                             for rel in (f"{STAGING}/{e['name']}", e["name"])])
+        missing = [e["name"] for e in progress.shards
+                   if not (out.exists(f"{STAGING}/{e['name']}") or out.exists(e["name"]))]
+        if missing:
+            raise PrepareError(f"{out.uri(PROGRESS)}: expected the finished shards it names in "
+                               f"{out.uri(STAGING)}, found {missing[0]} missing; delete "
+                               f"{out.uri(STAGING)} to start this prepare afresh")
+    if complete is not None:
+        _check_entries(out, [(e["name"], False) for e in complete["shards"]])
     if complete is not None and complete["identity"] != ident:
         raise PrepareError(f"-o {redact(out.uri())}: holds a complete prepare of other inputs or "
                            f"settings ({out.uri('manifest.json')}); expected an empty directory "
@@ -120,15 +140,53 @@ def plan(s: PrepareSettings) -> Plan:
         raise PrepareError(f"-o {redact(out.uri())}: holds a prepare under way of other inputs or "
                            f"settings ({out.uri(PROGRESS)}); expected an empty directory or this "
                            f"prepare's own; choose another -o, or delete {out.uri(STAGING)}")
+    # a staging without progress is this user's prepare killed before its first progress write
+    held = ([n for n in foreign_entries(out) if n != STAGING]
+            if complete is None and progress is None else [])
+    if held:
+        raise PrepareError(f"-o {redact(out.uri())}: expected an empty or new directory, found "
+                           f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}")
     return Plan(s, fs, files, units, name, val_tokens, ident, out, progress, complete)
 
 
-PREPARE_KIND = "prepare"  # the output's marker kind (ownership.py): a run's or a sweep's is refused
+def _check_ours(out: RunDir, given: str) -> None:
+    """RunDirRefused (one line) unless `out` is new, empty, or marked as this user's prepare
+    output (raygpt.storage.ownership.check_claim: reads only)."""
+    if out.is_local and out.exists():
+        mode = os.stat(out.local_path()).st_mode  # the root may be a link the user chose
+        if not stat.S_ISDIR(mode):
+            raise PrepareError(f"-o {out.uri()}: expected a directory, found "
+                               f"{'a file' if stat.S_ISREG(mode) else 'a special file'}")
+    check_claim(out, KIND, given, holds=lambda _: False, resume=True)
 
 
-def _holds_prepare(out: RunDir) -> bool:
-    """Whether `out` holds a prepare (finished, or under way)."""
-    return any(out.exists(name) for name in ("manifest.json", PROGRESS, STAGING))
+def _check_entries(out: RunDir, entries: list[tuple[str, bool]]) -> None:
+    """PrepareError (one line) unless each of prepare's own entries that exists in a local
+    output is what prepare writes there, a directory (True) or a regular file (False), not a
+    link, and this user's; checked before anything is read or written."""
+    if not out.is_local:
+        return  # an object store has neither links nor owners raygpt can read
+    uid = os.geteuid()
+    for rel, is_dir in entries:
+        try:
+            st = os.lstat(out.local_path(rel))
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # a link or a file where a directory is expected above it
+            raise PrepareError(f"{out.uri(rel)}: expected {'a directory' if is_dir else 'a file'} "
+                               f"written by raygpt prepare, cannot look at it "
+                               f"({e.strerror})") from None
+        if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
+            found = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
+                     if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                     else "a regular file" if stat.S_ISREG(st.st_mode) else "a special file")
+            want = "a directory" if is_dir else "a regular file"
+            raise PrepareError(f"{out.uri(rel)}: expected {want} written by raygpt prepare, "
+                               f"found {found}; remove it by hand")
+        if st.st_uid != uid:
+            raise PrepareError(f"{out.uri(rel)}: expected a file of yours (uid {uid}) written by "
+                               f"raygpt prepare, found one owned by uid {st.st_uid}; name an "
+                               f"output directory of your own")
 
 
 def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
@@ -142,10 +200,8 @@ def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
 
     if p.complete is not None:
         return p.complete
-    try:  # marked as this user's before anything is written (checked again, as plan() did)
-        claim_dir(p.out, PREPARE_KIND, p.settings.out, holds=_holds_prepare, resume=True)
-    except RunDirRefused as e:
-        raise PrepareError(str(e)) from None
+    # marked before the first write (and checked again): a new -o becomes this user's
+    claim_dir(p.out, KIND, p.settings.out, holds=lambda _: False, resume=True)
     progress = p.progress or Progress(p.identity)
     first, drop, docs_before = progress.restart_point()
     staged = list(progress.shards)
@@ -293,15 +349,14 @@ def main(argv: list[str], prog: str = "raygpt prepare") -> int:
     try:
         p = plan(settings)
         if p.complete is not None:
-            print(f"{prog}: {printable(p.out.uri())} is complete ({len(p.complete['shards'])} shards, "
-                  f"{p.complete['tokens']:,} tokens): nothing to do")
+            print(f"{prog}: {printable(p.out.uri())} is complete ({len(p.complete['shards'])} "
+                  f"shards, {p.complete['tokens']:,} tokens): nothing to do")
             return 0
         if p.progress is not None:
             print(f"{prog}: continuing the prepare in {printable(p.out.uri())} after "
                   f"{len(p.progress.shards)} finished shard(s)", file=sys.stderr)
         manifest = run(p)
-    except (CorpusError, PrepareError, ConfigError, RefusedPath) as e:
-        # one line, escaped: names and text in it come from files (a planted name, a field)
+    except (ValueError, OSError) as e:  # CorpusError, PrepareError, RunDirRefused, RefusedPath...
         print(f"{prog}: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for s in manifest["shards"]:

@@ -295,3 +295,15 @@ def test_an_input_swapped_for_a_fifo_after_listing_is_refused_not_waited_on(tmp_
         if name.endswith(".parquet"):  # the only kind whose plan reads the file (its footer)
             with pytest.raises(CorpusError, match=rf"{name}: expected a regular file, found a FIFO"):
                 corpus.plan_units(fs, files, "text")
+
+
+@pytest.mark.parametrize("name", ["c.jsonl.gz", "c.jsonl.bz2"])
+def test_corrupt_compressed_data_is_one_line(tmp_path, name):
+    """Damaged data after a valid header: a CorpusError naming the file, not zlib's own error."""
+    opener = gzip.open if name.endswith(".gz") else bz2.open
+    _bomb(tmp_path / "whole", opener, b'{"text": "some words here"}\n', 1 << 20)
+    data = bytearray((tmp_path / "whole").read_bytes())
+    data[40:60] = b"\xff" * 20
+    (tmp_path / name).write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=rf"{name}: cannot read \(decompressing\)"):
+        _docs(tmp_path, name)

@@ -125,7 +125,7 @@ def test_from_and_into_a_bucket(local_ray, tmp_path, monkeypatch):
         listed = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector("data/shards")))
         want = expected_shards(docs, 500)
         names = ["edu_val_000000.bin"] + [f"edu_train_{i:06d}.bin" for i in range(1, len(want))]
-        assert listed == sorted(names + ["manifest.json", "raygpt_run.json"])  # owned, as runs are
+        assert listed == sorted(names + ["manifest.json", "raygpt_run.json"])
         for n, data in zip(names, want):
             with fs.open_input_stream(f"data/shards/{n}") as r:
                 assert r.read() == data
@@ -208,7 +208,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, 
         "missing_field": rf"{corpus_dir}/a.parquet: --text-field 'body': expected a column",
         "bad_utf8": rf"{corpus_dir}/z.jsonl: line 2: expected UTF-8 JSON, found byte 0xff",
         "foreign_output": rf"-o/--output-dir {out}: refused, expected an empty or new prepare "
-                          rf"directory, found 1 entries raygpt did not create .*'notes.txt'",
+                          rf"directory, found 1 entries .*'notes.txt'",
         "missing_input": rf"{tmp_path}/nope: expected an existing file, glob, directory or URI",
         "bad_shard_size": r"--shard-size: expected an integer >= 1, found 0",
     }[case]
@@ -224,53 +224,11 @@ def test_bad_input_is_one_line_exit_2_and_nothing_under_a_final_name(local_ray, 
     elif case == "bad_shard_size":
         args[-1] = "0"
     assert prepare.main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("raygpt prepare: error: "), err
-    assert re.search(expected, err[0]), err[0]
+    line = _one_error_line(capsys)
+    assert re.search(expected, line), line
     assert bins(out) == [] and not (out / "manifest.json").exists()
     if case == "foreign_output":
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-
-
-@pytest.mark.parametrize("planted", ["unmarked", "another_users_marker"])
-def test_a_planted_output_is_refused_not_adopted(local_ray, tmp_path, capsys, planted):
-    """Issue 53: a prepare's identity is computed from public facts (the inputs' names and sizes,
-    the settings), so whoever can write -o first can forge a progress.json or manifest.json that
-    matches it. -o is claimed as a run directory is: an unmarked directory holding anything, or
-    one whose marker is another user's, is refused before any of it is read or written."""
-    corpus_dir = tmp_path / "c"
-    corpus_dir.mkdir()
-    (corpus_dir / "book.txt").write_text("the user's own text\n\nsecond part\n")
-    out = tmp_path / "out"
-    args = [str(corpus_dir), "-o", str(out), "--shard-size", "50"]
-    if planted == "unmarked":  # a forged prepare under way, its staged shard the planter's text
-        (out / ".prepare").mkdir(parents=True)
-        (out / ".prepare" / "progress.json").write_text('{"identity": "forged", "shards": []}')
-        (out / ".prepare" / "book_val_000000.bin").write_bytes(b"planted")
-        want = "found 1 entries raygpt did not create for a prepare"
-    else:  # a marker that claims the directory for someone else
-        assert prepare.main(args) == 0
-        marker = out / "raygpt_run.json"
-        doc = json.loads(marker.read_text())
-        marker.write_text(json.dumps({**doc, "uid": doc["uid"] + 4242}))
-        capsys.readouterr()
-        want = "its raygpt_run.json is not yours"
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert prepare.main(args) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"raygpt prepare: error: -o/--output-dir {out}: refused") and want in line
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-
-
-def test_error_lines_show_names_from_files_escaped(local_ray, tmp_path, capsys):
-    """A file name is data: its escape sequences and newlines are shown, not acted on."""
-    corpus_dir = tmp_path / "c"
-    corpus_dir.mkdir()
-    (corpus_dir / "x\x1b[2J\nraygpt prepare: ok.jsonl").write_text('{"text": 1}\n')
-    assert prepare.main([str(corpus_dir), "-o", str(tmp_path / "out")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "x\\x1b[2J\\nraygpt prepare: ok.jsonl: line 1: field 'text': expected a string" in line
-    assert "\x1b" not in line
 
 
 @pytest.mark.parametrize("given,name", [
@@ -298,3 +256,143 @@ def test_fineweb_edu_recipe_in_miniature(local_ray, tmp_path, monkeypatch):
     assert (root / "run" / "step_00000004" / "DONE_00000004").exists()
     assert fineweb_edu.main(["--miniature", "-x", "6", "-n", "2", "-v", "2", "-y", "1"]) == 0
     assert (root / "run" / "step_00000006" / "DONE_00000006").exists()
+
+
+# ---------------------------------------------------------------------- planted outputs (issue 53)
+
+def _plant_corpus(tmp_path: Path) -> tuple[Path, Path, "prepare.Plan"]:
+    """A small corpus, an output path not yet made, and the plan of preparing one into the other
+    (what a planter can compute from public facts: the inputs' names and sizes)."""
+    corpus_dir = tmp_path / "c"
+    corpus_dir.mkdir()
+    (corpus_dir / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n"
+                                                for i in range(20)))
+    out = tmp_path / "out"
+    return corpus_dir, out, prepare.plan(_settings([corpus_dir], out, shard_size=50))
+
+
+def _plant_progress(out: Path, p, shard_bytes: bytes, tokens: int) -> None:
+    """progress.json saying every unit is consumed and one staged shard holds the stream."""
+    import hashlib
+    (out / ".prepare").mkdir(parents=True, exist_ok=True)
+    name = "c_val_000000.bin"
+    units = [[0, 0]] * (len(p.units) - 1) + [[tokens, 1]]
+    (out / ".prepare" / "progress.json").write_text(json.dumps({
+        "format": "raygpt-prepare-progress", "version": 1, "identity": p.identity,
+        "shards": [{"name": name, "tokens": tokens,
+                    "sha256": hashlib.sha256(shard_bytes).hexdigest()}], "units": units}))
+
+
+def _state(out: Path) -> dict:
+    return {str(q.relative_to(out)): (q.is_symlink(), q.lstat().st_mode,
+                                      q.read_bytes() if q.is_file() and not q.is_symlink() else b"")
+            for q in sorted(out.rglob("*"))} if out.exists() else {}
+
+
+def _one_error_line(capsys) -> str:
+    """prepare's one line on stderr (Ray Data's own log lines, which name no input, left out);
+    nothing on stderr carries a raw escape character."""
+    err = capsys.readouterr().err
+    assert "\x1b" not in err
+    ours = [line for line in err.splitlines() if line.startswith("raygpt prepare")]
+    assert len(ours) == 1 and ours[0].startswith("raygpt prepare: error: "), ours
+    return ours[0]
+
+
+@pytest.mark.parametrize("case", ["forged_progress", "forged_manifest", "strangers_marker",
+                                  "other_kind_marker", "file_of_another_uid"])
+def test_a_planted_output_is_refused_before_anything_is_written(local_ray, tmp_path, capsys, case):
+    from raygpt.storage import ownership
+    from raygpt.data import shard_writer as sw
+    from raygpt.storage import open_run_dir
+    corpus_dir, out, p = _plant_corpus(tmp_path)
+    planted = expected_shards(["the planter's words"], 50)[0]
+    _plant_progress(out, p, planted, 5)
+    (out / ".prepare" / "c_val_000000.bin").write_bytes(planted)
+    if case == "forged_manifest":
+        (out / ".prepare" / "progress.json").unlink()
+        (out / ".prepare" / "c_val_000000.bin").rename(out / "c_val_000000.bin")
+        (out / ".prepare").rmdir()
+        sw.write_manifest(open_run_dir(str(out)), sw.make_manifest(
+            name="c", identity_hex=p.identity, inputs=[], text_field="text", shard_size=50,
+            val_tokens=50, tokenizer_sha256="f", documents=1,
+            shards=[{"name": "c_val_000000.bin", "tokens": 5, "sha256": "00"}]))
+    if case == "strangers_marker":
+        marker = ownership.write_marker(open_run_dir(str(out)), "prepare")
+        (out / ownership.MARKER).write_text(json.dumps({**marker, "user": "mallory",
+                                                        "uid": os.geteuid() + 1}))
+    elif case == "other_kind_marker":
+        ownership.write_marker(open_run_dir(str(out)), "run")
+    elif case == "file_of_another_uid":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a file to another uid")
+        ownership.write_marker(open_run_dir(str(out)), "prepare")
+        os.chown(out / ".prepare" / "progress.json", 4242, 4242)
+    before = _state(out)
+    rc = prepare.main([str(corpus_dir), "-o", str(out), "--shard-size", "50"])
+    line = _one_error_line(capsys)
+    assert rc == 2
+    assert str(out) in line and ("refused" in line or "expected" in line), line
+    assert _state(out) == before  # nothing written, nothing published
+
+
+@pytest.mark.parametrize("where,what", [
+    (".prepare/c_val_000000.bin", "symlink"), (".prepare/c_val_000000.bin", "fifo"),
+    (".prepare/c_val_000000.bin", "dir"), (".prepare/progress.json", "dir"),
+    ("manifest.json", "dir"), ("c_val_000000.bin", "dir"), (".prepare", "symlink")])
+def test_a_link_or_special_file_where_prepare_keeps_its_own_is_one_line(local_ray, tmp_path,
+                                                                      capsys, where, what):
+    from raygpt.storage import ownership
+    from raygpt.storage import open_run_dir
+    corpus_dir, out, p = _plant_corpus(tmp_path)
+    shard = expected_shards(["words"], 50)[0]
+    out.mkdir()
+    ownership.write_marker(open_run_dir(str(out)), "prepare")  # a prepare of ours, killed
+    _plant_progress(out, p, shard, 2)
+    (out / ".prepare" / "c_val_000000.bin").write_bytes(shard)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = out / where
+    if target.exists():
+        target.rename(elsewhere / target.name)
+    if what == "symlink":
+        target.symlink_to(elsewhere / target.name)
+    elif what == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    before, aside = _state(out), _state(elsewhere)
+    rc = prepare.main([str(corpus_dir), "-o", str(out), "--shard-size", "50"])
+    line = _one_error_line(capsys)
+    assert rc == 2
+    assert f"{out}/{where}: expected a" in line, line
+    assert _state(out) == before and _state(elsewhere) == aside
+
+
+def test_planted_file_names_are_printed_escaped(local_ray, tmp_path, capsys):
+    corpus_dir = tmp_path / "c"
+    corpus_dir.mkdir()
+    name = "x\x1b]0;owned\x07\nraygpt prepare: all fine\x1b[2J.jsonl"
+    (corpus_dir / name).write_text('{"text": "ok"}\n{"text": 1}\n')
+    rc = prepare.main([str(corpus_dir), "-o", str(tmp_path / "out"), "--shard-size", "50"])
+    line = _one_error_line(capsys)
+    assert rc == 2
+    assert "\x07" not in line
+    assert "x\\x1b]0;owned\\x07\\x0araygpt prepare: all fine\\x1b[2J.jsonl: line 2" in line, line
+
+
+def test_a_prepare_killed_before_its_first_progress_write_reruns(local_ray, tmp_path):
+    """A staged shard written, progress.json not yet: the rerun in this user's marked directory
+    starts over and ends with the shards an uninterrupted prepare writes."""
+    from raygpt.storage import ownership
+    from raygpt.storage import open_run_dir
+    corpus_dir, out, _ = _plant_corpus(tmp_path)
+    out.mkdir()
+    ownership.write_marker(open_run_dir(str(out)), "prepare")
+    (out / ".prepare").mkdir()
+    (out / ".prepare" / "c_val_000000.bin").write_bytes(b"torn")
+    assert prepare.main([str(corpus_dir), "-o", str(out), "--shard-size", "50"]) == 0
+    docs = [json.loads(line)["text"] for line in (corpus_dir / "a.jsonl").read_text().splitlines()]
+    want = expected_shards(docs, 50)
+    names = ["c_val_000000.bin"] + [f"c_train_{i:06d}.bin" for i in range(1, len(want))]
+    assert [(out / n).read_bytes() for n in names] == want and bins(out) == sorted(names)
