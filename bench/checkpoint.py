@@ -132,8 +132,8 @@ class _FakeCheckpoint:  # what Ray hands after_report: only .path is used
 def driver_bench(args) -> list[dict]:
     from raygpt.config import TrainConfig
     from raygpt.model.gpt import GPTConfig
-    from raygpt.storage import open_run_dir
     from raygpt.ray.checkpoints import CheckpointFinalizer
+    from raygpt.storage import open_run_dir
 
     from raygpt.model.gpt import llmc_num_elements
     P = llmc_num_elements(GPTConfig.from_depth(args.depth))
@@ -325,9 +325,9 @@ def gpu1(args):
     import torch
 
     from raygpt.config import TrainConfig
+    from raygpt.storage import open_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
 
     def one(every, resume=0, run_dir=None):
         run_dir = run_dir or tempfile.mkdtemp(prefix="raygpt-ckpt-bench-")
@@ -358,10 +358,10 @@ def snapshot_bench(args) -> list[dict]:
 
     from raygpt.checkpointing.snapshot import nbytes
     from raygpt.config import TrainConfig
+    from raygpt.storage import open_run_dir
     from raygpt.train.determinism import run_switches
     from raygpt.train.loop import build_run, forward_backward
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
 
     gpu = args.device == "gpu"
     device = torch.device("cuda" if gpu else "cpu")

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raygpt.model.gpt import GPT, GPTConfig, kernels_for
 from raygpt.train.determinism import run_switches
 from raygpt.train.loop import compile_model
-from raygpt.model.gpt import GPT, GPTConfig, kernels_for
 from raygpt.train.optim import AdamW, FlatParameters, OverlappedReduction
 
 REDUCTIONS = ("none", "single", "overlap", "gather")

@@ -262,8 +262,8 @@ def run_campaign(cfg, campaign: Campaign, cluster: CampaignCluster, workdir: Pat
     """The campaign run: one driver process after another until one finishes (exit 0); a job
     stopped by SIGTERM or Ctrl-C must exit 3 and is relaunched with -y 1. The external faults
     strike as the run reaches their steps. Returns every job's exit code."""
-    from raygpt.train.faults import record_external
     from raygpt.storage import open_run_dir
+    from raygpt.train.faults import record_external
 
     run_path = Path(cfg.output_dir)
     pending = list(campaign.external)
@@ -330,8 +330,8 @@ def final_losses(run_dir) -> dict[int, float]:
 
 def fired(run_dir) -> list[dict]:
     """The records of the faults that fired (raygpt/train/faults.py's, under <run dir>/faults/)."""
-    from raygpt.train.faults import read_fired
     from raygpt.storage import open_run_dir
+    from raygpt.train.faults import read_fired
 
     return read_fired(open_run_dir(str(run_dir)), keep=10**6)[1]
 

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raygpt.data.tokenizer import RANKS_PATH, decode, encode  # noqa: E402
 from raygpt.eval import hellaswag  # noqa: E402
 from raygpt.model.gpt import GPT, GPTConfig  # noqa: E402
-from raygpt.data.tokenizer import RANKS_PATH, decode, encode  # noqa: E402
 
 
 def shaped_examples(n: int) -> list[hellaswag.Example]:

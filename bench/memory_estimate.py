@@ -32,9 +32,9 @@ def child(model: str, batch: int, seq: int, device: str, recompute: int) -> dict
     import torch
 
     from raygpt.config import TrainConfig
+    from raygpt.storage import open_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
 
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
     run_dir = tempfile.mkdtemp(prefix="raygpt-memory-")

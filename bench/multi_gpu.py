@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 from raygpt.config import DEFAULT_TRAIN, TrainConfig
 from raygpt.data.loader import DistributedDataLoader
 from raygpt.model.gpt import GPT, GPTConfig
-from raygpt.train.optim import AdamW, FlatParameters, random_u32
 from raygpt.ray.driver import run
+from raygpt.train.optim import AdamW, FlatParameters, random_u32
 
 import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
 

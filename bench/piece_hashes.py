@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raygpt.checkpointing import protocol as ck  # noqa: E402
-from raygpt.storage.hashing_writer import PIECE_BYTES, HashingWriter  # noqa: E402
 from raygpt.storage import open_run_dir  # noqa: E402
+from raygpt.storage.hashing_writer import PIECE_BYTES, HashingWriter  # noqa: E402
 
 
 class _NoHash:

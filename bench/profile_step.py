@@ -25,9 +25,9 @@ import time
 
 import torch
 
+from raygpt.storage import open_run_dir
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from throughput import add_loop_args, loop_config, variant_settings  # bench/ is this script's directory
 
 

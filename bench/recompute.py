@@ -39,9 +39,9 @@ import time
 import torch
 
 from raygpt.config import TrainConfig
+from raygpt.model.gpt import RECOMPUTE_LEVELS, saved_activation_bytes
 from raygpt.train.determinism import set_switches
 from raygpt.train.loop import compile_model
-from raygpt.model.gpt import RECOMPUTE_LEVELS, saved_activation_bytes
 
 from throughput import build_step  # bench/throughput.py (bench/ is this script's directory)
 

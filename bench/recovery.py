@@ -158,11 +158,11 @@ class Killer(threading.Thread):
         self.error: str | None = None
 
     def run(self):
-        from raygpt.checkpointing import protocol as ck
         from raygpt.artifacts.compile_cache import COMPILE_ARTIFACTS
-        from raygpt.train.faults import record_external
+        from raygpt.checkpointing import protocol as ck
         from raygpt.runlog.history import read_history
         from raygpt.storage import open_run_dir
+        from raygpt.train.faults import record_external
 
         done = self.run_dir / ck.step_dir(self.after) / ck.done_file(self.after)
         while not done.exists():
@@ -186,10 +186,10 @@ class Killer(threading.Thread):
 
 def one_run(args, scenario: str, root: Path, cache_dir: Path) -> dict:
     from raygpt.config import TrainConfig
-    from raygpt.train.faults import read_fired
+    from raygpt.ray.driver import run
     from raygpt.runlog.history import read_history, summarize_run
     from raygpt.storage import open_run_dir
-    from raygpt.ray.driver import run
+    from raygpt.train.faults import read_fired
 
     run_dir = root / scenario
     shutil.rmtree(cache_dir, ignore_errors=True)  # every run's own first start is cold

@@ -50,9 +50,9 @@ t_torch = time.time()
 import raygpt.train.loop
 t_loop = time.time()
 from raygpt.config import TrainConfig
+from raygpt.storage import open_run_dir
 from raygpt.train.faults import InjectedFault
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 torch.set_num_threads(1)  # as a Ray Train worker with one CPU
 cfg = TrainConfig(model="d2" if tiny else "d12", batch_size=4 if tiny else 16,
                   seq_len=64 if tiny else 1024, max_steps=60, checkpoint_every=20, num_workers=1,

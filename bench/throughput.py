@@ -82,8 +82,8 @@ import torch
 
 from raygpt.config import TrainConfig
 from raygpt.data.loader import DistributedDataLoader
-from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.model.gpt import GPT, GPTConfig, kernels_for, num_parameters
+from raygpt.runlog.mfu import estimate_mfu, flops_per_token, promised_flops
 from raygpt.train.optim import AdamW, FlatParameters, random_u32
 
 import anchor  # bench/anchor.py (bench/ is this script's directory): llm.c's trainer
@@ -179,8 +179,8 @@ def variant_settings(spec: str):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    import raygpt.train.loop
     import raygpt.model.gpt
+    import raygpt.train.loop
 
     inductor, loop = parse_variant(spec)
     regional = inductor.pop("_regional", False)
@@ -347,9 +347,9 @@ def loop_config(args, run_dir: str, overrides: dict | None = None) -> TrainConfi
 
 def raygpt_loop(args, cfg_overrides=None):
     """The real loop: returns per-step (loss, dt) from its loss history."""
+    from raygpt.storage import open_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
 
     run_dir = tempfile.mkdtemp(prefix="raygpt-bench-")
     cfg = loop_config(args, run_dir, cfg_overrides)

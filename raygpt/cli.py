@@ -56,8 +56,8 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return 2
-    from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
     from raygpt.ray.driver import RunAborted, RunFailed, run
+    from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
 
     try:
         summary = run(cfg, adapted=adapted, plan=plan)

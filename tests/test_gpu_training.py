@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from raygpt.checkpointing.protocol import step_of_dir
+from raygpt.storage import open_run_dir
 from raygpt.train.faults import InjectedFault
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config, train_losses
 
 pytestmark = pytest.mark.gpu

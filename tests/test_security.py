@@ -19,16 +19,16 @@ import pyarrow.fs as pafs
 import pytest
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.storage import ownership
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.data.loader import DistributedDataLoader
 from raygpt.llmc.shards import write_shard
-from raygpt.train.faults import RECORD, armed_spec, plan_for
 from raygpt.runlog.history import LOSS_HISTORY
-from raygpt.storage.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
 from raygpt.runlog.report import check_checkpoints, run_status
 from raygpt.storage import RunDir, open_run_dir
+from raygpt.storage import ownership
+from raygpt.storage.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
 from raygpt.storage.ownership import claimed_run_dir, prepare_run_dir
+from raygpt.train.faults import RECORD, armed_spec, plan_for
 from tests.helpers import S3Server, tiny_config
 
 SECRET = "TOPSECRETkey/with+slash"
@@ -786,10 +786,10 @@ def test_a_planted_main_log_link_stops_the_run_with_one_line_and_its_target_is_u
     file the link points at is untouched."""
     import torch
 
+    from raygpt.runlog.history import RunHistory, append_record
     from raygpt.storage.atomic_file import RefusedPath
     from raygpt.train.errors import EXIT_BAD_INPUT, stop_code
     from raygpt.train.loop import train
-    from raygpt.runlog.history import RunHistory, append_record
     from raygpt.train.session import LocalSession
 
     victim = tmp_path / "victim_bashrc"
@@ -822,8 +822,8 @@ def test_a_planted_main_log_link_stops_the_run_with_one_line_and_its_target_is_u
 
 def test_no_write_read_or_append_goes_through_a_link_below_the_root_and_the_root_may_be_one(
         tmp_path):
-    from raygpt.storage.atomic_file import RefusedPath
     from raygpt.runlog.run_config import write_launch
+    from raygpt.storage.atomic_file import RefusedPath
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -888,8 +888,8 @@ def test_status_prints_no_control_character_from_any_file(tmp_path, capsys, capl
     """ESC sequences, CR, backspace, C1 CSI and bidi overrides planted in config.json's command
     line, the loss history's string fields, a failure record, a fired fault, a segment's name
     and a sweep's mode and settings: `raygpt status` prints each as a visible escape."""
-    from raygpt.runlog.run_config import write_launch
     from raygpt.ray import sweep
+    from raygpt.runlog.run_config import write_launch
 
     run = tmp_path / "run"
     _history(run, _TRAINED + [
@@ -970,10 +970,10 @@ def test_json_nested_too_deep_is_one_line_in_every_reader(tmp_path, capsys, capl
     a resume's read), config.json, a MANIFEST, the fault record, tracking.json, sweep.json and
     the run-dir marker each report it as one line naming the file, or skip that line."""
     from raygpt.checkpointing.protocol import verify_checkpoint
-    from raygpt.train.faults import read_armed
     from raygpt.ray import sweep
     from raygpt.runlog.history import RunHistory, iter_history
     from raygpt.runlog.tracking import TRACKING_FILE, TrackingError, read_ids
+    from raygpt.train.faults import read_armed
 
     run = tmp_path / "run"
     _history(run, _TRAINED)

@@ -22,13 +22,13 @@ import torch
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import SpikeConfig, TrainConfig
-from raygpt.train.faults import InjectedFault
 from raygpt.runlog.history import read_history, trajectory_losses
 from raygpt.runlog.mainlog import read_main_log
-from raygpt.train.loop import train
 from raygpt.runlog.report import load_run, run_status
-from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
+from raygpt.train.faults import InjectedFault
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 
 memory = pytest.importorskip("fsspec.implementations.memory")
 

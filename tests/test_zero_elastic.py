@@ -9,8 +9,8 @@ import torch
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.llmc.state_file import read_state_file
-from raygpt.storage import open_run_dir
 from raygpt.ray.driver import run
+from raygpt.storage import open_run_dir
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with grad accum 2
@@ -102,11 +102,11 @@ def test_resume_one_to_two_workers(ddp, tmp_path):
 def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     """Load a 2-rank ZeRO-1 checkpoint into a 1-rank run: m, v are the shards, concatenated."""
     from raygpt.checkpointing.runtime import Checkpointer
+    from raygpt.data.loader import DistributedDataLoader
     from raygpt.train.loop import build_model
     from raygpt.train.optim import AdamW, FlatParameters
     from raygpt.train.session import LocalSession
     from raygpt.train.state import TrainState
-    from raygpt.data.loader import DistributedDataLoader
 
     run(cfg_for(tmp_path, zero_stage=1, max_steps=4))
     cfg = cfg_for(tmp_path, zero_stage=0, num_workers=1, max_steps=4)

@@ -32,11 +32,11 @@ import tempfile
 import torch
 
 from raygpt.artifacts import signed_file
-from raygpt.model import torch_compat
-from raygpt.storage.atomic_file import NotPrivateError, private_dir
-from raygpt.config import TrainConfig
 from raygpt.artifacts.signed_file import ArtifactKey
+from raygpt.config import TrainConfig
+from raygpt.model import torch_compat
 from raygpt.storage import FileTooLarge
+from raygpt.storage.atomic_file import NotPrivateError, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,11 @@ COMPILE_ARTIFACTS = "compile_cache"
 MAX_ARTIFACT_BYTES = 4 << 30
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # raygpt/
+
+
 @functools.cache
-def compiled_code_key(package: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str:
+def compiled_code_key(package: str = _PACKAGE) -> str:
     """A hash of the source torch.compile traces into raygpt's graphs: the model and the ops
     (the autograd Functions' forward and backward among them) of the raygpt `package`."""
     ops = os.path.join(package, "ops")

@@ -31,8 +31,8 @@ import struct
 import tempfile
 from pathlib import Path
 
-from raygpt.storage.atomic_file import NotPrivateError, fsync_directory, open_private_file
 from raygpt.config import ConfigError
+from raygpt.storage.atomic_file import NotPrivateError, fsync_directory, open_private_file
 
 KEY_ENV = "RAYGPT_ARTIFACT_KEY_FILE"
 KEY_BYTES = 32

@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from raygpt.storage.atomic_file import check_private_dir, private_dir
 from raygpt.checkpointing import protocol as ck
+from raygpt.storage.atomic_file import check_private_dir, private_dir
 
 log = logging.getLogger(__name__)
 

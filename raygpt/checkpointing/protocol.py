@@ -42,8 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from raygpt.storage import atomic_file
 from raygpt.llmc.state_file import json_default
+from raygpt.storage import atomic_file
 from raygpt.storage import (MAX_JSON_BYTES, FileTooLarge, JSONError, RunDir, parse_json,
                             read_json_bounded)
 

@@ -36,22 +36,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raygpt.storage.atomic_file import fsync_directory
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
 from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.snapshot import StateSnapshot
-from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
 from raygpt.config import TrainConfig
 from raygpt.data.loader import merge_ranges
-from raygpt.storage.hashing_writer import HashingWriter
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
 from raygpt.model.gpt import GPTConfig
+from raygpt.storage import RunDir
+from raygpt.storage.atomic_file import fsync_directory
+from raygpt.storage.hashing_writer import HashingWriter
 from raygpt.train.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.train.outlier import rewind_target
 from raygpt.train.schedule import wsd_decay_start
 from raygpt.train.state import TrainState
-from raygpt.storage import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -683,7 +683,8 @@ def stored_fields(d: dict) -> dict:
     every URI without its options (the endpoint comes back from the reading command's
     --storage-endpoint or environment)."""
     from raygpt.storage.uri import without_options
-    return {k: stored_fields(v) if isinstance(v, dict) else without_options(v) for k, v in d.items()}
+    return {k: stored_fields(v) if isinstance(v, dict) else without_options(v)
+            for k, v in d.items()}
 
 
 def _typed(cls, d: dict, where: str) -> dict:

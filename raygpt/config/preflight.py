@@ -38,11 +38,11 @@ import os
 
 import uuid
 
-from raygpt.model import memory
 from raygpt.config import ConfigError, TrainConfig
 from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
 from raygpt.data.sources import is_remote, shard_token_counts
 from raygpt.llmc.shards import HEADER_BYTES, ShardError
+from raygpt.model import memory
 from raygpt.model.memory import GiB
 
 

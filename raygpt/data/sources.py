@@ -40,8 +40,8 @@ import tempfile
 import threading
 import uuid
 
-from raygpt.storage.atomic_file import NotPrivateError, private_dir
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, check_shard_header
+from raygpt.storage.atomic_file import NotPrivateError, private_dir
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
 _GLOB_CHARS = "*[?"  # on an object store '?' starts the URI's query (see the module's notes)

@@ -17,10 +17,10 @@ import sys
 import torch
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.train.errors import EXIT_BAD_INPUT
 from raygpt.model.gpt import GPT
-from raygpt.storage import open_run_dir
 from raygpt.runlog.terminal import printable, printable_lines
+from raygpt.storage import open_run_dir
+from raygpt.train.errors import EXIT_BAD_INPUT
 
 
 class NoModel(ValueError):

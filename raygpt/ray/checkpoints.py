@@ -25,13 +25,13 @@ import ray
 import ray.train
 from ray.train import Checkpoint, UserCallback
 
-from raygpt.storage.atomic_file import fsync_directory, make_dirs_below, move_local_file
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import drain_finalize_queues, finalize_queue, queued_run_dirs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.compat import ControllerCallback, storage_marker_name
 from raygpt.runlog.history import append_record
 from raygpt.storage import RunDir, open_run_dir
+from raygpt.storage.atomic_file import fsync_directory, make_dirs_below, move_local_file
 
 log = logging.getLogger(__name__)
 

@@ -53,25 +53,25 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygpt.config import preflight
 from raygpt.artifacts import signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
-from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
-from raygpt.train.faults import parse_spec
+from raygpt.config import preflight
 from raygpt.model.memory import out_of_memory_line
-from raygpt.storage.ownership import claimed_run_dir
 from raygpt.ray import capacity, compat
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
+from raygpt.storage.ownership import claimed_run_dir
+from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
+from raygpt.train.faults import parse_spec
 from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,
                                TrainerHooks, autoscaling_coordinator)
 from raygpt.ray.driver_signals import DriverSignals
 from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
 from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train_func
-from raygpt.runlog.run_config import CONFIG_FILE, write_launch
 from raygpt.runlog import tracking
 from raygpt.runlog.history import read_history, summarize_run
+from raygpt.runlog.run_config import CONFIG_FILE, write_launch
 from raygpt.storage import open_run_dir, redact
 
 log = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, MANIFEST, MAX_SHARD_TO
                                       STAGING, PrepareError, Progress, ShardCutter, identity,
                                       make_manifest, publish, read_manifest, read_progress,
                                       shard_name, write_progress, write_staged_shard)
-from raygpt.train.errors import EXIT_BAD_INPUT
-from raygpt.storage.ownership import check_claim, claim_dir, foreign_entries
-from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
-from raygpt.runlog.terminal import printable
 from raygpt.data.tokenizer import tokenizer_fingerprint
+from raygpt.runlog.terminal import printable
+from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
+from raygpt.storage.ownership import check_claim, claim_dir, foreign_entries
+from raygpt.train.errors import EXIT_BAD_INPUT
 
 
 @dataclasses.dataclass(frozen=True)

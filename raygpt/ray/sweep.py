@@ -102,17 +102,17 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.config import (RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig, command_line_only,
                            config_read_back, shards_with_endpoint, stored_fields,
                            without_command_line_only)
-from raygpt.train.errors import EXIT_BAD_INPUT
-from raygpt.storage.ownership import Lease, check_claim, claim_dir
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
+from raygpt.storage.ownership import Lease, check_claim, claim_dir
+from raygpt.train.errors import EXIT_BAD_INPUT
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, PLACEMENT_FIELDS, TRIAL_NAME_RE,
                                _branch_totals, _plain, check_space, check_trials, expand_trials,
                                pin_for_trials, preflight_sweep, space_items, trial_config)
-from raygpt.runlog.history import iter_history
-from raygpt.train.schedule import wsd_decay_start
 from raygpt.artifacts.signed_file import ArtifactKey
+from raygpt.runlog.history import iter_history
 from raygpt.storage import RunDir, join_uri, open_run_dir, read_json_bounded, redact, store_png
+from raygpt.train.schedule import wsd_decay_start
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ import ray.train
 import torch
 from ray.train.torch import TorchConfig
 
-from raygpt.train import signals
+from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
-from raygpt.train.errors import RunStopped, stop_code
 from raygpt.ray import checkpoints, compat
-from raygpt.train.session import Session
-from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.storage import open_run_dir
+from raygpt.train import signals
+from raygpt.train.errors import RunStopped, stop_code
+from raygpt.train.session import Session
 
 log = logging.getLogger(__name__)
 

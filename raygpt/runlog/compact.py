@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raygpt.storage.ownership import Lease, RunDirBusy, check_own_run
 from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
 from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
 from raygpt.runlog.segments import compact
-from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from raygpt.storage import open_run_dir
 from raygpt.runlog.terminal import printable
+from raygpt.storage import open_run_dir
+from raygpt.storage.ownership import Lease, RunDirBusy, check_own_run
+from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 LAYOUTS = (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG)
 

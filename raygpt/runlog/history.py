@@ -27,8 +27,8 @@ import time
 
 from raygpt.runlog import segments
 from raygpt.runlog.segments import LogFile, LogLayout
-from raygpt.storage import JSONError, RunDir, parse_json
 from raygpt.runlog.terminal import printable
+from raygpt.storage import JSONError, RunDir, parse_json
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.train.faults import WHAT as FAULT_WHAT
-from raygpt.train.faults import read_armed, read_fired
 from raygpt.runlog import segments
 from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG, GoodputTally, iter_history
-from raygpt.storage import RunDir, open_run_dir, store_png
 from raygpt.runlog.terminal import printable, printable_lines
+from raygpt.storage import RunDir, open_run_dir, store_png
+from raygpt.train.faults import WHAT as FAULT_WHAT
+from raygpt.train.faults import read_armed, read_fired
 
 Progress = Callable[[str], None]
 

@@ -32,8 +32,8 @@ from importlib import metadata
 
 from raygpt import __version__
 from raygpt.config import PACKAGE_DIR, ConfigError, TrainConfig
-from raygpt.storage import RunDir, read_json_bounded, redact
 from raygpt.runlog.terminal import printable
+from raygpt.storage import RunDir, read_json_bounded, redact
 
 CONFIG_FILE = "config.json"
 FORMAT, VERSION = "raygpt-config", 1

@@ -44,8 +44,8 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from raygpt.storage import FileTooLarge, RunDir
 from raygpt.runlog.terminal import printable
+from raygpt.storage import FileTooLarge, RunDir
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,10 @@ and the one door through which a string becomes a place (`uri`: endpoints, timeo
 refused from files, local files opened without blocking)."""
 
 from raygpt.storage.rundir import *  # noqa: F401,F403
-from raygpt.storage.rundir import (MAX_JSON_BYTES, REACHABLE_DEADLINE_S, FileTooLarge, JSONError,  # noqa: F401
-                                   RunDir, StorageError, check_reachable, join_uri, open_run_dir,
-                                   parse_json, read_json_bounded, redact, storage_cause, store_png)
-from raygpt.storage.uri import (CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S,  # noqa: F401
-                                REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS, URIRefused, bounded_filesystem,
-                                check_plain, open_filesystem, open_regular, with_endpoint)
+from raygpt.storage.rundir import (  # noqa: F401
+    MAX_JSON_BYTES, REACHABLE_DEADLINE_S, FileTooLarge, JSONError, RunDir, StorageError,
+    check_reachable, join_uri, open_run_dir, parse_json, read_json_bounded, redact, storage_cause,
+    store_png)
+from raygpt.storage.uri import (  # noqa: F401
+    CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S, REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS,
+    URIRefused, bounded_filesystem, check_plain, open_filesystem, open_regular, with_endpoint)

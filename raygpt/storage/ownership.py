@@ -45,14 +45,14 @@ import time
 import uuid
 from typing import Callable
 
-from raygpt.runlog import run_config
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import ConfigError, TrainConfig
-from raygpt.train.faults import announce as announce_faults
-from raygpt.train.faults import armed_spec
+from raygpt.runlog import run_config
 from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG
 from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
 from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
+from raygpt.train.faults import announce as announce_faults
+from raygpt.train.faults import armed_spec
 
 log = logging.getLogger(__name__)
 

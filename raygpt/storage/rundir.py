@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raygpt.storage.uri import (CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S,  # noqa: F401
-                                REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS, bounded_filesystem,
-                                open_filesystem, rebuilt, redact, with_endpoint)
+from raygpt.storage.uri import (  # noqa: F401 (re-exported by raygpt.storage)
+    CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S, REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS,
+    bounded_filesystem, open_filesystem, rebuilt, redact, with_endpoint)
 from raygpt.storage.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
                                 open_local_append, open_local_read, write_local_atomic)
 

@@ -46,7 +46,8 @@ def uri_options(uri: str) -> list[str]:
         return []
     parts = urlsplit(str(uri))
     found = ["credentials"] if "@" in parts.netloc else []
-    found += sorted(parse_qs(parts.query, keep_blank_values=True)) or (["a query"] if parts.query else [])
+    options = sorted(parse_qs(parts.query, keep_blank_values=True))
+    found += options or (["a query"] if parts.query else [])
     if parts.fragment:
         found.append("a fragment")
     return found

@@ -17,12 +17,12 @@ Exit codes of `raygpt train` and `experiments/shakespeare.py`:
 
 from __future__ import annotations
 
-from raygpt.storage.atomic_file import RefusedPath
 from raygpt.checkpointing.protocol import CheckpointError
 from raygpt.config import ConfigError
 from raygpt.llmc.shards import ShardError
 from raygpt.llmc.state_file import StateFileError
 from raygpt.runlog.tracking import TrackingError
+from raygpt.storage.atomic_file import RefusedPath
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1

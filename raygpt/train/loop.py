@@ -29,23 +29,23 @@ import torch
 import torch.distributed as dist
 
 from raygpt.artifacts import compile_cache
-from raygpt.train import signals
-from raygpt.data import tokenizer
-from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.artifacts.compile_cache import CompileCache
+from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.config import TrainConfig
+from raygpt.data import tokenizer
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
+from raygpt.train import signals
 from raygpt.train.determinism import run_switches
 # OutOfMemory: -b does not fit the device; TrainingStopped: the spike policy escalates to a human
+from raygpt.llmc.model_file import load_model_file
+from raygpt.model.gpt import GPT, GPTConfig, kernels_for, num_parameters
+from raygpt.model.memory import out_of_memory_line
+from raygpt.runlog.reporter import Reporter
 from raygpt.train.errors import OutOfMemory, TrainingStopped
 from raygpt.train.faults import plan_for
 from raygpt.train.gc_freeze import GCFreeze
-from raygpt.llmc.model_file import load_model_file
-from raygpt.model.memory import out_of_memory_line
-from raygpt.model.gpt import GPT, GPTConfig, kernels_for, num_parameters
 from raygpt.train.optim import AdamW, FlatParameters, random_u32
-from raygpt.runlog.reporter import Reporter
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import Session
 from raygpt.train.state import TrainState

@@ -117,9 +117,9 @@ def test_training_graph_stays_static_after_a_validation_of_another_batch_size(tm
     (bench/results/h200x2_det_default_2026-11-30.log). Every graph the loop compiles must have
     static shapes; Dynamo's own graph capture is what decides it, so a recording backend stands
     in for Inductor here."""
+    from raygpt.storage import open_run_dir
     import raygpt.train.loop
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
     graphs = []
@@ -378,8 +378,8 @@ def test_without_a_key_no_artifacts_are_loaded_or_stored(tmp_path, monkeypatch):
     """A session with no key (artifact_key None): the run's artifacts file is not read, and
     nothing is stored after the first step; the run just compiles."""
     from raygpt.artifacts import compile_cache
-    from raygpt.train.session import LocalSession
     from raygpt.storage import open_run_dir
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     rd = open_run_dir(str(tmp_path / "run"))
@@ -400,8 +400,8 @@ def test_a_symlink_planted_at_the_node_cache_path_is_refused(tmp_path, monkeypat
     user's (the check saw 0700 and this uid through the link), and afterwards at their own, it
     would have Inductor and Triton load their code: a symlink is refused as such, naming the
     path, and nothing is written through it."""
-    from raygpt.storage.atomic_file import NotPrivateError
     from raygpt.artifacts.compile_cache import use_node_compile_cache
+    from raygpt.storage.atomic_file import NotPrivateError
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -422,13 +422,13 @@ def _check_artifacts(run_dir: str, cache_dir: str, device: str = "cpu") -> None:
     """The compile-once check's run resumed for steps 4-5 on a node whose compile cache is
     `cache_dir`; prints the compile counters and the first step's time."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    from raygpt.runlog.history import read_history
     from raygpt.artifacts.compile_cache import COMPILE_ARTIFACTS
     from raygpt.artifacts.kernel_bundle import raygpt_kernel_names
+    from raygpt.artifacts.signed_file import ArtifactKey
+    from raygpt.runlog.history import read_history
+    from raygpt.storage import open_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
-    from raygpt.artifacts.signed_file import ArtifactKey
-    from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
     torch.set_num_threads(1)
@@ -491,10 +491,10 @@ def _check_artifacts_unit(mode: str, run_dir: str, cache_dir: str) -> None:
 def _check_loop(device: str, run_dir: str | None = None, cache_dir: str | None = None) -> None:
     if cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    from raygpt.train.loop import train
-    from raygpt.train.session import LocalSession
     from raygpt.artifacts.signed_file import ArtifactKey
     from raygpt.storage import open_run_dir
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     class CountingSession(LocalSession):

@@ -10,8 +10,8 @@ import stat
 import pytest
 
 from raygpt.artifacts import signed_file
-from raygpt.config import ConfigError
 from raygpt.artifacts.signed_file import ArtifactKey, NotSigned, load_or_create_key, sign, verified
+from raygpt.config import ConfigError
 
 KEY = ArtifactKey(bytes(range(32)))
 NAME = "compile_cache/0123456789abcdef0123.bin"

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import ray
-from raygpt.checkpointing import protocol as ck
 from raygpt import cli
-from raygpt.model import memory
-from raygpt.config import preflight
+from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.config import ConfigError, TrainConfig, parse_args
+from raygpt.config import preflight
 from raygpt.llmc.shards import write_shard
+from raygpt.model import memory
 from raygpt.ray import capacity
 from raygpt.storage import open_run_dir
 from tests.helpers import S3Server

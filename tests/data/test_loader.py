@@ -736,9 +736,9 @@ def test_a_bucket_pattern_serves_the_batches_of_its_local_copy(s3, tmp_path):
     """Shuffled, two ranks, across epochs, with prefetch and a cache that holds 4 of the 5
     shards (what the loaders hold at once: evictions all along), then a resume from the state on
     a node with an empty cache: every batch equals the local copy's."""
+    from raygpt.data.loader import SHARDS_HELD
     from raygpt.data.sources import ShardCache
     from raygpt.llmc.shards import HEADER_BYTES
-    from raygpt.data.loader import SHARDS_HELD
 
     sizes = [97, 130, 65, 200, 81]
     (tmp_path / "local").mkdir()

@@ -17,8 +17,8 @@ import pytest
 from raygpt.data.shard_writer import shard_bytes
 from raygpt.data.sources import (ShardCache, data_fingerprint, list_shards,
                                  shard_token_counts)
-from raygpt.train.errors import EXIT_BAD_INPUT, stop_code
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, write_shard
+from raygpt.train.errors import EXIT_BAD_INPUT, stop_code
 
 
 pytest.importorskip("moto.server")

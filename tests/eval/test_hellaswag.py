@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raygpt.data.tokenizer import get_encoding
 from raygpt.eval import hellaswag
 from raygpt.model.gpt import GPT, GPTConfig
-from raygpt.data.tokenizer import get_encoding
 
 
 def llmc_prediction(model, ex: hellaswag.Example) -> int:
@@ -107,11 +107,11 @@ def test_read_examples_reads_every_line_and_refuses_an_empty_file(tmp_path):
 def test_a_run_scores_hellaswag_at_its_validation_steps_on_every_rank_share(tmp_path):
     """--hellaswag in a (one-rank, no Ray) run: main.log's llm.c line and the history's eval
     record at each -v step and the last, equal to scoring the checkpoint's model."""
-    from raygpt.train.loop import train
-    from raygpt.runlog.history import read_history
-    from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
     from raygpt.interop.trained import model_at
+    from raygpt.runlog.history import read_history
+    from raygpt.storage import open_run_dir
+    from raygpt.train.loop import train
+    from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 
     f = tmp_path / "hs.jsonl"

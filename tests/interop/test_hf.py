@@ -17,11 +17,11 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from raygpt.interop import hf  # noqa: E402
 from raygpt.config import ConfigError  # noqa: E402
+from raygpt.data.tokenizer import RANKS_PATH, get_encoding  # noqa: E402
+from raygpt.interop import hf  # noqa: E402
 from raygpt.llmc.model_file import write_model_file  # noqa: E402
 from raygpt.model.gpt import GPT, GPTConfig  # noqa: E402
-from raygpt.data.tokenizer import RANKS_PATH, get_encoding  # noqa: E402
 from tests.helpers import tiny_config, train_losses  # noqa: E402
 
 
@@ -136,9 +136,9 @@ def test_import_is_exact(exported):
 
 def test_a_run_from_the_exported_folder_has_the_model_files_losses(exported, tmp_path):
     """-e DIR against -e model.bin for the same weights: every loss equal, as floats."""
+    from raygpt.storage import open_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
     _, model_file, out = exported
     for name, source in (("file", model_file), ("folder", out)):
         cfg = tiny_config(tmp_path / name, model=str(source), max_steps=6).resolve(0)

@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from raygpt.data import tokenizer
-from raygpt.interop import trained
 from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main as cli
+from raygpt.data import tokenizer
+from raygpt.interop import trained
+from raygpt.storage import open_run_dir
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from tests.helpers import tiny_config
 
 

@@ -25,9 +25,9 @@ CHILD = """
 import json, sys, tempfile, torch
 torch.set_num_threads(1)
 from raygpt.config import TrainConfig
+from raygpt.storage import open_run_dir
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 run_dir = tempfile.mkdtemp(dir=sys.argv[1])
 fields = dict(json.loads(sys.argv[2]), max_steps=2, checkpoint_every=1, val_every=0,
               sample_every=0, output_dir=run_dir, device="cpu", num_workers=1, warmup_steps=0)
@@ -151,11 +151,11 @@ def test_an_out_of_memory_error_in_the_loop_stops_the_run_naming_b(tmp_path, mon
     retried, one line with the step, the estimate and -b."""
     import torch
 
+    from raygpt.model.memory import estimate_for
+    from raygpt.storage import open_run_dir
     from raygpt.train import loop
     from raygpt.train.errors import EXIT_BAD_INPUT, OutOfMemory, stop_code
-    from raygpt.model.memory import estimate_for
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
     real = loop.forward_backward
@@ -184,11 +184,11 @@ def test_a_real_cuda_out_of_memory_stops_the_run_naming_b(tmp_path):
     import numpy as np
     import torch
 
+    from raygpt.llmc.shards import write_shard
+    from raygpt.storage import open_run_dir
     from raygpt.train import loop
     from raygpt.train.errors import EXIT_BAD_INPUT, OutOfMemory, stop_code
-    from raygpt.llmc.shards import write_shard
     from raygpt.train.session import LocalSession
-    from raygpt.storage import open_run_dir
     from tests.helpers import tiny_config
 
     gpu = torch.cuda.get_device_properties(0).total_memory

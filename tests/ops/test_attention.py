@@ -216,8 +216,8 @@ def test_a_runs_kernel_fields_reach_the_model_and_name_the_models_choices():
     import dataclasses
 
     from raygpt.config import TrainConfig
-    from raygpt.train.loop import build_model
     from raygpt.model.gpt import EMBEDDING_IMPLS, SDPA_BACKENDS
+    from raygpt.train.loop import build_model
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainConfig)}
     assert choices["sdpa_backend"] == ("auto",) + SDPA_BACKENDS

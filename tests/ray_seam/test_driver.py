@@ -10,11 +10,11 @@ import ray
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
-from raygpt.train.faults import read_fired
+from raygpt.ray.driver import RunFailed, run
 from raygpt.runlog.history import RECOVERY_PARTS, STARTUP_MARKS, summarize_run
 from raygpt.runlog.report import run_status
 from raygpt.storage import open_run_dir
-from raygpt.ray.driver import RunFailed, run
+from raygpt.train.faults import read_fired
 from tests.helpers import records, tiny_config, train_losses
 
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
@@ -216,11 +216,11 @@ def test_a_resuming_rank_reads_only_the_files_it_loads(uninterrupted, monkeypatc
 
     from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.data.loader import DistributedDataLoader
+    from raygpt.storage import RunDir
     from raygpt.train.loop import build_model
     from raygpt.train.optim import AdamW, FlatParameters
     from raygpt.train.session import Session
     from raygpt.train.state import TrainState
-    from raygpt.storage import RunDir
 
     full_dir, cfg, _ = uninterrupted
     cfg = cfg.with_overrides({"resume": 1}).resolve(0)
@@ -365,8 +365,8 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     from mlflow.tracking import MlflowClient
     from ray.train import UserCallback
 
-    from raygpt.storage.ownership import prepare_run_dir
     from raygpt.ray.driver import build_trainer, create_control
+    from raygpt.storage.ownership import prepare_run_dir
     from tests.runlog.test_tracking import latest, wandb_history
 
     class RecordReports(UserCallback):  # defined here: pickled by value to the controller

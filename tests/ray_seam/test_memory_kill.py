@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from raygpt.config import as_command
-from raygpt.train.errors import EXIT_BAD_INPUT
 from raygpt.ray.driver import StopOnRunStopped, killed_for_memory
+from raygpt.train.errors import EXIT_BAD_INPUT
 from tests.helpers import records, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,10 +12,10 @@ import torch
 from ray.cluster_utils import Cluster
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.ray.driver import run
+from raygpt.storage import open_run_dir
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
-from raygpt.ray.driver import run
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,

@@ -21,8 +21,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from raygpt.ray import prepare
 from raygpt.data.tokenizer import EOT, get_encoding
+from raygpt.ray import prepare
 from tests.helpers import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -302,9 +302,9 @@ def _one_error_line(capsys) -> str:
 @pytest.mark.parametrize("case", ["forged_progress", "forged_manifest", "strangers_marker",
                                   "other_kind_marker", "file_of_another_uid"])
 def test_a_planted_output_is_refused_before_anything_is_written(local_ray, tmp_path, capsys, case):
-    from raygpt.storage import ownership
     from raygpt.data import shard_writer as sw
     from raygpt.storage import open_run_dir
+    from raygpt.storage import ownership
     corpus_dir, out, p = _plant_corpus(tmp_path)
     planted = expected_shards(["the planter's words"], 50)[0]
     _plant_progress(out, p, planted, 5)
@@ -342,8 +342,8 @@ def test_a_planted_output_is_refused_before_anything_is_written(local_ray, tmp_p
     ("manifest.json", "dir"), ("c_val_000000.bin", "dir"), (".prepare", "symlink")])
 def test_a_link_or_special_file_where_prepare_keeps_its_own_is_one_line(local_ray, tmp_path,
                                                                       capsys, where, what):
-    from raygpt.storage import ownership
     from raygpt.storage import open_run_dir
+    from raygpt.storage import ownership
     corpus_dir, out, p = _plant_corpus(tmp_path)
     shard = expected_shards(["words"], 50)[0]
     out.mkdir()
@@ -384,8 +384,8 @@ def test_planted_file_names_are_printed_escaped(local_ray, tmp_path, capsys):
 def test_a_prepare_killed_before_its_first_progress_write_reruns(local_ray, tmp_path):
     """A staged shard written, progress.json not yet: the rerun in this user's marked directory
     starts over and ends with the shards an uninterrupted prepare writes."""
-    from raygpt.storage import ownership
     from raygpt.storage import open_run_dir
+    from raygpt.storage import ownership
     corpus_dir, out, _ = _plant_corpus(tmp_path)
     out.mkdir()
     ownership.write_marker(open_run_dir(str(out)), "prepare")

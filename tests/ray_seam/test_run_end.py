@@ -24,10 +24,10 @@ from raygpt.llmc.shards import ShardError
 from raygpt.llmc.state_file import StateFileError
 from raygpt.train.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunStopped,
                            TrainingStopped, stop_code)
-from raygpt.train.signals import SaveClock
-from raygpt.storage import open_run_dir
-from raygpt.runlog.tracking import TrackingError
 from raygpt.ray.driver import RunFailed, StopOnRunStopped, run
+from raygpt.runlog.tracking import TrackingError
+from raygpt.storage import open_run_dir
+from raygpt.train.signals import SaveClock
 from tests.helpers import records, tiny_config, train_losses
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,10 +26,10 @@ from ray import tune
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main as cli_main
-from raygpt.ray import sweep, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.train.schedule import learning_rate
+from raygpt.ray import sweep, trials
 from raygpt.storage import open_run_dir
+from raygpt.train.schedule import learning_rate
 from tests.helpers import records
 
 REPO = Path(__file__).resolve().parents[2]

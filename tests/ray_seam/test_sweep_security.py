@@ -16,8 +16,8 @@ import pytest
 from raygpt.cli import main as cli_main
 from raygpt.config import ConfigError, TrainConfig, parse_args
 from raygpt.ray import sweep, trials
-from raygpt.storage import ownership
 from raygpt.storage import open_run_dir
+from raygpt.storage import ownership
 
 
 class CreatesFile:

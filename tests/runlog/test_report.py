@@ -20,8 +20,8 @@ from raygpt.cli import main
 from raygpt.llmc.state_file import write_state_file
 from raygpt.runlog.history import LOSS_HISTORY, RunHistory
 from raygpt.runlog.report import format_status, load_run, plot_run, run_status
-from raygpt.storage import open_run_dir
 from raygpt.runlog.tensorboard import TensorBoardWriter, read_events, read_scalars
+from raygpt.storage import open_run_dir
 
 TOKENS_PER_STEP = 256
 DT = 0.5  # seconds per step -> 512 tok/s

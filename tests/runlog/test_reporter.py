@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from raygpt.train.loop import train
 from raygpt.runlog.console import printable
-from raygpt.train.session import LocalSession
 from raygpt.storage import open_run_dir
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from tests.helpers import records, tiny_config
 
 

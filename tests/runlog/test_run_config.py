@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from raygpt.runlog import report
 from raygpt.config import TrainConfig
+from raygpt.runlog import report
 from raygpt.runlog.run_config import (CONFIG_FILE, config_changes, format_launches, read_launches,
                                write_launch)
 from raygpt.storage import open_run_dir

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygpt.runlog import tracking
 from raygpt.config import ConfigError
+from raygpt.runlog import tracking
+from raygpt.storage import open_run_dir
 from raygpt.train.loop import train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -110,9 +110,9 @@ def test_every_file_of_a_real_run_directory_follows_the_umask(tmp_path, umask, m
     directory 0777 less the umask (mkstemp's 0600 made DONE and MANIFEST private)."""
     import torch
 
-    from raygpt.train.loop import train
-    from raygpt.storage.ownership import claimed_run_dir
     from raygpt.runlog.run_config import write_launch
+    from raygpt.storage.ownership import claimed_run_dir
+    from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config
 

@@ -174,8 +174,8 @@ def test_status_lists_every_fault_and_every_resumes_audit(tmp_path, capsys):
 def test_armed_faults_are_recorded_once_per_announce_and_read_back_in_order(tmp_path, where):
     # locally the single fault_injection.jsonl; on an object store, which has no append, one
     # immutable segment per announce (one per attempt), after an older single-file record
-    from raygpt.train.faults import RECORD, RECORD_LOG, announce, read_armed
     from raygpt.runlog import segments
+    from raygpt.train.faults import RECORD, RECORD_LOG, announce, read_armed
     from tests.helpers import memory_fs
     import uuid
     rd = (open_run_dir(tmp_path / "run") if where == "local"

@@ -9,12 +9,12 @@ import torch
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import DEFAULT_TRAIN, DEFAULT_VAL, ConfigError
-from raygpt.train.faults import InjectedFault
-from raygpt.llmc.state_file import read_state_file, write_state_file
-from raygpt.train.loop import train
 from raygpt.config.preflight import check_resume
-from raygpt.train.session import LocalSession
+from raygpt.llmc.state_file import read_state_file, write_state_file
 from raygpt.storage import open_run_dir
+from raygpt.train.faults import InjectedFault
+from raygpt.train.loop import train
+from raygpt.train.session import LocalSession
 from tests.helpers import records, tiny_config, train_losses
 
 
@@ -247,8 +247,8 @@ def test_deterministic_mode_refuses_an_op_without_a_deterministic_kernel(tmp_pat
     """--deterministic is strict: an op with no deterministic implementation stops the run with
     the op's name (a ConfigError, not retried) instead of warning and running it anyway."""
     from raygpt.config import ConfigError
-    from raygpt.train.determinism import NonDeterministicOp
     from raygpt.model.gpt import GPT
+    from raygpt.train.determinism import NonDeterministicOp
 
     forward = GPT.forward
 
@@ -288,8 +288,8 @@ def test_performance_fields_reach_the_loop(tmp_path, monkeypatch):
     --loss-impl and --no-ce-kernel reach the model, --compile-mode reaches torch.compile."""
     import gc
 
-    from raygpt.train import loop
     from raygpt.data import loader as data
+    from raygpt.train import loop
 
     calls = {"prefetch": 0, "freeze": 0}
     real_prefetch = data.DistributedDataLoader.prefetch

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-import raygpt.train.loop as loop
-from raygpt.train import determinism
 from raygpt.config import ConfigError, SpikeConfig, TrainConfig
+from raygpt.train import determinism
 from raygpt.train.errors import TrainingStopped
+import raygpt.train.loop as loop
 from raygpt.train.optim import random_u32
 from raygpt.train.outlier import RewindLedger, Verdict
 from raygpt.train.state import TrainState

@@ -29,19 +29,19 @@ import pytest
 import torch
 import torch._inductor  # noqa: F401  (what torch.use_deterministic_algorithms imports: once, here)
 
-from raygpt.train import determinism, loop, signals
-from raygpt.data import tokenizer
 from raygpt.checkpointing import protocol as ck
+from raygpt.data import tokenizer
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
 from raygpt.data.sources import shard_token_counts
 from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
 from raygpt.model.gpt import GPT, GPTConfig
+from raygpt.storage import open_run_dir
+from raygpt.train import determinism, loop, signals
 from raygpt.train.optim import AdamW, FlatParameters, random_u32
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import LocalSession
 from raygpt.train.state import TrainState
-from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config
 
 STEPS = 3

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raygpt.train.determinism import run_switches
 from raygpt.model.gpt import GPT, GPTConfig, kernels_for
+from raygpt.train.determinism import run_switches
 import raygpt.train.optim
 from raygpt.train.optim import (AdamW, FlatParameters, OverlappedReduction, bucket_plan,
                           forward_units, shard_pieces, zero1_collective)

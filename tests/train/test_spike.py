@@ -9,11 +9,11 @@ import torch
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import SpikeConfig
-from raygpt.train.faults import InjectedFault
 from raygpt.llmc.state_file import read_state_file
+from raygpt.storage import open_run_dir
+from raygpt.train.faults import InjectedFault
 from raygpt.train.loop import TrainingStopped, train
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config, train_losses
 
 

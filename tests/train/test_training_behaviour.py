@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.train import outlier
 from raygpt.config import SpikeConfig
-from raygpt.train.faults import InjectedFault
 from raygpt.llmc.state_file import read_state_file
-from raygpt.train.loop import TrainingStopped, build_model, sample_text, train
 from raygpt.model.gpt import GPT
+from raygpt.storage import open_run_dir
+from raygpt.train import outlier
+from raygpt.train.faults import InjectedFault
+from raygpt.train.loop import TrainingStopped, build_model, sample_text, train
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import LocalSession
-from raygpt.storage import open_run_dir
 from tests.helpers import records, tiny_config, train_losses
 
 
