@@ -95,13 +95,13 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    from raygpt.runlog import report
-    return report.status_main(argv)
+    from raygpt.runlog.status import status_main
+    return status_main(argv)
 
 
 def _plot(argv: list[str]) -> int:
-    from raygpt.runlog import report
-    return report.plot_main(argv)
+    from raygpt.runlog.plot import plot_main
+    return plot_main(argv)
 
 
 def _compact(argv: list[str]) -> int:
@@ -142,8 +142,8 @@ def parser_for(command: str | None) -> argparse.ArgumentParser:
         return FlagParser(prog="raygpt sweep", allow_abbrev=False, add_help=False,
                           parents=[build_sweep_parser(), build_parser("raygpt sweep")])
     if command in ("status", "plot"):
-        from raygpt.runlog import report
-        return report.status_parser() if command == "status" else report.plot_parser()
+        from raygpt.runlog import plot, status
+        return status.status_parser() if command == "status" else plot.plot_parser()
     if command in ("export", "sample", "eval"):
         from raygpt.interop import trained
         return getattr(trained, f"{command}_parser")()

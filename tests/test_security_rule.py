@@ -67,7 +67,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
         "the lock file, O_NOFOLLOW, in a directory this user claimed; never truncated",
     ("raygpt/artifacts/signed_file.py", "_create_key"):
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",
-    ("raygpt/runlog/report.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
+    ("raygpt/runlog/plot.py", "plot_run"): "savefig into io.BytesIO; stored by store_png (atomic_file)",
     ("raygpt/data/sources.py", "ShardCache._fetch"):
         "O_EXCL|O_NOFOLLOW temp in the private shard cache, renamed once verified",
     ("raygpt/data/sources.py", "_flocked"): "O_NOFOLLOW lock files in the private shard cache",
@@ -77,7 +77,7 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
         "a private mkdtemp folder beside the new or empty -o, renamed onto it when complete",
     ("raygpt/interop/hf.py", "write_gpt2_tokenizer"):
         "vocab.json and merges.txt in a TemporaryDirectory, for transformers 4 to read",
-    ("raygpt/ray/sweep.py", "plot_val_curves"):
+    ("raygpt/ray/sweep_results.py", "plot_val_curves"):
         "savefig into io.BytesIO; stored by storage.store_png (atomic_file)",
 }
 

@@ -1,6 +1,7 @@
 """`raygpt sweep`'s command line: every trial config that can be known is checked first
 (raygpt.ray.trials: no Ray Tune, no torch, Ray asked only for this machine's CPU count), and only
-then is raygpt.ray.sweep (Ray Tune, Ray Train and torch: seconds of imports) loaded to run them.
+then is the runner, raygpt.ray.sweep_tune (Ray Tune, Ray Train and torch: seconds of imports),
+loaded to run them.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
             check_space(check, space)
             preflight_sweep(pin_for_trials(check, None, capacity.local_cpus()), space,
                             base.output_dir, on_this_machine=True)
-        from raygpt.ray import sweep  # Ray Tune, Ray Train and torch: seconds of imports
+        from raygpt.ray import sweep_tune  # Ray Tune, Ray Train and torch: seconds of imports
         from raygpt.ray.driver import RunFailed
     except ConfigError as e:
         print(f"raygpt sweep: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        report = sweep.run_from_args(ns, items, base)
+        report = sweep_tune.run_from_args(ns, items, base)
     except ConfigError as e:
         print(f"raygpt sweep: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -26,10 +26,10 @@ from ray import tune
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.cli import main as cli_main
+from raygpt.ray import sweep, sweep_tune, trials
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.ray import sweep, trials
-from raygpt.storage import open_run_dir
 from raygpt.train.schedule import learning_rate
+from raygpt.storage import open_run_dir
 from tests.helpers import records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -288,7 +288,7 @@ def test_the_sweep_hands_every_trial_its_drivers_key_outside_the_plan(tmp_path, 
         given.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr(sweep.tune, "with_parameters", with_parameters)
+    monkeypatch.setattr(sweep_tune.tune, "with_parameters", with_parameters)
     monkeypatch.setenv(signed_file.KEY_ENV, str(tmp_path / "artifact.key"))
     base = tiny(output_dir=str(tmp_path / "base"), compile=True).resolve(0)
     plan = sweep.SweepPlan(sweep_dir=str(tmp_path / "sweep"), mode="grid",

@@ -15,9 +15,9 @@ import pytest
 
 from raygpt.cli import main as cli_main
 from raygpt.config import ConfigError, TrainConfig, parse_args
-from raygpt.ray import sweep, trials
-from raygpt.storage import open_run_dir
+from raygpt.ray import sweep, sweep_tune, trials
 from raygpt.storage import ownership
+from raygpt.storage import open_run_dir
 
 
 class CreatesFile:
@@ -124,7 +124,7 @@ def test_resume_restores_nothing_of_tunes_and_runs_only_unfinished_trials(tmp_pa
     d = hand_built_sweep(tmp_path)
     marker = tmp_path / "pwned"
     plant_tune_pickles(d, marker)
-    monkeypatch.setattr(sweep, "_ensure_ray", lambda address: None)
+    monkeypatch.setattr(sweep_tune, "_ensure_ray", lambda address: None)
     report = sweep.resume_sweep(str(d))
     assert [r.name for r in report.rows] == ["trial_000", "trial_001"]
     assert report.best.name == "trial_000" and (d / "results.txt").exists()
@@ -133,7 +133,7 @@ def test_resume_restores_nothing_of_tunes_and_runs_only_unfinished_trials(tmp_pa
     d2 = hand_built_sweep(tmp_path / "b", finished=False)
     plant_tune_pickles(d2, marker)
     fits = []
-    monkeypatch.setattr(sweep, "_fit", lambda plan, names, **kw: fits.append((names, kw)))
+    monkeypatch.setattr(sweep_tune, "_fit", lambda plan, names, **kw: fits.append((names, kw)))
     sweep.resume_sweep(str(d2), command_line={"fault": "kill:rank=0,step=9"})
     ((names, kw),) = fits
     assert names == ["trial_001"] and kw["experiment"] == "tune.2"
@@ -163,7 +163,7 @@ def test_resume_of_a_sweep_that_is_not_this_users_is_refused_unread(tmp_path, mo
     d = hand_built_sweep(tmp_path)
     (d / ownership.MARKER).unlink()
     before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
-    monkeypatch.setattr(sweep, "_ensure_ray", lambda address: pytest.fail("Ray started"))
+    monkeypatch.setattr(sweep_tune, "_ensure_ray", lambda address: pytest.fail("Ray started"))
     with pytest.raises(ownership.RunDirRefused, match="expected an empty or new sweep directory"):
         sweep.resume_sweep(str(d))
     assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before

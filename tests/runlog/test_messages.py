@@ -11,7 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "raygpt"
 COMMAND_OUTPUT = {
     "raygpt/cli.py": {"_train"},                              # raygpt train's exit line
     "raygpt/ray/sweep_command.py": {"main"},                  # raygpt sweep's help and exit line
-    "raygpt/runlog/report.py": {"status_main", "plot_main", "_stderr_progress"},  # status, plot
+    "raygpt/runlog/status.py": {"status_main"},             # raygpt status
+    "raygpt/runlog/plot.py": {"plot_main"},                 # raygpt plot
+    "raygpt/runlog/run_view.py": {"_stderr_progress"},      # status and plot's progress lines
     "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
     "raygpt/interop/trained.py": {"export_main", "sample_main", "eval_main"},  # export, sample, eval
