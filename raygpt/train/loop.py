@@ -108,19 +108,23 @@ def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def shard_cache(cfg: TrainConfig) -> ShardCache | None:
-    """This node's cache of the shards of an s3:// or gs:// -i/-j (None when both are local,
-    which are read in place)."""
-    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin) if p):
+    """This node's cache of the shards of an s3:// or gs:// -i/-j/--eval-set (None when all
+    are local, which are read in place)."""
+    from raygpt.eval import sets
+    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin,
+                                      *sets.patterns(cfg.eval_set)) if p):
         return None
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
 
 
 def build_val_loader(cfg: TrainConfig, rank: int, world: int, cache: ShardCache | None = None,
-                     vocab_size: int | None = None) -> DistributedDataLoader | None:
+                     vocab_size: int | None = None, *,
+                     pattern: str | None = None) -> DistributedDataLoader | None:
     """This rank's validation loader, or None on a rank that sits validation out: a validation
     set smaller than world * val_batch_size samples feeds only the first ranks
-    (`data.ranks_with_data`; the config's resolution chose the sizes)."""
-    pattern = cfg.input_val_bin
+    (`data.ranks_with_data`; the config's resolution chose the sizes). `pattern`: the shards
+    of another validation set (an --eval-set's), read as -j's are; default -j."""
+    pattern = cfg.input_val_bin if pattern is None else pattern
     tokens = [n for _, n in shard_token_counts(pattern)]
     val_world = ranks_with_data(tokens, cfg.val_batch_size, cfg.seq_len, world)
     if rank >= val_world:
@@ -347,9 +351,12 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
 
 def loop_tasks(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
                cache: ShardCache | None, vocab_size: int) -> list:
-    """The loop's periodic tasks (raygpt.train.tasks) in llm.c's order: the validation loss,
-    HellaSwag, the sample."""
-    return [Validation(cfg), HellaSwag(cfg), Sample(cfg, session.rank)]
+    """The loop's periodic tasks (raygpt.train.tasks) in llm.c's order: the validation loss of
+    -j, then of each --eval-set, HellaSwag, the sample."""
+    from raygpt.eval import sets
+    return [Validation(cfg), *sets.tasks(cfg, session.rank, session.world, cache, vocab_size,
+                                         on_exit),
+            HellaSwag(cfg), Sample(cfg, session.rank)]
 
 
 class Validation:

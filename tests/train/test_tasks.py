@@ -1,5 +1,5 @@
 """The loop's periodic tasks (raygpt.train.tasks): llm.c's schedule, the due ones run in the
-list's order, and the loop's list in llm.c's order (val loss, HellaSwag, sample)."""
+list's order, and the loop's list in llm.c's order (val loss, the eval sets, HellaSwag, sample)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,28 @@ class Recorder:
 
 def test_run_due_runs_the_due_tasks_in_order_with_the_run():
     seen = []
-    tasks = [Recorder("a", {0, 2}, seen), Recorder("b", {2, "last"}, seen), Recorder("c", set(), seen)]
+    tasks = [Recorder("a", {0, 2}, seen), Recorder("b", {2, "last"}, seen),
+             Recorder("c", set(), seen)]
     for step in range(4):
         run_due(tasks, "RUN", step, step == 3)
     assert seen == [("a", 0, "RUN"), ("a", 2, "RUN"), ("b", 2, "RUN"), ("b", 3, "RUN")]
 
 
 def test_the_loops_tasks_are_in_llmcs_order(tmp_path):
-    cfg = wiring_config(tmp_path, hellaswag="")
+    cfg = wiring_config(tmp_path, hellaswag="", eval_set=[
+        f"b={cfg_val(tmp_path)}", f"a={cfg_val(tmp_path)}"])
     with contextlib.ExitStack() as on_exit:
         tasks = loop.loop_tasks(cfg, session_for(tmp_path), on_exit, None, 50257)
-        assert [t.name for t in tasks] == ["val", "hellaswag", "sample"]
+        assert [t.name for t in tasks] == ["val", "b", "a", "hellaswag", "sample"]
         due = {t.name: [s for s in range(4) if t.due(s, s == 3)] for t in tasks}
-    assert due == {"val": [0, 2, 3], "hellaswag": [], "sample": [2, 3]}
+    assert due == {"val": [0, 2, 3], "b": [0, 2, 3], "a": [0, 2, 3], "hellaswag": [],
+                   "sample": [2, 3]}
+    # -v 0: no validation, and no eval set either
+    cfg0 = wiring_config(tmp_path, val_every=0, eval_set=[f"a={cfg_val(tmp_path)}"])
+    with contextlib.ExitStack() as on_exit:
+        assert [t.name for t in loop.loop_tasks(cfg0, session_for(tmp_path), on_exit, None,
+                                                50257)] == ["val", "hellaswag", "sample"]
+
+
+def cfg_val(run_dir):
+    return wiring_config(run_dir).input_val_bin
