@@ -63,6 +63,7 @@ class RunView:
     superseded: list[dict] = field(default_factory=list)       # train records a later one replaced
     val: dict[int, float] = field(default_factory=dict)        # step -> latest val loss
     evals: dict[int, float] = field(default_factory=dict)      # step -> latest HellaSwag acc_norm
+    eval_sets: dict[str, dict[int, float]] = field(default_factory=dict)  # --eval-set NAME's val
     skips: list[dict] = field(default_factory=list)
     rewinds: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)         # each with "at_step" added
@@ -86,7 +87,7 @@ _EVENT_LISTS = {"skip": "skips", "rewind": "rewinds", "failure": "failures", "st
 
 
 _NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",),
-            "eval": ("hellaswag",)}
+            "eval": ("hellaswag",), "eval_set": ("val_loss",)}
 
 
 def _is_number(v) -> bool:
@@ -101,7 +102,13 @@ def _well_formed(r: dict) -> bool:
     """A train, val or eval record whose numbers are numbers (the history is untrusted input: a
     record that is not is counted as malformed and left out, rather than crash the report)."""
     return (_is_step(r.get("step")) and all(_is_number(r.get(k)) for k in _NUMBERS[r["kind"]])
-            and (r.get("dt") is None or _is_number(r.get("dt"))))
+            and (r.get("dt") is None or _is_number(r.get("dt")))
+            and (r["kind"] != "eval_set" or _is_set_name(r.get("name"))))
+
+
+def _is_set_name(v) -> bool:
+    from raygpt.eval.sets import NAME
+    return isinstance(v, str) and NAME.fullmatch(v) is not None
 
 
 def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | None = None, *,
@@ -142,9 +149,10 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
             if not keep_all and len(view.train) > 2 * recent:
                 for s in sorted(view.train)[:-recent]:
                     del view.train[s]
-        elif kind in ("val", "eval"):
-            series = view.val if kind == "val" else view.evals
-            series[step] = r.get("val_loss" if kind == "val" else "hellaswag")
+        elif kind in ("val", "eval", "eval_set"):
+            series = (view.val if kind == "val" else view.evals if kind == "eval"
+                      else view.eval_sets.setdefault(r["name"], {}))
+            series[step] = r.get("hellaswag" if kind == "eval" else "val_loss")
             if not keep_all and len(series) > 2 * recent:
                 for s in sorted(series)[:-recent]:
                     del series[s]
@@ -275,6 +283,10 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
               if view.evals else "")
         lines.append(f"progress  {where} | loss {rec['loss']:.4f} | {val}{hs} | "
                      f"lr {rec['lr']:.2e} | norm {rec['norm']:.4f}")
+        if view.eval_sets:  # --eval-set: each set's last loss
+            lines.append("eval sets " + " | ".join(
+                f"{name} {series[max(series)]:.4f} (step {max(series)})"
+                for name, series in view.eval_sets.items()))
         eta = ""
         if total and dts > 0 and step + 1 < total:
             eta = f" | ETA {_human_seconds((total - step - 1) * dts / len(recent))} of training"
@@ -453,6 +465,8 @@ def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
                                   [at_loss(r["loss"]) for r in view.superseded]),
         "val_loss": (val_steps, [view.val[s] for s in val_steps]),
         "hellaswag": (sorted(view.evals), [view.evals[s] for s in sorted(view.evals)]),
+        **{f"{EVAL_SET_SERIES}{name}": (sorted(series), [series[s] for s in sorted(series)])
+           for name, series in view.eval_sets.items()},
         "lr": (steps, [r["lr"] for r in train]),
         "grad_norm": (steps, [r["norm"] for r in train]),
         "tok_per_s": (steps, [throughput(r) for r in train]),
@@ -487,6 +501,17 @@ _STYLE = {
     "checkpoints_unusable": ("loss", "ticks", dict(color="tab:red", marker="^", ms=6, ls="none",
                                                    label="checkpoint (NOT usable)")),
 }
+EVAL_SET_SERIES = "val_loss:"  # + an --eval-set's NAME: its curve on the loss panel
+
+
+def _style(name: str) -> tuple[str, str, dict]:
+    """(panel, kind, matplotlib keyword arguments) of series `name`."""
+    if name.startswith(EVAL_SET_SERIES):
+        return ("loss", "line", dict(marker="s", ms=3, lw=1.0, ls="--",
+                                     label=f"val loss {name[len(EVAL_SET_SERIES):]}"))
+    return _STYLE[name]
+
+
 _PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"),
            ("eval", "HellaSwag"))
 
@@ -518,7 +543,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
 
     drawn: dict[str, list] = {}
     for name, (xs, ys) in series.items():
-        panel, kind, style = _STYLE[name]
+        panel, kind, style = _style(name)
         if not xs:
             continue
         if kind in ("line", "points"):
@@ -544,7 +569,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
     png = io.BytesIO()
     fig.savefig(png, format="png")
     store_png(run_dir_uri, out_png, png.getvalue())
-    return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
+    return {name: _read_back(artists, _style(name)[1]) for name, artists in drawn.items()}
 
 
 def _read_back(artists: list, kind: str) -> tuple[list, list]:

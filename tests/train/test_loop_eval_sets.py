@@ -2,7 +2,7 @@
 at -j's steps, each loss equal to `evaluate` computed independently on its shards with the
 weights of that step; the run's own figures (train losses, norms, -j's validation, the weights,
 main.log) bit-equal to the same run without sets; each set in the history, TensorBoard, the
-trackers and the console, and not in main.log or Ray's reports."""
+trackers, `raygpt status` and `raygpt plot`, and not in main.log or Ray's reports."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from raygpt.config import DEFAULT_TRAIN, DEFAULT_VAL
 from raygpt.data.loader import DistributedDataLoader
 from raygpt.runlog import tracking
 from raygpt.runlog.mainlog import read_main_log
+from raygpt.runlog.report import load_run, plot_run, run_status
 from raygpt.runlog.tensorboard import read_scalars
 from raygpt.train import loop
 from raygpt.train.optim import FlatParameters
@@ -126,3 +127,33 @@ def test_each_set_goes_to_tensorboard_the_trackers_and_the_console(runs):
     assert f"step     2 | val loss shakes_train {got['shakes_train'][2]:.6f}" in run["console"]
     assert "val/" not in "".join(k for s, m in runs["plain"]["tracked"] for k in m
                                  if k != "val/loss")
+
+
+def test_status_and_plot_show_each_set(runs, tmp_path):
+    run_dir = str(runs["sets"]["run_dir"])
+    got = set_losses(run_dir)
+    status = run_status(run_dir)
+    line = next(ln for ln in status.splitlines() if ln.startswith("eval sets "))
+    assert line == (f"eval sets shakes_train {got['shakes_train'][3]:.4f} (step 3) | "
+                    f"val_again {got['val_again'][3]:.4f} (step 3)")
+    assert "eval sets" not in run_status(str(runs["plain"]["run_dir"]))
+    assert load_run(run_dir).eval_sets == got
+    drawn = plot_run(run_dir, tmp_path / "run.png")
+    for name, series in got.items():
+        xs, ys = drawn[f"val_loss:{name}"]
+        assert xs == [float(s) for s in sorted(series)]
+        assert ys == pytest.approx([series[s] for s in sorted(series)])
+    assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_a_malformed_eval_set_record_is_counted_not_shown():
+    from raygpt.runlog.report import format_status, view_from_records
+    records = [{"kind": "train", "step": 0, "loss": 3.0, "lr": 1e-3, "norm": 1.0, "tokens": 8,
+                "dt": 0.1, "time": 1.0},
+               {"kind": "eval_set", "step": 0, "name": "wiki", "val_loss": 2.5, "time": 1.0},
+               {"kind": "eval_set", "step": 0, "name": "../x y", "val_loss": 2.5, "time": 1.0},
+               {"kind": "eval_set", "step": 0, "name": "wiki", "val_loss": "2.5", "time": 1.0},
+               {"kind": "eval_set", "step": 0, "val_loss": 2.5, "time": 1.0}]
+    view = view_from_records("run", records)
+    assert view.eval_sets == {"wiki": {0: 2.5}} and view.counts["malformed"] == 3
+    assert "eval sets wiki 2.5000 (step 0)" in format_status(view, now=2.0)
