@@ -53,3 +53,20 @@ def test_the_loops_tasks_are_in_llmcs_order(tmp_path):
 
 def cfg_val(run_dir):
     return wiring_config(run_dir).input_val_bin
+
+
+def test_an_eval_set_feeds_only_the_ranks_its_data_holds(tmp_path):
+    import numpy as np
+
+    from raygpt.eval import sets
+    from raygpt.llmc.shards import write_shard
+
+    cfg = wiring_config(tmp_path)
+    small = tmp_path / "small.bin"  # one rank's micro-batch: the other ranks sit it out
+    write_shard(small, np.arange(cfg.val_batch_size * cfg.seq_len + 1) % 300)
+    cfg = wiring_config(tmp_path, eval_set=[f"small={small}", f"full={cfg_val(tmp_path)}"])
+    with contextlib.ExitStack() as on_exit:
+        by_rank = [{t.name: t.loader for t in sets.tasks(cfg, rank, 3, None, 50257, on_exit)}
+                   for rank in range(3)]
+    assert [r["small"] is not None for r in by_rank] == [True, False, False]
+    assert all(r["full"] is not None for r in by_rank)
