@@ -192,6 +192,14 @@ class TrainConfig:
     val_batch_size: int | None = knob(None, section="eval", may_change_on_resume=True)
     """Validation micro-batch per rank. Default: the one up to B that covers the most of the
     validation shards in -m batches. Ranks beyond the validation data sit validation out."""
+    eval_set: list[str] = knob(section="eval", factory=list, long="--eval-set",
+                               metavar="NAME=GLOB", may_change_on_resume=True, from_file=True)
+    """Another validation set, repeatable: NAME (letters, digits, _ . -; not 'loss', -j's)
+    and a glob of llm.c token shards like -j's (local, s3:// or gs://). Each is evaluated with
+    -j's policy: every -v steps and at the last step, -m batches of --val-batch-size per rank
+    (the values resolved for -j's shards), ranks beyond the set's data sitting out, the mean
+    over every rank's tokens; its loss is reported as val/NAME (history, TensorBoard, trackers,
+    raygpt status and plot), not in main.log."""
     sample_every: int | None = knob(None, section="eval", short="-s", may_change_on_resume=True)
     """Generate a text sample every N steps; 0 turns it off. Default: 50."""
     gen_tokens: int = knob(64, section="eval", short="-g", may_change_on_resume=True)
@@ -396,6 +404,9 @@ class TrainConfig:
         c.input_bin, c.input_val_bin = (shards_with_endpoint(flag, p, c.storage_endpoint) for flag, p
                                         in (("-i/--input-bin", c.input_bin),
                                             ("-j/--input-val-bin", c.input_val_bin)))
+        c.eval_set = _eval_sets().with_patterns(
+            c.eval_set, lambda name, p: shards_with_endpoint(f"--eval-set {name}", p,
+                                                             c.storage_endpoint))
         if gpus_available is None:  # (counting GPUs imports torch: not for --cpu)
             gpus_available = 0 if c.device == "cpu" else local_gpus()
         if c.device == "auto":
@@ -448,7 +459,8 @@ class TrainConfig:
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint,
-                                                data=(c.input_bin, c.input_val_bin))
+                                                data=(c.input_bin, c.input_val_bin,
+                                                      *_eval_sets().patterns(c.eval_set)))
         c.validate()
         return c
 
@@ -551,6 +563,10 @@ class TrainConfig:
             need(_remote(self.input_val_bin) or bool(glob.glob(self.input_val_bin)),
                  "-j/--input-val-bin", "a glob matching at least one llm.c token shard (local, "
                  "s3:// or gs://; or '' to turn validation off)", self.input_val_bin)
+        for name, pattern in _eval_sets().parse(self.eval_set):
+            need(_remote(pattern) or bool(glob.glob(pattern)), f"--eval-set {name}",
+                 "a glob matching at least one llm.c token shard (local, s3:// or gs://)",
+                 pattern)
         need(isinstance(self.shard_cache_gb, (int, float)) and math.isfinite(self.shard_cache_gb)
              and self.shard_cache_gb > 0, "--shard-cache-gb", "a number of GB > 0",
              self.shard_cache_gb)
@@ -622,8 +638,19 @@ RESUME_MUTABLE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig
                                   if f.metadata["may_change_on_resume"])
 
 
+def _eval_sets():
+    from raygpt.eval import sets  # (it imports ConfigError from here)
+    return sets
+
+
+def _is_list(f: dataclasses.Field) -> bool:
+    """A field of repeatable values (`list[str]`: a flag given once per value)."""
+    return str(f.type).startswith("list[")
+
+
 def _value_type(f: dataclasses.Field) -> type:
-    """bool, int, float or str from a field's annotation ('int | None' is int)."""
+    """bool, int, float or str from a field's annotation ('int | None' is int; 'list[str]'
+    is str, its items' type)."""
     hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     parts = {p.strip() for p in str(hint).split("|")}
     return next((t for t in (bool, int, float) if t.__name__ in parts), str)
@@ -673,9 +700,17 @@ def check_file_fields(d: dict, where: str) -> None:
     from raygpt.storage.uri import URIRefused, check_plain
     for key, value in flat.items():
         try:
-            check_plain(value, f"{where}: {key}")
+            for item in (value if isinstance(value, list) else [value]):
+                check_plain(_uri_of(item), f"{where}: {key}")
         except URIRefused as e:
             raise ConfigError(str(e)) from None
+
+
+def _uri_of(item):
+    """The URI (or path) an item of a field names: an --eval-set's NAME=GLOB names its GLOB."""
+    if isinstance(item, str) and "=" in item.split("://", 1)[0]:
+        return item.partition("=")[2]
+    return item
 
 
 def stored_fields(d: dict) -> dict:
@@ -683,8 +718,15 @@ def stored_fields(d: dict) -> dict:
     every URI without its options (the endpoint comes back from the reading command's
     --storage-endpoint or environment)."""
     from raygpt.storage.uri import without_options
-    return {k: stored_fields(v) if isinstance(v, dict) else without_options(v)
-            for k, v in d.items()}
+
+    def plain(v):
+        if isinstance(v, dict):
+            return stored_fields(v)
+        if isinstance(v, list):  # an --eval-set's NAME=GLOB: the name kept, the URI plain
+            return [v_ if (u := _uri_of(v_)) is v_ else v_[:len(v_) - len(u)] + without_options(u)
+                    for v_ in v]
+        return without_options(v)
+    return {k: plain(v) for k, v in d.items()}
 
 
 def _typed(cls, d: dict, where: str) -> dict:
@@ -705,7 +747,8 @@ def _typed(cls, d: dict, where: str) -> dict:
                 out[key] = converted
                 break
         else:
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            names = " or ".join("null" if t is type(None) else str(t) if typing.get_origin(t)
+                                else t.__name__ for t in allowed)
             raise ConfigError(f"{where}{key}: expected {names}, found {value!r} "
                               f"({type(value).__name__})")
     return out
@@ -723,6 +766,10 @@ def _fits(value, t) -> tuple[bool, object]:
     if t is float:
         ok = isinstance(value, numbers.Real)
         return ok, float(value) if ok else value
+    if typing.get_origin(t) is list:  # list[str]: a list of items of that type
+        (item,) = typing.get_args(t)
+        ok = isinstance(value, (list, tuple)) and all(_fits(v, item)[0] for v in value)
+        return ok, list(value) if ok else value
     return isinstance(value, t), value
 
 
@@ -736,10 +783,18 @@ def as_command(cfg: "TrainConfig") -> tuple[dict, list[str]]:
     flags = ["-o", fields.pop("output_dir"), "-y", str(fields.pop("resume"))]
     if fields.pop("overwrite"):
         flags.append("--overwrite")
-    for name in [*COMMAND_LINE_ONLY, *(k for k, v in fields.items() if uri_options(v))]:
+    def has_options(v) -> bool:
+        return any(uri_options(_uri_of(i)) for i in (v if isinstance(v, list) else [v]))
+
+    for name in [*COMMAND_LINE_ONLY, *(k for k, v in fields.items() if has_options(v))]:
         value = fields.pop(name)
         if value != getattr(default, name):
-            flags += [flag_of(name)] if isinstance(value, bool) else [flag_of(name), str(value)]
+            if isinstance(value, bool):
+                flags += [flag_of(name)]
+            elif isinstance(value, list):  # a repeatable flag, once per value
+                flags += [a for item in value for a in (flag_of(name), str(item))]
+            else:
+                flags += [flag_of(name), str(value)]
     return fields, flags
 
 
@@ -846,7 +901,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
         return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
 
     paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin),
-             "hellaswag": absolute(cfg.hellaswag)}
+             "hellaswag": absolute(cfg.hellaswag),
+             "eval_set": _eval_sets().with_patterns(cfg.eval_set, lambda _, p: absolute(p))}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
         paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
     if cfg.shard_cache_dir:
@@ -1016,6 +1072,12 @@ def _flag_specs():
             long = meta["long"] or "--" + key.replace(".", "-").replace("_", "-")
             names = [n for n in (meta["short"], long) if n]
             typ = _value_type(f)
+            if _is_list(f):  # repeatable: each use adds a value
+                yield meta["section"], dest, names, dict(
+                    dest=dest, action="append", type=typ, default=None,
+                    metavar=meta["metavar"] or typ.__name__.upper().replace("STR", "TEXT"),
+                    help=doc + " (repeatable; default: none)")
+                continue
             if typ is bool:
                 if default is True:  # the flag turns a default-on feature off
                     yield meta["section"], dest, names, dict(

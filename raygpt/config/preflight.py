@@ -10,8 +10,8 @@ was expected, or returns what it found (for the start-up line):
   file size; for shards in a bucket one range read each, and the token count against the
   prepare's manifest.json beside them) and its size against B, T and the largest world size
   (llm.c's B*T*world+1 rule, `data.tokens_needed`), validation's micro-batch against the
-  smallest validation shard, -x -1 (one epoch) against the global batch, and the node's shard
-  cache (--shard-cache-gb) against the largest shard in a bucket;
+  smallest validation shard (and each --eval-set's), -x -1 (one epoch) against the global
+  batch, and the node's shard cache (--shard-cache-gb) against the largest shard in a bucket;
 - resume (-y 1): the newest complete checkpoint's MANIFEST against this config
   (`checkpoint.check_compatible`: config fields, tokenizer and data hashes; a different world
   size is fine, the loop reshards);
@@ -156,6 +156,32 @@ def check_data(cfg: TrainConfig) -> list[str]:
                      f"{world} rank(s)" + (f" ({smallest} at {cfg.min_workers} workers)"
                                            if cfg.min_workers and smallest != ranks else "")
                      + f", from {sum(tokens):,} tokens in {len(val)} shard(s)")
+    facts += check_eval_sets(cfg)
+    return facts
+
+
+def check_eval_sets(cfg: TrainConfig) -> list[str]:
+    """Each --eval-set's shards as -j's: headers, the node's cache, and one rank's micro-batch
+    (--val-batch-size) against its smallest shard (nothing to check while -v is 0)."""
+    from raygpt.eval import sets
+    if cfg.val_every <= 0:
+        return []
+    facts, T, vb = [], cfg.seq_len, cfg.val_batch_size
+    for name, pattern in sets.parse(cfg.eval_set):
+        flag = f"--eval-set {name}"
+        counts = _counts(pattern, flag)
+        check_shard_cache(cfg, counts, flag)
+        tokens = [n for _, n in counts]
+        ranks = ranks_with_data(tokens, vb, T, cfg.num_workers)
+        if ranks < 1:
+            path, ntok = min(counts, key=lambda pn: pn[1])
+            raise ConfigError(
+                f"{flag}: {path}: token count {ntok:,}: expected at least val_batch_size*T+1 = "
+                f"{vb}*{T}+1 = {tokens_needed(vb, T, 1):,} for one rank to evaluate it (set a "
+                f"smaller --val-batch-size or -t/--seq-len)")
+        facts.append(f"eval set {name}: {cfg.val_batches} x {vb} x {T} tokens on {ranks} of "
+                     f"{cfg.num_workers} rank(s), from {sum(tokens):,} tokens in {len(counts)} "
+                     f"shard(s)")
     return facts
 
 

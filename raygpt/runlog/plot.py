@@ -46,6 +46,8 @@ def plot_series(view: RunView) -> dict[str, tuple[list, list]]:
                                   [at_loss(r["loss"]) for r in view.superseded]),
         "val_loss": (val_steps, [view.val[s] for s in val_steps]),
         "hellaswag": (sorted(view.evals), [view.evals[s] for s in sorted(view.evals)]),
+        **{f"{EVAL_SET_SERIES}{name}": (sorted(series), [series[s] for s in sorted(series)])
+           for name, series in view.eval_sets.items()},
         "lr": (steps, [r["lr"] for r in train]),
         "grad_norm": (steps, [r["norm"] for r in train]),
         "tok_per_s": (steps, [throughput(r) for r in train]),
@@ -82,6 +84,17 @@ _STYLE = {
 }
 
 
+EVAL_SET_SERIES = "val_loss:"  # + an --eval-set's NAME: its curve on the loss panel
+
+
+def _style(name: str) -> tuple[str, str, dict]:
+    """(panel, kind, matplotlib keyword arguments) of series `name`."""
+    if name.startswith(EVAL_SET_SERIES):
+        return ("loss", "line", dict(marker="s", ms=3, lw=1.0, ls="--",
+                                     label=f"val loss {name[len(EVAL_SET_SERIES):]}"))
+    return _STYLE[name]
+
+
 _PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("speed", "tok/s"),
            ("eval", "HellaSwag"))
 
@@ -113,7 +126,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
 
     drawn: dict[str, list] = {}
     for name, (xs, ys) in series.items():
-        panel, kind, style = _STYLE[name]
+        panel, kind, style = _style(name)
         if not xs:
             continue
         if kind in ("line", "points"):
@@ -139,7 +152,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
     png = io.BytesIO()
     fig.savefig(png, format="png")
     store_png(run_dir_uri, out_png, png.getvalue())
-    return {name: _read_back(artists, _STYLE[name][1]) for name, artists in drawn.items()}
+    return {name: _read_back(artists, _style(name)[1]) for name, artists in drawn.items()}
 
 
 def _read_back(artists: list, kind: str) -> tuple[list, list]:

@@ -12,7 +12,7 @@ This module is their face: it re-exports their names (`raygpt.runlog.report.run_
 
 from __future__ import annotations
 
-from raygpt.runlog.plot import (_PANELS, _STYLE, _plot_sweep, _read_back,  # noqa: F401
+from raygpt.runlog.plot import (_PANELS, _STYLE, EVAL_SET_SERIES, _plot_sweep, _read_back,  # noqa: F401
                                 plot_main, plot_parser, plot_run, plot_series)
 from raygpt.runlog.run_view import (STATUS_FAULTS, STATUS_RECENT, CheckpointInfo,  # noqa: F401
                                     Progress, RunView, _human_bytes, _open_checked,

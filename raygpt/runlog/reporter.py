@@ -3,6 +3,7 @@ writes and where each event goes:
 
     event         console (rank 0)    main.log  loss_history  TensorBoard  Ray       W&B/MLflow
     validation    "val loss"          tel       val           val/loss     every     val/loss
+    --eval-set    "val loss NAME"     -         eval_set      val/NAME     -         val/NAME
     train step    line per log_every  trl       train         train/*      gated     train/*
     sample        the text            -         samples.jsonl -            -         -
     start         the header line     (resume)  start/resume  -            -         -
@@ -105,6 +106,14 @@ class Reporter:
         self.session.report_metrics({"step": step, "val_loss": val_loss, "skips": skips,
                                      "rewinds": rewinds})
         self.trackers.log(step, {"val/loss": val_loss})
+
+    def eval_set(self, step: int, name: str, val_loss: float) -> None:
+        """An --eval-set's validation loss at `step`: an "eval_set" record with its name in the
+        history, `val/NAME` to TensorBoard and the trackers; main.log keeps -j's `tel:` only."""
+        self.history.event(step, "eval_set", name=name, val_loss=val_loss)
+        self.tb.scalar(step, f"val/{name}", val_loss)
+        self.say(f"step {step:5d} | val loss {name} {val_loss:.6f}")
+        self.trackers.log(step, {f"val/{name}": val_loss})
 
     def hellaswag(self, step: int, correct: int, total: int) -> None:
         """HellaSwag's acc_norm at `step`: llm.c's `s:%d eval:%.4f` in main.log, an "eval" record

@@ -57,6 +57,7 @@ class RunView:
     superseded: list[dict] = field(default_factory=list)       # train records a later one replaced
     val: dict[int, float] = field(default_factory=dict)        # step -> latest val loss
     evals: dict[int, float] = field(default_factory=dict)      # step -> latest HellaSwag acc_norm
+    eval_sets: dict[str, dict[int, float]] = field(default_factory=dict)  # --eval-set NAME's val
     skips: list[dict] = field(default_factory=list)
     rewinds: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)         # each with "at_step" added
@@ -78,7 +79,7 @@ _EVENT_LISTS = {"skip": "skips", "rewind": "rewinds", "failure": "failures", "st
 
 
 _NUMBERS = {"train": ("loss", "lr", "norm", "tokens"), "val": ("val_loss",),
-            "eval": ("hellaswag",)}
+            "eval": ("hellaswag",), "eval_set": ("val_loss",)}
 
 
 def _is_number(v) -> bool:
@@ -93,7 +94,13 @@ def _well_formed(r: dict) -> bool:
     """A train, val or eval record whose numbers are numbers (the history is untrusted input: a
     record that is not is counted as malformed and left out, rather than crash the report)."""
     return (_is_step(r.get("step")) and all(_is_number(r.get(k)) for k in _NUMBERS[r["kind"]])
-            and (r.get("dt") is None or _is_number(r.get("dt"))))
+            and (r.get("dt") is None or _is_number(r.get("dt")))
+            and (r["kind"] != "eval_set" or _is_set_name(r.get("name"))))
+
+
+def _is_set_name(v) -> bool:
+    from raygpt.eval.sets import NAME
+    return isinstance(v, str) and NAME.fullmatch(v) is not None
 
 
 def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | None = None, *,
@@ -134,9 +141,10 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
             if not keep_all and len(view.train) > 2 * recent:
                 for s in sorted(view.train)[:-recent]:
                     del view.train[s]
-        elif kind in ("val", "eval"):
-            series = view.val if kind == "val" else view.evals
-            series[step] = r.get("val_loss" if kind == "val" else "hellaswag")
+        elif kind in ("val", "eval", "eval_set"):
+            series = (view.val if kind == "val" else view.evals if kind == "eval"
+                      else view.eval_sets.setdefault(r["name"], {}))
+            series[step] = r.get("hellaswag" if kind == "eval" else "val_loss")
             if not keep_all and len(series) > 2 * recent:
                 for s in sorted(series)[:-recent]:
                     del series[s]

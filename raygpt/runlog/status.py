@@ -49,6 +49,10 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
               if view.evals else "")
         lines.append(f"progress  {where} | loss {rec['loss']:.4f} | {val}{hs} | "
                      f"lr {rec['lr']:.2e} | norm {rec['norm']:.4f}")
+        if view.eval_sets:  # --eval-set: each set's last loss
+            lines.append("eval sets " + " | ".join(
+                f"{name} {series[max(series)]:.4f} (step {max(series)})"
+                for name, series in view.eval_sets.items()))
         eta = ""
         if total and dts > 0 and step + 1 < total:
             eta = f" | ETA {_human_seconds((total - step - 1) * dts / len(recent))} of training"

@@ -302,12 +302,14 @@ class Trackers:
         step, from loss_history.jsonl). A killed process takes its tracker's unsent queue with it,
         and those steps are never trained again. W&B cannot be asked (its lost tail stays lost).
         Returns the number of metric rows sent."""
-        train, val = {}, {}
+        train, val, sets = {}, {}, {}
         for r in records:
             if r.get("kind") == "train" and r["step"] < before_step and r["step"] % log_every == 0:
                 train[r["step"]] = r
             elif r.get("kind") == "val" and r["step"] < before_step:
                 val[r["step"]] = r["val_loss"]
+            elif r.get("kind") == "eval_set" and r["step"] < before_step:  # --eval-set's val/NAME
+                sets.setdefault(f"val/{r['name']}", {})[r["step"]] = r["val_loss"]
         sent = 0
         for tracker in list(self.active):
             try:
@@ -324,6 +326,10 @@ class Trackers:
                 for step in sorted(set(val) - have_val):
                     tracker.log(step, {"val/loss": val[step]})
                     sent += 1
+                for key, losses in sets.items():
+                    for step in sorted(set(losses) - tracker.stored_steps(key)):
+                        tracker.log(step, {key: losses[step]})
+                        sent += 1
             except Exception as e:  # noqa: BLE001 - a tracker must not stop a training run
                 self._drop(tracker, before_step, e)
         return sent

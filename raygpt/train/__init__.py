@@ -1,6 +1,7 @@
 """Training: the per-worker loop and the policies it calls, none of them aware of Ray.
 
     loop.py         the loop, top to bottom like llm.c's main loop (no Ray inside)
+    tasks.py        periodic work as tasks (due at a step, run in llm.c's order)
     session.py      what the loop needs from Ray (or from a plain process)
     state.py        step, RNG and policy state that every checkpoint carries
     schedule.py     learning_rate(kind, step, ...): llm.c's schedulers.h, pure functions

@@ -49,6 +49,7 @@ from raygpt.train.optim import AdamW, FlatParameters, random_u32
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import Session
 from raygpt.train.state import TrainState
+from raygpt.train.tasks import every, run_due
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
@@ -107,23 +108,28 @@ def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def shard_cache(cfg: TrainConfig) -> ShardCache | None:
-    """This node's cache of the shards of an s3:// or gs:// -i/-j (None when both are local,
-    which are read in place)."""
-    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin) if p):
+    """This node's cache of the shards of an s3:// or gs:// -i/-j/--eval-set (None when all
+    are local, which are read in place)."""
+    from raygpt.eval import sets
+    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin,
+                                      *sets.patterns(cfg.eval_set)) if p):
         return None
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
 
 
 def build_val_loader(cfg: TrainConfig, rank: int, world: int, cache: ShardCache | None = None,
-                     vocab_size: int | None = None) -> DistributedDataLoader | None:
+                     vocab_size: int | None = None, *,
+                     pattern: str | None = None) -> DistributedDataLoader | None:
     """This rank's validation loader, or None on a rank that sits validation out: a validation
     set smaller than world * val_batch_size samples feeds only the first ranks
-    (`data.ranks_with_data`; the config's resolution chose the sizes)."""
-    tokens = [n for _, n in shard_token_counts(cfg.input_val_bin)]
+    (`data.ranks_with_data`; the config's resolution chose the sizes). `pattern`: the shards
+    of another validation set (an --eval-set's), read as -j's are; default -j."""
+    pattern = cfg.input_val_bin if pattern is None else pattern
+    tokens = [n for _, n in shard_token_counts(pattern)]
     val_world = ranks_with_data(tokens, cfg.val_batch_size, cfg.seq_len, world)
     if rank >= val_world:
         return None
-    return DistributedDataLoader(cfg.input_val_bin, cfg.val_batch_size, cfg.seq_len, rank,
+    return DistributedDataLoader(pattern, cfg.val_batch_size, cfg.seq_len, rank,
                                  val_world, shuffle=False, seed=cfg.seed, cache=cache,
                                  vocab_size=vocab_size)
 
@@ -239,6 +245,7 @@ class Run:
     hellaswag: list | None = None  # this rank's HellaSwag examples (--hellaswag)
     stop_requested: bool = False
     val_loss: float = float("nan")
+    tasks: list = dataclasses.field(default_factory=list)  # periodic work (raygpt.train.tasks)
 
     @property
     def validating(self) -> bool:
@@ -338,7 +345,66 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                val_loader=val_loader, hellaswag=hellaswag_share(cfg, rank, world),
                state=state, ckpt=ckpt, runlog=runlog, faults=faults, save_clock=save_clock,
                micro=micro, agreement=agreement, max_steps=max_steps,
-               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from)
+               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from,
+               tasks=loop_tasks(cfg, session, on_exit, cache, model.config.vocab_size))
+
+
+def loop_tasks(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
+               cache: ShardCache | None, vocab_size: int) -> list:
+    """The loop's periodic tasks (raygpt.train.tasks) in llm.c's order: the validation loss of
+    -j, then of each --eval-set, HellaSwag, the sample."""
+    from raygpt.eval import sets
+    return [Validation(cfg), *sets.tasks(cfg, session.rank, session.world, cache, vocab_size,
+                                         on_exit),
+            HellaSwag(cfg), Sample(cfg, session.rank)]
+
+
+class Validation:
+    """-j's validation loss every -v steps and at the last step (main.log's `tel:` line)."""
+
+    name = "val"
+
+    def __init__(self, cfg: TrainConfig):
+        self.on = bool(cfg.input_val_bin) and cfg.val_every > 0
+        self.val_every = cfg.val_every
+
+    def due(self, step: int, last_step: bool) -> bool:
+        return self.on and every(self.val_every, step, last_step)
+
+    def run(self, r: Run, step: int) -> None:
+        r.val_loss = evaluate(r.forward, r.val_loader, r.cfg, r.session.device, r.session.world)
+        r.runlog.val(step, r.val_loss, skips=r.state.skips, rewinds=r.state.ledger.rewinds)
+
+
+class HellaSwag:
+    """--hellaswag's acc_norm every --hellaswag-every steps and at the last step."""
+
+    name = "hellaswag"
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def due(self, step: int, last_step: bool) -> bool:
+        return hellaswag_due(self.cfg, step, last_step)
+
+    def run(self, r: Run, step: int) -> None:  # uncompiled: its rows vary in length
+        r.runlog.hellaswag(step, *hellaswag_score(r.model, r.hellaswag, r.session.device,
+                                                  r.session.world))
+
+
+class Sample:
+    """Rank 0's text sample every -s steps (from step 1) and at the last step."""
+
+    name = "sample"
+
+    def __init__(self, cfg: TrainConfig, rank: int):
+        self.cfg, self.rank = cfg, rank
+
+    def due(self, step: int, last_step: bool) -> bool:
+        return self.rank == 0 and sampling_step(self.cfg, step, last_step)
+
+    def run(self, r: Run, step: int) -> None:
+        r.runlog.sample(step, sample_text(r.model, r.cfg, r.session.device, step))
 
 
 def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
@@ -357,14 +423,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         last_step = step == r.max_steps
 
         # ---------------------------------------------------------- validation and sample
-        if r.validating and (step % cfg.val_every == 0 or last_step):
-            r.val_loss = evaluate(r.forward, r.val_loader, cfg, session.device, session.world)
-            runlog.val(step, r.val_loss, skips=state.skips, rewinds=state.ledger.rewinds)
-        if hellaswag_due(cfg, step, last_step):  # uncompiled: its rows vary in length
-            runlog.hellaswag(step, *hellaswag_score(r.model, r.hellaswag, session.device,
-                                                    session.world))
-        if session.rank == 0 and sampling_step(cfg, step, last_step):
-            runlog.sample(step, sample_text(r.model, cfg, session.device, step))
+        run_due(r.tasks, r, step, last_step)  # llm.c's order: val loss, HellaSwag, sample
 
         # ---------------------------------------------------------- checkpoint
         if ckpt.due(step, last_step, r.resumed_from) or state.save_requested:

@@ -253,3 +253,30 @@ def test_the_check_passes_when_the_packages_are_there(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "installed", lambda module: module != "wandb")
     with pytest.raises(ConfigError, match="--wandb p: expected the wandb package"):
         cfg.validate()
+
+
+def test_eval_sets_go_to_mlflow_and_a_resume_tops_up_what_it_lost(tmp_path, offline):
+    from mlflow.tracking import MlflowClient
+
+    from raygpt.config import DEFAULT_TRAIN
+
+    run_dir, store = tmp_path / "run", tmp_path / "mlruns"
+    common = dict(checkpoint_every=4, val_every=2, mlflow=str(store),
+                  eval_set=[f"shakes_train={DEFAULT_TRAIN}"])
+    run_local(tiny_config(run_dir, max_steps=6, **common))
+    kept = json.loads((run_dir / "tracking.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=kept["uri"])
+
+    def stored():
+        history = client.get_metric_history(kept["run_id"], "val/shakes_train")
+        return latest((m.step, m.value) for m in sorted(history, key=lambda m: m.timestamp))
+
+    def want():
+        return {r["step"]: r["val_loss"] for r in records(run_dir) if r["kind"] == "eval_set"}
+
+    assert sorted(want()) == [0, 2, 4, 6] and stored() == want()
+    # as if the process had died with its async queue: the file store lost steps 2..6
+    (metric_file,) = store.glob(f"*/{kept['run_id']}/metrics/val/shakes_train")
+    metric_file.write_text(metric_file.read_text().splitlines()[0] + "\n")
+    run_local(tiny_config(run_dir, max_steps=8, resume=1, **common))  # from the end, step 6
+    assert stored() == want() and sorted(want()) == [0, 2, 4, 6, 8]
