@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raygpt.config.errors import ConfigError  # noqa: F401 (raygpt.config.ConfigError)
 from raygpt.model.shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 from raygpt.runlog import tracking
 
@@ -39,10 +40,6 @@ DEFAULT_VAL = str(DATA_DIR / "tiny_shakespeare_val.bin")
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 
 CONFIG_FILE_MAX_BYTES = 1 << 20
-
-
-class ConfigError(ValueError):
-    """A flag or config field has a value that cannot be used; the message names it."""
 
 
 SECTION_TITLES = {
@@ -639,8 +636,8 @@ RESUME_MUTABLE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig
 
 
 def _eval_sets():
-    from raygpt.eval import sets  # (it imports ConfigError from here)
-    return sets
+    from raygpt.config import eval_sets  # --eval-set's syntax (the task is raygpt.eval.sets)
+    return eval_sets
 
 
 def _is_list(f: dataclasses.Field) -> bool:

@@ -163,11 +163,11 @@ def check_data(cfg: TrainConfig) -> list[str]:
 def check_eval_sets(cfg: TrainConfig) -> list[str]:
     """Each --eval-set's shards as -j's: headers, the node's cache, and one rank's micro-batch
     (--val-batch-size) against its smallest shard (nothing to check while -v is 0)."""
-    from raygpt.eval import sets
+    from raygpt.config import eval_sets
     if cfg.val_every <= 0:
         return []
     facts, T, vb = [], cfg.seq_len, cfg.val_batch_size
-    for name, pattern in sets.parse(cfg.eval_set):
+    for name, pattern in eval_sets.parse(cfg.eval_set):
         flag = f"--eval-set {name}"
         counts = _counts(pattern, flag)
         check_shard_cache(cfg, counts, flag)

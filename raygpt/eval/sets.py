@@ -12,47 +12,8 @@ TensorBoard and trackers as `val/NAME`, `raygpt status`, `raygpt plot`). main.lo
 
 from __future__ import annotations
 
-import re
-
-from raygpt.config import ConfigError
-
-FLAG = "--eval-set"
-# -j's loss is `val/loss` in TensorBoard and the trackers: a set may not take its name
-MAIN_NAME = "loss"
-NAME = re.compile(r"[A-Za-z0-9_.-]+")
-EXPECTED = "NAME=GLOB (NAME of letters, digits, '_', '.', '-'; GLOB of llm.c token shards)"
-
-
-def parse(specs) -> list[tuple[str, str]]:
-    """[(name, glob)] of --eval-set's values, in their order; ConfigError (one line naming
-    --eval-set, what was expected and what was found) for a spec that is not NAME=GLOB, a name
-    given twice or the main set's reserved name."""
-    out, seen = [], set()
-    for spec in specs or ():
-        if not isinstance(spec, str):
-            raise ConfigError(f"{FLAG}: expected {EXPECTED}, found {spec!r}")
-        name, eq, pattern = spec.partition("=")
-        if not eq or not NAME.fullmatch(name) or not pattern.strip():
-            raise ConfigError(f"{FLAG}: expected {EXPECTED}, found {spec!r}")
-        if name == MAIN_NAME:
-            raise ConfigError(f"{FLAG}: expected a NAME other than {MAIN_NAME!r} (-j's loss is "
-                              f"val/{MAIN_NAME}), found {spec!r}")
-        if name in seen:
-            raise ConfigError(f"{FLAG}: expected each NAME once, found {name!r} twice")
-        seen.add(name)
-        out.append((name, pattern))
-    return out
-
-
-def with_patterns(specs, change) -> list[str]:
-    """The specs with each glob replaced by `change(name, glob)` (made absolute, given its
-    endpoint), names as they were."""
-    return [f"{name}={change(name, pattern)}" for name, pattern in parse(specs)]
-
-
-def patterns(specs) -> list[str]:
-    return [pattern for _, pattern in parse(specs)]
-
+from raygpt.config.eval_sets import (EXPECTED, FLAG, MAIN_NAME, NAME, parse,  # noqa: F401
+                                     patterns, with_patterns)
 
 class EvalSet:
     """One --eval-set as a loop task: its loss every -v steps and at the last step."""
@@ -65,8 +26,8 @@ class EvalSet:
         return every(self.val_every, step, last_step)
 
     def run(self, r, step: int) -> None:
-        from raygpt.train import loop
-        loss = loop.evaluate(r.forward, self.loader, r.cfg, r.session.device, r.session.world)
+        from raygpt.eval.validation import evaluate
+        loss = evaluate(r.forward, self.loader, r.cfg, r.session.device, r.session.world)
         r.runlog.eval_set(step, self.name, loss)
 
 
@@ -75,7 +36,7 @@ def tasks(cfg, rank: int, world: int, cache, vocab_size: int, on_exit) -> list[E
     (None on a rank beyond the set's data), closed when the loop exits."""
     if cfg.val_every <= 0:
         return []
-    from raygpt.train.loop import build_val_loader
+    from raygpt.eval.validation import build_val_loader
     out = []
     for name, pattern in parse(cfg.eval_set):
         loader = build_val_loader(cfg, rank, world, cache, vocab_size, pattern=pattern)

@@ -34,7 +34,8 @@ from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.config import TrainConfig
 from raygpt.data import tokenizer
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
-from raygpt.data.sources import ShardCache, is_remote, shard_token_counts
+from raygpt.data.sources import ShardCache, is_remote
+from raygpt.eval.validation import build_val_loader, evaluate  # noqa: F401 (loop.evaluate)
 from raygpt.train import signals
 from raygpt.train.determinism import run_switches
 # OutOfMemory: -b does not fit the device; TrainingStopped: the spike policy escalates to a human
@@ -110,47 +111,11 @@ def all_reduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 def shard_cache(cfg: TrainConfig) -> ShardCache | None:
     """This node's cache of the shards of an s3:// or gs:// -i/-j/--eval-set (None when all
     are local, which are read in place)."""
-    from raygpt.eval import sets
+    from raygpt.config import eval_sets
     if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin,
-                                      *sets.patterns(cfg.eval_set)) if p):
+                                      *eval_sets.patterns(cfg.eval_set)) if p):
         return None
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
-
-
-def build_val_loader(cfg: TrainConfig, rank: int, world: int, cache: ShardCache | None = None,
-                     vocab_size: int | None = None, *,
-                     pattern: str | None = None) -> DistributedDataLoader | None:
-    """This rank's validation loader, or None on a rank that sits validation out: a validation
-    set smaller than world * val_batch_size samples feeds only the first ranks
-    (`data.ranks_with_data`; the config's resolution chose the sizes). `pattern`: the shards
-    of another validation set (an --eval-set's), read as -j's are; default -j."""
-    pattern = cfg.input_val_bin if pattern is None else pattern
-    tokens = [n for _, n in shard_token_counts(pattern)]
-    val_world = ranks_with_data(tokens, cfg.val_batch_size, cfg.seq_len, world)
-    if rank >= val_world:
-        return None
-    return DistributedDataLoader(pattern, cfg.val_batch_size, cfg.seq_len, rank,
-                                 val_world, shuffle=False, seed=cfg.seed, cache=cache,
-                                 vocab_size=vocab_size)
-
-
-@torch.no_grad()
-def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
-    """Mean validation loss over cfg.val_batches micro-batches per rank, the same batches every
-    time; a rank without a loader (no validation data for it) adds nothing but takes part in
-    the all-reduce."""
-    model.eval()
-    acc = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
-    if val_loader is not None:
-        val_loader.reset()
-        for _ in range(cfg.val_batches):
-            x, y = val_loader.next_batch(device)
-            loss_sum, _ = model(x, y)
-            acc[0] += loss_sum.double()
-            acc[1] += y.numel()
-    all_reduce_sum(acc, world)
-    model.train()
-    return (acc[0] / acc[1]).item()
 
 
 def hellaswag_share(cfg: TrainConfig, rank: int, world: int) -> list | None:
