@@ -33,7 +33,7 @@ from raygpt.artifacts.compile_cache import CompileCache
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.config import TrainConfig
 from raygpt.data import tokenizer
-from raygpt.data.loader import DistributedDataLoader, ranks_with_data, samples_to_ranges
+from raygpt.data.loader import DistributedDataLoader, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote
 from raygpt.eval.validation import build_val_loader, evaluate  # noqa: F401 (loop.evaluate)
 from raygpt.train import signals
