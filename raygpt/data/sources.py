@@ -171,12 +171,11 @@ def list_shards(pattern: str, endpoint: str = "", *, fs=None) -> ShardSource:
 
 def _local_shard(path: str) -> Shard:
     st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block its reader forever
-        from raygpt.storage.uri import URIRefused, check_regular
-        try:
-            check_regular(path, "shard")
-        except URIRefused as e:
-            raise ShardError(str(e)) from None
+    from raygpt.storage.uri import URIRefused, check_mode
+    try:
+        check_mode(st.st_mode, path, "shard")  # a FIFO would block its reader forever
+    except URIRefused as e:
+        raise ShardError(str(e)) from None
     return Shard(path, path, st.st_size, st.st_mtime_ns)
 
 

@@ -162,26 +162,25 @@ def rebuilt(fs, *, connect, request, s3_attempts: int, gcs_limit):
     return fs
 
 
+def check_mode(mode: int, path, what: str = "file") -> None:
+    """URIRefused, one line naming `what` and the path, unless `mode` (a stat's st_mode) is a
+    regular file's: a FIFO would block its reader, a device or a directory is no file."""
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise URIRefused(f"{what} {os.fspath(path)!r}: expected a regular file, found {kind}")
+
+
 def open_regular(path, what: str = "file"):
     """A binary file object reading the local file `path`, opened without waiting (O_NONBLOCK:
-    a FIFO would block the open forever) and only if it is a regular file: URIRefused, one line
-    naming `what` and the path, for a FIFO, a device, a socket or a directory. Links are
-    followed (the user's own paths may be links); a missing file is FileNotFoundError."""
+    a FIFO would block the open forever) and only if it is a regular file (`check_mode`).
+    Links are followed (the user's own paths may be links); a missing file is
+    FileNotFoundError."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        check_mode(os.fstat(fd).st_mode, path, what)
+    except URIRefused:
         os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise URIRefused(f"{what} {os.fspath(path)!r}: expected a regular file, found {kind}")
+        raise
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return os.fdopen(fd, "rb")
-
-
-def check_regular(path, what: str = "file") -> None:
-    """`open_regular`'s check without keeping the file open (stat follows links, never opens)."""
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise URIRefused(f"{what} {os.fspath(path)!r}: expected a regular file, found {kind}")
