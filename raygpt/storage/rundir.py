@@ -1,40 +1,38 @@
 """Run-directory I/O: every byte raygpt reads or writes under a run directory goes through here.
 
-A run directory (`RunDir`, paths relative to its root with `/` separators) is a `pyarrow.fs`
-filesystem plus a root: a local or NFS path, `file://`, `s3://`, `gs://`, or any
-`pyarrow.fs.FileSystem` (tests wrap fsspec's in-memory one in `PyFileSystem`).
+A run directory (`RunDir`, paths relative to its root with `/` separators) is a store
+(raygpt.storage.store: a local or NFS directory, `file://`, `s3://`, `gs://`, any
+`pyarrow.fs.FileSystem`, or the in-memory store of the tests). RunDir asks the store only what
+its capabilities say it has, never which backend it is.
 
-Durability per backend, so callers never think about it: locally an atomic write is
-raygpt.storage.atomic_file's (temp file, fsync, rename, fsync of the directory); on an object store one
-PUT is already all-or-nothing. `append_text` is for local / NFS run directories only (object
-stores have no append: their logs are raygpt.runlog.segments); `RunDir.background_appends` moves
-rank 0's appends onto a writer thread so that a step never waits for an fsync.
+Durability per backend, so callers never think about it: the store publishes a file atomically
+(locally raygpt.storage.atomic_file's temp file, fsync, rename, fsync of the directory; on an
+object store one PUT). `append_text` needs a store with appends (object stores have none: their
+logs are raygpt.runlog.segments); `RunDir.background_appends` moves rank 0's appends onto a
+writer thread so that a step never waits for an fsync.
 
-`open_run_dir` opens object stores through the URI door (`raygpt.storage.uri.open_filesystem`:
-the endpoint applied, every call bounded in time). `check_reachable` says within a deadline,
-before Ray starts, whether the store is there, as one line naming the URI and the cause.
+`open_run_dir` makes the store through the URI door (`raygpt.storage.uri.open_store`: the
+endpoint applied, every call bounded in time). raygpt.storage.reachable says within a deadline,
+before Ray starts, whether the store is there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
 import os
 import queue
-import re
 import threading
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raygpt.storage.uri import (  # noqa: F401 (re-exported by raygpt.storage)
-    CONNECT_TIMEOUT_S, ENDPOINT_VARIABLES, GCS_RETRY_LIMIT_S, REQUEST_TIMEOUT_S, S3_MAX_ATTEMPTS,
-    bounded_filesystem, open_filesystem, rebuilt, redact, with_endpoint)
-from raygpt.storage.atomic_file import (atomic_local_file, make_dirs_below, move_local_file,
-                                open_local_append, open_local_read, write_local_atomic)
+from raygpt.storage.atomic_file import move_local_file, write_local_atomic
+from raygpt.storage.local_store import store_for
+from raygpt.storage.store import Capabilities, Store, Unsupported
+from raygpt.storage.uri import open_store
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +40,18 @@ _CHUNK = 8 << 20  # 8 MiB: streaming unit for hashing and copying (state files c
 
 
 class RunDir:
-    """A run directory: `fs` + `root`; every method takes a path relative to the root.
+    """A run directory: a `Store`; every method takes a path relative to its root.
 
-    Appends (`append_text`: the run logs and fault_injection.jsonl of a local / NFS run
-    directory) are written and fsynced before they return, nothing buffered; `background_appends`
-    moves them onto a writer thread. An object store has no append: `append_text` refuses it,
-    and the logs there are immutable segments (raygpt.runlog.segments) stored at the `flush()`
-    points through `add_flush_hook`.
+    Appends (`append_text`: the run logs and fault_injection.jsonl where the store appends) are
+    written and made durable before they return, nothing buffered; `background_appends` moves
+    them onto a writer thread. A store without appends (an object store) refuses
+    `append_text`, and the logs there are immutable segments (raygpt.runlog.segments) stored at
+    the `flush()` points through `add_flush_hook`.
     """
 
-    def __init__(self, fs: pafs.FileSystem, root: str):
-        self.fs = fs
-        self.root = root.rstrip("/") or root  # keep "/" itself
+    def __init__(self, store: Store | pafs.FileSystem, root: str | None = None):
+        # RunDir(fs, root) as before the store seam: the store of that filesystem
+        self.store = store if isinstance(store, Store) else store_for(store, str(root))
         self._writer: _Writer | None = None  # set while appends run in the background
         self._flush_hooks: list = []  # see add_flush_hook
         self._line_checked: set[str] = set()  # files whose last line this RunDir has checked
@@ -63,7 +61,7 @@ class RunDir:
 
     def __reduce__(self):
         # a pickled RunDir (sent to another process) arrives without this one's writer or hooks
-        return RunDir, (self.fs, self.root)
+        return RunDir, (self.store,)
 
     def __enter__(self) -> "RunDir":
         return self
@@ -73,62 +71,67 @@ class RunDir:
 
     # ------------------------------------------------------------------ paths
     @property
+    def caps(self) -> Capabilities:
+        return self.store.caps
+
+    @property
+    def fs(self):
+        """The pyarrow filesystem behind the store (Ray's storage filesystem), or None."""
+        return self.store.fs
+
+    @property
+    def root(self) -> str:
+        return self.store.root
+
+    @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, pafs.LocalFileSystem)
+        """Whether the files are this machine's (`caps.local_paths`); new code asks `caps`."""
+        return self.store.caps.local_paths
 
     def path(self, rel: str = "") -> str:
-        """The filesystem path of `rel` (what pyarrow.fs calls take)."""
-        rel = rel.strip("/")
-        if not rel:
-            return self.root
-        return f"{self.root.rstrip('/')}/{rel}" if self.root else rel
+        """The store's own path of `rel`."""
+        return self.store.path(rel)
 
     def local_path(self, rel: str = "") -> Path:
-        if not self.is_local:
-            raise ValueError(f"{self.uri(rel)}: not on a local filesystem (found {self.fs.type_name})")
-        return Path(self.path(rel))
+        try:
+            return self.store.local_path(rel)
+        except Unsupported:
+            name = self.fs.type_name if self.fs is not None else type(self.store).__name__
+            raise ValueError(f"{self.uri(rel)}: not on a local filesystem (found {name})") from None
 
     def uri(self, rel: str = "") -> str:
         """How error messages name a file: the plain path when local, scheme://path otherwise."""
-        p = self.path(rel)
-        return p if self.is_local else f"{self.fs.type_name}://{p.lstrip('/')}"
-
-    def _relative(self, path: str) -> str:
-        """`path` (as the filesystem lists it) relative to the root."""
-        return path.strip("/")[len(self.root.strip("/")):].strip("/")
-
-    def _info(self, rel: str) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path(rel))
+        return self.store.uri(rel)
 
     # ------------------------------------------------------------------ queries
     def exists(self, rel: str = "") -> bool:
         self._drain()
-        return self._info(rel).type != pafs.FileType.NotFound
+        return self.store.info(rel) is not None
 
     def is_dir(self, rel: str = "") -> bool:
         self._drain()
-        return self._info(rel).type == pafs.FileType.Directory
+        entry = self.store.info(rel)
+        return entry is not None and entry.kind == "dir"
 
     def listdir(self, rel: str = "", *, files_only: bool = False) -> list[str]:
         """Sorted names directly under `rel`; [] when `rel` does not exist."""
         self._drain()
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
-        return sorted({i.base_name for i in infos
-                       if not files_only or i.type == pafs.FileType.File})
+        return sorted(n for n, e in self.store.list(rel).items()
+                      if not files_only or e.kind == "file")
 
     def file_sizes(self, rel: str = "") -> dict[str, int]:
         """{name: bytes} of the files directly under `rel` (one listing); {} when it does not
         exist."""
         self._drain()
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel), allow_not_found=True))
-        return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+        return {n: e.size for n, e in self.store.list(rel).items() if e.kind == "file"}
 
     def size_of(self, rel: str) -> int:
         self._drain()
-        info = self._info(rel)
-        if info.type != pafs.FileType.File:
-            raise FileNotFoundError(f"{self.uri(rel)}: expected a file, found {info.type.name}")
-        return info.size
+        entry = self.store.info(rel)
+        if entry is None or entry.kind != "file":
+            found = "NotFound" if entry is None else {"dir": "Directory"}.get(entry.kind, "Unknown")
+            raise FileNotFoundError(f"{self.uri(rel)}: expected a file, found {found}")
+        return entry.size
 
     def read_bytes(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """The whole file; with `max_bytes`, FileTooLarge instead of reading past that many
@@ -141,12 +144,14 @@ class RunDir:
             return _read_at_most(f, max_bytes, self.uri(rel))
 
     def open_read(self, rel: str):
-        """A binary stream of a file: on a local run directory opened through no symbolic link
-        below the root and only if it is a regular file (RefusedPath: a planted link to
-        /dev/zero or to another user's secret is never read, nor copied on into the run)."""
-        if self.is_local:
-            return open_local_read(self.local_path(rel), root=self.root)
-        return self.fs.open_input_stream(self.path(rel))
+        """A binary stream of a file; on a local run directory opened through no symbolic link
+        below the root and only if it is a regular file (RefusedPath)."""
+        return self.store.open_read(rel)
+
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        """At most `length` bytes of the file from `offset` (one ranged GET on an object store)."""
+        self._drain()
+        return self.store.read_range(rel, offset, length)
 
     def iter_lines(self, rel: str, *, max_line: int = 1 << 20, chunk_bytes: int = 1 << 20):
         """The file's lines (bytes, without the newline), streamed in `chunk_bytes` chunks:
@@ -188,42 +193,30 @@ class RunDir:
         """Make a directory and its missing parents; on a local run directory never through a
         symbolic link below the root (RefusedPath): run/checkpoints -> /elsewhere is refused."""
         self._drain()
-        if self.is_local:
-            make_dirs_below(self.root, self.local_path(rel))
-        else:
-            self.fs.create_dir(self.path(rel), recursive=True)
+        self.store.makedirs(rel)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Readers see the old content or all of `data`, never a partial file. Locally a link
         at `rel` is replaced, never written through, and one above it refused (RefusedPath)."""
         self._drain()
-        parent = rel.strip("/").rpartition("/")[0]
-        self.makedirs(parent)
-        if not self.is_local:
-            with self.fs.open_output_stream(self.path(rel)) as f:  # one PUT: atomic on object stores
-                f.write(data)
-            return
-        write_local_atomic(self.local_path(rel), [data], root=self.root)
+        self.store.publish(rel, data)
 
     def make_durable(self, rels) -> None:
         """Make files and directories (their entries) that something else wrote durable, without
         reading their data: local / NFS, open + fsync each (a directory's fsync makes the names
         in it durable); object stores, nothing to do (a completed put is durable). For files
         another writer copied in without an fsync (Ray's checkpoint upload)."""
-        if not self.is_local:
-            return
-        for rel in rels:
-            _fsync_path(self.local_path(rel), follow=not rel.strip("/"))  # the root may be a link
+        self.store.make_durable(rels)
 
     def append_text(self, rel: str, text: str) -> None:
-        """Append `text` (UTF-8), whole lines, to a file of a local / NFS run directory: append
-        + flush + fsync, durable on return (in the background, `background_appends`: queued,
-        done in order by the writer thread). One process (rank 0) owns the appends to a file.
-        Nothing is ever rewritten: when a crash tore a file's last line, this RunDir's first
-        append to it starts with a newline, so the fragment stays a line of its own (readers
-        skip it) and the new line is whole. An object store has no append: ValueError, naming
-        the file (its logs are raygpt.runlog.segments' immutable parts)."""
-        if not self.is_local:
+        """Append `text` (UTF-8), whole lines, to a file of a store with appends (`caps.appends`):
+        durable on return (in the background, `background_appends`: queued, done in order by
+        the writer thread). One process (rank 0) owns the appends to a file. Nothing is ever
+        rewritten: when a crash tore a file's last line, this RunDir's first append to it
+        starts with a newline, so the fragment stays a line of its own (readers skip it) and
+        the new line is whole. A store without appends: ValueError, naming the file (its logs
+        are raygpt.runlog.segments' immutable parts)."""
+        if not self.caps.appends:
             raise ValueError(f"{self.uri(rel)}: an object store has no append (expected a local "
                              f"or NFS run directory; logs on object stores are written as "
                              f"segments, raygpt.runlog.segments)")
@@ -233,23 +226,14 @@ class RunDir:
             self._append_now(rel, text)
 
     def _append_now(self, rel: str, text: str) -> None:
-        os.makedirs(self.root, exist_ok=True)
-        # O_APPEND|O_NOFOLLOW below a link-free path: a planted run/main.log -> ~/.bashrc is
-        # refused (RefusedPath), never appended to
-        fd = open_local_append(self.local_path(rel), root=self.root)
-        try:
-            data = text.encode("utf-8")
-            if rel not in self._line_checked:  # once per file: a crash may have torn its last line
-                self._line_checked.add(rel)
-                size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":
-                    data = b"\n" + data  # the fragment stays a line of its own, which readers skip
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        data = text.encode("utf-8")
+        if rel not in self._line_checked:  # once per file: a crash may have torn its last line
+            self._line_checked.add(rel)
+            entry = self.store.info(rel)
+            if entry is not None and entry.size and \
+                    self.store.read_range(rel, entry.size - 1, 1) != b"\n":
+                data = b"\n" + data  # the fragment stays a line of its own, which readers skip
+        self.store.append(rel, data)
 
     @contextlib.contextmanager
     def background_appends(self, enabled: bool = True):
@@ -311,14 +295,12 @@ class RunDir:
     def delete_file(self, rel: str) -> None:
         """Remove a file; a file that is already gone is not an error (deletes are retried)."""
         self._drain()
-        if self._info(rel).type == pafs.FileType.File:
-            self.fs.delete_file(self.path(rel))
+        self.store.delete_file(rel)
 
     def delete_dir(self, rel: str) -> None:
         """Remove a directory and everything in it; a missing directory is not an error."""
         self._drain()
-        if self.is_dir(rel):
-            self.fs.delete_dir(self.path(rel))
+        self.store.delete_tree(rel)
 
     # ------------------------------------------------------------------ whole directories
     def upload_dir(self, local_dir: str | os.PathLike, rel: str) -> None:
@@ -336,18 +318,12 @@ class RunDir:
         a link below the root on either side (a link at `dst` is replaced), on an object store a
         copy then a delete."""
         self._drain()
-        if not self.is_local:
-            self.fs.move(self.path(src), self.path(dst))
-            return
-        self.open_read(src).close()  # RefusedPath for a link at or above the source
-        move_local_file(self.local_path(src), self.local_path(dst), root=self.root)
+        self.store.move(src, dst)
 
     def open_write(self, rel: str):
         """A binary stream that stores a whole file at `rel` when closed: locally an atomic
         write (no link followed), on an object store one upload."""
-        if self.is_local:
-            return atomic_local_file(self.local_path(rel), root=self.root)
-        return self.fs.open_output_stream(self.path(rel))
+        return self.store.open_publish(rel)
 
     def move_dir_in(self, local_dir: str | os.PathLike, rel: str) -> None:
         """Put the files under a local directory into `rel` (created if needed), each whole under
@@ -358,9 +334,10 @@ class RunDir:
         `make_durable` (the checkpoint finalizer fsyncs the step directory and the run
         directory)."""
         local_dir = Path(local_dir)
-        if self.is_local:
+        renames = self.caps.local_paths and self.caps.atomic_rename
+        if renames:
             os.makedirs(self.root, exist_ok=True)  # a new run's root, to stat
-        if not self.is_local or not self._same_device(local_dir):
+        if not renames or not self._same_device(local_dir):
             self.upload_dir(local_dir, rel)
             return
         dest = self.local_path(rel)
@@ -476,16 +453,6 @@ def parse_json(data: bytes | str, where: str, *, line: int | None = None):
         raise JSONError(where, f"expected JSON ({e})") from e
 
 
-def _fsync_path(path: Path, *, follow: bool) -> None:
-    """fsync a file or a directory by name (a read-only descriptor is enough on Linux); unless
-    `follow`, a link there is refused (ELOOP); a FIFO is never waited on."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def join_uri(uri: str, rel: str) -> str:
     """`rel` under a directory given as a local path or a URI, the URI's options
     (`?endpoint_override=...`) kept at its end, where pyarrow reads them."""
@@ -494,22 +461,20 @@ def join_uri(uri: str, rel: str) -> str:
 
 
 def open_run_dir(uri) -> RunDir:
-    """A RunDir from a local path, a file:// / s3:// / gs:// URI, an (fs, path) pair, or a RunDir
-    (returned as it is). An s3:// URI without an endpoint takes AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
-    (`with_endpoint`); s3:// and gs:// filesystems get bounded timeouts (`bounded_filesystem`)."""
+    """A RunDir from a local path, a file:// / s3:// / gs:// URI (through the URI door,
+    `open_store`: the endpoint applied, every remote call bounded), an (fs, path) pair, a
+    Store, or a RunDir (returned as it is)."""
     if isinstance(uri, RunDir):
         return uri
+    if isinstance(uri, Store):
+        return RunDir(uri)
     if isinstance(uri, tuple):
         fs, path = uri
         if not isinstance(fs, pafs.FileSystem):
             raise TypeError(f"run dir: expected (pyarrow.fs.FileSystem, path), "
                             f"found ({type(fs).__name__}, ...)")
-        return RunDir(fs, str(path))
-    uri = os.fspath(uri)
-    if "://" not in uri:
-        return RunDir(pafs.LocalFileSystem(), os.path.abspath(uri))
-    fs, path = open_filesystem(uri)
-    return RunDir(fs, path)
+        return RunDir(store_for(fs, str(path)))
+    return RunDir(open_store(uri))
 
 
 def store_png(run_dir_uri, out_png, data: bytes) -> None:
@@ -518,100 +483,8 @@ def store_png(run_dir_uri, out_png, data: bytes) -> None:
     below its root is followed either (RunDir's writer)."""
     run_dir = open_run_dir(run_dir_uri)
     out = os.path.abspath(out_png)
-    rel = os.path.relpath(out, run_dir.root) if run_dir.is_local else ".."
+    rel = os.path.relpath(out, run_dir.root) if run_dir.caps.local_paths else ".."
     if rel != ".." and not rel.startswith("../"):  # inside the run directory
         run_dir.write_bytes_atomic(rel, data)
     else:
         write_local_atomic(out, [data])
-
-
-# ---------------------------------------------------------------------- object stores: endpoint,
-# timeouts, reachability
-
-REACHABLE_DEADLINE_S = 10.0  # how long `check_reachable` waits for the store's first answer
-
-
-class StorageError(ValueError):
-    """A run directory's store cannot be used: one line naming the URI and the cause."""
-
-    def __init__(self, uri: str, cause: str):
-        super().__init__(f"{uri}: {cause}")
-        self.uri, self.cause = uri, cause
-
-
-_NO_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
-
-
-def storage_cause(e: BaseException, environ=None) -> str:
-    """What a store's error means, in one line (pyarrow's S3 errors span lines and name the
-    SDK's codes; a user needs to know which of endpoint, bucket and credentials to fix)."""
-    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
-    environ = os.environ if environ is None else environ
-    if "NETWORK_CONNECTION" in text or "Could not connect" in text or "curlCode: 28" in text:
-        return f"the endpoint does not answer (unreachable, or it timed out): {text}"
-    if "NO_SUCH_BUCKET" in text or re.search(r"[Bb]ucket .* not found|NoSuchBucket", text):
-        return f"the bucket does not exist: {text}"
-    if any(code in text for code in ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH",
-                                     "HTTP status 403", "HTTP status 401", "EXPIRED_TOKEN")):
-        found = any(environ.get(v) for v in _NO_CREDENTIALS) or Path(
-            environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")).expanduser().exists()
-        hint = ("credentials refused" if found else
-                "no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                "AWS_PROFILE, or use an instance role)")
-        return f"access denied, {hint}: {text}"
-    return text
-
-
-def _probe_filesystem(fs: pafs.FileSystem, deadline_s: float) -> pafs.FileSystem:
-    """`fs` with its timeouts cut so that a probe gives up before `deadline_s` by itself (two
-    tries of at most deadline_s/2.5 each): no call is left running when the probe answers, so
-    a command that then exits does not wait for the normal timeouts of a call in flight."""
-    step = max(1.0, deadline_s / 2.5)
-    return rebuilt(fs, connect=lambda t: min(t, step), request=lambda t: min(t, step),
-                    s3_attempts=2, gcs_limit=lambda t: datetime.timedelta(seconds=step))
-
-
-def check_reachable(run_dir: RunDir, *, deadline_s: float = REACHABLE_DEADLINE_S) -> None:
-    """Raise StorageError (one line: the URI and the cause) unless the run directory's store
-    answers within `deadline_s`: its bucket exists (s3:// and gs://: the root's first path
-    element) and a look at the root succeeds. Local directories pass at once. The look uses
-    timeouts that end it before the deadline (`_probe_filesystem`) and runs on a daemon thread,
-    so even a store that hangs in a way no timeout covers (a credentials lookup) costs
-    `deadline_s`, not the client's retries."""
-    if run_dir.is_local:
-        return
-    fs, root = _probe_filesystem(run_dir.fs, deadline_s), run_dir.root.strip("/")
-    bucket = root.split("/", 1)[0]
-    outcome: list = []
-
-    def look() -> None:
-        try:
-            if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)) and bucket:
-                if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-                    outcome.append(f"the bucket does not exist: Bucket '{bucket}' not found")
-                    return
-            fs.get_file_info(run_dir.path())
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - reported on the caller's thread
-            outcome.append(storage_cause(e))
-
-    thread = threading.Thread(target=look, name=f"raygpt-reach {redact(run_dir.uri())}", daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    if not outcome:
-        raise StorageError(_store_name(run_dir), f"the store did not answer within {deadline_s:g} s "
-                           f"(an endpoint that is unreachable or not an object store, or a "
-                           f"credentials lookup that hangs)")
-    if outcome[0] is not None:
-        raise StorageError(_store_name(run_dir), outcome[0])
-
-
-def _store_name(run_dir: RunDir) -> str:
-    """The run directory's URI, with the S3 endpoint it goes to when not AWS's own."""
-    name = redact(run_dir.uri())
-    if isinstance(run_dir.fs, pafs.S3FileSystem):
-        options = run_dir.fs.__reduce__()[1][0]
-        if options["endpoint_override"]:
-            name += f" (endpoint {options['scheme']}://{options['endpoint_override']})"
-    return name

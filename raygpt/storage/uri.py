@@ -1,5 +1,6 @@
-"""The one door through which raygpt opens a place named by a string: `open_filesystem` for a
-URI, `open_regular` for a local file.
+"""The one door through which raygpt opens a place named by a string: `open_store` for a
+store (raygpt.storage.store: a local directory or a URI), `open_filesystem` for a URI's pyarrow
+filesystem, `open_regular` for a local file.
 
 A URI (`s3://`, `gs://`, `file://`) may carry options of its own: credentials before the bucket
 (`s3://KEY:SECRET@bucket`) and pyarrow's query options (`?endpoint_override=HOST&scheme=http`,
@@ -130,6 +131,17 @@ def open_filesystem(uri: str, endpoint: str = ""):
     import pyarrow.fs as pafs
     fs, path = pafs.FileSystem.from_uri(with_endpoint(os.fspath(uri), endpoint))
     return bounded_filesystem(fs), path
+
+
+def open_store(place, endpoint: str = ""):
+    """The store a local path or a URI names (raygpt.storage.store): a local path (or file://)
+    is this machine's disk; any other URI an object store through `open_filesystem`, so its
+    endpoint, credentials, timeouts and retries are set here once."""
+    from raygpt.storage.local_store import LocalStore, store_for
+    place = os.fspath(place)
+    if not is_uri(place):
+        return LocalStore(os.path.abspath(place))
+    return store_for(*open_filesystem(place, endpoint))
 
 
 def bounded_filesystem(fs):
