@@ -27,7 +27,7 @@ from raygpt.runlog.report import check_checkpoints, run_status
 from raygpt.storage import RunDir, open_run_dir
 from raygpt.storage import ownership
 from raygpt.storage.ownership import LEASE, MARKER, Lease, RunDirBusy, refused_overwrite_target
-from raygpt.storage.ownership import claimed_run_dir, prepare_run_dir
+from raygpt.train.run_dir import claimed_run_dir, prepare_run_dir
 from raygpt.train.faults import RECORD, armed_spec, plan_for
 from tests.helpers import S3Server, tiny_config
 

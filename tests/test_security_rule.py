@@ -55,15 +55,15 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/storage/atomic_file.py", "_create_new"): "O_CREAT|O_EXCL|O_NOFOLLOW in a checked directory",
     ("raygpt/storage/atomic_file.py", "move_local_file"): "rename of a staged file into a checked directory",
     ("raygpt/storage/atomic_file.py", "open_local_append"): "O_APPEND|O_NOFOLLOW, directories walked without links",
-    ("raygpt/storage/rundir.py", "RunDir.write_bytes_atomic"): "object stores only (no links); local: atomic_file",
-    ("raygpt/storage/rundir.py", "RunDir.open_write"): "object stores only (no links); local: atomic_file",
-    ("raygpt/storage/rundir.py", "RunDir.move_file"): "object stores only (no links); local: atomic_file",
+    ("raygpt/storage/arrow_store.py", "ArrowStore.open_publish"): "object stores only (no links); local: LocalStore's atomic_file",
+    ("raygpt/storage/rundir.py", "RunDir.move_file"): "the store's move: LocalStore's by atomic_file (no links)",
+    ("raygpt/storage/arrow_store.py", "ArrowStore.move"): "object stores only (no links); local: LocalStore's atomic_file",
     ("raygpt/checkpointing/local_copy.py", "LocalCopies.keep"):
         "hard links into the private node-local copy root (atomic_file.private_dir)",
     ("raygpt/checkpointing/runtime.py", "Checkpointer._write_files"):
         "a new file in this process's private mkdtemp staging directory",
     ("raygpt/artifacts/compile_cache.py", "_touch"): "O_NOFOLLOW marker in the private node compile cache",
-    ("raygpt/storage/ownership.py", "Lease._exclusive"):
+    ("raygpt/storage/local_store.py", "LocalStore.lock"):
         "the lock file, O_NOFOLLOW, in a directory this user claimed; never truncated",
     ("raygpt/artifacts/signed_file.py", "_create_key"):
         "the user's own key: a 0600 mkstemp file linked to its name in the user's config dir",

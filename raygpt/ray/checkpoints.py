@@ -66,7 +66,7 @@ def rename_destination(run_dir, local_dir: str, dir_name: str) -> Path | None:
     this node (it holds the marker Ray's driver wrote into it, which Ray's own copy checks for
     too: a path that exists on this node only is never written to), and is on the same
     filesystem as the staging directory `local_dir`; else None (Ray copies them)."""
-    if not run_dir.is_local:
+    if not (run_dir.caps.local_paths and run_dir.caps.atomic_rename):
         return None
     root = run_dir.local_path()
     marker = storage_marker_name()

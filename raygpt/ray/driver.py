@@ -3,7 +3,7 @@ worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpo
 
 - `run(cfg)` (a `raygpt train`, and each sweep trial) checks every input on the driver first
   (`raygpt.config.preflight`: shards, model file, resume compatibility, the run directory's
-  filesystem), claims the run directory (`ownership.claimed_run_dir`: never overwrite a run
+  filesystem), claims the run directory (`train.run_dir.claimed_run_dir`: never overwrite a run
   silently, never delete what is not a marked run, one writer at a time through its lease,
   armed faults announced), records
   the launch in its `config.json`, starts its own Ray (or joins the one RAY_ADDRESS names; never
@@ -61,7 +61,7 @@ from raygpt.model.memory import out_of_memory_line
 from raygpt.ray import capacity, compat
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
-from raygpt.storage.ownership import claimed_run_dir
+from raygpt.train.run_dir import claimed_run_dir
 from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
 from raygpt.train.faults import parse_spec
 from raygpt.ray.compat import (DefaultFailurePolicy, FailureDecision, PreemptionWatcherCallback,

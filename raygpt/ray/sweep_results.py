@@ -142,7 +142,7 @@ def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
     rows = collect_rows(plan.sweep_dir)
     name = Path(plan.sweep_dir).name
     if out is None:
-        out = str(sweep.local_path(PLOT)) if sweep.is_local else f"{name or 'sweep'}_{PLOT}"
+        out = str(sweep.local_path(PLOT)) if sweep.caps.local_paths else f"{name or 'sweep'}_{PLOT}"
     return plot_val_curves(rows, plan.sweep_dir, out, stable_curve=stable_curve(plan),
                            title=f"{name}: validation loss"), len(rows)
 
@@ -165,7 +165,7 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         sweep.write_bytes_atomic(BEST_CONFIG, (json.dumps(cfg, indent=1, sort_keys=True) + "\n").encode())
         best_path = sweep.uri(BEST_CONFIG)
     plot_path = None
-    if sweep.is_local:
+    if sweep.caps.local_paths:
         plot_path = plot_val_curves(rows, plan.sweep_dir, str(sweep.local_path(PLOT)),
                                     stable_curve=stable_curve(plan),
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")

@@ -18,6 +18,7 @@ from raygpt.runlog.segments import compact
 from raygpt.runlog.terminal import printable
 from raygpt.storage import open_run_dir
 from raygpt.storage.ownership import Lease, RunDirBusy, check_own_run
+from raygpt.train.run_dir import run_evidence
 from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 LAYOUTS = (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG)
@@ -40,7 +41,7 @@ def compact_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         run_dir = open_run_dir(args.run_dir)
-        check_own_run(run_dir, "raygpt compact")
+        check_own_run(run_dir, "raygpt compact", run_evidence)
         with Lease(run_dir, what="raygpt compact") as lease:
             lease.start_heartbeat()  # a week's history may take longer than one lease
             for layout in LAYOUTS:

@@ -51,7 +51,7 @@ class Logger:
         self.file = (LogFile(self.run_dir, MAIN_LOG_LAYOUT, interval_s=segment_s,
                              max_lines=segment_lines) if self.active else None)
         if self.active and not resume:  # wipe a previous run's log on a fresh start
-            if self.run_dir.is_local:
+            if self.run_dir.caps.appends:  # the log is one file
                 self.run_dir.write_bytes_atomic(MAIN_LOG, b"")  # llm.c's fopen("w")
             else:
                 segments.delete(self.run_dir, MAIN_LOG_LAYOUT)

@@ -195,7 +195,7 @@ def plot_main(argv: list[str]) -> int:
     out = args.out
     if out is None:
         run_dir = open_run_dir(uri)
-        out = (str(run_dir.local_path("plot.png")) if run_dir.is_local
+        out = (str(run_dir.local_path("plot.png")) if run_dir.caps.local_paths
                else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
     try:
         try:

@@ -1,6 +1,6 @@
 """Append-only logs on object stores: immutable segments, read back in order as one file.
 
-An object store has no append, so on a run directory that is not a local (or NFS) path each log
+An object store has no append, so on a run directory whose store has none (`caps.appends`) each log
 (loss_history.jsonl, samples.jsonl, main.log, fault_injection.jsonl) is a folder of small
 immutable objects; local and NFS run directories keep the single file with a real, fsynced
 append per line (what llm.c's tools and `tail -f` read; see `LogFile`). The layout:
@@ -211,7 +211,7 @@ def _next_seq(run_dir: RunDir, layout: LogLayout) -> int:
 def append_once(run_dir: RunDir, layout: LogLayout, text: str) -> None:
     """Append whole lines from a process that writes to the log once (the Ray driver's failure
     record): a real append locally, a part of its own on an object store, stored on return."""
-    if run_dir.is_local:
+    if run_dir.caps.appends:
         run_dir.append_text(layout.legacy, text)
         run_dir.flush()
         return
@@ -375,12 +375,12 @@ class LogFile:
                  max_lines: int = DEFAULT_MAX_LINES):
         self.run_dir, self.layout = run_dir, layout
         self.interval_s, self.max_lines = interval_s, max_lines
-        if not run_dir.is_local:  # refuse a bad setting now, not at the first append
+        if not run_dir.caps.appends:  # refuse a bad setting now, not at the first append
             SegmentWriter.check(interval_s, max_lines)
         self.segments: SegmentWriter | None = None  # started by the first append (a thread)
 
     def append(self, text: str) -> None:
-        if self.run_dir.is_local:
+        if self.run_dir.caps.appends:
             self.run_dir.append_text(self.layout.legacy, text)
             return
         if self.segments is None:
@@ -391,7 +391,7 @@ class LogFile:
         self.segments.append(text)
 
     def flush(self, wait: bool = True) -> None:
-        if self.run_dir.is_local:
+        if self.run_dir.caps.appends:
             self.run_dir.flush()  # waits for the RunDir's background queue, if any
         elif self.segments is not None:
             self.segments.flush() if wait else self.segments.seal()
@@ -400,7 +400,7 @@ class LogFile:
         """Store everything appended and stop the writer thread; a later append starts anew."""
         segments, self.segments = self.segments, None
         if segments is None:
-            if self.run_dir.is_local:
+            if self.run_dir.caps.appends:
                 self.run_dir.flush()
             return
         self.run_dir.remove_flush_hook(segments.flush)
@@ -416,7 +416,7 @@ def compact(run_dir: RunDir, layout: LogLayout) -> dict:
     Meant for a run that is not writing (`raygpt compact`, raygpt.runlog.compact, holds the run's
     lease): a part stored while this runs is kept (not deleted) unless its number is at or below
     the base's."""
-    if run_dir.is_local:
+    if run_dir.caps.appends:
         return {"parts": 0, "bytes": 0, "base": None}  # a local log is one file already
     listing = _listing(run_dir, layout)  # one listing: what is merged is what is deleted
     bases, parts, _ = listing

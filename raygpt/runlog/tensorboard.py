@@ -64,7 +64,7 @@ class TensorBoardWriter:
 
     def _open(self, purge_step: int | None) -> None:
         self._last_flush = self._last_upload = time.monotonic()
-        if self.run_dir.is_local:
+        if self.run_dir.caps.local_paths:  # TensorBoard writes by path
             self.run_dir.makedirs(TB_DIR)
             self.local_dir, self._staging = self.run_dir.local_path(TB_DIR), False
         else:

@@ -188,7 +188,7 @@ class WandbTracker:
         kept = kept if kept and kept.get("project") == cfg.wandb else None
         run_id = kept["id"] if kept else secrets.token_hex(6)  # W&B ids: [a-z0-9]
         self.ids = {"id": run_id, "project": cfg.wandb}
-        local = str(run_dir.local_path("")) if run_dir.is_local else None
+        local = str(run_dir.local_path("")) if run_dir.caps.local_paths else None
         try:
             self.run = wandb.init(project=cfg.wandb, id=run_id, resume="allow",
                                   name=Path(cfg.output_dir.rstrip("/")).name, dir=local,

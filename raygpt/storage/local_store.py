@@ -69,8 +69,10 @@ class LocalStore(ArrowStore):
             _fsync_path(self.local_path(rel), follow=not rel.strip("/"))  # the root may be a link
 
     def owner(self, rel: str) -> Owner | None:
+        # the entry itself, not what a link there points to; the root may be a link the user chose
+        look = os.stat if not rel.strip("/") else os.lstat
         try:
-            st = os.lstat(self.local_path(rel))  # the entry itself, not what a link points to
+            st = look(self.local_path(rel))
         except FileNotFoundError:
             return None
         return Owner(st.st_uid, stat.S_ISREG(st.st_mode))

@@ -39,26 +39,22 @@ import logging
 import os
 import pwd
 import socket
-import stat
 import threading
 import time
 import uuid
 from typing import Callable
 
-from raygpt.checkpointing import protocol as ck
-from raygpt.config import ConfigError, TrainConfig
-from raygpt.runlog import run_config
-from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG
-from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
-from raygpt.storage import RunDir, open_run_dir, read_json_bounded, redact
-from raygpt.train.faults import announce as announce_faults
-from raygpt.train.faults import armed_spec
+# ConfigError: a leaf module with no imports of its own; a refusal is a bad input (exit 2)
+# wherever the command lines catch one
+from raygpt.config.errors import ConfigError
+from raygpt.storage.rundir import RunDir, read_json_bounded
+from raygpt.storage.uri import redact
 
 log = logging.getLogger(__name__)
 
-# names only a raygpt run leaves in its directory: its logs, in either layout (runlog.segments)
-RUN_LOGS = frozenset({LOSS_HISTORY, LOSS_HISTORY_LOG.folder, MAIN_LOG_LAYOUT.legacy,
-                      MAIN_LOG_LAYOUT.folder})
+# what shows an unmarked directory is a run raygpt wrote for this user: the name of the file
+# that proves it, or None (raygpt.train.run_dir.run_evidence: config.json, a checkpoint)
+Evidence = Callable[[RunDir], "str | None"]
 
 MARKER = "raygpt_run.json"
 MARKER_FORMAT = "raygpt-run-dir"
@@ -124,17 +120,13 @@ def _user() -> str:
         return f"uid{os.geteuid()}"
 
 
-def _lstat(run_dir: RunDir, rel: str) -> os.stat_result:
-    """The entry itself on a local or NFS directory, not what a symlink there points to."""
-    return os.lstat(run_dir.local_path(rel))
-
-
 def read_marker(run_dir: RunDir) -> dict | None:
     """The marker's fields, None when there is none; RunDirRefused when it is not raygpt's (or,
     on a local or NFS directory, not a regular file: a symlink could lend a stranger's marker)."""
     if not run_dir.exists(MARKER):
         return None
-    if run_dir.is_local and not stat.S_ISREG(_lstat(run_dir, MARKER).st_mode):
+    owner = run_dir.store.owner(MARKER)  # None where the store has no owners to read
+    if owner is not None and not owner.regular:
         raise RunDirRefused(f"{run_dir.uri(MARKER)}: expected a regular file written by raygpt, "
                             f"found a symlink or another kind of entry; remove it by hand")
     try:
@@ -191,7 +183,8 @@ def owner_problem(marker: dict, file_uid: int | None, user: str, uid: int) -> st
 def check_marker_ours(run_dir: RunDir, marker: dict, doing: str) -> None:
     """RunDirRefused, one line naming `doing` (the flag or command), unless `marker` is this
     user's (`owner_problem`)."""
-    file_uid = _lstat(run_dir, MARKER).st_uid if run_dir.is_local else None
+    owner = run_dir.store.owner(MARKER)
+    file_uid = owner.uid if owner is not None else None
     why = owner_problem(marker, file_uid, _user(), os.geteuid())
     if why:
         raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, its {MARKER} is not yours: "
@@ -288,7 +281,8 @@ class Lease:
         if not ttl_s > 0:
             raise ValueError(f"lease ttl_s: expected seconds > 0, found {ttl_s!r}")
         self.run_dir, self.ttl_s, self.lineage, self.what = run_dir, float(ttl_s), lineage, what
-        self.settle_s = (0.0 if run_dir.is_local else 0.5) if settle_s is None else settle_s
+        # without a lock, a write is read back after a pause (see the module docstring)
+        self.settle_s = (0.0 if run_dir.caps.locks else 0.5) if settle_s is None else settle_s
         self.clock = clock
         self.token = uuid.uuid4().hex
         self.held = False
@@ -305,19 +299,13 @@ class Lease:
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """The read-check-write section: under flock on a local or NFS directory."""
-        if not self.run_dir.is_local:
+        """The read-check-write section: under the store's lock where it has one (flock on a
+        local or NFS directory)."""
+        if not self.run_dir.caps.locks:
             yield
             return
-        import fcntl
-        self.run_dir.makedirs("")
-        # 0666 less the umask, as every file raygpt writes (a shared run directory stays usable)
-        fd = os.open(self.run_dir.local_path(_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with self.run_dir.store.lock(_LOCK):
             yield
-        finally:
-            os.close(fd)  # releases the flock
 
     def may_take(self, current: dict | None) -> tuple[bool, str]:
         """(may this holder take the lease over from `current`, why)."""
@@ -424,49 +412,30 @@ def foreign_entries(run_dir: RunDir) -> list[str]:
     return [n for n in run_dir.listdir() if not is_own_file(n)] if run_dir.exists() else []
 
 
-def holds_run(run_dir: RunDir) -> bool:
-    """Whether `run_dir` holds a run's logs (either layout) or a checkpoint directory."""
-    return any(n in RUN_LOGS or n.startswith("step_") for n in run_dir.listdir())
-
-
-def _run_evidence(run_dir: RunDir) -> str | None:
-    """The file that shows an unmarked directory is a run raygpt wrote: config.json in
-    raygpt's format, else the MANIFEST of its newest complete checkpoint; None when neither."""
-    if run_dir.exists(run_config.CONFIG_FILE):
-        try:
-            rec = read_json_bounded(run_dir, run_config.CONFIG_FILE)
-        except ValueError:
-            rec = None
-        if (isinstance(rec, dict) and rec.get("format") == run_config.FORMAT
-                and isinstance(rec.get("config"), dict)):
-            return run_config.CONFIG_FILE
-    step = ck.find_latest_verified(run_dir, warn=lambda _: None, hashes=False)
-    return None if step is None else f"{ck.step_dir(step)}/{ck.MANIFEST}"
-
-
-def why_not_a_run_of_yours(run_dir: RunDir) -> str | None:
+def why_not_a_run_of_yours(run_dir: RunDir, evidence: Evidence) -> str | None:
     """None when an unmarked directory (a run from before markers) shows it is a raygpt run of
-    this user's (`_run_evidence`, and on a local or NFS directory that file is a regular file
-    owned by this uid; an object store has no owner to compare); else what it lacks."""
-    rel = _run_evidence(run_dir)
+    this user's (`evidence` names the file that shows it, and where the store has owners that
+    file is a regular file owned by this uid); else what it lacks."""
+    rel = evidence(run_dir)
     if rel is None:
-        return (f"it holds neither a {run_config.CONFIG_FILE} in raygpt's format nor a "
-                f"complete raygpt checkpoint")
-    if run_dir.is_local:
-        st, uid = _lstat(run_dir, rel), os.geteuid()
-        if not stat.S_ISREG(st.st_mode):
+        return ("it holds neither a config.json in raygpt's format nor a complete raygpt "
+                "checkpoint")
+    owner, uid = run_dir.store.owner(rel), os.geteuid()
+    if owner is not None:
+        if not owner.regular:
             return f"its {rel} is not a regular file"
-        if st.st_uid != uid:
-            return f"its {rel} is owned by uid {st.st_uid}, not by you (uid {uid})"
+        if owner.uid != uid:
+            return f"its {rel} is owned by uid {owner.uid}, not by you (uid {uid})"
     return None
 
 
 def _check_dir_owner(run_dir: RunDir) -> None:
     """An existing empty local directory is marked only when it is this uid's (the directory a
     shared, group-writable parent lets one create is not another user's to take)."""
-    if not (run_dir.is_local and run_dir.exists()):
+    found = run_dir.store.owner("") if run_dir.exists() else None  # None: no owners to read
+    if found is None:
         return
-    owner, uid = os.stat(run_dir.local_path()).st_uid, os.geteuid()
+    owner, uid = found.uid, os.geteuid()
     if owner != uid:
         raise RunDirRefused(f"-o/--output-dir {run_dir.uri()}: refused, the directory is owned by "
                             f"uid {owner}, not by you (uid {uid}); name a new directory (raygpt "
@@ -474,13 +443,15 @@ def _check_dir_owner(run_dir: RunDir) -> None:
 
 
 def check_claim(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunDir], bool],
-                resume: bool = False, overwrite: bool = False) -> str:
+                resume: bool = False, overwrite: bool = False,
+                evidence: Evidence | None = None) -> str:
     """What claiming `run_dir` for a `kind` job does, or RunDirRefused (one line) saying why
     not; reads only. `holds(run_dir)`: whether a run (or sweep) is there already.
     "use": this user's marker of this kind (a resume, or nothing there yet);
     "replace": the same with a run there and --overwrite: delete it, then mark afresh;
     "mark": new or empty (only this module's own files): mark it;
-    "adopt": -y 1 on a run from before markers that `why_not_a_run_of_yours` accepts: mark it.
+    "adopt": -y 1 on a run from before markers that `why_not_a_run_of_yours` accepts with
+    `evidence` (given for a run only): mark it.
     Anything else (foreign files, another user's marker, another kind's) is refused."""
     where = redact(run_dir.uri())
     if overwrite:  # a place --overwrite must never name is refused whatever it holds
@@ -500,8 +471,8 @@ def check_claim(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunD
     if not names:
         _check_dir_owner(run_dir)
         return "mark"
-    premarker = kind == "run" and holds(run_dir)
-    why_not = why_not_a_run_of_yours(run_dir) if premarker else None
+    premarker = evidence is not None and holds(run_dir)
+    why_not = why_not_a_run_of_yours(run_dir, evidence) if premarker else None
     if premarker and why_not is None:
         if resume:
             return "adopt"
@@ -521,12 +492,13 @@ def check_claim(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunD
 
 
 def claim_dir(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunDir], bool],
-              resume: bool = False, overwrite: bool = False, lease: "Lease | None" = None) -> dict:
+              resume: bool = False, overwrite: bool = False, lease: "Lease | None" = None,
+              evidence: Evidence | None = None) -> dict:
     """The one way a directory becomes a raygpt run or sweep (`check_claim`'s actions); returns
     its marker. Checked before `lease` is taken (a refusal writes nothing) and again under it,
     so what is deleted or marked is what was checked. A lease this call took is released again
     if the second check refuses."""
-    args = dict(holds=holds, resume=resume, overwrite=overwrite)
+    args = dict(holds=holds, resume=resume, overwrite=overwrite, evidence=evidence)
     check_claim(run_dir, kind, given, **args)
     took = lease is not None and not lease.held
     if took:
@@ -545,7 +517,7 @@ def claim_dir(run_dir: RunDir, kind: str, given: str, *, holds: Callable[[RunDir
     return write_marker(run_dir, kind, **({"adopted": True} if action == "adopt" else {}))
 
 
-def check_own_run(run_dir: RunDir, doing: str) -> None:
+def check_own_run(run_dir: RunDir, doing: str, evidence: Evidence) -> None:
     """For a command that changes an existing run in place (`raygpt compact`): RunDirRefused
     unless `run_dir` carries this user's run marker, or is an unmarked run from before markers
     that `why_not_a_run_of_yours` accepts. Marks nothing."""
@@ -556,42 +528,7 @@ def check_own_run(run_dir: RunDir, doing: str) -> None:
             raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, {MARKER} says it is a "
                                 f"{marker.get('kind')!r} directory, expected a run directory")
         return
-    why_not = why_not_a_run_of_yours(run_dir)
+    why_not = why_not_a_run_of_yours(run_dir, evidence)
     if why_not:
         raise RunDirRefused(f"{doing} {redact(run_dir.uri())}: refused, expected a raygpt run "
                             f"directory of yours, found no {MARKER} and {why_not}")
-
-
-def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
-    """Claim the run directory `cfg.output_dir` (`claim_dir`): never overwrite a run silently,
-    never write into or delete what raygpt did not mark for this user. A run there needs -y 1
-    (resume) or --overwrite (start fresh: only over a directory raygpt marked as this user's
-    run, never `/`, the home or current directory, a bucket root or an empty -o). `lease`
-    (not yet held) is taken after the checks and before anything is deleted, so a live run
-    is never deleted."""
-    if not cfg.output_dir.strip():
-        raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
-                          f"{refused_overwrite_target(cfg.output_dir)}")
-    run_dir = open_run_dir(cfg.output_dir)
-    claim_dir(run_dir, "run", cfg.output_dir, holds=holds_run, resume=cfg.resume == 1,
-              overwrite=cfg.overwrite, lease=lease)
-    return run_dir
-
-
-@contextlib.contextmanager
-def claimed_run_dir(cfg: TrainConfig, *, lineage: str | None = None, what: str = "raygpt train",
-                    on_lost=None):
-    """`prepare_run_dir` under this job's lease, renewed by a heartbeat while inside, released
-    on the way out (so `-y 1` right after works at once). Armed faults (--fault, and
-    RAYGPT_FAULT only with --allow-fault-injection) are folded into the config it yields,
-    printed and recorded in the run directory."""
-    spec, sources = armed_spec(cfg.fault, os.environ, cfg.allow_fault_injection)
-    cfg = cfg.with_overrides({"fault": spec})
-    lease = Lease(open_run_dir(cfg.output_dir), lineage=lineage, what=what)
-    try:
-        run_dir = prepare_run_dir(cfg, lease)
-        announce_faults(run_dir, spec, sources)
-        lease.start_heartbeat(on_lost)
-        yield cfg, run_dir
-    finally:
-        lease.release()

@@ -3,6 +3,7 @@
     loop.py         the loop, top to bottom like llm.c's main loop (no Ray inside)
     tasks.py        periodic work as tasks (due at a step, run in llm.c's order)
     session.py      what the loop needs from Ray (or from a plain process)
+    run_dir.py      the run's directory claimed (marker, lease) before anything is written
     state.py        step, RNG and policy state that every checkpoint carries
     schedule.py     learning_rate(kind, step, ...): llm.c's schedulers.h, pure functions
     outlier.py      llm.c's z-score detector; the spike monitor and its rewind policy

@@ -37,7 +37,7 @@ class Session:
     @property
     def local_run_dir(self) -> str | None:
         """The run directory as a local path, or None on remote storage."""
-        return self.run_dir.local_path("") if self.run_dir.is_local else None
+        return self.run_dir.local_path("") if self.run_dir.caps.local_paths else None
 
     def checkpoint_hint(self) -> int | None:
         """The step of the checkpoint the surroundings restored (Ray's get_checkpoint), if any."""

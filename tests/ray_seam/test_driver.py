@@ -366,7 +366,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     from ray.train import UserCallback
 
     from raygpt.ray.driver import build_trainer, create_control
-    from raygpt.storage.ownership import prepare_run_dir
+    from raygpt.train.run_dir import prepare_run_dir
     from tests.runlog.test_tracking import latest, wandb_history
 
     class RecordReports(UserCallback):  # defined here: pickled by value to the controller

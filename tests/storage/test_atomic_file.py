@@ -111,7 +111,7 @@ def test_every_file_of_a_real_run_directory_follows_the_umask(tmp_path, umask, m
     import torch
 
     from raygpt.runlog.run_config import write_launch
-    from raygpt.storage.ownership import claimed_run_dir
+    from raygpt.train.run_dir import claimed_run_dir
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config

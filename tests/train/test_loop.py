@@ -207,7 +207,7 @@ def test_sigusr1_checkpoints_and_continues_unchanged(uninterrupted, tmp_path):
 
 def test_fresh_start_over_an_existing_run_is_refused(uninterrupted):
     from raygpt.config import ConfigError
-    from raygpt.storage.ownership import prepare_run_dir
+    from raygpt.train.run_dir import prepare_run_dir
     full_dir, cfg, _ = uninterrupted
     with pytest.raises(ConfigError, match="pass -y 1 to resume it"):
         prepare_run_dir(cfg)
