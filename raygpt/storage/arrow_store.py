@@ -5,6 +5,8 @@ only through the door (`raygpt.storage.uri.open_store`: endpoint, credentials, t
 
 from __future__ import annotations
 
+import contextlib
+
 import pyarrow.fs as pafs
 
 from raygpt.storage.store import Capabilities, Entry, Store
@@ -56,8 +58,22 @@ class ArrowStore(Store):
     def makedirs(self, rel: str = "") -> None:
         self._fs.create_dir(self.path(rel), recursive=True)
 
+    @contextlib.contextmanager
     def open_publish(self, rel: str):
-        return self._fs.open_output_stream(self.path(rel))  # one PUT: atomic on object stores
+        """One upload, stored when the block ends (a PUT is all-or-nothing on an object store).
+        pyarrow's streams have no abort and store what was written when closed, even by an
+        error, so on an error the object is deleted again: the name then holds nothing rather
+        than a partial file (the old bytes are gone: no rename to keep them)."""
+        f = self._fs.open_output_stream(self.path(rel))
+        try:
+            yield f
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.close()
+            with contextlib.suppress(FileNotFoundError):  # nothing was stored
+                self._fs.delete_file(self.path(rel))
+            raise
+        f.close()
 
     def move(self, src: str, dst: str) -> None:
         self._fs.move(self.path(src), self.path(dst))

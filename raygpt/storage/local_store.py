@@ -22,7 +22,7 @@ from raygpt.storage.store import Capabilities, Owner, Store
 
 class LocalStore(ArrowStore):
     caps = Capabilities(local_paths=True, atomic_rename=True, appends=True, owners=True,
-                        locks=True)
+                        locks=True, shared=True)
 
     def __init__(self, root: str | os.PathLike):
         super().__init__(pafs.LocalFileSystem(), os.fspath(root))

@@ -1,7 +1,8 @@
 """A store in a dict, for tests and as the reference of the store contract
 (tests/storage/test_store_contract.py). Its capabilities are chosen when it is made: by default
-what a dict honestly has (atomic rename, appends, a lock within this process), and
-`MemoryStore(caps=Capabilities())` behaves as an object store (no append, no rename, no lock),
+what a dict honestly has (atomic rename, appends, a lock within this process, never shared with
+another process), and `MemoryStore(caps=Capabilities(shared=False))` behaves as an object store
+(no append, no rename, no lock),
 which is how a test runs an object store's code paths without a server."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 
 from raygpt.storage.store import Capabilities, Entry, Store, Unsupported
 
-DEFAULT_CAPS = Capabilities(atomic_rename=True, appends=True, locks=True)
+DEFAULT_CAPS = Capabilities(atomic_rename=True, appends=True, locks=True, shared=False)
 
 
 class MemoryStore(Store):
@@ -26,6 +27,11 @@ class MemoryStore(Store):
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.uri()})"
+
+    def __reduce__(self):
+        # another process would get a copy that silently diverges: refuse (caps.shared false)
+        raise TypeError(f"{self.uri()}: an in-memory store lives in one process; it cannot be "
+                        f"sent to another")
 
     def uri(self, rel: str = "") -> str:
         return f"memory://{self.path(rel).lstrip('/')}"

@@ -10,7 +10,9 @@ between backends is stated as capabilities, never guessed from the backend's typ
 - `atomic_rename`: `move` is a rename (the file appears whole under its new name, no copy);
 - `appends`: `append` adds bytes in place (else the logs are immutable segments);
 - `owners`: `owner` says which uid owns an entry and whether it is a regular file;
-- `locks`: `lock` excludes other processes from a read-check-write.
+- `locks`: `lock` excludes other processes from a read-check-write;
+- `shared`: other processes reach the same bytes (a pickled store, sent to a Ray worker, is the
+  same place; an in-memory store is not).
 
 A method a store lacks the capability for raises `Unsupported`, naming the place. Backends:
 `local_store` (a local or NFS directory), `arrow_store` (any pyarrow filesystem: S3, GCS, made
@@ -32,6 +34,7 @@ class Capabilities:
     appends: bool = False
     owners: bool = False
     locks: bool = False
+    shared: bool = True
 
 
 @dataclass(frozen=True)
