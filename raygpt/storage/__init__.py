@@ -1,9 +1,16 @@
-"""Where raygpt's bytes live: the store protocol (`store`: what raygpt asks of a place, its
-capabilities) and its backends (`local_store`, `arrow_store` for S3/GCS, `memory_store`); run
-directories on a store (`rundir`: `RunDir`, `open_run_dir`, bounded JSON); whether a store
-answers (`reachable`); the one door through which a string becomes a place (`uri`: endpoints,
-timeouts, options refused from files, local files opened without blocking); atomic local files
-(`atomic_file`); who owns a directory (`ownership`: marker, lease, claim)."""
+"""Where raygpt's bytes live.
+
+    store.py          the Store protocol: what raygpt asks of a place, and its Capabilities
+    local_store.py    a local or NFS directory (every capability; store_for picks a backend)
+    arrow_store.py    any pyarrow filesystem: S3, GCS (an object store's rules)
+    memory_store.py   a dict: tests, and the reference of the store contract
+    rundir.py         RunDir, a run directory on a store; open_run_dir; bounded JSON
+    reachable.py      whether a run directory's store answers, before Ray starts
+    uri.py            the one door from a string to a place: open_store, endpoints, timeouts
+    atomic_file.py    the one atomic write of a local file; link-refusing opens
+    hashing_writer.py a file hashed while it is written
+    ownership.py      who may write a directory: the marker, the lease, the claim
+"""
 
 from raygpt.storage.rundir import *  # noqa: F401,F403
 from raygpt.storage.rundir import (  # noqa: F401
