@@ -5,15 +5,16 @@ Two small files at the top of a run (or sweep) directory, reader and writer side
 - `raygpt_run.json`, the marker (format, version, kind "run" | "sweep", run id, when, and the
   owner: user name, uid, host), written once into a directory raygpt created or found empty
   (`claim_dir`); a directory holding anything else is refused and left untouched. A marker is
-  honoured only when it is this user's (`owner_problem`): locally or on NFS a regular file
-  (lstat: no symlink) owned by this uid and recording it; on an object store, which has no owners
-  raygpt can read, recording this user's name (a guard against colleagues' mistakes, not against
+  honoured only when it is this user's (`owner_problem`): where the store reads owners
+  (`caps.owners`: a local or NFS directory) a regular file (lstat: no symlink) owned by this uid
+  and recording it; on a store without (an object store), recording this user's name (a guard against colleagues' mistakes, not against
   whoever holds the bucket's credentials). `--overwrite` deletes only a directory with this
   user's marker of the right kind, never one of `refused_overwrite_target`'s places (`/`, home,
   the current directory or an ancestor, a bucket root, an empty `-o`).
 - An unmarked run is adopted by `-y 1` (marked, nothing else written, then resumed) only when it
   shows raygpt wrote it for this user: a raygpt `config.json` or a complete checkpoint (DONE, a
-  raygpt MANIFEST and its files), owned by this uid locally or on NFS. `--overwrite` refuses it.
+  raygpt MANIFEST and its files; the caller's `evidence`, raygpt.train.run_dir's for a run),
+  owned by this uid where the store reads owners. `--overwrite` refuses it.
 - `raygpt_lease.json`, the lease: one writer per run directory. The job's driver (or sweep trial)
   holds it, naming the holder (user, host, pid, token) and its expiry, renewed every `ttl_s / 4`
   by a heartbeat thread; a second job is refused with a line naming both. A clean end releases
@@ -21,9 +22,9 @@ Two small files at the top of a run (or sweep) directory, reader and writer side
   process on this host that is gone. One *lineage* (a sweep trial and its retries: same sweep
   token and trial id) takes over at once. Ray's restarts inside a job never touch the lease.
 
-Atomicity: locally or on NFS an acquisition's read-check-write runs under an `flock` on
-`.raygpt_lease.lock`. Object stores (S3, GCS through pyarrow.fs) offer no conditional put here,
-so an acquisition writes, waits `settle_s`, reads back, and gives up if another token is there:
+Atomicity: where the store has a lock (`caps.locks`: a local or NFS directory's `flock` on
+`.raygpt_lease.lock`) an acquisition's read-check-write runs under it. A store without one
+(S3, GCS through pyarrow.fs: no conditional put here) makes an acquisition writes, waits `settle_s`, reads back, and gives up if another token is there:
 two jobs started within a second on one prefix may both lose (both refused), never both win
 unless the store reorders their puts beyond `settle_s`. Expiry is judged against the holder's
 wall clock (hosts NTP-synchronised: a skew below 3/4 of ttl_s never takes a live lease).
