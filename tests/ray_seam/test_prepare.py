@@ -76,12 +76,13 @@ def _settings(inputs, out, **kw):
     return prepare.PrepareSettings(tuple(map(str, inputs)), str(out), **kw)
 
 
-@pytest.mark.parametrize("num_blocks", [1, 9])
-def test_corpus_is_llmcs_rule_byte_for_byte_whatever_the_blocks(local_ray, tmp_path, num_blocks):
+@pytest.mark.parametrize("window", [1, 9])
+def test_corpus_is_llmcs_rule_byte_for_byte_whatever_the_tasks_in_flight(local_ray, tmp_path,
+                                                                          window):
     docs = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     manifest = prepare.run(prepare.plan(_settings([tmp_path / "corpus"], out, shard_size=300)),
-                           num_blocks=num_blocks)
+                           window=window)
     want = expected_shards(docs, 300)
     names = ["corpus_val_000000.bin"] + [f"corpus_train_{i:06d}.bin" for i in range(1, len(want))]
     assert bins(out) == sorted(names)
