@@ -159,6 +159,14 @@ def _progress(out: Path) -> dict:
         return {"shards": [], "units": []}
 
 
+def _staged_units(units_dir: Path) -> set:
+    """(name, inode) of each staged unit file: a unit staged again is a new inode."""
+    try:
+        return {(e.name, e.inode()) for e in os.scandir(units_dir) if e.name.endswith(".tok")}
+    except FileNotFoundError:
+        return set()
+
+
 def test_a_prepare_whose_driver_is_killed_at_random_moments_ends_with_the_same_shards(tmp_path):
     """SIGKILL to the driver alone (its tasks may still be running and writing) at a random
     point of its staged units, twice; each rerun continues without rewriting a finished shard,
@@ -176,18 +184,21 @@ def test_a_prepare_whose_driver_is_killed_at_random_moments_ends_with_the_same_s
     cmd = [sys.executable, "-m", "raygpt", "prepare", str(corpus_dir), "-o", str(out),
            "--shard-size", "20000"]
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(REPO)}
+    units_dir = out / ".prepare" / "units"
     for attempt in range(2):
         before = _progress(out)
-        # a random moment: once this run has staged between 1 and 30 more units
-        target = len(before["units"]) + rng.randint(1, 30)
+        # a random moment: once this run has staged between 1 and 20 units (60 in all), seen
+        # as their files appear or are replaced (progress.json is written every 2 s and at
+        # each shard, too seldom on a fast machine)
+        target, seen = rng.randint(1, 20), set()
+        old = _staged_units(units_dir)
         run = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
         try:
-            while time.monotonic() < deadline and run.poll() is None:
-                if len(_progress(out)["units"]) >= target:
-                    break
-                time.sleep(0.02)
+            while time.monotonic() < deadline and run.poll() is None and len(seen) < target:
+                seen |= _staged_units(units_dir) - old
+                time.sleep(0.005)
             run.kill()  # SIGKILL to the driver alone
             err = run.communicate(timeout=60)[1]
         finally:
@@ -224,11 +235,11 @@ def test_the_driver_receives_counts_and_hashes_never_tokens(local_ray, tmp_path,
         sizes.append(len(pickle.dumps(got)))
         return got
     monkeypatch.setattr(ray, "get", get)
-    manifest = prepare.run(prepare.plan(_settings([tmp_path / "corpus"], tmp_path / "out",
-                                                  shard_size=2000)))
+    p = prepare.plan(_settings([tmp_path / "corpus"], tmp_path / "out", shard_size=2000))
+    manifest = prepare.run(p)
     shards = sorted((tmp_path / "out").glob("*.bin"))
     assert len(shards) == len(manifest["shards"]) == len(expected_shards(docs, 2000)) >= 3
-    assert len(sizes) == 4 + len(shards)  # one result per unit (a, b's row groups, c), per shard
+    assert len(sizes) == len(p.units) + len(shards) == 11 + len(shards)  # a result per task
     assert max(sizes) < 400 < min(p.stat().st_size for p in shards[:-1])
 
 
