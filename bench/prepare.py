@@ -218,6 +218,8 @@ def main() -> int:
     ap.add_argument("--anchor", type=Path, default=ANCHOR, help="llm.c's dev/data/fineweb.py")
     ap.add_argument("--out", default="/tmp/prepare_bench")
     ap.add_argument("--port", type=int, default=26380)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each row; the summary takes "
+                                                         "each row's median")
     a = ap.parse_args()
     _anchor_tokenize = load_anchor_tokenize(a.anchor)
     root = Path(a.out)
@@ -237,13 +239,18 @@ def main() -> int:
 
     print(f"{'side':<24}{'CPUs':>6}{'docs':>10}{'tokens':>12}{'s':>8}{'start':>8}{'docs/s':>10}"
           f"{'tok/s':>13}{'MB/s':>8}  shards sha256")
-    for cpus in [int(c) for c in a.cpus.split(",") if c]:
-        out = root / f"llmc_{cpus}"
-        row("llm.c Pool.imap", str(cpus), *llmc_pool(root / "corpus", out, cpus), 0.0, out)
-        out = root / f"ray_{cpus}"
-        row("raygpt (in-process)", str(cpus), *raygpt_local(root / "corpus", out, cpus), out)
-    for i, spec in enumerate(c for c in a.cluster.split(",") if c):
+    for _ in range(a.repeat):
+        for cpus in [int(c) for c in a.cpus.split(",") if c]:
+            out = root / f"llmc_{cpus}"
+            shutil.rmtree(out, ignore_errors=True)
+            row("llm.c Pool.imap", str(cpus), *llmc_pool(root / "corpus", out, cpus), 0.0, out)
+            out = root / f"ray_{cpus}"
+            shutil.rmtree(out, ignore_errors=True)
+            row("raygpt (in-process)", str(cpus), *raygpt_local(root / "corpus", out, cpus), out)
+    clusters = [c for c in a.cluster.split(",") if c] * a.repeat
+    for i, spec in enumerate(clusters):
         out = root / f"cluster_{spec}"
+        shutil.rmtree(out, ignore_errors=True)
         nodes = [int(n) for n in spec.split("+")]
         try:
             result = raygpt_cluster(root / "corpus", out, nodes, a.port + 10 * i)
@@ -254,8 +261,16 @@ def main() -> int:
         row(f"raygpt ({len(nodes)} node{'s' * (len(nodes) > 1)}, CLI)", spec, *result, out)
     same = len({r[-1] for r in rows}) == 1
     print(f"every output byte-identical: {same}")
-    print("\nsummary (tokens/s; start excluded)")
-    by = {(r[0], r[1]): r[3] / r[4] for r in rows}
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import ray, raygpt.ray.prepare"], check=True,
+                   env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
+    print(f"a CLI driver's Python start and imports (ray, raygpt.ray.prepare): "
+          f"{time.perf_counter() - t:.2f} s")
+    print(f"\nsummary (median tokens/s of {a.repeat} run(s); start excluded)")
+    runs: dict = {}
+    for r in rows:
+        runs.setdefault((r[0], r[1]), []).append(r[3] / r[4])
+    by = {k: float(np.median(v)) for k, v in runs.items()}
     for cpus in [c for c in a.cpus.split(",") if c]:
         pool, ours = by.get(("llm.c Pool.imap", cpus)), by.get(("raygpt (in-process)", cpus))
         if pool and ours:
@@ -266,10 +281,11 @@ def main() -> int:
         lo, hi = cpu_list[0], cpu_list[-1]
         for side in ("raygpt (in-process)", "llm.c Pool.imap"):
             print(f"  {side}: {hi} vs {lo} CPUs {by[(side, hi)] / by[(side, lo)]:.2f}x")
-    clusters = [(r[1], r[3] / r[4]) for r in rows if r[0].startswith("raygpt (") and "CLI" in r[0]]
-    if len(clusters) > 1:
-        print(f"  cluster {clusters[-1][0]} vs {clusters[0][0]}: "
-              f"{clusters[-1][1] / clusters[0][1]:.2f}x")
+    made = [k for k in by if "CLI" in k[0]]
+    for k in made:
+        print(f"  {k[0]} {k[1]}: {by[k] / 1e6:.2f}M")
+    if len(made) > 1:
+        print(f"  cluster {made[-1][1]} vs {made[0][1]}: {by[made[-1]] / by[made[0]]:.2f}x")
     return 0 if same else 1
 
 
