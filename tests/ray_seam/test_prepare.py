@@ -197,7 +197,9 @@ def test_a_prepare_whose_driver_is_killed_at_random_moments_ends_with_the_same_s
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
         try:
-            while time.monotonic() < deadline and run.poll() is None and len(seen) < target:
+            # the second kill also waits for a shard written: the last run must keep it
+            while time.monotonic() < deadline and run.poll() is None and (
+                    len(seen) < target or attempt and not _progress(out)["shards"]):
                 seen |= _staged_units(units_dir) - old
                 time.sleep(0.005)
             run.kill()  # SIGKILL to the driver alone
@@ -210,6 +212,7 @@ def test_a_prepare_whose_driver_is_killed_at_random_moments_ends_with_the_same_s
             assert f"continuing the prepare in {out} after {len(before['shards'])}" in err
         assert bins(out) == []  # nothing under a final name
     staged = _progress(out)["shards"]
+    assert staged, f"seed {seed}"
     inodes = {s["name"]: (out / ".prepare" / s["name"]).stat().st_ino for s in staged}
     last = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600, start_new_session=True)
