@@ -1,4 +1,4 @@
-"""`raygpt prepare`: a corpus tokenized on Ray Data into llm.c's token shards.
+"""`raygpt prepare`: a corpus tokenized by Ray tasks into llm.c's token shards.
 
     raygpt prepare INPUT... -o OUT [--name NAME] [--text-field text] [--shard-size 100000000]
                    [--val-tokens N] [--storage-endpoint URL]
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raygpt prepare",
         description="Tokenize Parquet, JSON Lines or text files (local paths, globs, directories "
-                    "or s3:// / gs:// URIs) into llm.c's GPT-2 token shards, on Ray Data.")
+                    "or s3:// / gs:// URIs) into llm.c's GPT-2 token shards, as Ray tasks.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, globs (quoted), directories or URIs; read in sorted path order")
     p.add_argument("-o", "--out-dir", required=True,
