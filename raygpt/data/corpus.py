@@ -52,6 +52,9 @@ MAX_LINE_BYTES = 64 << 20
 # above the few-GB shards corpora are published in, below a worker's memory
 MAX_UNIT_BYTES = 4 << 30
 _CHUNK = 1 << 20  # bytes decompressed per read: memory per reader is a line plus a chunk
+# characters of text tokenized in one tokenizer call: long enough that the per-call cost
+# vanishes, short enough that a worker holds little beside the unit's own rows
+_BATCH_CHARS = 4 << 20
 _CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 
 
@@ -432,17 +435,45 @@ def tokenize_documents(docs: list[str]) -> np.ndarray:
     return _tokenize(docs)[0]
 
 
-def _tokenize(docs) -> tuple[np.ndarray, int]:
-    """(tokens, documents) of an iterable of documents; the tokens gathered as uint16 as they
-    come (a Python list of ints costs many times that)."""
-    enc = tokenizer.get_encoding()
-    tokens, count = array.array("H"), 0
+def token_batches(docs):
+    """(tokens as uint16, documents) for successive batches of about `_BATCH_CHARS` of text
+    of an iterable of documents, by llm.c's rule: memory held is a batch, not the unit."""
+    batch, held = [], 0
     for doc in docs:
-        tokens.append(tokenizer.EOT)
-        tokens.extend(enc.encode_ordinary(doc))
-        count += 1
-    out = np.frombuffer(tokens, dtype=np.uint16).copy() if tokens else np.zeros(0, np.uint16)
-    return out, count
+        batch.append(doc)
+        held += len(doc)
+        if held >= _BATCH_CHARS:
+            yield _encode_batch(batch), len(batch)
+            batch, held = [], 0
+    if batch:
+        yield _encode_batch(batch), len(batch)
+
+
+def _encode_batch(docs: list[str]) -> np.ndarray:
+    """[EOT] + encode_ordinary(doc) for each document, concatenated, in one tokenizer call:
+    the documents joined by EOT's text with only EOT allowed as special, which tiktoken
+    splits on before its regex, so each document's tokens are its encode_ordinary's (faster
+    than a call per document: bench/results/prepare_2026-12-06.md). A document holding
+    EOT's text itself must stay ordinary text (llm.c's rule): such a batch goes one by one."""
+    enc = tokenizer.get_encoding()
+    if any(tokenizer.EOT_TEXT in d for d in docs):
+        out = array.array("H")
+        for doc in docs:
+            out.append(tokenizer.EOT)
+            out.extend(enc.encode_ordinary(doc))
+        return np.frombuffer(out, dtype=np.uint16).copy()
+    joined = tokenizer.EOT_TEXT + tokenizer.EOT_TEXT.join(docs)
+    ids = enc.encode_to_numpy(joined, allowed_special={tokenizer.EOT_TEXT}, disallowed_special=())
+    return ids.astype(np.uint16)  # GPT-2's ids are < 2**16
+
+
+def _tokenize(docs) -> tuple[np.ndarray, int]:
+    """(tokens, documents) of an iterable of documents, whole."""
+    parts, count = [], 0
+    for tokens, n in token_batches(docs):
+        parts.append(tokens)
+        count += n
+    return (np.concatenate(parts) if parts else np.zeros(0, np.uint16)), count
 
 
 def tokenize_unit(fs: pafs.FileSystem, files: list[InputFile], unit: Unit,

@@ -8,9 +8,13 @@ The layout is llm.c's `dev/data/fineweb.py`, byte for byte: the stream is cut in
 Where the files go, reader and writer side by side:
 
     OUT/.prepare/progress.json    while running: the finished shards (name, tokens, sha256) and
-                                  the (tokens, documents) of every unit consumed before the
-                                  last cut, so a rerun starts from the unit being cut
-    OUT/.prepare/NAME_*.bin       finished shards, each written whole (atomic file or one PUT)
+                                  the (tokens, documents, sha256) of every unit staged, so a
+                                  rerun redoes neither
+    OUT/.prepare/units/*.tok      each unit's tokens (raw uint16), written whole by the worker
+                                  that tokenized it (raygpt.data.staging); removed once every
+                                  shard that reads them is written
+    OUT/.prepare/NAME_*.bin       finished shards, each written whole (atomic file or one upload)
+                                  by a worker from the units' byte ranges the cut gives it
     OUT/NAME_*.bin                the shards, moved out of .prepare/ only once every unit was
                                   tokenized: bad input found late leaves no shard under a final
                                   name
@@ -35,6 +39,7 @@ from raygpt.storage import RunDir, read_json_bounded
 STAGING = ".prepare"
 PROGRESS = f"{STAGING}/progress.json"
 PROGRESS_FORMAT = "raygpt-prepare-progress"
+PROGRESS_VERSION = 2  # 2: units staged as files, the cut planned from their counts
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "raygpt-shards"
 VERSION = 1
@@ -57,53 +62,61 @@ def shard_name(name: str, index: int) -> str:
     return f"{name}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
-def shard_bytes(tokens: np.ndarray) -> bytes:
-    """An llm.c shard's bytes: 256 int32 (magic, version, count, zeros), then uint16 tokens."""
+def shard_header(tokens: int) -> bytes:
+    """An llm.c shard's header: 256 int32 (magic, version, token count, zeros)."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    return header.tobytes() + np.asarray(tokens).astype(TOKEN_DTYPE, copy=False).tobytes()
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens
+    return header.tobytes()
 
 
-class ShardCutter:
-    """Cuts a stream of token arrays into shards: `emit(index, tokens)` is called for each full
-    shard as it fills (shard 0 holds `val_tokens`, every later one `shard_size`), and by `finish`
-    for the remainder, if any."""
+def shard_bytes(tokens: np.ndarray) -> bytes:
+    """An llm.c shard's bytes: its header, then the uint16 tokens."""
+    return shard_header(len(tokens)) + np.asarray(tokens).astype(TOKEN_DTYPE, copy=False).tobytes()
 
-    def __init__(self, shard_size: int, val_tokens: int, emit, *, first_index: int = 0):
+
+class CutPlanner:
+    """llm.c's cut planned from token counts alone: units are given in order with their token
+    counts (`add`), and each shard comes out, as soon as it is full, as its index and the
+    (unit, start, stop) token ranges it takes, in order (shard 0 holds `val_tokens`, every later
+    one `shard_size`); `finish` gives the remainder's shard, if any. The cut depends only on the
+    counts, so the driver plans it while the tokens stay where they were written."""
+
+    def __init__(self, shard_size: int, val_tokens: int, *, first_index: int = 0):
         if not (_whole_count(shard_size) and _whole_count(val_tokens)):
             raise ValueError(f"shard_size and val_tokens: expected integers from 1 to "
                              f"{MAX_SHARD_TOKENS} (llm.c's int32 header field), found "
                              f"{shard_size!r} and {val_tokens!r}")
-        self.shard_size, self.val_tokens, self.emit = int(shard_size), int(val_tokens), emit
+        self.shard_size, self.val_tokens = int(shard_size), int(val_tokens)
         self.index = first_index
-        self.buffer = np.empty(max(shard_size, val_tokens), dtype=np.uint16)
+        self.pieces: list[tuple[int, int, int]] = []
         self.filled = 0
 
     def capacity(self) -> int:
         return self.val_tokens if self.index == 0 else self.shard_size
 
-    def add(self, tokens: np.ndarray) -> None:
-        pos = 0
-        while pos < len(tokens):
+    def add(self, unit: int, tokens: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """The shards that unit `unit`'s `tokens` tokens complete: [(index, pieces)]."""
+        done, pos = [], 0
+        while pos < tokens:
             room = self.capacity() - self.filled
             if room < 1:  # a loop that takes nothing would never end
                 raise ValueError(f"shard {self.index}: capacity {self.capacity()} with "
                                  f"{self.filled} tokens in it: expected room for at least one")
-            take = min(room, len(tokens) - pos)
-            self.buffer[self.filled:self.filled + take] = tokens[pos:pos + take]
+            take = min(room, tokens - pos)
+            self.pieces.append((unit, pos, pos + take))
             self.filled += take
             pos += take
             if self.filled == self.capacity():
-                self._cut()
+                done.append(self._cut())
+        return done
 
-    def finish(self) -> None:
-        if self.filled:
-            self._cut()
+    def finish(self) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        return [self._cut()] if self.filled else []
 
-    def _cut(self) -> None:
-        self.emit(self.index, self.buffer[:self.filled])
-        self.index += 1
-        self.filled = 0
+    def _cut(self) -> tuple[int, list[tuple[int, int, int]]]:
+        shard = (self.index, self.pieces)
+        self.index, self.pieces, self.filled = self.index + 1, [], 0
+        return shard
 
 
 # ---------------------------------------------------------------------- identity
@@ -122,31 +135,18 @@ def identity(inputs: list[tuple[str, int]], *, name: str, text_field: str, shard
 
 @dataclasses.dataclass
 class Progress:
-    """A prepare under way: the shards written to staging, and (tokens, documents) of each unit
-    consumed before the last cut, in unit order."""
+    """A prepare under way: the shards written to staging, and each unit staged so far, as
+    {unit index: (tokens, documents, sha256 of its staged tokens)}: counts and hashes, the
+    driver's whole knowledge of the tokens."""
 
     identity: str
     shards: list[dict] = dataclasses.field(default_factory=list)
-    units: list[list[int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def tokens_done(self) -> int:
-        return sum(s["tokens"] for s in self.shards)
-
-    def restart_point(self) -> tuple[int, int, int]:
-        """(first unit to tokenize again, tokens of it to drop, documents before it): the
-        unit in which the last finished shard ended, and how far into it."""
-        done, before, docs = self.tokens_done, 0, 0
-        for i, (tokens, documents) in enumerate(self.units):
-            if before + tokens > done:
-                return i, done - before, docs
-            before += tokens
-            docs += documents
-        return len(self.units), done - before, docs
+    units: dict[int, tuple[int, int, str]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"format": PROGRESS_FORMAT, "version": VERSION, "identity": self.identity,
-                "shards": self.shards, "units": self.units}
+        return {"format": PROGRESS_FORMAT, "version": PROGRESS_VERSION, "identity": self.identity,
+                "shards": self.shards,
+                "units": [[i, *self.units[i]] for i in sorted(self.units)]}
 
 
 def write_progress(out: RunDir, progress: Progress) -> None:
@@ -157,10 +157,14 @@ def read_progress(out: RunDir) -> Progress | None:
     """The staging's progress, None when there is none; PrepareError when it is not one."""
     if not out.exists(PROGRESS):
         return None
-    d = _read_json(out, PROGRESS, PROGRESS_FORMAT)
+    d = _read_json(out, PROGRESS, PROGRESS_FORMAT, PROGRESS_VERSION)
     try:
         shards = [_shard_entry(s) for s in d["shards"]]
-        units = [[int(t), int(n)] for t, n in d["units"]]
+        units = {}
+        for i, tokens, docs, sha in d["units"]:
+            if min(int(i), int(tokens), int(docs)) < 0:
+                raise ValueError(f"unit {i}: negative counts")
+            units[int(i)] = (int(tokens), int(docs), str(sha))
         return Progress(str(d["identity"]), shards, units)
     except (KeyError, TypeError, ValueError) as e:
         raise PrepareError(f"{out.uri(PROGRESS)}: expected {PROGRESS_FORMAT} fields "
@@ -205,26 +209,19 @@ def _shard_entry(s) -> dict:
     return entry
 
 
-def _read_json(out: RunDir, rel: str, fmt: str) -> dict:
+def _read_json(out: RunDir, rel: str, fmt: str, version: int = VERSION) -> dict:
     try:
         d = read_json_bounded(out, rel)
     except (ValueError, RecursionError) as e:
         raise PrepareError(f"{out.uri(rel)}: expected {fmt} JSON ({str(e)[:200]})") from None
-    if not isinstance(d, dict) or d.get("format") != fmt or d.get("version") != VERSION:
+    if not isinstance(d, dict) or d.get("format") != fmt or d.get("version") != version:
         found = (d.get("format"), d.get("version")) if isinstance(d, dict) else type(d).__name__
-        raise PrepareError(f"{out.uri(rel)}: format/version: expected {fmt!r} {VERSION}, found "
+        raise PrepareError(f"{out.uri(rel)}: format/version: expected {fmt!r} {version}, found "
                            f"{found}")
     return d
 
 
 # ---------------------------------------------------------------------- writing shards
-
-def write_staged_shard(out: RunDir, name: str, tokens: np.ndarray) -> dict:
-    """Write one shard whole into staging; its manifest entry."""
-    data = shard_bytes(tokens)
-    out.write_bytes_atomic(f"{STAGING}/{name}", data)
-    return {"name": name, "tokens": int(len(tokens)), "sha256": hashlib.sha256(data).hexdigest()}
-
 
 def publish(out: RunDir, manifest: dict) -> None:
     """Move every staged shard to its final name, then write the manifest, then remove the

@@ -23,6 +23,7 @@ RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930
 R50K_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 EOT = 50256  # <|endoftext|>, GPT-2's only special token
+EOT_TEXT = "<|endoftext|>"
 N_VOCAB = 50257
 
 
@@ -44,7 +45,7 @@ def get_encoding() -> tiktoken.Encoding:
     _ranks_bytes()  # a clear error for a missing or altered file before tiktoken reads it
     ranks = tiktoken.load.load_tiktoken_bpe(str(RANKS_PATH), expected_hash=RANKS_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PAT_STR, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=N_VOCAB)
+                             special_tokens={EOT_TEXT: EOT}, explicit_n_vocab=N_VOCAB)
 
 
 def encode(text: str) -> list[int]:

@@ -1,15 +1,17 @@
-"""`raygpt prepare`: a corpus tokenized on Ray Data into llm.c's token shards.
+"""`raygpt prepare`: a corpus tokenized by Ray tasks into llm.c's token shards.
 
     raygpt prepare INPUT... -o OUT [--name NAME] [--text-field text] [--shard-size 100000000]
                    [--val-tokens N] [--storage-endpoint URL]
 
 The corpus is planned on the driver (raygpt.data.corpus: inputs in sorted path order, Parquet
-footers checked, one unit per row group or file), then the units run as a Ray Data `map_batches`
-over the Ray this command starts or joins (`ray job submit -- raygpt prepare ...` uses the
-cluster's CPUs). Results come back in unit order (`preserve_order`), so the bytes never depend
-on how many workers or blocks Ray used, and the driver cuts the stream into shards
-(raygpt.data.shard_writer), staging them until the last unit is in. A rerun of the same prepare
-continues from its last finished shard; a rerun over a complete output says so and does nothing.
+footers checked, one unit per row group or file), then each unit is a Ray task over the Ray
+this command starts or joins (`ray job submit -- raygpt prepare ...` uses the cluster's CPUs)
+that tokenizes it and stages its tokens beside the output (raygpt.data.staging); the driver
+receives counts and hashes only, plans llm.c's cut from the counts in unit order, so the bytes
+never depend on how many workers ran or in which order they finished, and hands each full
+shard to a task that writes it from the staged byte ranges. Shards stay staged until the last
+unit is in. A rerun of the same prepare redoes neither a staged unit nor a written shard; a
+rerun over a complete output says so and does nothing.
 
 The output directory is claimed as a run directory is (raygpt.storage.ownership, kind "prepare"): a new
 or empty one gets this user's marker before anything is written into it, and a rerun continues
@@ -31,14 +33,13 @@ import stat
 import sys
 import time
 
-import numpy as np
-
 from raygpt.data import corpus
 from raygpt.data.corpus import CorpusError
+from raygpt.data import staging
 from raygpt.data.shard_writer import (DEFAULT_SHARD_SIZE, MANIFEST, MAX_SHARD_TOKENS, PROGRESS,
-                                      STAGING, PrepareError, Progress, ShardCutter, identity,
+                                      STAGING, CutPlanner, PrepareError, Progress, identity,
                                       make_manifest, publish, read_manifest, read_progress,
-                                      shard_name, write_progress, write_staged_shard)
+                                      shard_name, write_progress)
 from raygpt.data.tokenizer import tokenizer_fingerprint
 from raygpt.runlog.terminal import printable
 from raygpt.storage import RunDir, open_run_dir, redact, with_endpoint
@@ -119,11 +120,13 @@ def plan(s: PrepareSettings) -> Plan:
     except ValueError as e:  # a malformed URI or endpoint
         raise CorpusError(f"-o {redact(s.out)}: {e}") from None
     _check_ours(out, s.out)
-    _check_entries(out, [(STAGING, True), (PROGRESS, False), (MANIFEST, False)])
+    _check_entries(out, [(STAGING, True), (staging.UNITS, True), (PROGRESS, False),
+                         (MANIFEST, False)])
     complete, progress = read_manifest(out), read_progress(out)
     if progress is not None:
         _check_entries(out, [(rel, False) for e in progress.shards
-                             for rel in (f"{STAGING}/{e['name']}", e["name"])])
+                             for rel in (f"{STAGING}/{e['name']}", e["name"])]
+                       + [(staging.unit_file(u), False) for u in progress.units])
         missing = [e["name"] for e in progress.shards
                    if not (out.exists(f"{STAGING}/{e['name']}") or out.exists(e["name"]))]
         if missing:
@@ -189,12 +192,15 @@ def _check_entries(out: RunDir, entries: list[tuple[str, bool]]) -> None:
                                f"output directory of your own")
 
 
-def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
-    """Tokenize the plan's units on Ray Data (the Ray this process is in, else one it starts)
-    and write the shards; the manifest. `num_blocks` sets Ray Data's block count (tests: the
-    bytes must not depend on it)."""
+def run(p: Plan, *, report=None, window: int | None = None) -> dict:
+    """Tokenize the plan's units as Ray tasks (the Ray this process is in, else one it starts)
+    and write the shards; the manifest. The driver hands each task its own unit or shard, and
+    receives counts and hashes (raygpt.data.staging): pass one stages each unit's tokens
+    beside the output, the cut is planned from their counts in unit order as they come in
+    (raygpt.data.shard_writer.CutPlanner), and each shard, once full, is written by a task
+    that reads its byte ranges there (pass two, overlapping pass one). `window`: tasks in
+    flight (default twice the cluster's CPUs; tests: the bytes must not depend on it)."""
     import ray
-    import ray.data
 
     from raygpt.ray.driver import init_ray
 
@@ -202,87 +208,126 @@ def run(p: Plan, *, num_blocks: int | None = None, report=None) -> dict:
         return p.complete
     # marked before the first write (and checked again): a new -o becomes this user's
     claim_dir(p.out, KIND, p.settings.out, holds=lambda _: False, resume=True)
+    p.out.makedirs(staging.UNITS)  # the tasks write files into it
     progress = p.progress or Progress(p.identity)
-    first, drop, docs_before = progress.restart_point()
-    staged = list(progress.shards)
-    units_done = [list(u) for u in progress.units[:first]]
-    report = report or ProgressLine(p, first, docs_before)
+    redo = _units_to_redo(p, progress)
+    units = {i: v for i, v in progress.units.items() if i not in redo}
+    done_shards = {s["name"]: s for s in progress.shards}
+    todo = [u for u in p.units if u.index not in units]
+    report = report or ProgressLine(todo, sum(v[1] for v in units.values()))
+    init_ray(p.settings.ray_address)
+    stage = ray.remote(staging.stage_unit).options(num_cpus=1)
+    write = ray.remote(staging.write_shard).options(num_cpus=1)
+    window = window or 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    planner = CutPlanner(p.settings.shard_size, p.val_tokens)
+    readers: dict[int, int] = {}  # unit -> shards not yet written that read it
+    reading: dict[str, list[int]] = {}  # shard being written -> the units it reads
+    pending: dict = {}  # ObjectRef -> "unit" | "shard"
+    next_unit, planned, last_write = 0, 0, 0.0
 
-    def emit(index: int, tokens: np.ndarray) -> None:
-        staged.append(write_staged_shard(p.out, shard_name(p.name, index), tokens))
-        write_progress(p.out, Progress(p.identity, list(staged), [list(u) for u in units_done]))
+    def plan_shards(shards) -> None:
+        for index, pieces in shards:
+            name = shard_name(p.name, index)
+            if name in done_shards:  # written before a kill
+                if done_shards[name]["tokens"] != sum(b - a for _, a, b in pieces):
+                    raise PrepareError(f"{p.out.uri(PROGRESS)}: {name}: expected the token count "
+                                       f"the cut gives, found another; delete "
+                                       f"{p.out.uri(STAGING)} to start afresh")
+                continue
+            reading[name] = [u for u, _, _ in pieces]
+            for unit in reading[name]:
+                readers[unit] = readers.get(unit, 0) + 1
+            ref = write.remote(p.out, name, [(u, a, b, units[u][0], units[u][2])
+                                             for u, a, b in pieces])
+            pending[ref] = "shard"
 
-    cutter = ShardCutter(p.settings.shard_size, p.val_tokens, emit, first_index=len(staged))
-    documents = docs_before
-    if first < len(p.units):
-        init_ray(p.settings.ray_address)
-        ctx = ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True  # the shards' bytes follow the units' order
-        ctx.enable_progress_bars = False  # ProgressLine says what a user needs
-        todo = [{"unit": u.index} for u in p.units[first:]]
-        ds = ray.data.from_items(todo, override_num_blocks=num_blocks or min(len(todo), 1024))
-        tokenize = _Tokenize(p.fs, p.files, p.units, p.settings.text_field)
-        results = ds.map_batches(tokenize, batch_size=1, batch_format="numpy")
-        for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
-            for unit, tokens, docs, error in zip(batch["unit"], batch["tokens"],
-                                                 batch["documents"], batch["error"]):
-                if error:
-                    raise CorpusError(str(error))
-                arr = np.frombuffer(tokens, dtype=np.uint16)
-                cutter.add(arr[drop:] if int(unit) == first else arr)
-                units_done.append([len(arr), int(docs)])
-                documents += int(docs)
-                report.unit_done(p.units[int(unit)], len(arr), int(docs))
-    cutter.finish()
-    if not staged:  # an empty corpus: nothing to publish
+    while True:
+        while planned in units:  # the cut follows the units' order
+            plan_shards(planner.add(planned, units[planned][0]))
+            planned += 1
+        if planned == len(p.units):
+            plan_shards(planner.finish())
+            planned += 1
+        while next_unit < len(todo) and len(pending) < window:
+            u = todo[next_unit]
+            pending[stage.remote(p.out, p.fs, p.files[u.file], u, p.settings.text_field)] = "unit"
+            next_unit += 1
+        if not pending:
+            break
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        result = ray.get(ready[0])
+        kind = pending.pop(ready[0])
+        if result["error"]:  # bad input: one line, and the work in flight stopped
+            for ref in pending:
+                ray.cancel(ref)
+            raise CorpusError(result["error"]) if kind == "unit" else \
+                PrepareError(result["error"])
+        if kind == "unit":
+            units[result["unit"]] = (result["tokens"], result["documents"], result["sha256"])
+            report.unit_done(p.units[result["unit"]], result["tokens"], result["documents"])
+        else:
+            done_shards[result["name"]] = {k: result[k] for k in ("name", "tokens", "sha256")}
+        now = time.monotonic()
+        if kind == "shard" or now - last_write > _PROGRESS_EVERY_S:
+            write_progress(p.out, Progress(p.identity, _in_order(done_shards), dict(units)))
+            last_write = now
+        if kind == "shard":  # a unit no shard still to write reads is no longer needed
+            tail = {u for u, _, _ in planner.pieces}
+            for unit in reading.pop(result["name"]):
+                readers[unit] -= 1
+                if not readers[unit] and unit not in tail:
+                    p.out.delete_file(staging.unit_file(unit))
+    shards = _in_order(done_shards)
+    if not shards:  # an empty corpus: nothing to publish
         raise CorpusError(f"{', '.join(p.settings.inputs)}: expected at least one document, "
                           f"found none")
     manifest = make_manifest(name=p.name, identity_hex=p.identity,
                              inputs=[(redact(f.uri), f.size) for f in p.files],
                              text_field=p.settings.text_field, shard_size=p.settings.shard_size,
                              val_tokens=p.val_tokens, tokenizer_sha256=tokenizer_fingerprint(),
-                             documents=documents, shards=staged)
+                             documents=sum(v[1] for v in units.values()), shards=shards)
     publish(p.out, manifest)
     report.done(manifest)
     return manifest
 
 
-class _Tokenize:
-    """One unit per call, run by Ray Data's workers: its tokens, document count, or the one-line
-    error naming the file and row (returned, not raised: the driver prints it as it is)."""
+_PROGRESS_EVERY_S = 2.0  # units staged since the last write are redone after a kill
 
-    def __init__(self, fs, files, units, text_field):
-        self.fs, self.files, self.units, self.text_field = fs, files, units, text_field
 
-    def __call__(self, batch: dict) -> dict:
-        out = {"unit": [], "tokens": [], "documents": [], "error": []}
-        for index in batch["unit"]:
-            unit = self.units[int(index)]
-            try:
-                tokens, docs = corpus.tokenize_unit(self.fs, self.files, unit, self.text_field)
-                error = ""
-            except CorpusError as e:
-                tokens, docs, error = np.zeros(0, dtype=np.uint16), 0, str(e)
-            out["unit"].append(int(index))
-            out["tokens"].append(tokens.tobytes())
-            out["documents"].append(docs)
-            out["error"].append(error)
-        return {"unit": np.array(out["unit"], dtype=np.int64),
-                "tokens": np.array(out["tokens"], dtype=object),
-                "documents": np.array(out["documents"], dtype=np.int64),
-                "error": np.array(out["error"], dtype=object)}
+def _units_to_redo(p: Plan, progress: Progress) -> set[int]:
+    """Units the progress records as staged whose staged file is gone (removed once the shards
+    then planned were written) while a shard not yet written reads them: the cut replayed
+    from the recorded counts says which."""
+    present = set(p.out.file_sizes(staging.UNITS))
+    done = {s["name"] for s in progress.shards}
+    planner = CutPlanner(p.settings.shard_size, p.val_tokens)
+    needed: set[int] = set()
+    unit = 0
+    while unit in progress.units:
+        for index, pieces in planner.add(unit, progress.units[unit][0]):
+            if shard_name(p.name, index) not in done:
+                needed.update(u for u, _, _ in pieces)
+        unit += 1
+    for index, pieces in planner.finish():  # the shard the recorded prefix has begun
+        if unit < len(p.units) or shard_name(p.name, index) not in done:
+            needed.update(u for u, _, _ in pieces)
+    needed.update(u for u in progress.units if u >= unit)
+    return {u for u in needed if staging.unit_file(u).rsplit("/", 1)[1] not in present}
+
+
+def _in_order(shards: dict) -> list[dict]:
+    return sorted(shards.values(), key=lambda s: s["name"].rsplit("_", 1)[1])
 
 
 class ProgressLine:
     """Documents, tokens/s and ETA on stderr: rewritten in place on a terminal, a line every
     `every_s` otherwise (a job's log)."""
 
-    def __init__(self, p: Plan, first_unit: int, docs_before: int, *, stream=None,
-                 every_s: float = 10.0):
+    def __init__(self, todo: list, docs_before: int, *, stream=None, every_s: float = 10.0):
         self.stream = stream or sys.stderr
         self.tty = getattr(self.stream, "isatty", lambda: False)()
         self.every_s = 0.5 if self.tty else every_s
-        self.total_bytes = sum(u.nbytes for u in p.units[first_unit:]) or 1
+        self.total_bytes = sum(u.nbytes for u in todo) or 1
         self.done_bytes, self.tokens, self.docs = 0, 0, docs_before
         self.start = self.last = time.monotonic()
 
@@ -320,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raygpt prepare",
         description="Tokenize Parquet, JSON Lines or text files (local paths, globs, directories "
-                    "or s3:// / gs:// URIs) into llm.c's GPT-2 token shards, on Ray Data.")
+                    "or s3:// / gs:// URIs) into llm.c's GPT-2 token shards, as Ray tasks.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, globs (quoted), directories or URIs; read in sorted path order")
     p.add_argument("-o", "--out-dir", required=True,

@@ -150,6 +150,23 @@ def test_tokens_are_eot_then_encode_ordinary_per_document():
     assert corpus.tokenize_documents([]).tolist() == []
 
 
+def test_batches_of_documents_tokenize_as_each_document_alone(monkeypatch):
+    """One tokenizer call per batch (documents joined by EOT's text) gives each document's own
+    encode_ordinary: trailing and leading whitespace, empty documents, batch edges anywhere."""
+    monkeypatch.setattr(corpus, "_BATCH_CHARS", 37)
+    enc = get_encoding()
+    rng = np.random.default_rng(5)
+    pieces = ["word", " ", "  ", "\n", "\n\n", "naïve", "日本語", "🙂", "'s", "123", "!?"]
+    docs = ["".join(rng.choice(pieces, int(rng.integers(0, 12)))) for _ in range(300)]
+    docs += ["ends with spaces   ", "   ", "", "\n\n\n"]
+    batches = list(corpus.token_batches(iter(docs)))
+    assert len(batches) > 10 and sum(n for _, n in batches) == len(docs)
+    want = []
+    for d in docs:
+        want += [EOT] + enc.encode_ordinary(d)
+    assert np.concatenate([t for t, _ in batches]).tolist() == want
+
+
 # ---------------------------------------------------------------------- bounds (issue 53)
 
 def _bomb(path, opener, payload: bytes, total: int, **kw):

@@ -1,5 +1,5 @@
-"""Tests of raygpt.data.shard_writer: the cut against llm.c's own loop, the progress a rerun
-starts from, the manifest's reader and writer, and publishing (no Ray)."""
+"""Tests of raygpt.data.shard_writer: the cut planned from counts against llm.c's own loop, the
+progress a rerun starts from, the manifest's reader and writer, and publishing (no Ray)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,12 @@ def llmc_fineweb_cut(docs: list[np.ndarray], shard_size: int) -> list[np.ndarray
 
 
 def _cut(docs, shard_size, val_tokens=None):
-    out = []
-    cutter = sw.ShardCutter(shard_size, val_tokens or shard_size,
-                            lambda i, t: out.append((i, t.copy())))
-    for d in docs:
-        cutter.add(d)
-    cutter.finish()
-    return out
+    """The planner's cut from the documents' counts alone (each document a unit), made into
+    shards by taking the ranges it names."""
+    planner = sw.CutPlanner(shard_size, val_tokens or shard_size)
+    planned = [s for i, d in enumerate(docs) for s in planner.add(i, len(d))] + planner.finish()
+    return [(index, np.concatenate([docs[u][a:b] for u, a, b in pieces]))
+            for index, pieces in planned]
 
 
 @pytest.mark.timeout(60)  # a cutter that stops making progress fails here instead of hanging
@@ -61,7 +60,7 @@ def test_val_tokens_sizes_shard_zero_alone():
                                             [23, 24]]
     assert _cut([np.zeros(0, dtype=np.uint16)], 4) == []
     with pytest.raises(ValueError, match="expected integers from 1"):
-        sw.ShardCutter(0, 1, print)
+        sw.CutPlanner(0, 1)
 
 
 def test_names_and_bytes_are_llmcs():
@@ -73,24 +72,31 @@ def test_names_and_bytes_are_llmcs():
     assert data[1024:] == b"\x05\x00\xff\xff" and len(data) == 1028
 
 
-def test_restart_point_is_the_unit_the_last_shard_ended_in():
-    p = sw.Progress("id", shards=[{"name": "a", "tokens": 10, "sha256": ""},
-                                  {"name": "b", "tokens": 7, "sha256": ""}],
-                    units=[[5, 1], [9, 2], [4, 3]])
-    assert p.restart_point() == (2, 3, 3)  # 17 tokens done: unit 2 holds tokens 14..17
-    p.shards = p.shards[:1]
-    assert p.restart_point() == (1, 5, 1)  # 10 tokens done: unit 1 holds tokens 5..13
-    p.shards.append({"name": "b", "tokens": 7, "sha256": ""})
-    p.units = [[5, 1], [12, 2]]  # the shard ended exactly at a unit's end
-    assert p.restart_point() == (2, 0, 3)
-    assert sw.Progress("id").restart_point() == (0, 0, 0)
+def test_the_plan_is_ranges_of_units_in_order_and_each_shard_once_full():
+    planner = sw.CutPlanner(10, 3)
+    assert planner.add(0, 2) == []
+    assert planner.add(1, 15) == [(0, [(0, 0, 2), (1, 0, 1)]), (1, [(1, 1, 11)])]
+    assert planner.add(2, 0) == []  # a unit with no documents takes no range
+    assert planner.add(3, 6) == [(2, [(1, 11, 15), (3, 0, 6)])]  # an exact fit
+    assert planner.finish() == []
+    assert planner.add(4, 1) == [] and planner.finish() == [(3, [(4, 0, 1)])]
 
 
 def test_progress_and_manifest_round_trip_and_refuse_foreign_files(tmp_path):
     out = open_run_dir(str(tmp_path))
-    p = sw.Progress("abc", [{"name": "x_val_000000.bin", "tokens": 3, "sha256": "00"}], [[3, 1]])
+    p = sw.Progress("abc", [{"name": "x_val_000000.bin", "tokens": 3, "sha256": "00"}],
+                    {0: (3, 1, "aa"), 2: (0, 0, "bb")})
     sw.write_progress(out, p)
     assert sw.read_progress(out) == p
+    progress = json.loads((tmp_path / ".prepare" / "progress.json").read_text())
+    (tmp_path / ".prepare" / "progress.json").write_text(json.dumps({**progress, "version": 1}))
+    with pytest.raises(sw.PrepareError, match=r"progress.json: format/version: expected "
+                                              r"'raygpt-prepare-progress' 2, found"):
+        sw.read_progress(out)
+    (tmp_path / ".prepare" / "progress.json").write_text(
+        json.dumps({**progress, "units": [[0, -3, 1, "aa"]]}))
+    with pytest.raises(sw.PrepareError, match="found a damaged file"):
+        sw.read_progress(out)
     m = sw.make_manifest(name="x", identity_hex="abc", inputs=[("a.txt", 10)], text_field="text",
                          shard_size=8, val_tokens=8, tokenizer_sha256="f", documents=1,
                          shards=p.shards)
@@ -109,10 +115,13 @@ def test_progress_and_manifest_round_trip_and_refuse_foreign_files(tmp_path):
 
 def test_publish_moves_staged_shards_then_writes_the_manifest_and_can_be_repeated(tmp_path):
     out = open_run_dir(str(tmp_path))
-    shards = [sw.write_staged_shard(out, sw.shard_name("n", i), np.full(i + 1, i, np.uint16))
-              for i in range(3)]
-    assert shards[1]["sha256"] == hashlib.sha256(
-        (tmp_path / ".prepare" / "n_train_000001.bin").read_bytes()).hexdigest()
+    (tmp_path / ".prepare").mkdir()
+    shards = []
+    for i in range(3):  # what raygpt.data.staging.write_shard leaves in staging
+        data = sw.shard_bytes(np.full(i + 1, i, np.uint16))
+        (tmp_path / ".prepare" / sw.shard_name("n", i)).write_bytes(data)
+        shards.append({"name": sw.shard_name("n", i), "tokens": i + 1,
+                       "sha256": hashlib.sha256(data).hexdigest()})
     m = sw.make_manifest(name="n", identity_hex="i", inputs=[], text_field="text", shard_size=3,
                          val_tokens=1, tokenizer_sha256="f", documents=3, shards=shards)
     # a kill between two moves: the first shard is already in place
@@ -136,14 +145,14 @@ def test_a_cutter_that_could_not_fill_a_shard_is_refused_at_construction(shard_s
     the cut loop."""
     with pytest.raises(ValueError, match=r"shard_size and val_tokens: expected integers from 1 "
                                          r"to 2147483647"):
-        sw.ShardCutter(shard_size, val_tokens, print)
+        sw.CutPlanner(shard_size, val_tokens)
 
 
 @pytest.mark.timeout(10)
 def test_a_cut_that_can_take_no_token_fails_instead_of_looping():
     """A capacity of zero (or less) met in the loop (an attribute changed after construction)
     is an error, never a loop that takes nothing forever."""
-    cutter = sw.ShardCutter(4, 2, lambda i, t: None)
-    cutter.shard_size = 0
+    planner = sw.CutPlanner(4, 2)
+    planner.shard_size = 0
     with pytest.raises(ValueError, match="capacity 0"):
-        cutter.add(np.arange(10, dtype=np.uint16))
+        planner.add(0, 10)

@@ -5,6 +5,7 @@ line, exit 2, nothing under a final name."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -76,12 +77,13 @@ def _settings(inputs, out, **kw):
     return prepare.PrepareSettings(tuple(map(str, inputs)), str(out), **kw)
 
 
-@pytest.mark.parametrize("num_blocks", [1, 9])
-def test_corpus_is_llmcs_rule_byte_for_byte_whatever_the_blocks(local_ray, tmp_path, num_blocks):
+@pytest.mark.parametrize("window", [1, 9])
+def test_corpus_is_llmcs_rule_byte_for_byte_whatever_the_tasks_in_flight(local_ray, tmp_path,
+                                                                          window):
     docs = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     manifest = prepare.run(prepare.plan(_settings([tmp_path / "corpus"], out, shard_size=300)),
-                           num_blocks=num_blocks)
+                           window=window)
     want = expected_shards(docs, 300)
     names = ["corpus_val_000000.bin"] + [f"corpus_train_{i:06d}.bin" for i in range(1, len(want))]
     assert bins(out) == sorted(names)
@@ -151,44 +153,99 @@ def test_rerun_of_a_complete_prepare_says_so_and_changes_nothing(local_ray, tmp_
     assert "holds a complete prepare of other inputs or settings" in capsys.readouterr().err
 
 
-def test_a_killed_prepare_resumes_without_redoing_finished_shards(tmp_path):
-    """SIGKILL to the whole process group (driver and its Ray) once the first shards are staged;
-    the rerun continues from them and ends with the shards an uninterrupted prepare writes."""
+def _progress(out: Path) -> dict:
+    try:
+        return json.loads((out / ".prepare" / "progress.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {"shards": [], "units": []}
+
+
+def _staged_units(units_dir: Path) -> set:
+    """(name, inode) of each staged unit file: a unit staged again is a new inode."""
+    try:
+        return {(e.name, e.inode()) for e in os.scandir(units_dir) if e.name.endswith(".tok")}
+    except FileNotFoundError:
+        return set()
+
+
+def test_a_prepare_whose_driver_is_killed_at_random_moments_ends_with_the_same_shards(tmp_path):
+    """SIGKILL to the driver alone (its tasks may still be running and writing) at a random
+    point of its staged units, twice; each rerun continues without rewriting a finished shard,
+    and the last ends with the shards an uninterrupted prepare writes."""
+    import random
+    seed = int(os.environ.get("RAYGPT_TEST_SEED", time.time_ns() % 10**6))
+    rng = random.Random(seed)
     corpus_dir = tmp_path / "big"
     corpus_dir.mkdir()
-    rng = np.random.default_rng(1)
-    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "naïve", "🙂"])
-    docs = [" ".join(rng.choice(words, 300)) for _ in range(6000)]
+    words = np.random.default_rng(1).choice(
+        np.array(["alpha", "beta", "gamma", "delta", "naïve", "🙂"]), (6000, 300))
+    docs = [" ".join(w) for w in words]
     pq.write_table(pa.table({"text": docs}), corpus_dir / "big.parquet", row_group_size=100)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "raygpt", "prepare", str(corpus_dir), "-o", str(out),
            "--shard-size", "20000"]
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    progress, deadline = out / ".prepare" / "progress.json", time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline and first.poll() is None:
-            if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 2:
-                break
-            time.sleep(0.05)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(60)
-    assert not (out / "manifest.json").exists(), "the prepare ended before it could be killed"
-    staged = json.loads(progress.read_text())["shards"]
-    assert bins(out) == []  # nothing under a final name
-    inode = (out / ".prepare" / staged[0]["name"]).stat().st_ino
-
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=600, start_new_session=True)
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert f"continuing the prepare in {out} after {len(staged)}" in second.stderr
+    units_dir = out / ".prepare" / "units"
+    for attempt in range(2):
+        before = _progress(out)
+        # a random moment: once this run has staged between 1 and 20 units (60 in all), seen
+        # as their files appear or are replaced (progress.json is written every 2 s and at
+        # each shard, too seldom on a fast machine)
+        target, seen = rng.randint(1, 20), set()
+        old = _staged_units(units_dir)
+        run = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        try:
+            # the second kill also waits for a shard written: the last run must keep it
+            while time.monotonic() < deadline and run.poll() is None and (
+                    len(seen) < target or attempt and not _progress(out)["shards"]):
+                seen |= _staged_units(units_dir) - old
+                time.sleep(0.005)
+            run.kill()  # SIGKILL to the driver alone
+            err = run.communicate(timeout=60)[1]
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # what it left running, if any
+                os.killpg(run.pid, signal.SIGKILL)
+        assert not (out / "manifest.json").exists(), f"seed {seed}: ended before the kill"
+        if before["shards"]:
+            assert f"continuing the prepare in {out} after {len(before['shards'])}" in err
+        assert bins(out) == []  # nothing under a final name
+    staged = _progress(out)["shards"]
+    assert staged, f"seed {seed}"
+    inodes = {s["name"]: (out / ".prepare" / s["name"]).stat().st_ino for s in staged}
+    last = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, start_new_session=True)
+    assert last.returncode == 0, last.stderr[-2000:]
     want = expected_shards(docs, 20000)
     names = ["big_val_000000.bin"] + [f"big_train_{i:06d}.bin" for i in range(1, len(want))]
-    assert bins(out) == sorted(names)
-    assert [(out / n).read_bytes() for n in names] == want
-    assert (out / staged[0]["name"]).stat().st_ino == inode  # moved, not written again
+    assert bins(out) == sorted(names), f"seed {seed}"
+    assert [(out / n).read_bytes() for n in names] == want, f"seed {seed}"
+    # finished shards were moved, not written again
+    assert {n: (out / n).stat().st_ino for n in inodes} == inodes, f"seed {seed}"
+    assert not (out / ".prepare").exists()
+
+
+def test_the_driver_receives_counts_and_hashes_never_tokens(local_ray, tmp_path, monkeypatch):
+    """Everything the tasks hand the driver passes through ray.get: each result is a few
+    numbers and a hash, whatever the size of the corpus and its shards."""
+    import pickle
+
+    import ray
+    docs = make_corpus(tmp_path / "corpus")
+    sizes, real_get = [], ray.get
+
+    def get(refs, *a, **kw):
+        got = real_get(refs, *a, **kw)
+        sizes.append(len(pickle.dumps(got)))
+        return got
+    monkeypatch.setattr(ray, "get", get)
+    p = prepare.plan(_settings([tmp_path / "corpus"], tmp_path / "out", shard_size=2000))
+    manifest = prepare.run(p)
+    shards = sorted((tmp_path / "out").glob("*.bin"))
+    assert len(shards) == len(manifest["shards"]) == len(expected_shards(docs, 2000)) >= 3
+    assert len(sizes) == len(p.units) + len(shards) == 11 + len(shards)  # a result per task
+    assert max(sizes) < 400 < min(p.stat().st_size for p in shards[:-1])
 
 
 @pytest.mark.parametrize("case", ["null_late", "missing_field", "bad_utf8", "foreign_output",
@@ -276,9 +333,9 @@ def _plant_progress(out: Path, p, shard_bytes: bytes, tokens: int) -> None:
     import hashlib
     (out / ".prepare").mkdir(parents=True, exist_ok=True)
     name = "c_val_000000.bin"
-    units = [[0, 0]] * (len(p.units) - 1) + [[tokens, 1]]
+    units = [[i, 0, 0, ""] for i in range(len(p.units) - 1)] + [[len(p.units) - 1, tokens, 1, ""]]
     (out / ".prepare" / "progress.json").write_text(json.dumps({
-        "format": "raygpt-prepare-progress", "version": 1, "identity": p.identity,
+        "format": "raygpt-prepare-progress", "version": 2, "identity": p.identity,
         "shards": [{"name": name, "tokens": tokens,
                     "sha256": hashlib.sha256(shard_bytes).hexdigest()}], "units": units}))
 
