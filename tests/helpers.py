@@ -5,9 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 
 from raygpt.config import TrainConfig
+
+
+# a line of Ray's own Python loggers ("2026-12-06 10:03:08,213\tWARNING file.py:85 -- ...")
+RAY_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+\s+(DEBUG|INFO|WARNING)\s+\S+:\d+ -- ")
 
 
 def tiny_config(run_dir, **overrides) -> TrainConfig:

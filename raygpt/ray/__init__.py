@@ -9,6 +9,7 @@
     checkpoint_list.py  Ray Train's own list of a run's checkpoints kept to the ones that exist
     compat.py      every use of Ray's private API, each hook with its why and the Ray version
                    it was checked on (the only module allowed one: test_seam.py)
+    ray_logs.py    Ray's own driver-side lines to the session's log files, not the terminal
     sweep.py       Ray Tune sweeps over raygpt runs and WSD branches; each trial is driver.run
                    (the face of the modules below, which re-exports their names)
     sweep_plan.py  a sweep's plan (sweep.json), its ledger and the trials' rows; no Ray
@@ -16,6 +17,7 @@
     sweep_wsd.py   WSD branches: the shared stable phase, trained once, and each branch's seed
     sweep_tune.py  the Tune runner: run_sweep, run_wsd_branches, resume_sweep, each trial
     sweep_results.py  results.txt, best_config.json, val_loss.png; a sweep's status and plot
+    sweep_console.py  a sweep's console: one line per trial event, with its hyperparameters
     sweep_command.py  `raygpt sweep`'s command line: the known trials checked, then sweep_tune
     trials.py      a sweep's trial configs, their checks and its command line (`raygpt
                    sweep` checks the trials before Ray Tune is loaded or Ray started)

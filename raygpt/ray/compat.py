@@ -40,6 +40,15 @@ def storage_marker_name() -> str | None:
     return VALIDATE_STORAGE_MARKER_FILENAME
 
 
+def session_logs_dir() -> str | None:
+    """The logs directory of the Ray session this process started or joined on this machine
+    (`/tmp/ray/session_*/logs`), where Ray's own log files are; None before `ray.init` or when
+    the session's node is not this machine's (no public API says it). Checked on Ray 2.60.0."""
+    from ray._private import worker
+    node = getattr(worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else None
+
+
 def quiet_report_log() -> None:
     """Ray Train logs every ray.train.report at INFO, the checkpoint's whole manifest metadata
     included, through a logger named by its source file, which LoggingConfig's "ray.train" level

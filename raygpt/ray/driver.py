@@ -58,7 +58,7 @@ from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.config import preflight
 from raygpt.model.memory import out_of_memory_line
-from raygpt.ray import capacity, compat
+from raygpt.ray import capacity, compat, ray_logs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
@@ -387,8 +387,10 @@ def init_ray(address: str | None = None) -> None:
         return
     # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray_logs.quiet_ray_console()  # Ray's own lines to its log files: the terminal is raygpt's
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+    ray_logs.open_session_log()
 
 
 def start_train_helpers(timeout_s: float = 120.0) -> None:

@@ -252,6 +252,8 @@ class TrialRow:
     input, 1: a stop raygpt decided), else None."""
     error: str = ""
     """That stop's message (or why the history is unreadable)."""
+    val_step: int | None = None
+    """The step `val_loss` was measured at (the run may have trained past it: `step`)."""
 
 
 def trial_rows(plan: SweepPlan, ledger: dict) -> list[TrialRow]:
@@ -280,7 +282,8 @@ def trial_rows(plan: SweepPlan, ledger: dict) -> list[TrialRow]:
             # re-runs: every failure but an errored trial's last one was followed by one
             retries=max(0, entry["failures"] - errored), run_dir=run_dir, val_curve=curve,
             stopped=entry["stopped"] if errored else None,
-            error=entry["error"] if errored and entry["stopped"] is not None else problem))
+            error=entry["error"] if errored and entry["stopped"] is not None else problem,
+            val_step=curve[-1][0] if curve else None))
     return rows
 
 

@@ -64,11 +64,15 @@ def sweep_status(sweep_dir: str) -> str:
 
 
 def format_table(rows: list[TrialRow]) -> str:
-    head = ("#", "trial", "status", "config", "val_loss", "step", "skips", "rewinds", "retries")
+    # the val loss beside the step it was measured at; `steps`: how far the run trained (an
+    # early-stopped trial may have trained past its last validation)
+    head = ("#", "trial", "status", "config", "val_loss", "val_step", "steps", "skips", "rewinds",
+            "retries")
     lines = [head]
     for i, r in enumerate(rows, 1):
         config = " ".join(f"{k}={v}" for k, v in sorted(r.overrides.items()))
         lines.append((str(i), r.name, r.status, config, f"{r.val_loss:.4f}",
+                      "-" if r.val_step is None else str(r.val_step),
                       "-" if r.step is None else str(r.step), str(r.skips), str(r.rewinds),
                       str(r.retries)))
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]

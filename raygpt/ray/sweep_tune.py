@@ -56,6 +56,7 @@ from raygpt.config import (ConfigError, TrainConfig, command_line_only, shards_w
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.sweep_asha import GracefulASHA, _default_grace, trial_control_name
+from raygpt.ray.sweep_console import TUNE_VERBOSE, TrialConsole, trial_label
 from raygpt.ray.sweep_plan import (PLAN_FILE, STOPPED_KEY, STOPPED_MESSAGE_KEY, TRIALS_DIR,
                                    TUNE_DIR, SweepPlan, _abs, ledger_entry, read_ledger,
                                    read_plan, trial_rows, write_ledger, write_plan)
@@ -317,8 +318,11 @@ def _fit(plan: SweepPlan, names: list[str], *, experiment: str, command_line: di
         run_config=tune.RunConfig(
             name=experiment, storage_path=tune_root, storage_filesystem=tune_fs,
             failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
+            verbose=TUNE_VERBOSE,  # raygpt's lines instead (raygpt.ray.sweep_console)
             callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"]),
-                       TrialLedger(plan.sweep_dir, ledger if ledger is not None else {})]))
+                       TrialLedger(plan.sweep_dir, ledger if ledger is not None else {}),
+                       TrialConsole({t["name"]: trial_label(t["name"], t["overrides"])
+                                     for t in plan.trials})]))
     log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | {len(names)} trial(s), up to "
              f"{concurrent} concurrent | early stop {s['early_stop']} | Tune experiment {experiment}/")
     tuner.fit()
@@ -425,7 +429,10 @@ def raygpt_trial(config: dict, plan: dict, command_line: dict, lineage: str | No
     try:
         adapted: list[str] = []
         base = TrainConfig.from_dict(plan.base).with_overrides(command_line)
-        cfg = trial_config(base, overrides, run_dir, notes=adapted)
+        # a trial's first attempt (no run directory yet) starts fresh; a re-run (Tune's retry,
+        # -y 1) and a WSD branch (seeded from the stable phase) resume their run directory
+        cfg = trial_config(base, overrides, run_dir, notes=adapted,
+                           fresh=plan.mode != "wsd_branch" and not open_run_dir(run_dir).exists())
         if plan.mode == "wsd_branch":
             seed_branch(plan, open_run_dir(run_dir))
         trial_id = tune.get_context().get_trial_id()

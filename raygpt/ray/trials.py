@@ -71,11 +71,12 @@ def _plain(value):
 
 
 def trial_config(base: TrainConfig, overrides: dict, run_dir: str,
-                 notes: list[str] | None = None) -> TrainConfig:
-    """A trial's run config: base + the trial's overrides, in its own run directory, resumable.
+                 notes: list[str] | None = None, fresh: bool = False) -> TrainConfig:
+    """A trial's run config: base + the trial's overrides, in its own run directory, resumable
+    (-y 1) unless `fresh` (its first attempt: nothing to resume, nothing to say about it).
     `notes` gets what resolving adapted to the data (as for a single run)."""
     cfg = base.with_overrides({k: _plain(v) for k, v in overrides.items()})
-    cfg = cfg.with_overrides({"output_dir": run_dir, "resume": 1})
+    cfg = cfg.with_overrides({"output_dir": run_dir, "resume": 0 if fresh else 1})
     # every hardware field is pinned already; gpus_available only satisfies resolve()'s check
     return cfg.resolve(gpus_available=cfg.num_workers if cfg.device == "gpu" else 0, notes=notes)
 

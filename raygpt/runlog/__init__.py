@@ -8,6 +8,7 @@
                     merged into one base object by `compact`
     compact.py      `raygpt compact RUN_DIR`: that merge for each log, under the run's lease
     console.py      the step line, and the `raygpt` logger every module's messages go through
+    eta.py          the step line's ETA: the steps left and the periodic tasks' runs to come
     tensorboard.py  TensorBoard event files, and their reader
     tracking.py     W&B and MLflow
     mfu.py          model FLOPs utilisation

@@ -54,13 +54,15 @@ def format_step_line(step: int, total_steps: int, loss: float, norm: float, lr: 
         step    7/150 | loss 7.123456 (+nanz)| norm 1.2345 (+0.12z)| lr 3.00e-04 | 123.45 ms
         | 45.6% bf16 MFU | 12345 tok/s | eta 2m05s
     The z-scores appear only when given (NaN while llm.c's detector warms up, as llm.c prints
-    it); MFU None prints "n/a"; the ETA (seconds to the last step) only when given. `step` is
+    it); the MFU column only where there is a figure (none on a CPU or an unknown device: None);
+    the ETA (seconds to the run's end, raygpt.runlog.eta) only when given. `step` is
     printed as given (llm.c prints step + 1). `note` (e.g. "SKIP") is appended at the end."""
     z_loss = f" ({loss_z:+.2f}z)" if loss_z is not None else " "
     z_norm = f" ({norm_z:+.2f}z)" if norm_z is not None else " "
-    mfu_text = "n/a" if mfu is None or not math.isfinite(mfu) else f"{100 * mfu:.1f}%"
+    mfu_text = ("" if mfu is None else
+                f"| {'n/a' if not math.isfinite(mfu) else f'{100 * mfu:.1f}%'} {precision} MFU ")
     line = (f"step {step:4d}/{total_steps} | loss {loss:.6f}{z_loss}| norm {norm:6.4f}{z_norm}| "
-            f"lr {lr:.2e} | {dt_ms:.2f} ms | {mfu_text} {precision} MFU | {tok_per_s:.0f} tok/s")
+            f"lr {lr:.2e} | {dt_ms:.2f} ms {mfu_text}| {tok_per_s:.0f} tok/s")
     if eta_s is not None:
         line += f" | eta {format_duration(eta_s)}"
     return f"{line} | {note}" if note else line

@@ -26,6 +26,7 @@ import math
 import time
 
 from raygpt.runlog.console import format_step_line, printable, val_text
+from raygpt.runlog.eta import Eta, due_steps
 from raygpt.runlog.history import RunHistory, read_history
 from raygpt.runlog.mainlog import Logger
 from raygpt.runlog.mfu import estimate_mfu
@@ -59,7 +60,7 @@ class Reporter:
                          f"from loss_history.jsonl")
         self._last_ray_report = -math.inf
         self._compile_started: float | None = None
-        self._eta_from: tuple[int, float] | None = None  # (steps done, time) after the first step
+        self.eta = Eta(max_steps)  # the step line's ETA, the periodic tasks' runs to come counted
         self._closed = False
 
     def __enter__(self) -> "Reporter":
@@ -82,14 +83,23 @@ class Reporter:
     # ------------------------------------------------------------------ events
 
     def start(self, *, world: int, grad_accum: int, tokens_per_step: int,
-              resumed_from: int | None) -> None:
-        """The run's header line (the start or resume record is written on construction)."""
+              resumed_from: int | None, tasks=()) -> None:
+        """The run's header line (the start or resume record is written on construction);
+        `tasks`, the loop's periodic tasks (raygpt.train.tasks), are scheduled for the ETA."""
         cfg = self.cfg
+        if self.is_main:
+            for task in tasks:
+                self.eta.schedule(task.name, due_steps(task.due, resumed_from or 0,
+                                                       self.max_steps))
         self.say(f"raygpt | {cfg.model}: {self.n_params:,} parameters | {world} x "
                  f"{self.session.device_name} | {cfg.precision} | B={cfg.batch_size} "
                  f"T={cfg.seq_len} grad_accum={grad_accum} | {tokens_per_step:,} tokens/step | "
                  f"{self.max_steps} steps | attempt {self.attempt}"
                  + (f" | resumed from step {resumed_from}" if resumed_from is not None else ""))
+
+    def task_ran(self, name: str, seconds: float) -> None:
+        """A periodic task (validation, an eval set, HellaSwag, the sample) took `seconds`."""
+        self.eta.task_ran(name, seconds)
 
     def compiling(self) -> None:
         """Before the first forward pass of a compiled model: it takes a while and looks like a
@@ -158,12 +168,7 @@ class Reporter:
             self.say(f"raygpt | torch.compile: done, first step after "
                      f"{now - self._compile_started:.1f} s")
             self._compile_started = None
-        eta = None
-        if self._eta_from is None:
-            self._eta_from = (step + 1, now)  # the first step (compile, warm-up) is not a guide
-        elif step + 1 > self._eta_from[0]:
-            done, since = self._eta_from
-            eta = (now - since) / (step + 1 - done) * (self.max_steps - step - 1)
+        eta = self.eta.step_done(step, now)
         if report_to_ray:  # every rank, at the steps the ranks agreed on
             self._last_ray_report = time.monotonic()
             self.session.report_metrics({"step": step, "train_loss": loss, "lr": lr,
@@ -207,7 +212,7 @@ class Reporter:
     def restart_at(self, step: int) -> None:
         """After a rewind to `step` (TensorBoard shows the re-done steps once)."""
         self.tb.restart_at(step)
-        self._eta_from = None  # the rate is measured afresh from the next step
+        self.eta.restart()  # the gap to the next step holds the restore, not a step
 
     def end(self, summary: dict) -> None:
         self.history.end(summary)

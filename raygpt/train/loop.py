@@ -378,7 +378,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
     on_exit.push(out_of_memory_reported(cfg, torch.device(session.device), lambda: r.state.step))
     state, ckpt, runlog = r.state, r.ckpt, r.runlog
     runlog.start(world=session.world, grad_accum=r.micro.grad_accum, tokens_per_step=r.tokens_per_step,
-                 resumed_from=r.resumed_from)
+                 resumed_from=r.resumed_from, tasks=r.tasks)
     if cfg.compile:
         runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
     clipped_at_last_watch, first_step, t_start = state.clipped, state.step, time.perf_counter()
@@ -388,7 +388,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         last_step = step == r.max_steps
 
         # ---------------------------------------------------------- validation and sample
-        run_due(r.tasks, r, step, last_step)  # llm.c's order: val loss, HellaSwag, sample
+        run_due(r.tasks, r, step, last_step, timed=runlog.task_ran)  # llm.c's order
 
         # ---------------------------------------------------------- checkpoint
         if ckpt.due(step, last_step, r.resumed_from) or state.save_requested:

@@ -15,7 +15,8 @@ collective at its own steps, never inside a training step's one sync.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import time
+from typing import Callable, Protocol, Sequence
 
 
 class Task(Protocol):
@@ -35,8 +36,13 @@ def every(n: int, step: int, last_step: bool) -> bool:
     return n > 0 and (step % n == 0 or last_step)
 
 
-def run_due(tasks: Sequence[Task], run, step: int, last_step: bool) -> None:
-    """Run the tasks due at `step`, in the list's order."""
+def run_due(tasks: Sequence[Task], run, step: int, last_step: bool,
+            timed: Callable[[str, float], None] | None = None) -> None:
+    """Run the tasks due at `step`, in the list's order; `timed(name, seconds)` hears how long
+    each took (the ETA counts the runs still to come)."""
     for task in tasks:
         if task.due(step, last_step):
+            t0 = time.perf_counter()
             task.run(run, step)
+            if timed is not None:
+                timed(task.name, time.perf_counter() - t0)

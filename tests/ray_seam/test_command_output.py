@@ -6,24 +6,38 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from tests.helpers import RAY_LOG_LINE
 
 REPO = Path(__file__).resolve().parents[2]
 # a C++ log line of any Ray process at ERROR or FATAL level ("[time E pid tid] file.cc:N: ...")
 RAY_CORE_ERROR = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ [EF] \d+ \d+\]")
 
 
-def test_the_default_command_prints_readable_lines_and_no_error_noise(tmp_path):
-    p = subprocess.run(
+def test_the_default_command_prints_one_screen_and_no_noise(tmp_path):
+    """The default job as a user runs it, stdout and stderr redirected (not a terminal): raygpt's
+    lines only. No colour codes, none of Ray's WARNING or INFO lines (the token-auth WARNING,
+    "Started a local Ray instance": they are in Ray's session logs), no MFU column on a CPU,
+    an ETA on every step line but the first, validation and the sample."""
+    started = time.time()
+    p = subprocess.Popen(
         [sys.executable, "experiments/shakespeare.py", "-e", "d2", "-b", "4", "-t", "32",
-         "--num-workers", "1", "-x", "4", "-s", "2", "-g", "12", "-j", "", "-n", "0",
+         "--num-workers", "1", "-x", "4", "-s", "2", "-g", "12", "-v", "2", "-m", "1", "-n", "0",
          "-o", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**{k: v for k, v in os.environ.items()
+                if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_COLOR_PREFIX")},
              "PYTHONPATH": str(REPO)})
-    out = p.stdout + p.stderr
+    stdout, stderr = p.communicate(timeout=300)
+    out = stdout + stderr
     assert p.returncode == 0, out[-3000:]
-    lines = [re.sub(r"^\S*\((\w+) pid=\d+\)\S* ", "", line) for line in out.splitlines()]
+    noise = [line for line in out.splitlines() if RAY_LOG_LINE.search(line)]
+    assert not noise, noise
+    assert "\x1b" not in out, [line for line in out.splitlines() if "\x1b" in line][:3]
+    assert "MFU" not in out
+    lines = [re.sub(r"^\((\w+) pid=\d+\) ", "", line) for line in out.splitlines()]
     # no error-level line from Ray's processes or raygpt's actors (PreemptionWatcher's was one)
     # and no Python traceback at all: not Ray Train's PlacementGroupCleaner's (its State API
     # queries fail without a dashboard, or with two Rays on the machine: raygpt.ray.pg_cleanup
@@ -36,9 +50,16 @@ def test_the_default_command_prints_readable_lines_and_no_error_noise(tmp_path):
     assert not bad, "\n".join(lines[bad[0]:bad[0] + 40])
     steps = [line for line in lines if re.match(r"step +\d+/4 \|", line)]
     assert len(steps) == 4 and all(" | eta " in line for line in steps[1:]), steps
+    assert all(re.search(r"\| [\d.]+ ms \| \d+ tok/s( \||$)", line) for line in steps), steps
+    assert [line for line in lines if " | val loss " in line][0].startswith("step     0 | val loss")
     at = lines.index("step     2 | sample:")
     assert lines[at + 1].startswith("  | ") and "sample: '" not in out
-    assert any(line.startswith("raygpt | done at step 4/4 | val loss n/a |") for line in lines)
+    assert any(re.match(r"raygpt \| done at step 4/4 \| val loss \d+\.\d{4} \|", line)
+               for line in lines)
+    # what Ray said is in its session's logs, in the driver's own file there
+    held = [f for f in Path("/tmp/ray").glob(f"session_*/logs/raygpt-driver-{p.pid}.log")
+            if f.stat().st_mtime >= started]  # a pid of an earlier session's driver is reused
+    assert len(held) == 1 and "Started a local Ray instance" in held[0].read_text(), held
 
 
 def test_every_run_gets_raygpts_placement_group_cleanup_in_place_of_rays(tmp_path):

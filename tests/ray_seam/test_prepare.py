@@ -24,7 +24,7 @@ import pytest
 
 from raygpt.data.tokenizer import EOT, get_encoding
 from raygpt.ray import prepare
-from tests.helpers import S3Server
+from tests.helpers import RAY_LOG_LINE, S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "raygpt" / "data_files"
@@ -246,6 +246,28 @@ def test_the_driver_receives_counts_and_hashes_never_tokens(local_ray, tmp_path,
     assert len(shards) == len(manifest["shards"]) == len(expected_shards(docs, 2000)) >= 3
     assert len(sizes) == len(p.units) + len(shards) == 11 + len(shards)  # a result per task
     assert max(sizes) < 400 < min(p.stat().st_size for p in shards[:-1])
+
+
+def test_the_prepare_command_prints_raygpts_lines_only(tmp_path):
+    """`raygpt prepare` as a user runs it, output redirected: its progress and the shards it
+    wrote, none of Ray's or Ray Data's INFO and WARNING lines (the token-auth WARNING, the
+    execution plan, "Progress bars disabled") and no colour codes."""
+    book = tmp_path / "book.txt"
+    book.write_text((DATA / "input.txt").read_text()[:20000])
+    p = subprocess.run([sys.executable, "-m", "raygpt", "prepare", str(book), "-o",
+                        str(tmp_path / "out"), "--val-tokens", "512"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**{k: v for k, v in os.environ.items()
+                               if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_COLOR_PREFIX")},
+                            "PYTHONPATH": str(REPO)})
+    said = p.stdout + p.stderr
+    assert p.returncode == 0, said[-2000:]
+    assert "\x1b" not in said
+    assert not [line for line in said.splitlines() if RAY_LOG_LINE.search(line)], said
+    val = tmp_path / "out" / "book_val_000000.bin"
+    assert p.stdout.splitlines()[0] == f"wrote {val}: 512 tokens"
+    assert re.match(r"raygpt prepare \| \d+ documents \| .* \| 100\.0% \|",
+                    p.stderr.splitlines()[-1]), p.stderr
 
 
 @pytest.mark.parametrize("case", ["null_late", "missing_field", "bad_utf8", "foreign_output",

@@ -186,13 +186,15 @@ def test_val_curve_keeps_the_latest_record_of_each_step_and_table_format():
     recs = [{"kind": "val", "step": 0, "val_loss": 10.0}, {"kind": "train", "step": 0, "loss": 9},
             {"kind": "val", "step": 4, "val_loss": 9.0}, {"kind": "val", "step": 4, "val_loss": 8.5}]
     assert sweep.val_curve(recs) == [(0, 10.0), (4, 8.5)]
-    rows = [sweep.TrialRow(name="t1", trial_id="a", status="done", overrides={"scheduler": "wsd"},
-                           val_loss=8.5, step=12, skips=1, rewinds=0, retries=0, run_dir="",
-                           val_curve=[])]
+    rows = [sweep.TrialRow(name="t1", trial_id="a", status="stopped",
+                           overrides={"scheduler": "wsd"}, val_loss=8.5, step=12, skips=1,
+                           rewinds=0, retries=0, run_dir="", val_curve=[], val_step=10)]
     lines = sweep.format_table(rows).splitlines()
-    assert lines[0].split() == ["#", "trial", "status", "config", "val_loss", "step", "skips",
-                                "rewinds", "retries"]
-    assert lines[1].split() == ["1", "t1", "done", "scheduler=wsd", "8.5000", "12", "1", "0", "0"]
+    assert lines[0].split() == ["#", "trial", "status", "config", "val_loss", "val_step", "steps",
+                                "skips", "rewinds", "retries"]
+    # the val loss beside the step it was measured at, the steps trained after it
+    assert lines[1].split() == ["1", "t1", "stopped", "scheduler=wsd", "8.5000", "10", "12", "1",
+                                "0", "0"]
 
 
 def test_command_line_space_takes_the_fields_types():
@@ -378,7 +380,10 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path, capsy
         # config.json as a single run writes it: this trial's config, the sweep's command line
         launch = json.loads((Path(r.run_dir) / "config.json").read_text())
         assert launch["launch"] == 1 and launch["config"]["scheduler"] == r.overrides["scheduler"]
-        assert launch["config"]["output_dir"] == r.run_dir and launch["config"]["resume"] == 1
+        # a trial's first attempt starts fresh (no "-y 1: no verified checkpoint" line)
+        assert launch["config"]["output_dir"] == r.run_dir and launch["config"]["resume"] == 0
+        # results.txt's val loss is the one measured at val_step, whatever the run trained after
+        assert (r.val_step, r.val_loss) == r.val_curve[-1] and r.val_step <= r.step
         assert launch["command"]["argv"] == list(getattr(sys, "orig_argv", sys.argv))
         assert launch["plan"][0].startswith("train: ")
     # never more trials training at once than the 2 cores' worth of workers
@@ -387,8 +392,19 @@ def test_scheduler_sweep_ranks_four_trials_on_two_cores(cluster, tmp_path, capsy
     # the table on disk, the best config through the CLI, the plot
     assert (tmp_path / "s" / "results.txt").read_text().strip() == report.table
     assert report.table.splitlines()[1].split()[1] == rows[0].name
+    for line in report.table.splitlines()[1:]:
+        row = next(r for r in rows if r.name == line.split()[1])
+        assert line.split()[5:7] == [str(row.val_step), str(row.step)]
+    # the sweep's console: each trial with its hyperparameters, no "-y 1" line for a fresh trial,
+    # none of Tune's own table ("Logical resource usage: 0/2 CPUs") or banners
+    printed = capsys.readouterr().out
+    for r in rows:
+        assert f"raygpt sweep | {r.name} (scheduler={r.overrides['scheduler']}) | started" in printed
+        assert (f"raygpt sweep | {r.name} (scheduler={r.overrides['scheduler']}) | step "
+                f"{r.val_curve[0][0]} | val loss {r.val_curve[0][1]:.4f}") in printed
+    assert "no verified checkpoint" not in printed and "Logical resource usage" not in printed
+    assert "started with configuration" not in printed and "Trial status:" not in printed
     # `raygpt status` on the sweep directory: the same table, read back from what is on disk
-    capsys.readouterr()
     assert cli_main(["status", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
     counts = Counter(r.status for r in rows)

@@ -12,8 +12,11 @@ def test_step_line_layout():
                     "123.45 ms | 45.6% bf16 MFU | 12345 tok/s")
     plain = format_step_line(12, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, None, precision="fp32",
                              note="SKIP")
+    # no MFU column where there is no figure (a CPU, an unknown device): not "n/a fp32 MFU"
     assert plain == ("step   12/150 | loss 3.000000 | norm 0.5000 | lr 1.00e-03 | 50.00 ms | "
-                     "n/a fp32 MFU | 100 tok/s | SKIP")
+                     "100 tok/s | SKIP")
+    unknown = format_step_line(12, 150, 3.0, 0.5, 1e-3, 50.0, 100.0, float("nan"))
+    assert "| 50.00 ms | n/a bf16 MFU | 100 tok/s" in unknown
 
 
 def test_step_line_carries_an_eta():

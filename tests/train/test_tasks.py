@@ -35,6 +35,15 @@ def test_run_due_runs_the_due_tasks_in_order_with_the_run():
     assert seen == [("a", 0, "RUN"), ("a", 2, "RUN"), ("b", 2, "RUN"), ("b", 3, "RUN")]
 
 
+def test_run_due_times_each_task_it_runs():
+    seen, times = [], []
+    tasks = [Recorder("a", {1}, seen), Recorder("b", {0, 1}, seen)]
+    for step in range(2):
+        run_due(tasks, "RUN", step, False, timed=lambda name, s: times.append((name, s)))
+    assert [n for n, _ in times] == ["b", "a", "b"]
+    assert all(0 <= s < 1 for _, s in times)
+
+
 def test_the_loops_tasks_are_in_llmcs_order(tmp_path):
     cfg = wiring_config(tmp_path, hellaswag="", eval_set=[
         f"b={cfg_val(tmp_path)}", f"a={cfg_val(tmp_path)}"])
