@@ -262,3 +262,47 @@ def test_the_controllers_repeats_of_rays_text_stay_off_the_terminal():
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in seen] == ["Torch process group shutdown timed out after 30 seconds"]
+
+
+def test_the_group_shutdown_forgives_a_worker_killed_for_memory_only(monkeypatch):
+    """Ray Train forgives RayActorError in the worker group's shutdown, and a worker the monitor
+    killed answers with OutOfMemoryError instead: without raygpt's backend the restart of a
+    retried kill failed there (seen on a real kill, Ray 2.60.0)."""
+    import ray.train.torch.config as torch_config
+    from ray.exceptions import OutOfMemoryError
+    from raygpt.ray.worker import RaygptTorchConfig
+
+    class Group:
+        def __len__(self):
+            return 1
+
+        def execute_async(self, fn, **kwargs):
+            return []
+
+    def get(refs, timeout=None):
+        raise answer
+
+    monkeypatch.setattr(torch_config.ray, "get", get)
+    backend = RaygptTorchConfig(backend="gloo").backend_cls()
+    answer = OutOfMemoryError(OTHERS_HOLD)
+    backend.on_shutdown(Group(), None)  # forgiven
+    answer = RuntimeError("something else")
+    with pytest.raises(RuntimeError):
+        backend.on_shutdown(Group(), None)
+
+
+def test_rays_own_start_kills_one_worker_at_a_time_unless_the_user_said(monkeypatch):
+    from raygpt.ray import driver
+    seen = []
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver.ray, "init", lambda **kw: seen.append(
+        (kw["address"], os.environ.get("RAY_worker_killing_policy_by_group"))))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)  # init_ray sets it too: given back
+    monkeypatch.delenv("RAY_worker_killing_policy_by_group", raising=False)
+    driver.init_ray()
+    monkeypatch.setenv("RAY_worker_killing_policy_by_group", "false")
+    driver.init_ray()
+    monkeypatch.delenv("RAY_worker_killing_policy_by_group")
+    driver.init_ray("ray://cluster:10001")  # a cluster's policy is its own
+    assert seen == [("local", "true"), ("local", "false"), ("ray://cluster:10001", None)]
