@@ -23,13 +23,16 @@ from raygpt.runlog.terminal import printable
 # How Ray's memory monitor words the death of a worker it killed (its OutOfMemoryError, or
 # an ActorDiedError carrying the same message).
 MEMORY_MONITOR_WORDS = ("running low on memory", "memory monitor")
-RAY_GIB = 1 << 30  # Ray's "GB" in this text is 2**30 bytes (7.46GB of a 25,324,953,600 B limit = 23.59GB)
+# Ray's "GB" in this text is 2**30 bytes (a limit of 25,324,953,600 B is "23.59GB")
+RAY_GIB = 1 << 30
 MAX_TEXT = 64 << 10  # Ray's text is ~6 KB at 10 top users; more is not read
 MAX_COMMAND = 60  # characters of another process's command line in the one line
 
 _NODE = re.compile(r"was ([\d.]+)GB used / ([\d.]+)GB limit")
-_WORKER = re.compile(r"^(Selected to kill: )?\(Actor\([0-9a-f]+\): job ID=(\w+), .*?task name=(.*?), "
-                     r"required resources=.*?, pid=(\d+), actual memory used=([\d.]+)GB", re.M)
+_WORKER = re.compile(r"^(Selected to kill: )?\(Actor\([0-9a-f]+\): job ID=(\w+), .*?"
+                     r"task name=(.*?), required resources=.*?, pid=(\d+), "
+                     r"actual memory used=([\d.]+)GB", re.M)
+# the rows of "Top 10 memory users:", the only tab-separated lines of the text
 _TOP = re.compile(r"^(\d+)\t([\d.]+)\t(.*)$", re.M)
 
 
@@ -60,8 +63,7 @@ def parse(text: str) -> MemoryKill:
     text = text[:MAX_TEXT]
     node = _NODE.search(text)
     workers = tuple(Process(int(m[4]), float(m[5]), m[3]) for m in _WORKER.finditer(text))
-    tail = text.split("Top 10 memory users:", 1)[1] if "Top 10 memory users:" in text else ""
-    top = tuple(Process(int(m[1]), float(m[2]), m[3]) for m in _TOP.finditer(tail))
+    top = tuple(Process(int(m[1]), float(m[2]), m[3]) for m in _TOP.finditer(text))
     return MemoryKill(float(node[1]) if node else None, float(node[2]) if node else None,
                       workers, top)
 

@@ -53,7 +53,8 @@ def fix_moto_complete_multipart() -> None:
 
 def environment(endpoint: str) -> dict[str, str]:
     """The variables a shell needs to reach the server: the endpoint raygpt reads
-    (raygpt.storage.uri.ENDPOINT_VARIABLES), the region and credentials pyarrow's S3 client reads."""
+    (raygpt.storage.uri.ENDPOINT_VARIABLES), the region and credentials pyarrow's S3 client
+    reads."""
     return {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": REGION,
             "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
             "AWS_EC2_METADATA_DISABLED": "true"}  # no instance-metadata lookups off the cloud

@@ -261,7 +261,8 @@ def test_the_controllers_repeats_of_rays_text_stay_off_the_terminal():
         logger.warning("Torch process group shutdown timed out after 30 seconds")
     finally:
         logger.removeHandler(handler)
-    assert [r.getMessage() for r in seen] == ["Torch process group shutdown timed out after 30 seconds"]
+    assert [r.getMessage() for r in seen] == [
+        "Torch process group shutdown timed out after 30 seconds"]
 
 
 def test_the_group_shutdown_forgives_a_worker_killed_for_memory_only(monkeypatch):
