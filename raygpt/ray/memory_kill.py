@@ -72,7 +72,8 @@ def parse(text: str) -> MemoryKill:
 class Verdict:
     """raygpt's share of the node at a kill, against its estimate, and the largest process
     outside this Ray. `passing`: something else holds the memory (retry); else raygpt's own."""
-    raygpt_gib: float          # the training workers' memory (the estimate when Ray named none)
+    raygpt_gib: float          # the training workers' memory (else the run's listed workers',
+                               # else the estimate)
     estimate_gib: float | None  # one worker's estimate (raygpt.model.memory)
     over_estimate: bool
     outsider: Process | None
@@ -91,7 +92,9 @@ def judge(kill: MemoryKill, estimate_bytes: int | None, own_pids=()) -> Verdict:
     est = None if estimate_bytes is None else estimate_bytes / RAY_GIB
     ours = {w.pid for w in kill.workers} | set(own_pids)
     train = kill.train
-    raygpt_gib = sum(w.gib for w in train) if train else (est or 0.0)
+    # a kill of a helper actor lists no training worker: then raygpt's share is what it lists
+    listed = train or kill.workers
+    raygpt_gib = sum(w.gib for w in listed) if listed else (est or 0.0)
     over = est is not None and any(w.gib > est for w in train)
     outsider = next((p for p in kill.top if p.pid not in ours), None)
     own = sum(w.gib for w in kill.workers) + sum(p.gib for p in kill.top
@@ -153,8 +156,10 @@ def summary_line(text: str) -> str:
 
 
 # Ray Train's controller logs a dead worker's error twice on its way out (its worker group's
-# shutdown meets it again), each time with the whole of Ray's text; Checked on Ray 2.60.0.
-_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+# shutdown meets it again), and a callback that meets it once more, each time with the whole of
+# Ray's text. Checked on Ray 2.60.0.
+_CONTROLLER_LOGGERS = ("ray.train.v2._internal.execution.controller.controller",
+                       "ray.train.v2._internal.execution.callback_manager")
 
 
 class _DropMemoryKills(logging.Filter):
@@ -169,6 +174,7 @@ class QuietMemoryKills(compat.ControllerCallback):
     the driver says it in one line)."""
 
     def after_controller_start(self, train_run_context) -> None:
-        logger = logging.getLogger(_CONTROLLER_LOGGER)
-        if not any(isinstance(f, _DropMemoryKills) for f in logger.filters):
-            logger.addFilter(_DropMemoryKills())
+        for name in _CONTROLLER_LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _DropMemoryKills) for f in logger.filters):
+                logger.addFilter(_DropMemoryKills())
