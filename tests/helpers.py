@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from raygpt.config import TrainConfig
+from raygpt.tools.local_s3 import fix_moto_complete_multipart
 
 
 # a line of Ray's own Python loggers ("2026-12-06 10:03:08,213\tWARNING file.py:85 -- ...")
@@ -85,7 +86,7 @@ class S3Server:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 
     def __enter__(self) -> "S3Server":
-        _fix_moto_complete_multipart()
+        fix_moto_complete_multipart()
         self.server.start()
         host, port = self.server.get_host_and_port()
         self.address = f"{host}:{port}"
@@ -117,27 +118,3 @@ class S3Server:
     def allow_all(self) -> None:
         from moto import settings
         settings.INITIAL_NO_AUTH_ACTION_COUNT = float("inf")
-
-
-def _fix_moto_complete_multipart() -> None:
-    """moto 5.2 answers CompleteMultipartUpload with the root element
-    <CompleteMultipartUploadResponse>, where S3 sends <CompleteMultipartUploadResult>; pyarrow 26
-    then finds no ETag and takes the answer for "an error embedded in a 200 OK response", so no
-    file over one part (pyarrow's multipart writes: every file unless allow_delayed_open, and a
-    model file of a few MB) could be stored. The answer is renamed to S3's (once per process)."""
-    from moto.s3.responses import S3Response
-
-    post = S3Response._key_response_post
-    if getattr(post, "raygpt_fixed", False):
-        return
-
-    def fixed(self, *args, **kwargs):
-        status, headers, body = post(self, *args, **kwargs)
-        if isinstance(body, (str, bytes)) and "CompleteMultipartUploadResponse" in str(body[:200]):
-            old, new = "CompleteMultipartUploadResponse", "CompleteMultipartUploadResult"
-            body = body.replace(old, new) if isinstance(body, str) else body.replace(
-                old.encode(), new.encode())
-        return status, headers, body
-
-    fixed.raygpt_fixed = True
-    S3Response._key_response_post = fixed

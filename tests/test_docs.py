@@ -11,6 +11,7 @@ renamed in raygpt/config.py and not in the docs fails here.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import io
 import re
@@ -279,6 +280,8 @@ def test_every_flag_named_in_prose_exists():
     known |= {f for path in (ROOT / "bench").glob("*.py")
               for f in re.findall(r"[\"'](--[a-z][\w-]*)[\"']", path.read_text())}
     known |= {"--dashboard-host"}  # `ray start`'s
+    known |= {f for path in (ROOT / "raygpt" / "tools").glob("[a-z]*.py")  # python -m raygpt.tools.X
+              for f in importlib.import_module(f"raygpt.tools.{path.stem}").parser()._option_string_actions}
     bad = []
     for path in PAGES:
         for n, text in read_page(path).prose:

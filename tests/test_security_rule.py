@@ -79,6 +79,8 @@ REVIEWED_WRITES: dict[tuple[str, str], str] = {
         "vocab.json and merges.txt in a TemporaryDirectory, for transformers 4 to read",
     ("raygpt/ray/sweep_results.py", "plot_val_curves"):
         "savefig into io.BytesIO; stored by storage.store_png (atomic_file)",
+    ("raygpt/tools/local_s3.py", "upload_shards"):
+        "the package's own shards into the bucket of the moto server this process just started",
 }
 
 

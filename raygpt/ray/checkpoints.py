@@ -27,6 +27,7 @@ from ray.train import Checkpoint, UserCallback
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import drain_finalize_queues, finalize_queue, queued_run_dirs
+from raygpt.ray import memory_kill
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.compat import ControllerCallback, storage_marker_name
 from raygpt.runlog.history import append_record
@@ -148,8 +149,16 @@ class CheckpointFinalizer(UserCallback):
         finalize_queue(self.output_dir).drain()
         self.failures += 1
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
+        # a memory kill's cause in one line; Ray's whole account (~6 KB) goes to the record only
+        ray_text = {}
+        for rank, e in worker_exceptions.items():
+            text = memory_kill.kill_text(e)
+            if text is not None:
+                causes[rank] = memory_kill.summary_line(text)
+                ray_text[rank] = text[:memory_kill.MAX_TEXT]
         with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
             append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
+                                    **({"ray_text": ray_text} if ray_text else {}),
                                     "time": time.time(), "attempt": None})
         log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
 

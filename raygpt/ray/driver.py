@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
@@ -57,8 +56,8 @@ from raygpt.artifacts import signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.config import preflight
-from raygpt.model.memory import out_of_memory_line
-from raygpt.ray import capacity, compat, ray_logs
+from raygpt.model.memory import estimate_for, out_of_memory_line
+from raygpt.ray import capacity, memory_kill, ray_logs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
@@ -111,15 +110,27 @@ def preemption_callbacks() -> list:
 
 class StopOnRunStopped(DefaultFailurePolicy):
     """Ray Train's failure policy, except that a worker group in which any worker raised
-    `RunStopped`, or one Ray's memory monitor killed, is not restarted: the run ends at once
-    with that error (see raygpt.train.errors; the same micro-batch would outgrow the node again).
-    Everything else (a lost process, node or collective, preemptions) keeps Ray's budgets."""
+    `RunStopped`, or one Ray's memory monitor killed while raygpt held the memory (over its
+    estimate, or the node's largest holder: raygpt.ray.memory_kill), is not restarted: the run
+    ends at once with that error (see raygpt.train.errors; the same micro-batch would outgrow the
+    node again). A kill for memory something else held, a lost process, node or collective and
+    preemptions keep Ray's budgets. `estimate_bytes`: a worker's memory estimate (None: unknown);
+    `own_pids`: the driver's processes, not "something else"."""
+
+    def __init__(self, failure_config, estimate_bytes: int | None = None, own_pids=()):
+        super().__init__(failure_config)
+        self.estimate_bytes, self.own_pids = estimate_bytes, tuple(own_pids)
 
     def make_decision(self, training_failed_error):
-        if (run_stopped(training_failed_error) is not None
-                or killed_for_memory(training_failed_error) is not None):
+        if run_stopped(training_failed_error) is not None:
+            return FailureDecision.RAISE
+        killed = memory_kill.killed_for_memory(training_failed_error)
+        if killed is not None and not self.verdict(killed[1]).passing:
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
+
+    def verdict(self, ray_text: str) -> memory_kill.Verdict:
+        return memory_kill.judge(memory_kill.parse(ray_text), self.estimate_bytes, self.own_pids)
 
 
 def run_stopped(error) -> RunStopped | None:
@@ -132,34 +143,19 @@ def run_stopped(error) -> RunStopped | None:
     return None
 
 
-# How Ray's memory monitor words the death of a worker it killed (its OutOfMemoryError, or
-# an ActorDiedError carrying the same message).
-_MEMORY_MONITOR_WORDS = ("running low on memory", "memory monitor")
-
-
-def killed_for_memory(error) -> tuple[int, str] | None:
-    """(rank, Ray's message) of a worker that Ray's memory monitor killed, found in a Ray Train
-    error (WorkerGroupError's worker_failures, by rank), else None."""
-    failures = getattr(error, "worker_failures", None) or {}
-    for rank in sorted(failures):
-        for cause in reversed(compat.worker_death_causes(failures[rank])):  # innermost first
-            if isinstance(cause, ray.exceptions.OutOfMemoryError) or any(
-                    w in str(cause) for w in _MEMORY_MONITOR_WORDS):
-                return rank, str(cause)
-    return None
-
-
 class RaygptTrainer(TrainerHooks):
     """TorchTrainer with raygpt's failure policy, raygpt's placement-group cleanup and the
     checkpoint finalizer's drain on the controller, no Ray Data actor when there are no datasets
     (raygpt's never has any) and, when `on_sigint` is set, raygpt's Ctrl-C (the hooks:
     raygpt.ray.compat.TrainerHooks)."""
 
+    estimate_bytes: int | None = None  # a worker's memory estimate, for memory kills' verdicts
+
     def failure_policy(self, failure_config):
-        return StopOnRunStopped(failure_config)
+        return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),))
 
     def controller_callbacks(self) -> list:
-        return [CleanupOnControllerDeath(), FinalizerDrain()]
+        return [CleanupOnControllerDeath(), FinalizerDrain(), memory_kill.QuietMemoryKills()]
 
 
 class RunFailed(RuntimeError):
@@ -184,10 +180,19 @@ def fit_or_raise(trainer, cfg: TrainConfig, since: float):
             raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
                             f"would fail again): {stopped.message}", stopped.exit_code,
                             final=True) from e
-        killed = killed_for_memory(e)
+        killed = memory_kill.killed_for_memory(e)
         if killed is not None:
+            rank, text = killed
+            kill = memory_kill.parse(text)
+            verdict = trainer.failure_policy(trainer.run_config.failure_config).verdict(text)
+            if verdict.passing:  # retried within the budget, or the controller itself was lost
+                raise RunFailed(f"raygpt run {redact(cfg.output_dir)} failed after "
+                                f"{_attempts(cfg, since)} attempt(s) (--max-failures "
+                                f"{cfg.max_failures}): " + memory_kill.passing_line(
+                                    kill, verdict, rank, _next_step(cfg, since))
+                                + "; -y 1 resumes once that memory is free") from e
             raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
-                            f"would fail again): " + memory_kill_line(cfg, since, *killed),
+                            f"would fail again): " + memory_kill_line(cfg, since, rank, kill),
                             EXIT_BAD_INPUT, final=True) from e
         raise RunFailed(_failure_report(cfg, since, e)) from e
 
@@ -248,7 +253,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     set_controller_poll()  # read by Ray when the trainer is made (get_env_vars_to_propagate)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
-    return RaygptTrainer(
+    trainer = RaygptTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name,
                            "artifact_key": artifact_key},
@@ -271,6 +276,10 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
             callbacks=[CheckpointFinalizer(cfg.output_dir, [f.step for f in faults]),
                        *preemption_callbacks(), *callbacks]),
     )
+    # the estimate is of host memory on a CPU worker only (a GPU worker's is the GPU's)
+    est = estimate_for(cfg) if not use_gpu else None
+    trainer.estimate_bytes = None if est is None else est.total
+    return trainer
 
 
 class _StopAtStep(UserCallback):
@@ -389,6 +398,10 @@ def init_ray(address: str | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray_logs.quiet_ray_console()  # Ray's own lines to its log files: the terminal is raygpt's
     address = address or os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
+        # Ray's memory monitor kills one worker at a time (its default since 2.56 kills several,
+        # and took the run's controller with them: nothing was left to restart the group)
+        os.environ.setdefault("RAY_worker_killing_policy_by_group", "true")
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
     ray_logs.open_session_log()
 
@@ -409,17 +422,29 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
         pass  # the controller's own request will say so, if it still cannot reach it
 
 
-def memory_kill_line(cfg: TrainConfig, since: float, rank: int, ray_message: str) -> str:
-    """The one line for a worker Ray's memory monitor killed: the node's memory as Ray saw it,
-    the step (after the run's last train record of this launch), the estimate and -b."""
+def memory_kill_line(cfg: TrainConfig, since: float, rank: int | None,
+                     kill: memory_kill.MemoryKill) -> str:
+    """The one line for a kill whose memory raygpt held: the node's memory as Ray saw it, the
+    step (after the run's last train record of this launch), the estimate and -b."""
+    who = "the run's controller" if rank is None else f"rank {rank}"
+    node = ("" if kill.used_gib is None
+            else f", the node at {kill.used_gib:.2f}GB used / {kill.limit_gib:.2f}GB limit")
+    where = f"in host memory ({who} killed by Ray's memory monitor{node})"
+    return out_of_memory_line(cfg, where, None, step=_next_step(cfg, since),
+                              workers=cfg.num_workers if cfg.device == "cpu" else 1)
+
+
+def _next_step(cfg: TrainConfig, since: float) -> int | None:
+    """The step being trained: one past this launch's last train record (None: before step 0)."""
     steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
              if r.get("kind") == "train" and r.get("time", 0) >= since]
-    used = re.search(r"Memory on the node \(.*?\) was ([\d.]+GB used / [\d.]+GB limit)",
-                     ray_message)
-    where = (f"in host memory (rank {rank} killed by Ray's memory monitor"
-             + (f", the node at {used.group(1)})" if used else ")"))
-    return out_of_memory_line(cfg, where, None, step=steps[-1] + 1 if steps else None,
-                              workers=cfg.num_workers if cfg.device == "cpu" else 1)
+    return steps[-1] + 1 if steps else None
+
+
+def _attempts(cfg: TrainConfig, since: float) -> int:
+    """This launch's attempts: one per failure the finalizer recorded (at least one)."""
+    return max(1, sum(1 for r in read_history(open_run_dir(cfg.output_dir))
+                      if r.get("kind") == "failure" and r.get("time", 0) >= since))
 
 
 def _failure_report(cfg, since: float, error) -> str:

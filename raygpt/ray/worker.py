@@ -184,8 +184,17 @@ def _note_startup_marks(marks: dict) -> None:
 
 
 class _Backend(compat.TorchBackend):
-    """Ray Train's torch backend, plus raygpt's signal handlers on each worker and the times of
-    the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split)."""
+    """Ray Train's torch backend, plus raygpt's signal handlers on each worker, the times of
+    the worker group's start-up for the recovery ledger (raygpt.runlog.history.recovery_split),
+    and a shutdown that survives a worker Ray's memory monitor killed."""
+
+    def on_shutdown(self, worker_group, backend_config):
+        # a killed worker answers the group's shutdown with OutOfMemoryError, not the
+        # RayActorError Ray Train forgives there: the restart itself would fail (Ray 2.60.0)
+        try:
+            super().on_shutdown(worker_group, backend_config)
+        except ray.exceptions.OutOfMemoryError:
+            log.debug("raygpt | process group shutdown skipped: a worker was killed for memory")
 
     def on_start(self, worker_group, backend_config):
         # called once the group's actors are up and ready; the process group forms inside it
