@@ -15,6 +15,7 @@ import io
 import math
 import sys
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.runlog.run_view import (Progress, RunView, _is_number, _is_step, _open_checked,
                                     _stderr_progress, _storage_flags, _sweep_module, _verify_flags,
@@ -172,7 +173,7 @@ def _plot_sweep(uri: str, out: str | None, not_a_run: FileNotFoundError) -> str:
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt plot", description=(
+    p = HintingParser(prog="raygpt plot", description=(
         "Write a PNG of a run: train/val loss, lr, grad norm and tok/s, with skipped steps, "
         "rewinds, failures, resumes and checkpoints marked; of a sweep directory, every trial's "
         "validation loss."))
