@@ -915,22 +915,25 @@ def output_dir_with_endpoint(output_dir: str, endpoint: str, data: tuple[str, ..
         raise ConfigError(str(e)) from None
 
 
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with every local path it names made absolute against this process's working
-    directory (and ~ as the user's home): the run directory, the train and validation shard
+def absolute_paths(cfg: TrainConfig, cwd: str = "") -> TrainConfig:
+    """`cfg` with every local path it names made absolute against `cwd` (default: this process's
+    working directory; ~ as the user's home): the run directory, the train and validation shard
     globs, the shard cache directory, an -e model file or folder, a HellaSwag file. The driver
     does it before anything reads them; Ray's workers run
     with another working directory, where a path given relative to the user's would name
     nothing (or something else). URIs, an empty -o (refused by validate(), never made the
     working directory), an empty -j (validation off) and a dN model spec are left as they are."""
+    base = cwd or os.getcwd()
+
     def absolute(path: str) -> str:  # ~ too: a quoted glob ('~/data/*.bin') reaches us as typed
-        return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
+        return (path if not path or "://" in path
+                else os.path.normpath(os.path.join(base, os.path.expanduser(path))))
 
     paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin),
              "hellaswag": absolute(cfg.hellaswag),
              "eval_set": _eval_sets().with_patterns(cfg.eval_set, lambda _, p: absolute(p))}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
-        paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
+        paths["output_dir"] = str((Path(base) / Path(cfg.output_dir).expanduser()).resolve())
     if cfg.shard_cache_dir:
         paths["shard_cache_dir"] = absolute(cfg.shard_cache_dir)
     if cfg.depth is None and cfg.model:
