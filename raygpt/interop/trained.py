@@ -151,10 +151,12 @@ def sample_main(argv: list[str]) -> int:
         if args.temperature < 0:
             raise NoModel(f"--temperature: expected a number >= 0, found {args.temperature}")
         device = _device(args.device)
-        model, _, _ = model_at(args.run_dir, args.step)
+        model, step, _ = model_at(args.run_dir, args.step)
     except (NoModel, ValueError, OSError) as e:
         print(f"raygpt sample: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # which checkpoint speaks, on stderr: stdout is the text alone (a pipe gets only the text)
+    print(f"raygpt sample: step {step} of {printable(args.run_dir)}", file=sys.stderr)
     model = model.to(device).eval()
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
