@@ -10,13 +10,13 @@
     python experiments/sweep_shakespeare.py -k wsd --wsd-branches 200,250,300 -n 20
     # the driver died: continue the sweep (finished trials are not run again)
     python experiments/sweep_shakespeare.py -o runs/sweep_shakespeare -y 1
-    # train the winner on its own
-    python experiments/shakespeare.py --config runs/sweep_shakespeare/best_config.json
+    # train the winner on its own (from any directory: the file's paths are absolute)
+    raygpt train --config runs/sweep_shakespeare/best_config.json
 
 Every flag of `raygpt train` sets the base config that the trials override; -o is the sweep
 directory. Sweep options: --grid/--choice KEY=V1,V2  --uniform/--loguniform KEY=LO,HI
 --num-samples N  --early-stop asha|none  --grace-period N  --max-concurrent N
---trial-retries N  --wsd-branches N1,N2  --address ADDR (see raygpt/sweep.py). Every trial
+--trial-retries N  --wsd-branches N1,N2  --address ADDR (see raygpt/ray/trials.py). Every trial
 config that can be known up front is checked before Ray starts (exit 2, one line naming it).
 """
 

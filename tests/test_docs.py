@@ -292,6 +292,30 @@ def test_every_flag_named_in_prose_exists():
     assert not bad, "\n".join(bad)
 
 
+# A file of this repository named where a user reads what to run or read (the pages, the
+# experiments' own usage, CI, the cluster config): raygpt/..., experiments/..., docs/... with a suffix
+REPO_PATH = re.compile(r"(?<![\w./-])((?:raygpt|experiments|bench|tests|docs|iam|\.ci)/[\w./-]*\w"
+                       r"\.(?:py|md|sh|yaml|toml|json|txt|bin))(?![\w/])")
+USER_FACING = sorted([*PAGES, ROOT / "SECURITY.md", *(ROOT / "experiments").glob("*.py"),
+                      ROOT / ".ci" / "run", ROOT / "cluster.yaml"])
+
+
+def named_paths(text: str) -> list[str]:
+    return [m.group(1) for m in REPO_PATH.finditer(text)]
+
+
+def test_every_repository_path_named_for_users_exists():
+    """experiments/sweep_shakespeare.py once sent its reader to raygpt/sweep.py, gone since."""
+    named = [(path, n, p) for path in USER_FACING
+             for n, line in enumerate(path.read_text().splitlines(), 1) for p in named_paths(line)]
+    assert len(named) > 100  # the pages name files by the hundred
+    bad = [f"{path.relative_to(ROOT)}:{n}: {p}: no such file" for path, n, p in named
+           if not (ROOT / p).exists()]
+    assert not bad, "\n".join(bad)
+    assert named_paths("see raygpt/sweep.py and (raygpt/ray/sweep.py).") == [
+        "raygpt/sweep.py", "raygpt/ray/sweep.py"]
+
+
 def test_ci_runs_the_readme_test_command():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
     readme_code = [line for _, line in read_page(ROOT / "README.md").code_lines]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raygpt.config.errors import ConfigError  # noqa: F401 (raygpt.config.ConfigError)
+from raygpt.config.flag_hints import HintingParser
 from raygpt.model.shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 from raygpt.runlog import tracking
 
@@ -55,7 +56,7 @@ SECTION_TITLES = {
 def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSING,
          short: str | None = None, long: str | None = None, choices: tuple | None = None,
          metavar: str | None = None, may_change_on_resume: bool = False,
-         from_file: bool | None = None):
+         from_file: bool | None = None, hints: tuple[str, ...] = ()):
     """A config field and everything the rest of raygpt needs to know about it, in one place:
     its `section` (a SECTION_TITLES key: --help groups the flags by it), its llm.c `short` flag,
     a `long` flag that is not the name with dashes (a boolean whose default is on has a flag
@@ -65,11 +66,13 @@ def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSI
     (a --config file, a sweep's sweep.json, a stored search space) may set it: `from_file`.
     Unsaid, a free text field may not (it can name a place on this machine, a server or a
     credential) and every other field may (a number, a switch or one of `choices` names none);
-    a field that arms or deletes says False, a path read only as data says True."""
+    a field that arms or deletes says False, a path read only as data says True. `hints`: the
+    names other tools (nanoGPT, llm.c's train_gpt2.py, Hugging Face) give this knob; not flags,
+    only what an unknown flag's error points from (config/flag_hints.py)."""
     assert section in SECTION_TITLES, section
     return field(default=default, default_factory=factory, metadata=dict(
         section=section, short=short, long=long, choices=choices, metavar=metavar,
-        may_change_on_resume=may_change_on_resume, from_file=from_file))
+        may_change_on_resume=may_change_on_resume, from_file=from_file, hints=hints))
 
 
 @dataclass
@@ -107,11 +110,12 @@ class TrainConfig:
 
     # ==== data: the token shards and the batch (-i -j -b -t -d)
     input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB",
-                          from_file=True)  # read as data; a URI from a file carries no options
+                          from_file=True,  # read as data; a URI from a file carries no options
+                          hints=("--train-data", "--train-bin", "--data"))
     """Glob of llm.c train token shards (-i): local files, or an s3:// or gs:// URI glob whose
     shards each node fetches into its cache (--shard-cache-dir)."""
     input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB",
-                              from_file=True)
+                              from_file=True, hints=("--val-data", "--val-bin"))
     """Glob of llm.c validation token shards (-j), local or s3:// / gs://; empty turns
     validation off."""
     shard_cache_gb: float = knob(50.0, section="data", metavar="GB", may_change_on_resume=True)
@@ -123,20 +127,24 @@ class TrainConfig:
     raygpt_shards_<uid> in the temp directory. Local shards are read in place."""
     shuffle: bool = knob(True, section="data", long="--no-shuffle")
     """Deterministic shuffling of shard order and of samples within a shard (train only)."""
-    batch_size: int | None = knob(None, section="data", short="-b")
+    batch_size: int | None = knob(None, section="data", short="-b",
+                                  hints=("--micro-batch-size", "--bs"))
     """Micro-batch size per worker, B. Default: 16 on GPUs, 8 on CPUs, made smaller when the
     train shards cannot hold B*T*workers+1 tokens (llm.c's loader rule)."""
-    seq_len: int | None = knob(None, section="data", short="-t")
+    seq_len: int | None = knob(None, section="data", short="-t",
+                               hints=("--block-size", "--seq-length", "--context-length"))
     """Sequence length, T. Default: 1024 on GPUs, 64 on CPUs (at most a model file's
     max_seq_len)."""
-    total_batch_size: int = knob(-1, section="data", short="-d")
+    total_batch_size: int = knob(-1, section="data", short="-d",
+                                 hints=("--global-batch-size", "--tokens-per-step"))
     """Tokens per optimizer step across all workers (-d); -1 means B*T*world (no accumulation)."""
     seed: int = knob(1337, section="data")
     """Seeds init, the data shuffle and stochastic rounding."""
 
     # ==== model (-e)
     model: str | None = knob(None, section="model", short="-e", metavar="dN|FILE|DIR",
-                             from_file=True)
+                             from_file=True,
+                             hints=("--init-from", "--model-name-or-path"))
     """d1..d6 (CPU sizes), d12/d24/d36/d48 (GPT-2 124M/350M/774M/1558M), an llm.c model_*.bin
     file, or a Hugging Face GPT-2 folder (config.json, model.safetensors: `raygpt export` writes
     one) to start from. Default: d12 on GPUs, d4 on CPUs."""
@@ -146,11 +154,13 @@ class TrainConfig:
     """Coefficient of the z-loss on the output logits (about 1e-4 when on); 0 turns it off."""
 
     # ==== optimizer: AdamW, clipping, ZeRO, llm.c's z-score skip (-l -c -z -sl -sg)
-    learning_rate: float | None = knob(None, section="optimizer", short="-l")
+    learning_rate: float | None = knob(None, section="optimizer", short="-l",
+                                       hints=("--lr", "--max-lr", "--peak-lr"))
     """Peak learning rate. Default: 6e-4 on GPUs, 1e-3 on CPUs."""
     weight_decay: float = knob(0.1, section="optimizer", short="-c")
     """AdamW weight decay on 2-D tensors (-c)."""
-    grad_clip: float = knob(1.0, section="optimizer")
+    grad_clip: float = knob(1.0, section="optimizer",
+                            hints=("--max-grad-norm", "--clip-grad", "--gradient-clipping"))
     """Clip the global grad norm to this (as a scalar inside AdamW; gradients stay untouched)."""
     beta1: float = knob(0.9, section="optimizer")
     """AdamW's beta1 (decay of the first-moment average)."""
@@ -170,20 +180,25 @@ class TrainConfig:
     """Skip the update when the grad-norm z-score exceeds this (-sg); 0 turns it off."""
 
     # ==== schedule: the learning rate over the steps (-k -u -q -x)
-    scheduler: str = knob("cosine", section="schedule", short="-k", choices=SCHEDULERS)
+    scheduler: str = knob("cosine", section="schedule", short="-k", choices=SCHEDULERS,
+                          hints=("--lr-scheduler", "--lr-schedule", "--lr-scheduler-type"))
     """cosine | linear | constant | wsd (-k)."""
-    warmup_steps: int | None = knob(None, section="schedule", short="-u")
+    warmup_steps: int | None = knob(None, section="schedule", short="-u",
+                                    hints=("--warmup", "--warmup-iters", "--num-warmup-steps"))
     """Linear warmup steps, 1-based as llm.c. Default: 20 on GPUs, 10 on CPUs."""
     final_lr_frac: float = knob(0.1, section="schedule", short="-q")
     """Final LR as a fraction of the peak (-q)."""
-    max_steps: int | None = knob(None, section="schedule", short="-x", may_change_on_resume=True)
+    max_steps: int | None = knob(None, section="schedule", short="-x", may_change_on_resume=True,
+                                 hints=("--steps", "--max-iters", "--num-iterations", "--iters"))
     """Optimizer steps to train; -1 means one epoch of the train shards. Default: 200 on GPUs,
     100 on CPUs."""
 
     # ==== evaluation, sampling and watch metrics (-v -m -s -g)
-    val_every: int = knob(20, section="eval", short="-v", may_change_on_resume=True)
+    val_every: int = knob(20, section="eval", short="-v", may_change_on_resume=True,
+                          hints=("--eval-interval", "--val-loss-every", "--eval-steps"))
     """Validation loss every N steps (-v); 0 turns it off."""
-    val_batches: int | None = knob(None, section="eval", short="-m", may_change_on_resume=True)
+    val_batches: int | None = knob(None, section="eval", short="-m", may_change_on_resume=True,
+                                   hints=("--eval-iters", "--val-max-steps"))
     """Validation micro-batches per rank per evaluation. Default: up to 20, as many as the
     validation shards hold without reading a sample twice (at least 1)."""
     val_batch_size: int | None = knob(None, section="eval", may_change_on_resume=True)
@@ -212,7 +227,8 @@ class TrainConfig:
 
     # ==== checkpoints and resuming (-n -nk -nm -y)
     checkpoint_every: int | None = knob(None, section="checkpoint", short="-n",
-                                        may_change_on_resume=True)
+                                        may_change_on_resume=True,
+                                        hints=("--save-every", "--save-steps"))
     """Write a checkpoint every N steps (-n); 0 writes only at the end and on signals. Default:
     100 on GPU, 50 on CPU (the 100-step CPU job checkpoints once before its end)."""
     checkpoint_minutes: float = knob(0.0, section="checkpoint", may_change_on_resume=True)
@@ -246,7 +262,8 @@ class TrainConfig:
 
     # ==== the run directory, logging and fault injection (-o)
     output_dir: str = knob("runs/shakespeare", section="run", short="-o", metavar="DIR|URI",
-                           may_change_on_resume=True)
+                           may_change_on_resume=True,
+                           hints=("--out-dir", "--save-dir", "--run-dir"))
     """Run directory: main.log, loss_history.jsonl, checkpoints; a local path or a URI."""
     storage_endpoint: str = knob("", section="run", metavar="URL", may_change_on_resume=True)
     """S3-compatible endpoint of an s3:// run directory and s3:// -i/-j shards (MinIO, Ceph...),
@@ -668,6 +685,18 @@ def flag_of(name: str) -> str:
     return meta["long"] or "--" + name.replace(".", "-").replace("_", "-")
 
 
+def knob_hints() -> dict[str, str]:
+    """Another tool's name for a knob -> raygpt's flag as an error shows it ("-l/--learning-rate"):
+    every knob's `hints`."""
+    out = {}
+    for cls, prefix in ((TrainConfig, ""), (SpikeConfig, "spike.")):
+        for f in dataclasses.fields(cls):
+            if f.name != "spike" and f.metadata["hints"]:
+                shown = "/".join(n for n in (f.metadata["short"], flag_of(prefix + f.name)) if n)
+                out.update({hint: shown for hint in f.metadata["hints"]})
+    return out
+
+
 # The fields no file may set (each knob's `from_file`): where a run writes, whether it overwrites
 # or resumes, fault injection, servers (storage endpoint, MLflow, W&B), the shard cache's directory.
 FILE_REFUSED = tuple(f.name for f in dataclasses.fields(TrainConfig)
@@ -886,22 +915,25 @@ def output_dir_with_endpoint(output_dir: str, endpoint: str, data: tuple[str, ..
         raise ConfigError(str(e)) from None
 
 
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with every local path it names made absolute against this process's working
-    directory (and ~ as the user's home): the run directory, the train and validation shard
+def absolute_paths(cfg: TrainConfig, cwd: str = "") -> TrainConfig:
+    """`cfg` with every local path it names made absolute against `cwd` (default: this process's
+    working directory; ~ as the user's home): the run directory, the train and validation shard
     globs, the shard cache directory, an -e model file or folder, a HellaSwag file. The driver
     does it before anything reads them; Ray's workers run
     with another working directory, where a path given relative to the user's would name
     nothing (or something else). URIs, an empty -o (refused by validate(), never made the
     working directory), an empty -j (validation off) and a dN model spec are left as they are."""
+    base = cwd or os.getcwd()
+
     def absolute(path: str) -> str:  # ~ too: a quoted glob ('~/data/*.bin') reaches us as typed
-        return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
+        return (path if not path or "://" in path
+                else os.path.normpath(os.path.join(base, os.path.expanduser(path))))
 
     paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin),
              "hellaswag": absolute(cfg.hellaswag),
              "eval_set": _eval_sets().with_patterns(cfg.eval_set, lambda _, p: absolute(p))}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
-        paths["output_dir"] = str(Path(cfg.output_dir).expanduser().resolve())
+        paths["output_dir"] = str((Path(base) / Path(cfg.output_dir).expanduser()).resolve())
     if cfg.shard_cache_dir:
         paths["shard_cache_dir"] = absolute(cfg.shard_cache_dir)
     if cfg.depth is None and cfg.model:
@@ -1098,9 +1130,17 @@ def _flag_specs():
             yield meta["section"], dest, names, kw
 
 
-class FlagParser(argparse.ArgumentParser):
+class FlagParser(HintingParser):
     """argparse for raygpt's commands (train, and sweep's own flags): a usage mistake is a
-    ConfigError like any other bad value, in raygpt's form (flag, expected, found)."""
+    ConfigError like any other bad value, in raygpt's form (flag, expected, found); an unknown
+    flag names the nearest known ones and the knob another tool's name means (`flag_hints`)."""
+
+    hints = None  # built on first use: every knob's `hints` (raygpt.config.flag_hints)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.hints is None:
+            self.hints = knob_hints()
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         raise ConfigError(_usage_error(message))
@@ -1142,9 +1182,14 @@ def build_parser(prog: str = "raygpt train") -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, base: TrainConfig | None = None) -> TrainConfig:
-    """Parse the command line into an unresolved TrainConfig (call `.resolve()` next)."""
-    ns = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None, base: TrainConfig | None = None, *,
+               prog: str = "raygpt train", also_known: dict[str, str] | None = None) -> TrainConfig:
+    """Parse the command line into an unresolved TrainConfig (call `.resolve()` next). `prog`
+    and `also_known` (the flags a command reads beside train's: `flag_hints.shown_flags`) are
+    for the error an unknown flag gets."""
+    parser = build_parser(prog)
+    parser.also_known = also_known or {}
+    ns = parser.parse_args(argv)
     cfg = base or TrainConfig()
     if ns.config:
         fields = read_config_file(ns.config)

@@ -380,7 +380,7 @@ def _decode(data: bytes, f: InputFile, *, what: str, line: int | None = None,
     except UnicodeDecodeError as e:
         at = line if line is not None else first_line + data.count(b"\n", 0, e.start)
         raise CorpusError(f"{f.uri}: line {at}: expected UTF-8 {what}, found byte "
-                          f"0x{data[e.start]:02x} that is not") from None
+                          f"0x{data[e.start]:02x}, which is not UTF-8 there ({e.reason})") from None
 
 
 def _jsonl_documents(lines, f: InputFile, text_field: str):
@@ -422,9 +422,10 @@ def _parquet_documents(fs: pafs.FileSystem, f: InputFile, unit: Unit, text_field
         for i, chunk_value in enumerate(values.cast(pa.binary()).to_pylist()):
             try:
                 chunk_value.decode("utf-8")
-            except UnicodeDecodeError:
+            except UnicodeDecodeError as e:
                 raise CorpusError(f"{f.uri}: row {unit.row_start + i + 1}: column {text_field!r}: "
-                                  f"expected UTF-8 text, found bytes that are not") from None
+                                  f"expected UTF-8 text, found byte 0x{chunk_value[e.start]:02x}, "
+                                  f"which is not UTF-8 there ({e.reason})") from None
         raise
     return values.to_pylist()
 

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import uuid
 
+from raygpt.data.network import endpoint_host, network_failure
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, check_shard_header
 from raygpt.storage.atomic_file import NotPrivateError, private_dir
 
@@ -189,6 +190,10 @@ def _open_store(pattern: str, endpoint: str):
     try:
         fs, path = open_filesystem(pattern, endpoint)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad URI
+        # S3 without an endpoint asks AWS for the bucket's region here: a network call
+        if (failed := network_failure(_one_line(e), endpoint_host(pattern, endpoint))):
+            raise ShardError(f"shard pattern {redact(pattern)}: cannot reach the store: {failed}: "
+                             f"{_one_line(e)}") from e
         raise ShardError(f"shard pattern {redact(pattern)}: expected a URI pyarrow can open "
                          f"({_one_line(e)})") from None
     return fs, path
@@ -208,7 +213,9 @@ def _list_matching(fs, path: str, shown: str) -> list:
                                                    allow_not_found=True))
     except Exception as e:  # noqa: BLE001 - OSError, or pyarrow's own for a missing bucket
         # chained: an OSError (a store that did not answer) is one a restart may cure
-        raise ShardError(f"shard pattern {shown}: cannot list the store: {storage_cause(e)}") from e
+        failed = network_failure(_one_line(e), endpoint_host(shown))
+        cause = f"{failed}: {_one_line(e)}" if failed else storage_cause(e)
+        raise ShardError(f"shard pattern {shown}: cannot list the store: {cause}") from e
     return [i for i in infos if i.type == pafs.FileType.File
             and len(i.path.strip("/").split("/")) == len(parts)
             and all(fnmatch.fnmatchcase(a, b) for a, b in zip(i.path.strip("/").split("/"), parts))]

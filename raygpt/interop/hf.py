@@ -121,7 +121,12 @@ def export_hf(model: GPT, out_dir: str, *, dtype: torch.dtype) -> Path:
         hf.tie_weights()
         hf.save_pretrained(tmp, safe_serialization=True)
         write_gpt2_tokenizer(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide it from a shared volume
+        # mkdtemp's 0700, and safetensors' own temp file's 0600 (it renames one into place),
+        # would hide the folder and its weights from a shared volume: modes as open() makes them
+        umask = _umask()
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.rglob("*"):
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.checkpointing import protocol as ck
 from raygpt.model.gpt import GPT
 from raygpt.runlog.terminal import printable, printable_lines
@@ -78,7 +79,7 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt export", description=(
+    p = HintingParser(prog="raygpt export", description=(
         "Write a checkpoint's model as a Hugging Face GPT-2 folder (config.json, "
         "model.safetensors, the GPT-2 tokenizer) that transformers loads offline with "
         "GPT2LMHeadModel.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR)."))
@@ -90,7 +91,7 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt sample", description=(
+    p = HintingParser(prog="raygpt sample", description=(
         "Generate text from a checkpoint's model, streaming tokens to the terminal. The text "
         "is the model's, and a model file can be made to emit anything: every control or "
         "format character but the newline (escape sequences, CR, bidi overrides) is shown as "
@@ -111,7 +112,7 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt eval", description=(
+    p = HintingParser(prog="raygpt eval", description=(
         "Score a checkpoint's model on HellaSwag as llm.c does (completion style, acc_norm). "
         "The file is HellaSwag's official hellaswag_val.jsonl (github.com/rowanz/hellaswag)."))
     _common(p)
@@ -150,10 +151,12 @@ def sample_main(argv: list[str]) -> int:
         if args.temperature < 0:
             raise NoModel(f"--temperature: expected a number >= 0, found {args.temperature}")
         device = _device(args.device)
-        model, _, _ = model_at(args.run_dir, args.step)
+        model, step, _ = model_at(args.run_dir, args.step)
     except (NoModel, ValueError, OSError) as e:
         print(f"raygpt sample: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # which checkpoint speaks, on stderr: stdout is the text alone (a pipe gets only the text)
+    print(f"raygpt sample: step {step} of {printable(args.run_dir)}", file=sys.stderr)
     model = model.to(device).eval()
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)

@@ -7,6 +7,7 @@ side; every mismatch is a ShardError naming the file and the header field.
 from __future__ import annotations
 
 import os
+import shlex
 
 import numpy as np
 
@@ -47,9 +48,41 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
         f.write(toks.astype(TOKEN_DTYPE, copy=False).tobytes())
 
 
+# What a file given where shards belong is, by its first bytes: a corpus `raygpt prepare` reads
+_CORPUS_MAGICS = ((b"PAR1", "a Parquet file"), (b"\x1f\x8b", "a gzip-compressed file"),
+                  (b"BZh", "a bzip2-compressed file"), (b"\x28\xb5\x2f\xfd", "a zstd-compressed file"))
+
+
+def sniff_corpus(raw: bytes) -> str | None:
+    """What `raw` (a file's first bytes) shows the file to be when it is a corpus rather than a
+    shard: "a Parquet file", "a JSON Lines file", "a text file", a compressed file; None when
+    it looks like none of them."""
+    for magic, what in _CORPUS_MAGICS:
+        if raw.startswith(magic):
+            return what
+    head = raw[:HEADER_BYTES]
+    if head.lstrip()[:1] == b"{":
+        return "a JSON Lines file"
+    if not head:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut by the end of `head` is still text
+        if e.start < len(head) - 3:
+            return None
+        text = head[:e.start].decode("utf-8")
+    # a shard's header is mostly NULs, which are not printable
+    return "a text file" if all(c.isprintable() or c in "\n\r\t" for c in text) else None
+
+
 def check_shard_header(raw: bytes, size: int, name: str) -> int:
     """Check a shard's first HEADER_BYTES bytes (`raw`) against llm.c's format and the file's
-    `size`; return the token count. `name` is how errors name the file (a path or a URI)."""
+    `size`; return the token count. `name` is how errors name the file (a path or a URI); a
+    corpus given where a shard belongs (`sniff_corpus`) is told to go through `raygpt prepare`."""
+    corpus = None if raw[:4] == SHARD_MAGIC.to_bytes(4, "little") else sniff_corpus(raw)
+    if corpus:
+        raise ShardError(f"{name}: expected an llm.c token shard (magic {SHARD_MAGIC}), found "
+                         f"{corpus}; tokenize it into shards first: raygpt prepare {shlex.quote(name)} -o DIR")
     if len(raw) < HEADER_BYTES:
         raise ShardError(f"{name}: header: expected {HEADER_BYTES} bytes (256 int32), "
                          f"found a file of {len(raw)} bytes")

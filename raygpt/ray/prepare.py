@@ -33,6 +33,7 @@ import stat
 import sys
 import time
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.data import corpus
 from raygpt.data.corpus import CorpusError
 from raygpt.data import staging
@@ -362,7 +363,7 @@ def _human(s: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = HintingParser(
         prog="raygpt prepare",
         description="Tokenize Parquet, JSON Lines or text files (local paths, globs, directories "
                     "or s3:// / gs:// URIs) into llm.c's GPT-2 token shards, as Ray tasks.")

@@ -30,7 +30,7 @@ from raygpt.ray.sweep_plan import (BEST_CONFIG, LEDGER_FILE, LEDGER_FORMAT,  # n
                                    trial_status, val_curve, write_ledger, write_plan)
 from raygpt.ray.sweep_results import (SweepReport, best_config, collect_rows,  # noqa: F401
                                       format_table, plot_sweep, plot_val_curves, stable_curve,
-                                      summarize, sweep_status)
+                                      summarize, sweep_status, train_command)
 from raygpt.ray.sweep_tune import (TRIAL_DRIVER_RESOURCES, VAL_KEYS, TrialLedger,  # noqa: F401
                                    _checked_before_ray, _ensure_ray, _fit, _new_plan,
                                    _NoRetryOfStoppedTrials, _tune_storage, _ValReportsToTune,

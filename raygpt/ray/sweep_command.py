@@ -10,6 +10,7 @@ import os
 import sys
 
 from raygpt.config import ConfigError, TrainConfig, output_dir_with_endpoint, parse_args
+from raygpt.config.flag_hints import shown_flags
 from raygpt.ray import capacity
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, _branch_totals, build_sweep_parser,
                                check_space, known_space, pin_for_trials, preflight_sweep,
@@ -32,8 +33,10 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
         train.print_help()
         return 0
     try:
-        ns, rest = build_sweep_parser().parse_known_args(argv)
-        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"))
+        sweep_parser = build_sweep_parser(prog)
+        ns, rest = sweep_parser.parse_known_args(argv)
+        base = parse_args(rest, base=TrainConfig(output_dir="runs/sweep_shakespeare"), prog=prog,
+                          also_known=shown_flags(sweep_parser))
         # the sweep directory names its store's endpoint (--storage-endpoint or the AWS
         # variables) like a run's: the driver, Tune and every trial then open the same store
         base = base.with_overrides({"output_dir": output_dir_with_endpoint(

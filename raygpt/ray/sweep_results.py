@@ -11,11 +11,12 @@ import io
 import json
 import logging
 import math
+import shlex
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from raygpt.config import TrainConfig, stored_fields
+from raygpt.config import TrainConfig, absolute_paths, stored_fields
 from raygpt.ray.sweep_plan import (BEST_CONFIG, PLOT, RESULTS_JSON, RESULTS_TXT, STABLE_DIR,
                                    TRIALS_DIR, SweepPlan, TrialRow, _abs, read_ledger, read_plan,
                                    trial_progress, trial_rows)
@@ -80,12 +81,15 @@ def format_table(rows: list[TrialRow]) -> str:
                      for line in lines)
 
 
-def best_config(user_base: TrainConfig, overrides: dict) -> dict:
+def best_config(user_base: TrainConfig, overrides: dict, cwd: str = "") -> dict:
     """The TrainConfig overrides that reproduce a trial from the defaults: every field of the
     user's base + the trial's overrides that differs from TrainConfig()'s defaults, without the
     fields that only place a run ('spike.x' keys for SpikeConfig). Hardware fields left at None
-    stay None, so `--config FILE` resolves them for the machine it runs on."""
-    cfg = user_base.with_overrides({k: _plain(v) for k, v in overrides.items()})
+    stay None, so `--config FILE` resolves them for the machine it runs on. Local paths are made
+    absolute against `cwd` (the sweep driver's working directory), so the file means the same
+    data from any directory."""
+    cfg = absolute_paths(user_base.with_overrides({k: _plain(v) for k, v in overrides.items()}),
+                         cwd)
     mine, default = cfg.to_dict(), TrainConfig().to_dict()
     out = {}
     for key, value in mine.items():
@@ -96,6 +100,14 @@ def best_config(user_base: TrainConfig, overrides: dict) -> dict:
         elif value != default[key]:
             out[key] = value
     return stored_fields(out)  # read back by --config: its URIs plain (check_file_fields)
+
+
+def train_command(best_path: str, local: bool) -> str:
+    """The command that trains a sweep's best config on its own, from any directory (the file's
+    paths are absolute); --config reads a local file, so a bucket's is copied here first."""
+    if local:
+        return f"raygpt train --config {shlex.quote(best_path)}"
+    return f"raygpt train --config FILE, FILE a local copy of {best_path}"
 
 
 def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_curve=None,
@@ -165,7 +177,7 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         (r for r in rows if r.status != "error" and not math.isnan(r.val_loss)), None)
     best_path = None
     if best is not None:
-        cfg = best_config(TrainConfig.from_dict(plan.user_base), best.overrides)
+        cfg = best_config(TrainConfig.from_dict(plan.user_base), best.overrides, plan.cwd)
         sweep.write_bytes_atomic(BEST_CONFIG, (json.dumps(cfg, indent=1, sort_keys=True) + "\n").encode())
         best_path = sweep.uri(BEST_CONFIG)
     plot_path = None
@@ -179,7 +191,7 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
             log.info(f"raygpt sweep | {r.name}: not re-run ({'bad input' if r.stopped == EXIT_BAD_INPUT else 'raygpt stopped it'}): "
                      f"{r.error}")
     if best is not None:
-        log.info(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); its config: {best_path} "
-                 f"(python experiments/shakespeare.py --config {best_path})")
+        log.info(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); train it on its own: "
+                 f"{train_command(best_path, sweep.is_local)}")
     return SweepReport(sweep_dir=plan.sweep_dir, rows=rows, best=best, best_config_path=best_path,
                        plot_path=plot_path, table=table, max_concurrent=max_concurrent)

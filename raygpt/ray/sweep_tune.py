@@ -12,7 +12,7 @@ driver reserves no CPU or GPU (only a token amount of memory, because a Tune bun
 empty), so the cluster's CPUs or GPUs go to the training workers, and `max_concurrent_trials` is
 the number of trials whose workers fit at once.
 
-Before Ray starts (raygpt/trials.py holds the configs and the command line, and imports no
+Before Ray starts (raygpt/ray/trials.py holds the configs and the command line, and imports no
 Ray), every trial config that can be known up front (the base, and every combination of grid
 values and choice categories, the bounds of numeric ranges) goes through the single run's
 driver-side checks (`raygpt.config.preflight`: model file, shards against B, T and

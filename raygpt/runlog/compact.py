@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.runlog.history import LOSS_HISTORY_LOG, SAMPLES_LOG
 from raygpt.runlog.mainlog import MAIN_LOG_LAYOUT
 from raygpt.runlog.segments import compact
@@ -25,7 +26,7 @@ LAYOUTS = (LOSS_HISTORY_LOG, MAIN_LOG_LAYOUT, SAMPLES_LOG)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt compact", description=(
+    p = HintingParser(prog="raygpt compact", description=(
         "Merge the segments of a run's logs (loss_history/, main_log/, samples/ part objects on an "
         "object store) into one object each; the parts are deleted only after the merged object "
         "is stored and read back. Holds the run directory's lease: refused while a job runs "

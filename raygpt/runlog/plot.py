@@ -15,6 +15,7 @@ import io
 import math
 import sys
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.runlog.run_view import (Progress, RunView, _is_number, _is_step, _open_checked,
                                     _stderr_progress, _storage_flags, _sweep_module, _verify_flags,
@@ -99,6 +100,15 @@ _PANELS = (("loss", "loss"), ("lr", "learning rate"), ("norm", "grad norm"), ("s
            ("eval", "HellaSwag"))
 
 
+PANEL_INCHES = 2.4  # each panel's height: a run without HellaSwag gets a shorter picture
+
+
+def shown_panels(series: dict[str, tuple[list, list]]) -> tuple[tuple[str, str], ...]:
+    """The panels worth drawing: every one but HellaSwag's, which only a run that scored it
+    gets (an empty panel reads as a broken evaluation)."""
+    return tuple(p for p in _PANELS if p[0] != "eval" or series["hellaswag"][0])
+
+
 def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
              progress: Progress | None = None) -> dict[str, tuple[list, list]]:
     """`raygpt plot`: write a PNG of the run (loss, lr, grad norm, tok/s, with skips, rewinds,
@@ -114,14 +124,15 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
         raise ValueError(f"{view.uri}/{LOSS_HISTORY}: no train records to plot yet")
     series = plot_series(view)
 
+    panels = shown_panels(series)
     # No pyplot: a Figure with its own Agg canvas touches no global matplotlib state.
-    fig = Figure(figsize=(12, 12), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, PANEL_INCHES * len(panels)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = dict(zip((p for p, _ in _PANELS), fig.subplots(len(_PANELS), 1, sharex=True)))
-    for name, (_, title) in zip(axes, _PANELS):
+    axes = dict(zip((p for p, _ in panels), fig.subplots(len(panels), 1, sharex=True)))
+    for name, (_, title) in zip(axes, panels):
         axes[name].set_ylabel(title)
         axes[name].grid(True, alpha=0.3)
-    axes[_PANELS[-1][0]].set_xlabel("step")
+    axes[panels[-1][0]].set_xlabel("step")
     fig.suptitle(f"{view.uri} | {run_state(view)}", fontsize=10)
 
     drawn: dict[str, list] = {}
@@ -137,7 +148,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
         else:  # vline on every panel; only the loss panel's lines are labelled and read back
             drawn[name] = [axes["loss"].axvline(x, **(style if i == 0 else {**style, "label": None}))
                            for i, x in enumerate(xs)]
-            for other in ("lr", "norm", "speed", "eval"):
+            for other in (p for p in axes if p != "loss"):
                 for x in xs:
                     axes[other].axvline(x, **{**style, "label": None})
     norms = [v for v in series["grad_norm"][1] if math.isfinite(v)]
@@ -172,7 +183,7 @@ def _plot_sweep(uri: str, out: str | None, not_a_run: FileNotFoundError) -> str:
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt plot", description=(
+    p = HintingParser(prog="raygpt plot", description=(
         "Write a PNG of a run: train/val loss, lr, grad norm and tok/s, with skipped steps, "
         "rewinds, failures, resumes and checkpoints marked; of a sweep directory, every trial's "
         "validation loss."))

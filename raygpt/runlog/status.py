@@ -10,6 +10,7 @@ import math
 import sys
 import time
 
+from raygpt.config.flag_hints import HintingParser
 from raygpt.train.faults import WHAT as FAULT_WHAT
 from raygpt.runlog.run_view import (STATUS_RECENT, Progress, RunView, _human_bytes, _open_checked,
                                     _stderr_progress, _storage_flags, _sweep_module, _verify_flags,
@@ -195,7 +196,7 @@ def _human_seconds(s: float) -> str:
 
 
 def status_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raygpt status", description=(
+    p = HintingParser(prog="raygpt status", description=(
         "Print where a run is: last step, loss, tok/s, checkpoints (complete? --verify: hashed), "
         "restarts, failures, skips, rewinds, injected faults, each resume's audit and goodput; "
         "of a sweep directory, every trial's row."))

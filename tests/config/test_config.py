@@ -96,7 +96,8 @@ def test_bad_values_name_the_flag(argv, flag):
 
 
 def test_unknown_flag_is_a_config_error():
-    with pytest.raises(ConfigError, match="unrecognized arguments"):
+    with pytest.raises(ConfigError, match=r"^--no-such-flag: expected a flag of raygpt train, "
+                                          r"found an unknown one \(raygpt train --help lists"):
         parse_args(["--no-such-flag"])
 
 

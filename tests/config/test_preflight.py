@@ -294,8 +294,8 @@ def test_shards_in_a_bucket_are_checked_before_ray_starts(data, no_ray, capsys, 
                    "-i", f"{where}/train.bin", "-j", f"{where}/val.bin"], capsys)
     # (resolve() reads the validation headers first, to fit the validation batches)
     assert err.startswith(f"raygpt: error: -j/--input-val-bin: shard pattern {where}/val.bin"
-                          f"?endpoint_override={closed}&scheme=http: cannot list the store: the "
-                          f"endpoint does not answer"), err
+                          f"?endpoint_override={closed}&scheme=http: cannot list the store: a "
+                          f"network failure: {closed} refused or dropped the connection"), err
 
 
 def test_a_shard_cache_dir_holding_the_users_files_is_refused_before_ray_starts(data, no_ray,

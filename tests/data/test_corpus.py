@@ -96,7 +96,8 @@ def test_bad_parquet_is_one_line_naming_file_and_row(tmp_path, case, message):
 def test_parquet_invalid_utf8_names_the_row(tmp_path):
     values = pa.array([b"fine", b"also fine", b"bad \xff byte"], type=pa.binary()).view(pa.string())
     pq.write_table(pa.table({"text": values}), tmp_path / "p.parquet")
-    with pytest.raises(CorpusError, match=r"p.parquet: row 3: column 'text': expected UTF-8 text"):
+    with pytest.raises(CorpusError, match=r"p.parquet: row 3: column 'text': expected UTF-8 text, found "
+                       r"byte 0xff, which is not UTF-8 there \(invalid start byte\)$"):
         _docs(tmp_path, "p.parquet")
 
 
@@ -121,7 +122,8 @@ def test_jsonl_zstd(tmp_path):
     (b'{"body": "x"}', r"c.jsonl: line 3: --text-field 'text': expected an object with that field, found \['body'\]"),
     (b'["text"]', r"c.jsonl: line 3: --text-field 'text': expected an object with that field, found list"),
     (b'{"text": "x"', r"c.jsonl: line 3: expected a JSON object"),
-    (b'{"text": "bad \xff"}', r"c.jsonl: line 3: expected UTF-8 JSON, found byte 0xff"),
+    (b'{"text": "bad \xff"}', r"c.jsonl: line 3: expected UTF-8 JSON, found byte 0xff, which is not UTF-8 "
+                            r"there \(invalid start byte\)$"),
     (b"[" * 200_000, r"c.jsonl: line 3: expected a JSON object"),
 ])
 def test_bad_jsonl_is_one_line_naming_file_and_line(tmp_path, line, message):
@@ -135,7 +137,8 @@ def test_text_is_split_on_blank_lines_llmc_recipe(tmp_path):
     (tmp_path / "t.txt").write_text("First\n\nSecond\nline\n\n\nlast")
     assert _docs(tmp_path, "t.txt") == ["First\n\n", "Second\nline\n\n", "\nlast"]
     (tmp_path / "bad.txt").write_bytes(b"ok\nok\nbad \xfe\n")
-    with pytest.raises(CorpusError, match=r"bad.txt: line 3: expected UTF-8 text, found byte 0xfe"):
+    with pytest.raises(CorpusError, match=r"bad.txt: line 3: expected UTF-8 text, found byte 0xfe, "
+                       r"which is not UTF-8 there \(invalid start byte\)$"):
         _docs(tmp_path, "bad.txt")
 
 

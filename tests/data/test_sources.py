@@ -153,8 +153,8 @@ def test_an_unreachable_store_is_one_line_naming_the_pattern():
     with pytest.raises(ShardError) as e:
         list_shards(uri)
     (line,) = str(e.value).splitlines()
-    assert line.startswith(f"shard pattern {uri}: cannot list the store: the endpoint does not "
-                           f"answer"), line
+    assert line.startswith(f"shard pattern {uri}: cannot list the store: a network failure: "
+                           f"{where} refused or dropped the connection"), line
 
 
 def test_headers_and_fingerprint_are_range_reads(s3):

@@ -61,13 +61,37 @@ def test_export_writes_a_folder_transformers_loads(run, tmp_path, capsys):
         torch.testing.assert_close(hf_model(x).logits, model.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755),
+                                                        (0o027, 0o640, 0o750)])
+def test_every_exported_file_has_the_mode_the_umask_gives(run, tmp_path, umask, file_mode,
+                                                          dir_mode):
+    """safetensors writes model.safetensors through a 0600 temp file: the export's files all
+    get what open() gives under the user's umask, as their siblings do."""
+    pytest.importorskip("transformers")
+    import os
+    import stat
+    previous = os.umask(umask)
+    try:
+        assert cli(["export", str(run), "-o", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").rglob("*")}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(modes), modes
+    assert modes == {name: file_mode for name in modes}
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == dir_mode
+
+
 def test_sample_streams_what_generate_makes(run, capsys):
     model, _, _ = trained.model_at(str(run))
     prompt = "ROMEO:"
     idx = torch.tensor([tokenizer.encode(prompt)])
     want = model.eval().generate(idx, 12, temperature=0.0)[0, idx.shape[1]:].tolist()
     assert cli(["sample", str(run), "--prompt", prompt, "-g", "12", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == prompt + tokenizer.decode(want) + "\n"
+    out = capsys.readouterr()
+    assert out.out == prompt + tokenizer.decode(want) + "\n"
+    assert out.err == f"raygpt sample: step 4 of {run}\n"  # the newest checkpoint's step
+    assert cli(["sample", str(run), "--step", "2", "-g", "1", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err == f"raygpt sample: step 2 of {run}\n"
     outs = []
     for seed in (3, 3, 4):  # a seeded sample is the same each time
         assert cli(["sample", str(run), "-g", "10", "--seed", str(seed)]) == 0

@@ -77,3 +77,67 @@ def test_bad_shard_errors_name_file_field_expected_found(tmp_path, kind, field, 
             call()
         msg = str(e.value)
         assert "shard_000001.bin" in msg and field in msg and "expected" in msg and found in msg
+
+
+def _corpus_files(directory) -> dict[str, object]:
+    """One file of each corpus format `raygpt prepare` reads, by what the error calls it."""
+    import bz2
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"text": f"row {i}: To be, or not to be"} for i in range(40)]
+    jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    files = {"a Parquet file": directory / "c.parquet",
+             "a JSON Lines file": directory / "c.jsonl",
+             "a gzip-compressed file": directory / "c.jsonl.gz",
+             "a bzip2-compressed file": directory / "c.txt.bz2",
+             "a text file": directory / "c.txt"}
+    pq.write_table(pa.Table.from_pylist(rows), files["a Parquet file"])
+    files["a JSON Lines file"].write_bytes(jsonl)
+    files["a gzip-compressed file"].write_bytes(gzip.compress(jsonl))
+    files["a bzip2-compressed file"].write_bytes(bz2.compress(jsonl))
+    # the 1024 bytes a header reads end inside a two-byte character
+    text = ("To be, or not to be.\n" * 49)[:HEADER_BYTES - 1] + "Ça, Citizen: hear me.\n" * 9
+    assert text.encode()[HEADER_BYTES - 1:HEADER_BYTES + 1] == "Ç".encode()
+    files["a text file"].write_text(text, encoding="utf-8")
+    return files
+
+
+def test_a_corpus_where_a_shard_belongs_points_at_raygpt_prepare(tmp_path):
+    from raygpt.llmc.shards import sniff_corpus
+    for what, path in _corpus_files(tmp_path).items():
+        assert sniff_corpus(path.read_bytes()[:HEADER_BYTES]) == what, path
+        with pytest.raises(ShardError) as e:
+            read_shard_header(path)
+        assert str(e.value) == (f"{path}: expected an llm.c token shard (magic {SHARD_MAGIC}), "
+                                f"found {what}; tokenize it into shards first: raygpt prepare "
+                                f"{path} -o DIR")
+    assert sniff_corpus(b"\x28\xb5\x2f\xfd\x00\x58") == "a zstd-compressed file"
+    # what is none of them keeps the header's own message: a shard, llm.c's model file, bytes
+    shard = make_shards(tmp_path, [300]).replace("*", "000000")
+    model_header = np.zeros(256, "<i4")
+    model_header[:2] = 20240326, 3
+    for raw in (open(shard, "rb").read(HEADER_BYTES), model_header.tobytes(),
+                bytes(range(256)) * 4, b"\xff\xfe" * 512, b""):
+        assert sniff_corpus(raw) is None, raw[:8]
+
+
+@pytest.mark.parametrize("flag", ["-i", "-j", "--eval-set"])
+def test_train_given_a_corpus_names_raygpt_prepare_in_one_line_and_exits_2(tmp_path, flag):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    path = _corpus_files(tmp_path)["a Parquet file"]
+    value = f"book={path}" if flag == "--eval-set" else str(path)
+    out = subprocess.run([sys.executable, "-m", "raygpt", "train", flag, value, "-o",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    named = {"-i": "-i/--input-bin", "-j": "-j/--input-val-bin", "--eval-set": "--eval-set book"}
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (f"raygpt: error: {named[flag]}: {path}: expected an llm.c token shard "
+                          f"(magic {SHARD_MAGIC}), found a Parquet file; tokenize it into shards "
+                          f"first: raygpt prepare {path} -o DIR\n")
+    assert not (tmp_path / "run").exists()  # refused before anything was made

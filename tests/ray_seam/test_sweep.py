@@ -182,6 +182,40 @@ def test_best_config_reproduces_the_trial_through_the_cli(tmp_path):
     assert from_cli == expected
 
 
+def test_best_config_and_its_command_run_from_another_directory(tmp_path, monkeypatch):
+    """Relative data paths given to the sweep (in the sweep's directory) are absolute in
+    best_config.json, so the command the sweep suggests finds the same shards from anywhere."""
+    import shlex
+    from raygpt.config import absolute_paths, preflight
+    from raygpt.llmc.shards import write_shard
+    sweep_cwd, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (sweep_cwd / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    write_shard(sweep_cwd / "data" / "t_000001.bin", np.arange(4000) % 50257)
+    write_shard(sweep_cwd / "data" / "v_000000.bin", np.arange(1000) % 50257)
+    user = tiny(input_bin="data/t_*.bin", input_val_bin="data/v_*.bin",
+                eval_set=["held=data/v_*.bin"], output_dir="runs/sweep")
+    best = sweep.best_config(user, {"scheduler": "wsd"}, cwd=str(sweep_cwd))
+    assert best["input_bin"] == str(sweep_cwd / "data" / "t_*.bin")
+    assert best["input_val_bin"] == str(sweep_cwd / "data" / "v_*.bin")
+    assert best["eval_set"] == [f"held={sweep_cwd / 'data' / 'v_*.bin'}"]
+    path = sweep_cwd / "runs" / "sweep" / "best_config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(best))
+    command = sweep.train_command(str(path), local=True)
+    assert command == f"raygpt train --config {path}"
+    assert sweep.train_command("s3://b/sweep/best_config.json", local=False) == (
+        "raygpt train --config FILE, FILE a local copy of s3://b/sweep/best_config.json")
+    # what `raygpt train` does with it before Ray starts (cli._train), from another directory
+    monkeypatch.chdir(elsewhere)
+    argv = shlex.split(command)
+    assert argv[:2] == ["raygpt", "train"]
+    cfg = absolute_paths(parse_args(argv[2:])).resolve(0)
+    preflight.check(cfg)  # finds the shards, or raises ConfigError naming the flag
+    assert (cfg.input_bin, cfg.scheduler) == (str(sweep_cwd / "data" / "t_*.bin"), "wsd")
+    assert cfg.output_dir == str(elsewhere / "runs" / "shakespeare")  # -o: the user's own
+
+
 def test_val_curve_keeps_the_latest_record_of_each_step_and_table_format():
     recs = [{"kind": "val", "step": 0, "val_loss": 10.0}, {"kind": "train", "step": 0, "loss": 9},
             {"kind": "val", "step": 4, "val_loss": 9.0}, {"kind": "val", "step": 4, "val_loss": 8.5}]

@@ -211,12 +211,28 @@ def test_plot_draws_every_series_and_marker(run_dir, tmp_path):
     assert drawn["checkpoints_verified"] == ([4, 8], [])
     assert drawn["checkpoints_unusable"] == ([10, 12], [])
 
+    assert "hellaswag" not in drawn
     image = matplotlib.image.imread(png)
-    assert image.shape[:2] == (1200, 1200)
+    assert image.shape[:2] == (960, 1200)  # four panels: no HellaSwag panel without HellaSwag
     assert image[..., :3].std() > 0.05  # not a blank canvas
     # the train-loss colour (tab:blue, #1f77b4) is on the picture
     blue = np.all(np.abs(image[..., :3] - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.02, axis=-1)
     assert blue.sum() > 200
+
+
+def test_plot_has_a_hellaswag_panel_only_for_a_run_that_scored_hellaswag(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    without, with_ = tmp_path / "without.png", tmp_path / "with.png"
+    assert main(["plot", run_dir.root, "-o", str(without)]) == 0
+    for step, acc in ((4, 0.2575), (8, 0.2625)):
+        run_dir.append_text(LOSS_HISTORY, json.dumps({"kind": "eval", "step": step, "attempt": 2,
+                                                      "hellaswag": acc, "time": h_time(run_dir)}) + "\n")
+    assert main(["plot", run_dir.root, "-o", str(with_)]) == 0
+    # a panel is 240 px tall: four panels without HellaSwag, five with it
+    assert matplotlib.image.imread(without).shape[:2] == (960, 1200)
+    assert matplotlib.image.imread(with_).shape[:2] == (1200, 1200)
+    assert plot_run(run_dir, tmp_path / "again.png")["hellaswag"] == ([4, 8], [0.2575, 0.2625])
 
 
 def test_plot_refuses_a_run_without_train_records(tmp_path):
