@@ -53,10 +53,10 @@ class Schedule:
     @classmethod
     def of(cls, weights: list[float], seed: int) -> "Schedule":
         drawn = [i for i, w in enumerate(weights) if w > 0]
-        total = sum(Fraction(weights[i]) for i in drawn)
+        total = sum(exact(weights[i]) for i in drawn)
         cum, edges = Fraction(0), []
         for i in drawn[:-1]:  # each inner edge < 2**64: a positive weight follows it
-            cum += Fraction(weights[i])
+            cum += exact(weights[i])
             edges.append(int(cum * 2**64 / total))
         offset = int(np.random.Generator(np.random.MT19937([seed, _OFFSET_STREAM])).integers(
             0, 2**64, dtype=np.uint64))
@@ -70,11 +70,16 @@ class Schedule:
         return self.sources[np.searchsorted(self.edges, u, side="right")]
 
 
+def exact(weight: float) -> Fraction:
+    """A weight as the decimal it reads as (0.1 is 1/10, not the float nearest it)."""
+    return Fraction(repr(float(weight)))
+
+
 def epoch_samples(samples_per_epoch: list[int], weights: list[float]) -> int:
     """Global samples drawn before the first source of weight > 0 has drawn one epoch (what
     -x -1 trains on for a mixture): min over them of samples_s * sum(weights) / weight_s."""
-    total = sum(Fraction(w) for w in weights)
-    return min(int(Fraction(n) * total / Fraction(w))
+    total = sum(exact(w) for w in weights)
+    return min(int(n * total / exact(w))
                for n, w in zip(samples_per_epoch, weights) if w > 0)
 
 
