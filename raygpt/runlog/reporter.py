@@ -8,7 +8,7 @@ writes and where each event goes:
     sample        the text            -         samples.jsonl -            -         -
     start         the header line     (resume)  start/resume  -            -         -
     skip          "SKIP" on the line  skip:1    skip event    -            -         -
-    source epoch  one line            epoch:1   source_epoch  -            -         -
+    source epoch  one line            source_epoch:1  source_epoch  -      -         -
     rewind        "REWIND" line       rewind:1  rewind event  -            -         -
     watch         one line            watch:1   watch event   -            -         -
     end           summary line        -         end           closed       -         closed
@@ -196,7 +196,7 @@ class Reporter:
         the next (in their own llm.c order for that epoch)."""
         for name, epoch in begun:
             self.history.event(step, "source_epoch", source=name, epoch=epoch)
-            self.logger.log_event(step, "epoch", source=name, epoch=epoch)
+            self.logger.log_event(step, "source_epoch", source=name, epoch=epoch)
             self.say(f"step {step + 1:5d} | -i {name}: every sample of epoch {epoch - 1} drawn; "
                      f"epoch {epoch} begins")
 
