@@ -89,9 +89,11 @@ def with_patterns(spec: str, change) -> str:
 
 
 class AddSource(argparse.Action):
-    """-i again adds a source (a line of the field); the first -i of a command line replaces
-    the default or a --config file's value."""
+    """-i again adds a source (a line of the field), unless both are plain globs: then the last
+    wins, as it always has (a plain glob beside a weighted source is refused by `parse`). The
+    first -i of a command line replaces the default or a --config file's value."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         old = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, value if old is None else f"{old}\n{value}")
+        plain = old is None or not any(_WEIGHTED.fullmatch(v) for v in (*old.split("\n"), value))
+        setattr(namespace, self.dest, value if plain else f"{old}\n{value}")

@@ -57,6 +57,7 @@ def test_each_i_adds_a_source_and_the_first_replaces_a_config_files(tmp_path):
                       "code=1:b/*.bin"])
     assert cfg.input_bin == "web=1:a/*.bin\ncode=1:b/*.bin"
     assert parse_args(["-i", "plain/*.bin"]).input_bin == "plain/*.bin"  # as before
+    assert parse_args(["-i", "a/*.bin", "-i", "b/*.bin"]).input_bin == "b/*.bin"  # the last wins
 
 
 def test_relative_globs_of_a_mix_are_made_absolute(tmp_path, monkeypatch):
