@@ -78,13 +78,15 @@ def test_the_data_fingerprint_of_a_mix_holds_its_names_weights_and_shards(data):
 
 @pytest.mark.parametrize("sources, says", [
     (["web=x:{d}/web_*.bin", "code=1:{d}/code_*.bin"],
-     "-i/--input-bin web: weight: expected a number >= 0, found 'x'"),
+     "-i/--input-bin web: weight: expected a finite number >= 0, found 'x'"),
     (["web=-0.5:{d}/web_*.bin", "code=1:{d}/code_*.bin"],
-     "-i/--input-bin web: weight: expected a number >= 0, found '-0.5'"),
+     "-i/--input-bin web: weight: expected a finite number >= 0, found '-0.5'"),
     (["web=nan:{d}/web_*.bin", "code=1:{d}/code_*.bin"],
-     "-i/--input-bin web: weight: expected a number >= 0, found 'nan'"),
+     "-i/--input-bin web: weight: expected a finite number >= 0, found 'nan'"),
+    (["web=1:{d}/web_*.bin", "code=inf:{d}/code_*.bin"],
+     "-i/--input-bin code: weight: expected a finite number >= 0, found 'inf'"),
     (["web=:{d}/web_*.bin", "code=1:{d}/code_*.bin"],
-     "-i/--input-bin web: weight: expected a number >= 0, found ''"),
+     "-i/--input-bin web: weight: expected a finite number >= 0, found ''"),
     (["web=0:{d}/web_*.bin", "code=0.0:{d}/code_*.bin"],
      "-i/--input-bin: weights: expected at least one > 0 (their sum is what each is a share of), "
      "found web=0, code=0.0"),
