@@ -52,7 +52,8 @@ def parse(spec: str) -> list[Source] | None:
         except ValueError:
             weight = math.nan
         if not (math.isfinite(weight) and weight >= 0):
-            raise ConfigError(f"{FLAG} {name}: weight: expected a finite number >= 0, found {text!r}")
+            raise ConfigError(f"{FLAG} {name}: weight: expected a finite number >= 0, found "
+                              f"{text!r}")
         if any(s.name == name for s in out):
             raise ConfigError(f"{FLAG}: expected each NAME once, found {name!r} twice")
         if not pattern.strip():
