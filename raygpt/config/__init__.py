@@ -28,7 +28,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raygpt.config.errors import ConfigError  # noqa: F401 (raygpt.config.ConfigError)
+from raygpt.config import mixture  # -i's syntax: one glob, or sources mixed by weight
+from raygpt.config.errors import ConfigError, usage_error  # noqa: F401 (raygpt.config.ConfigError)
 from raygpt.config.flag_hints import HintingParser
 from raygpt.model.shapes import CE_CHUNK_ROWS, MODEL_SHAPES
 from raygpt.runlog import tracking
@@ -56,7 +57,8 @@ SECTION_TITLES = {
 def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSING,
          short: str | None = None, long: str | None = None, choices: tuple | None = None,
          metavar: str | None = None, may_change_on_resume: bool = False,
-         from_file: bool | None = None, hints: tuple[str, ...] = ()):
+         from_file: bool | None = None, hints: tuple[str, ...] = (),
+         action: type | None = None):
     """A config field and everything the rest of raygpt needs to know about it, in one place:
     its `section` (a SECTION_TITLES key: --help groups the flags by it), its llm.c `short` flag,
     a `long` flag that is not the name with dashes (a boolean whose default is on has a flag
@@ -68,11 +70,13 @@ def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSI
     credential) and every other field may (a number, a switch or one of `choices` names none);
     a field that arms or deletes says False, a path read only as data says True. `hints`: the
     names other tools (nanoGPT, llm.c's train_gpt2.py, Hugging Face) give this knob; not flags,
-    only what an unknown flag's error points from (config/flag_hints.py)."""
+    only what an unknown flag's error points from (config/flag_hints.py). `action`: an argparse
+    Action of its own (-i's: each use adds a weighted source)."""
     assert section in SECTION_TITLES, section
     return field(default=default, default_factory=factory, metadata=dict(
         section=section, short=short, long=long, choices=choices, metavar=metavar,
-        may_change_on_resume=may_change_on_resume, from_file=from_file, hints=hints))
+        may_change_on_resume=may_change_on_resume, from_file=from_file, hints=hints,
+        action=action))
 
 
 @dataclass
@@ -111,9 +115,11 @@ class TrainConfig:
     # ==== data: the token shards and the batch (-i -j -b -t -d)
     input_bin: str = knob(DEFAULT_TRAIN, section="data", short="-i", metavar="GLOB",
                           from_file=True,  # read as data; a URI from a file carries no options
+                          action=mixture.AddSource,
                           hints=("--train-data", "--train-bin", "--data"))
     """Glob of llm.c train token shards (-i): local files, or an s3:// or gs:// URI glob whose
-    shards each node fetches into its cache (--shard-cache-dir)."""
+    shards each node fetches into its cache (--shard-cache-dir). Or corpora mixed by weight,
+    NAME=WEIGHT:GLOB once per -i (each global batch draws from them in proportion)."""
     input_val_bin: str = knob(DEFAULT_VAL, section="data", short="-j", metavar="GLOB",
                               from_file=True, hints=("--val-data", "--val-bin"))
     """Glob of llm.c validation token shards (-j), local or s3:// / gs://; empty turns
@@ -415,9 +421,10 @@ class TrainConfig:
         notes = notes if notes is not None else []
         # shards in a bucket carry their endpoint, as the run directory does (every process
         # opens them from the same string); resolve reads their headers below
-        c.input_bin, c.input_val_bin = (shards_with_endpoint(flag, p, c.storage_endpoint) for flag, p
-                                        in (("-i/--input-bin", c.input_bin),
-                                            ("-j/--input-val-bin", c.input_val_bin)))
+        c.input_bin = mixture.with_patterns(
+            c.input_bin, lambda flag, p: shards_with_endpoint(flag, p, c.storage_endpoint))
+        c.input_val_bin = shards_with_endpoint("-j/--input-val-bin", c.input_val_bin,
+                                               c.storage_endpoint)
         c.eval_set = _eval_sets().with_patterns(
             c.eval_set, lambda name, p: shards_with_endpoint(f"--eval-set {name}", p,
                                                              c.storage_endpoint))
@@ -473,7 +480,7 @@ class TrainConfig:
         _fit_validation(c, notes)
         c.mlflow = tracking.normalize_mlflow_uri(c.mlflow)  # workers run in other directories
         c.output_dir = output_dir_with_endpoint(c.output_dir, c.storage_endpoint,
-                                                data=(c.input_bin, c.input_val_bin,
+                                                data=(*mixture.patterns(c.input_bin), c.input_val_bin,
                                                       *_eval_sets().patterns(c.eval_set)))
         c.validate()
         return c
@@ -570,9 +577,9 @@ class TrainConfig:
                  f" = {micro}", self.total_batch_size)
         # a local glob must match here; a bucket's is listed by raygpt.config.preflight (one line
         # naming the URI when it matches nothing or the store does not answer)
-        need(_remote(self.input_bin) or bool(glob.glob(self.input_bin)), "-i/--input-bin",
-             "a glob matching at least one llm.c token shard (local, s3:// or gs://)",
-             self.input_bin)
+        for flag, pattern in mixture.flags_and_patterns(self.input_bin):  # (its syntax too)
+            need(_remote(pattern) or bool(glob.glob(pattern)), flag, "a glob matching at least "
+                 "one llm.c token shard (local, s3:// or gs://)", pattern)
         if self.input_val_bin:
             need(_remote(self.input_val_bin) or bool(glob.glob(self.input_val_bin)),
                  "-j/--input-val-bin", "a glob matching at least one llm.c token shard (local, "
@@ -726,7 +733,9 @@ def check_file_fields(d: dict, where: str) -> None:
     from raygpt.storage.uri import URIRefused, check_plain
     for key, value in flat.items():
         try:
-            for item in (value if isinstance(value, list) else [value]):
+            items = (value if isinstance(value, list) else mixture.patterns(value)
+                     if key == "input_bin" and isinstance(value, str) else [value])
+            for item in items:
                 check_plain(_uri_of(item), f"{where}: {key}")
         except URIRefused as e:
             raise ConfigError(str(e)) from None
@@ -752,7 +761,8 @@ def stored_fields(d: dict) -> dict:
             return [v_ if (u := _uri_of(v_)) is v_ else v_[:len(v_) - len(u)] + without_options(u)
                     for v_ in v]
         return without_options(v)
-    return {k: plain(v) for k, v in d.items()}
+    return {k: mixture.with_patterns(v, lambda _, p: without_options(p))
+            if k == "input_bin" and isinstance(v, str) else plain(v) for k, v in d.items()}
 
 
 def _typed(cls, d: dict, where: str) -> dict:
@@ -929,7 +939,8 @@ def absolute_paths(cfg: TrainConfig, cwd: str = "") -> TrainConfig:
         return (path if not path or "://" in path
                 else os.path.normpath(os.path.join(base, os.path.expanduser(path))))
 
-    paths = {"input_bin": absolute(cfg.input_bin), "input_val_bin": absolute(cfg.input_val_bin),
+    paths = {"input_bin": mixture.with_patterns(cfg.input_bin, lambda _, p: absolute(p)),
+             "input_val_bin": absolute(cfg.input_val_bin),
              "hellaswag": absolute(cfg.hellaswag),
              "eval_set": _eval_sets().with_patterns(cfg.eval_set, lambda _, p: absolute(p))}
     if cfg.output_dir.strip() and "://" not in cfg.output_dir:
@@ -972,10 +983,10 @@ def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
     (validate() says so); a bad header is a ConfigError naming the flag and the file."""
     from raygpt.data.sources import shard_token_counts  # numpy: only when resolving
     from raygpt.llmc.shards import ShardError
-    if not pattern or not (_remote(pattern) or glob.glob(pattern)):
-        return None
+    found = [(f, p) for f, p in (mixture.flags_and_patterns(pattern) if flag == mixture.FLAG
+                                 else [(flag, pattern)]) if p and (_remote(p) or glob.glob(p))]
     try:
-        return [n for _, n in shard_token_counts(pattern)]
+        return [n for f, p in found for _, n in shard_token_counts(p)] or None
     except ShardError as e:
         raise ConfigError(f"{flag}: {e}") from None
 
@@ -1121,7 +1132,8 @@ def _flag_specs():
                             action="store_false", help=f"turn {long} off")
                 continue
             kw = dict(dest=dest, type=typ, default=None,
-                      metavar=meta["metavar"] or typ.__name__.upper().replace("STR", "TEXT"))
+                      metavar=meta["metavar"] or typ.__name__.upper().replace("STR", "TEXT"),
+                      **({"action": meta["action"]} if meta["action"] else {}))
             if meta["choices"]:
                 kw.update(choices=meta["choices"],
                           metavar="{" + ",".join(map(str, meta["choices"])) + "}")
@@ -1143,24 +1155,7 @@ class FlagParser(HintingParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
-        raise ConfigError(_usage_error(message))
-
-
-def _usage_error(message: str) -> str:
-    """argparse's message in raygpt's form: the flag first, then what was expected and found."""
-    import re
-    m = re.match(r"argument (\S+): (.*)$", message)
-    if not m:
-        return message
-    flag, what = m.groups()
-    kinds = {"int": "an integer", "float": "a number"}
-    if (c := re.match(r"invalid choice: (.*) \(choose from (.*)\)$", what)):
-        return f"{flag}: expected one of {c.group(2)}, found {c.group(1)}"
-    if (c := re.match(r"invalid (\w+) value: (.*)$", what)):
-        return f"{flag}: expected {kinds.get(c.group(1), c.group(1))}, found {c.group(2)}"
-    if what.startswith("expected one argument"):
-        return f"{flag}: expected a value after the flag, found none"
-    return f"{flag}: {what}"
+        raise ConfigError(usage_error(message))
 
 
 def build_parser(prog: str = "raygpt train") -> argparse.ArgumentParser:

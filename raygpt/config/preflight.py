@@ -38,8 +38,9 @@ import os
 
 import uuid
 
-from raygpt.config import ConfigError, TrainConfig
+from raygpt.config import ConfigError, TrainConfig, mixture
 from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
+from raygpt.data.mixture import epoch_samples
 from raygpt.data.sources import is_remote, shard_token_counts
 from raygpt.llmc.shards import HEADER_BYTES, ShardError
 from raygpt.model import memory
@@ -120,23 +121,33 @@ def check_data(cfg: TrainConfig) -> list[str]:
     """Shard headers, and their sizes against B, T and the world size (elastic runs at the
     largest, which needs the most)."""
     B, T, world = cfg.batch_size, cfg.seq_len, cfg.num_workers
-    train = _counts(cfg.input_bin, "-i/--input-bin")
     need = tokens_needed(B, T, world)
-    for path, ntok in train:
-        if ntok < need:
-            raise ConfigError(
-                f"-i/--input-bin: {path}: token count {ntok:,}: expected at least B*T*world+1 = "
-                f"{B}*{T}*{world}+1 = {need:,} (use a smaller -b/--batch-size or -t/--seq-len, "
-                f"fewer workers, or larger shards)")
-    train_tokens = sum(n for _, n in train)
-    facts = [f"train: {train_tokens:,} tokens in {len(train)} shard(s)"]
+    sources = mixture.flags_and_patterns(cfg.input_bin)  # one glob, or each source of a mix
+    facts, epochs = [], []
+    for flag, pattern in sources:
+        train = _counts(pattern, flag)
+        for path, ntok in train:
+            if ntok < need:
+                raise ConfigError(
+                    f"{flag}: {path}: token count {ntok:,}: expected at least B*T*world+1 = "
+                    f"{B}*{T}*{world}+1 = {need:,} (use a smaller -b/--batch-size or "
+                    f"-t/--seq-len, fewer workers, or larger shards)")
+        facts.append(f"train{flag[len(mixture.FLAG):]}: {sum(n for _, n in train):,} tokens in "
+                     f"{len(train)} shard(s)")
+        epochs.append(sum((n - 1) // T for _, n in train))
+        # (a mix holds its sources' shards at once: each loader its own few)
+        check_shard_cache(cfg, train, flag, held=SHARDS_HELD * len(sources))
+    mix = mixture.parse(cfg.input_bin)
+    if mix is not None and len(mix) > 1:
+        facts.append("mixed by weight: " + ", ".join(f"{s.name} {s.weight:g}" for s in mix)
+                     + " (weight 0: never drawn)" * any(s.weight == 0 for s in mix))
     if cfg.max_steps == -1:
-        epoch_tokens = sum((n - 1) // T for _, n in train) * T
+        epoch_tokens = T * (epochs[0] if mix is None or len(mix) == 1 else
+                            epoch_samples(epochs, [s.weight for s in mix]))
         if epoch_tokens < cfg.total_batch_size:
-            raise ConfigError(f"-x/--max-steps -1: one epoch of {cfg.input_bin} is "
+            raise ConfigError(f"-x/--max-steps -1: one epoch of {cfg.input_bin if mix is None else 'the mix'} is "
                               f"{epoch_tokens:,} tokens at T={T}; expected at least one step of "
                               f"-d/--total-batch-size {cfg.total_batch_size:,} tokens")
-    check_shard_cache(cfg, train, "-i/--input-bin")
     if cfg.input_val_bin and cfg.val_every > 0:
         val = _counts(cfg.input_val_bin, "-j/--input-val-bin")
         check_shard_cache(cfg, val, "-j/--input-val-bin")
@@ -185,16 +196,17 @@ def check_eval_sets(cfg: TrainConfig) -> list[str]:
     return facts
 
 
-def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str) -> None:
+def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str,
+                      held: int = SHARDS_HELD) -> None:
     """The node's shard cache holds what a loader of shards in a bucket keeps in it at once
-    (SHARDS_HELD of the largest); local shards need no cache."""
+    (`held` of the largest: SHARDS_HELD, times the sources of a mix); local shards need none."""
     if not counts or not is_remote(counts[0][0]):
         return
     uri, ntok = max(counts, key=lambda un: un[1])
-    need = SHARDS_HELD * (HEADER_BYTES + 2 * ntok)
+    need = held * (HEADER_BYTES + 2 * ntok)
     if cfg.shard_cache_gb * 2**30 < need:
         raise ConfigError(f"--shard-cache-gb: expected at least {need / 2**30:.3g} (the {flag} "
-                          f"loader holds {SHARDS_HELD} shards in the node's cache, and {uri} is "
+                          f"loader holds {held} shards in the node's cache, and {uri} is "
                           f"{(HEADER_BYTES + 2 * ntok) / 2**30:.3g} GB), found "
                           f"{cfg.shard_cache_gb:g}")
     # the directory as this node's workers will take it: a home or a project is refused here,

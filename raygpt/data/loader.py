@@ -99,6 +99,33 @@ def samples_to_ranges(samples) -> list[tuple[int, int, int]]:
     return merge_ranges((shard, idx, idx + 1) for shard, idx in s.tolist())
 
 
+def gather(mine: np.ndarray, T: int, device, tokens_of, vocab_size: int | None,
+           bad_token) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of the (shard, sample_idx) rows `mine`, (rows, T) int64 each, on `device` (None:
+    the CPU): `tokens_of(shard)` maps a shard, `bad_token(shard, samples, window)` raises for
+    a token id at or past `vocab_size`. For a CUDA device the (rows, T+1) window is gathered
+    straight into page-locked memory and sent in one asynchronous copy."""
+    # torch is imported here, where batches are built, so that the driver's checks of shard
+    # headers (raygpt.config.preflight, before Ray starts) do not pay for importing it
+    import torch
+
+    to_cuda = device is not None and torch.device(device).type == "cuda"
+    # the caching host allocator does not hand this block out again before the copy is done
+    data = torch.empty((len(mine), T + 1), dtype=torch.int64, pin_memory=to_cuda)
+    buf = data.numpy()
+    window = np.arange(T + 1, dtype=np.int64)
+    for shard in np.unique(mine[:, 0]):
+        rows = np.flatnonzero(mine[:, 0] == shard)
+        tokens = tokens_of(int(shard))
+        # (rows, T+1) token offsets: sample i covers tokens [i*T, i*T + T].
+        buf[rows] = tokens[mine[rows, 1][:, None] * T + window[None, :]]
+        if vocab_size is not None and buf[rows].max() >= vocab_size:
+            bad_token(int(shard), mine[rows, 1], buf[rows])
+    if device is not None:
+        data = data.to(device, non_blocking=to_cuda)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
 # ---------------------------------------------------------------------------- the loader
 
 @dataclasses.dataclass(frozen=True)
@@ -285,27 +312,8 @@ class DistributedDataLoader:
         self._prefetched = _Prefetched(key, device, after, samples, self._gather(samples, device))
 
     def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = self.B, self.T
-        mine = samples[self.rank * B:(self.rank + 1) * B]
-        # torch is imported here, where batches are built, so that the driver's checks of shard
-        # headers (raygpt.config.preflight, before Ray starts) do not pay for importing it
-        import torch
-
-        to_cuda = device is not None and torch.device(device).type == "cuda"
-        # the caching host allocator does not hand this block out again before the copy is done
-        data = torch.empty((B, T + 1), dtype=torch.int64, pin_memory=to_cuda)
-        buf = data.numpy()
-        window = np.arange(T + 1, dtype=np.int64)
-        for shard in np.unique(mine[:, 0]):
-            rows = np.flatnonzero(mine[:, 0] == shard)
-            tokens = self._shard_tokens(int(shard))
-            # (rows, T+1) token offsets: sample i covers tokens [i*T, i*T + T].
-            buf[rows] = tokens[mine[rows, 1][:, None] * T + window[None, :]]
-            if self.vocab_size is not None and buf[rows].max() >= self.vocab_size:
-                self._bad_token(int(shard), mine[rows, 1], buf[rows])
-        if device is not None:
-            data = data.to(device, non_blocking=to_cuda)
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        return gather(samples[self.rank * self.B:(self.rank + 1) * self.B], self.T, device,
+                      self._shard_tokens, self.vocab_size, self._bad_token)
 
     def _bad_token(self, shard: int, samples: np.ndarray, window: np.ndarray) -> None:
         """ShardError (bad input, never retried) naming the shard, the sample, the token id."""
@@ -365,6 +373,29 @@ class DistributedDataLoader:
     def open_shards(self) -> int:
         """Shards mapped right now (at most `max_open_shards`)."""
         return len(self._tokens)
+
+    def seek(self, epoch: int, shard_pos: int, sample_pos: int) -> None:
+        """Move the cursor to sample_pos of the shard_pos-th shard of epoch `epoch` (how a
+        mixture restores each source's cursor: raygpt.data.mixture); ValueError naming the
+        field out of this loader's range, with nothing changed."""
+        where = f"loader state for {self.pattern!r}"
+        if not (isinstance(epoch, int) and epoch >= 0):
+            raise ValueError(f"{where}: epoch: expected an integer >= 0, found {epoch!r}")
+        if not (isinstance(shard_pos, int) and 0 <= shard_pos < self.num_shards):
+            raise ValueError(f"{where}: shard_pos: expected an integer in [0, {self.num_shards}), "
+                             f"found {shard_pos!r}")
+        shard = int(shard_order(self.seed, epoch, self.num_shards, self.should_shuffle)[shard_pos])
+        n = int(self.num_samples[shard])
+        if not (isinstance(sample_pos, int) and 0 <= sample_pos <= n):
+            raise ValueError(f"{where}: sample_pos: expected an integer in [0, {n}] (samples of "
+                             f"{self.paths[shard]} at T={self.T}), found {sample_pos!r}")
+        self._set_cursor(epoch, shard_pos, sample_pos)
+        self.last_global_samples = np.zeros((0, 2), dtype=np.int64)
+
+    def report(self) -> dict | None:
+        """What the loss history records of the data at a step beyond the tokens: nothing for
+        one glob (a mixture's tokens per source and its sources' new epochs: data.mixture)."""
+        return None
 
     # ------------------------------------------------------------------ skip list
     @property

@@ -243,7 +243,15 @@ def data_fingerprint(pattern: str, endpoint: str = "") -> str:
     """A cheap identity of a set of shards for checkpoint compatibility checks: sha256 over
     (basename, size, sha256 of the first MiB + the last MiB) of every shard. The first MiB holds
     the header, so a changed token count always shows. Where the shards lie (a directory, a
-    bucket) is not part of it."""
+    bucket) is not part of it. Sources mixed by weight (-i NAME=WEIGHT:GLOB): sha256 over each
+    one's name, weight and fingerprint (one source alone: its glob's)."""
+    from raygpt.config.mixture import parse
+    sources = parse(pattern)
+    if sources is not None and len(sources) > 1:
+        return hashlib.sha256("".join(f"{s.name}\t{s.weight!r}\t{data_fingerprint(s.pattern, endpoint)}\n"
+                                      for s in sources).encode()).hexdigest()
+    if sources is not None:
+        pattern = sources[0].pattern
     source = list_shards(pattern, endpoint)
     outer = hashlib.sha256()
     for i, shard in enumerate(source.shards):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from raygpt.config import ConfigError, TrainConfig, output_dir_with_endpoint, parse_args
+from raygpt.config import ConfigError, TrainConfig, mixture, output_dir_with_endpoint, parse_args
 from raygpt.config.flag_hints import shown_flags
 from raygpt.ray import capacity
 from raygpt.ray.trials import (DEFAULT_SCHEDULERS, _branch_totals, build_sweep_parser,
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None, prog: str = "raygpt sweep") -> int:
         # the sweep directory names its store's endpoint (--storage-endpoint or the AWS
         # variables) like a run's: the driver, Tune and every trial then open the same store
         base = base.with_overrides({"output_dir": output_dir_with_endpoint(
-            base.output_dir, base.storage_endpoint, data=(base.input_bin, base.input_val_bin))})
+            base.output_dir, base.storage_endpoint,
+            data=(*mixture.patterns(base.input_bin), base.input_val_bin))})
         items = space_items(ns)
         if base.resume != 1 and not (ns.address or os.environ.get("RAY_ADDRESS")):
             # this machine's Ray, not started yet: every known trial checked before importing it

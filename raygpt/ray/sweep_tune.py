@@ -184,9 +184,13 @@ def _with_endpoints(plan: SweepPlan, command_line: dict) -> SweepPlan:
     as a fresh sweep's are: the trials, on other machines, open the same store."""
     endpoint = command_line.get("storage_endpoint", "")
     base = dict(plan.base)
-    for key, flag in (("input_bin", "-i/--input-bin"), ("input_val_bin", "-j/--input-val-bin")):
-        if isinstance(base.get(key), str):
-            base[key] = shards_with_endpoint(flag, base[key], endpoint)
+    from raygpt.config import mixture  # -i: one glob, or each source of a mix
+    if isinstance(base.get("input_bin"), str):
+        base["input_bin"] = mixture.with_patterns(
+            base["input_bin"], lambda flag, p: shards_with_endpoint(flag, p, endpoint))
+    if isinstance(base.get("input_val_bin"), str):
+        base["input_val_bin"] = shards_with_endpoint("-j/--input-val-bin", base["input_val_bin"],
+                                                     endpoint)
     return dataclasses.replace(plan, base=base)
 
 

@@ -8,6 +8,7 @@ writes and where each event goes:
     sample        the text            -         samples.jsonl -            -         -
     start         the header line     (resume)  start/resume  -            -         -
     skip          "SKIP" on the line  skip:1    skip event    -            -         -
+    source epoch  one line            source_epoch:1  source_epoch  -      -         -
     rewind        "REWIND" line       rewind:1  rewind event  -            -         -
     watch         one line            watch:1   watch event   -            -         -
     end           summary line        -         end           closed       -         closed
@@ -156,9 +157,14 @@ class Reporter:
         return step % self.cfg.log_every == 0 or step == self.max_steps - 1
 
     def train(self, step: int, *, loss: float, norm: float, lr: float, dt: float, verdict,
-              tokens: int, tokens_per_step: int, report_to_ray: bool, **record) -> None:
-        """A trained (or skipped) step. `record` goes to the loss history only."""
+              tokens: int, tokens_per_step: int, report_to_ray: bool, data: dict | None = None,
+              **record) -> None:
+        """A trained (or skipped) step. `record` goes to the loss history only; `data`, the
+        loader's report (a mixture's: tokens per source, the sources that began an epoch)."""
         tok_per_s = tokens_per_step / dt
+        if data is not None:
+            record["source_tokens"] = data["source_tokens"]
+            self.source_epochs(step, data["new_epochs"])
         self.logger.log_train(step, loss, lr, norm)
         self.history.train(step, loss=loss, norm=norm, lr=lr, tokens=tokens, dt=dt,
                            verdict=verdict.kind, world=self.world, **record)
@@ -184,6 +190,15 @@ class Reporter:
         self.say(format_step_line(step + 1, self.max_steps, loss, norm, lr, dt * 1000, tok_per_s,
                                   mfu, precision=cfg.precision, eta_s=eta,
                                   note="" if verdict.kind == "ok" else f"SKIP: {verdict.reason}"))
+
+    def source_epochs(self, step: int, begun: list) -> None:
+        """Sources of a mixture that drew every sample of an epoch during `step` and began
+        the next (in their own llm.c order for that epoch)."""
+        for name, epoch in begun:
+            self.history.event(step, "source_epoch", source=name, epoch=epoch)
+            self.logger.log_event(step, "source_epoch", source=name, epoch=epoch)
+            self.say(f"step {step + 1:5d} | -i {name}: every sample of epoch {epoch - 1} drawn; "
+                     f"epoch {epoch} begins")
 
     def skip(self, step: int, verdict, *, loss: float, norm: float) -> None:
         self.logger.log_event(step, "skip", reason=verdict.reason)

@@ -64,6 +64,7 @@ class RunView:
     attempts: list[dict] = field(default_factory=list)         # start and resume records
     audits: list[dict] = field(default_factory=list)
     ends: list[dict] = field(default_factory=list)
+    source_epochs: dict[str, int] = field(default_factory=dict)  # a mixed -i's source -> epoch
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)       # records of each kind, all of them
     last_time: float = 0.0                                     # newest record's time
@@ -148,6 +149,8 @@ def view_from_records(uri: str, records, checkpoints: list[CheckpointInfo] | Non
             if not keep_all and len(series) > 2 * recent:
                 for s in sorted(series)[:-recent]:
                     del series[s]
+        elif kind == "source_epoch" and _is_step(r.get("epoch")):  # the newest epoch of each
+            view.source_epochs[str(r.get("source"))] = r["epoch"]
         elif kind in _EVENT_LISTS:
             getattr(view, _EVENT_LISTS[kind]).append(
                 {**r, "at_step": last_trained} if kind == "failure" else r)

@@ -59,6 +59,7 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
             eta = f" | ETA {_human_seconds((total - step - 1) * dts / len(recent))} of training"
         lines.append(f"speed     {throughput(rec):,.0f} tok/s last step, {avg_tps:,.0f} tok/s over "
                      f"the last {len(recent)} | {rec['tokens']:,} tokens seen{eta}")
+        lines += source_lines(rec, view.source_epochs)
     else:
         lines.append("progress  no step trained yet")
 
@@ -105,6 +106,20 @@ def format_status(view: RunView, *, now: float | None = None) -> str:
             lines.append(f"          (the last {RECOVERIES_SHOWN} of {len(split)} recoveries)")
         lines += [f"          {line}" for line in split[-RECOVERIES_SHOWN:]]
     return "\n".join(printable(line) for line in lines)
+
+
+def source_lines(rec: dict, epochs: dict[str, int]) -> list[str]:
+    """A mixed -i's tokens per source at the last step, each with its share and the epoch it
+    is in (its last source_epoch record); nothing for one glob or a malformed record."""
+    tokens = rec.get("source_tokens")
+    if not (isinstance(tokens, dict) and tokens
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                    for n in tokens.values())):
+        return []
+    total = sum(tokens.values()) or 1
+    return ["sources   " + " | ".join(
+        f"{name} {n:,} tokens ({100 * n / total:.1f}%), epoch {epochs.get(str(name), 0)}"
+        for name, n in tokens.items())]
 
 
 # recoveries split into their parts on `raygpt status` (the newest; the goodput line has them all)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from raygpt.artifacts import compile_cache
 from raygpt.artifacts.compile_cache import CompileCache
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
-from raygpt.config import TrainConfig
-from raygpt.data import tokenizer
+from raygpt.config import TrainConfig, mixture as config_mixture
+from raygpt.data import mixture, tokenizer
 from raygpt.data.loader import DistributedDataLoader, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote
 from raygpt.eval.validation import build_val_loader, evaluate  # noqa: F401 (loop.evaluate)
@@ -112,7 +112,7 @@ def shard_cache(cfg: TrainConfig) -> ShardCache | None:
     """This node's cache of the shards of an s3:// or gs:// -i/-j/--eval-set (None when all
     are local, which are read in place)."""
     from raygpt.config import eval_sets
-    if not any(is_remote(p) for p in (cfg.input_bin, cfg.input_val_bin,
+    if not any(is_remote(p) for p in (*config_mixture.patterns(cfg.input_bin), cfg.input_val_bin,
                                       *eval_sets.patterns(cfg.eval_set)) if p):
         return None
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
@@ -195,7 +195,7 @@ class Run:
     compiled: "CompileCache | None"  # where the compiled graphs are cached (when compiling)
     flat: FlatParameters
     opt: AdamW
-    train_loader: DistributedDataLoader
+    train_loader: "DistributedDataLoader | mixture.MixedDataLoader"
     val_loader: DistributedDataLoader | None
     state: TrainState
     ckpt: Checkpointer
@@ -243,9 +243,9 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                 rank=rank, world=world, zero_stage=cfg.zero_stage, overlap=cfg.overlap_comm)
     mark("model_built")
     cache = shard_cache(cfg)  # shards in a bucket: fetched from here on, beside the restore
-    train_loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
-                                         shuffle=cfg.shuffle, seed=cfg.seed, cache=cache,
-                                         vocab_size=model.config.vocab_size)
+    train_loader = mixture.train_loader(cfg.input_bin, cfg.batch_size, cfg.seq_len, rank, world,
+                                        shuffle=cfg.shuffle, seed=cfg.seed, cache=cache,
+                                        vocab_size=model.config.vocab_size)  # one glob or a mix
     on_exit.callback(train_loader.close)
     validating = bool(cfg.input_val_bin) and cfg.val_every > 0
     val_loader = (build_val_loader(cfg, rank, world, cache, model.config.vocab_size)
@@ -427,7 +427,7 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         # ---------------------------------------------------------- logging
         runlog.train(step, loss=agreed.loss, norm=agreed.norm, lr=lr, dt=dt, verdict=verdict,
                      tokens=state.tokens_seen, tokens_per_step=r.tokens_per_step,
-                     report_to_ray=agreed.ray_report,
+                     report_to_ray=agreed.ray_report, data=r.train_loader.report(),
                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
                         if cfg.record_samples else {}))
         if watching:
