@@ -230,12 +230,14 @@ def create_control(name: str, timeout_s: float = 60.0):
 
 
 def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
-                  artifact_key: signed_file.ArtifactKey | None = None) -> RaygptTrainer:
+                  artifact_key: signed_file.ArtifactKey | None = None,
+                  startup: dict | None = None) -> RaygptTrainer:
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
     cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
     Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
     any extra controller callbacks. `artifact_key` reaches the workers' sessions (None: they
-    neither load nor store compiled artifacts).
+    neither load nor store compiled artifacts), `startup` (the driver's start-up marks,
+    raygpt.runlog.startup) rank 0's first start record.
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
     snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
@@ -251,7 +253,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     return RaygptTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name,
-                           "artifact_key": artifact_key},
+                           "artifact_key": artifact_key, "startup": dict(startup or {})},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
                                                   else (cfg.min_workers, cfg.num_workers)),
@@ -290,7 +292,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         plan: list[str] | None = None, callbacks: tuple = (), stop_at_step: int | None = None,
         control_name: str | None = None, lineage: str | None = None,
         what: str = "raygpt train", argv: list[str] | None = None,
-        cwd: str | None = None, artifact_key: signed_file.ArtifactKey | None = None) -> dict:
+        cwd: str | None = None, artifact_key: signed_file.ArtifactKey | None = None,
+        marks: dict | None = None) -> dict:
     """Run one training job under Ray Train and return rank 0's summary: a `raygpt train`, and
     each sweep trial and WSD stable phase (raygpt.ray.sweep) alike. `cfg` is resolved; `adapted`
     are resolve()'s notes on defaults it fitted to the data (printed and recorded). Every input
@@ -306,10 +309,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     `signed_file.load_or_create_key`). Raises ConfigError for a bad input, RunFailed once the
     run's own retry budget (cfg.max_failures) is spent or at once when a worker's error would
     only recur (`final`), RunAborted on a second Ctrl-C."""
+    marks = dict(marks or {})  # wall times of this launch's start-up (raygpt.runlog.startup)
+    marks.setdefault("cli_started", time.time())  # a sweep trial's run starts here
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
         plan = preflight.check(cfg, machine=capacity.this_machine(cfg)
                                if starts_its_own_ray(ray_address) else None)
+    marks.setdefault("checked", time.time())
     if cfg.compile and artifact_key is None:
         artifact_key = signed_file.load_or_create_key()
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
@@ -323,7 +329,9 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
                  f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan))
         for note in adapted:
             log.info(f"raygpt | adapted to the data and the machine: {note}")
+        marks["run_dir_claimed"] = time.time()
         init_ray(ray_address)
+        marks["ray_started"] = time.time()
         start_train_helpers()
         control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
@@ -332,8 +340,9 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         extra = list(callbacks)
         if stop_at_step is not None:
             extra.append(_StopAtStep(stop_at_step, control))
+        marks["helpers_started"] = time.time()
         trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra),
-                                artifact_key=artifact_key)
+                                artifact_key=artifact_key, startup=marks)
         trainer.on_sigint = driver_signals.on_sigint
         t0 = time.time()
         try:
