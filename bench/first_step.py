@@ -2,8 +2,8 @@
 run's "startup" record (raygpt.runlog.startup: the phases from the `raygpt train` process's
 start to its first step) tabulated with the median, beside two figures measured from outside:
 the wall time from launching the command to the first step's record, and the CPU seconds the
-run's processes (the driver, Ray's, the workers: the launched process's tree, sampled every
-0.2 s) used until then, which a machine shared with other work inflates less than wall time.
+run's processes (the driver, Ray's, the workers: the launched process's tree in Linux's
+/proc, sampled every 0.5 s) used until then, which a machine shared with other work inflates less than wall time.
 
     python bench/first_step.py                       # 3 runs of experiments/shakespeare.py -x 2
     python bench/first_step.py --runs 5 -- -x 2 --gpu    # flags after -- go to the command
@@ -23,8 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 REPO = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, str(REPO / "experiments" / "shakespeare.py")]
 
@@ -43,19 +41,28 @@ def startup_record(history: Path) -> dict | None:
     return None
 
 
-def tree_cpu_seconds(proc: psutil.Process, seen: dict[int, float]) -> None:
-    """Add the CPU seconds (user + system) of `proc` and its descendants to `seen`, by pid (a
-    process that has ended keeps its last sample)."""
+def _stat(pid: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds: user + system) of a process from Linux's /proc/PID/stat."""
     try:
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return
-    for p in procs:
-        try:
-            c = p.cpu_times()
-            seen[p.pid] = max(seen.get(p.pid, 0.0), c.user + c.system)
-        except psutil.Error:
-            pass
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int, seen: dict[int, float]) -> None:
+    """Add the CPU seconds of process `root` and its descendants to `seen`, by pid (a process
+    that has ended keeps its last sample)."""
+    stats = {int(pid): st for pid in os.listdir("/proc") if pid.isdigit()
+             if (st := _stat(pid)) is not None}
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in stats.items() if ppid in tree and pid not in tree}
+        tree |= more
+        grew = bool(more)
+    for pid in tree & stats.keys():
+        seen[pid] = max(seen.get(pid, 0.0), stats[pid][1])
 
 
 def one_run(args: list[str], run_dir: Path, log: Path, timeout_s: float) -> dict:
@@ -67,13 +74,12 @@ def one_run(args: list[str], run_dir: Path, log: Path, timeout_s: float) -> dict
     with open(log, "w") as out:
         proc = subprocess.Popen([*COMMAND, *args, "-o", str(run_dir)], stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO)
-        ps = psutil.Process(proc.pid)
         deadline = time.monotonic() + timeout_s
         record = None
         while record is None and proc.poll() is None and time.monotonic() < deadline:
-            tree_cpu_seconds(ps, cpu)
+            tree_cpu_seconds(proc.pid, cpu)
             record = startup_record(history)
-            time.sleep(0.2)
+            time.sleep(0.5)
         cpu_to_first_step = sum(cpu.values())
         try:
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
