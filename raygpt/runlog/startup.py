@@ -84,7 +84,7 @@ def phases(startup: dict) -> list[tuple[str, float]]:
 
 def startup_line(startup: dict) -> str:
     """The console's one line: the seconds from the process start to the first step, and each
-    phase of a tenth of a second or more."""
+    phase of a twentieth of a second or more."""
     parts = phases(startup)
     total = sum(s for _, s in parts)
     shown = [f"{label} {s:.1f}" for label, s in parts if s >= 0.05]
