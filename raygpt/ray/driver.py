@@ -35,7 +35,9 @@ worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpo
   tells a sweep's Tune not to re-run it either).
 - A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
   Train's State-API PlacementGroupCleaner is replaced by raygpt.ray.pg_cleanup's, and the driver
-  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
+  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`),
+  except for a fixed-size run on a Ray it started itself: no autoscaler, so its controller asks
+  the coordinator nothing (`RaygptTrainer.scaling_policy`) and that Ray has no dashboard.
   What of Ray's private API this needs is raygpt.ray.compat's.
 """
 
@@ -158,8 +160,17 @@ class RaygptTrainer(TrainerHooks):
     def failure_policy(self, failure_config):
         return StopOnRunStopped(failure_config)
 
+    # set for a run on a Ray it started itself, with a fixed number of workers: no autoscaler
+    # to ask for nodes (compat.FixedPolicyWithoutAutoscaler)
+    without_autoscaler = False
+
     def controller_callbacks(self) -> list:
         return [CleanupOnControllerDeath(), FinalizerDrain()]
+
+    def scaling_policy(self, policy):
+        if self.without_autoscaler and type(policy).__name__ == "FixedScalingPolicy":
+            return compat.FixedPolicyWithoutAutoscaler(scaling_config=policy.scaling_config)
+        return policy
 
 
 class RunFailed(RuntimeError):
@@ -330,9 +341,12 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         for note in adapted:
             log.info(f"raygpt | adapted to the data and the machine: {note}")
         marks["run_dir_claimed"] = time.time()
+        # a Ray of its own has no autoscaler to tell what a fixed-size run needs
+        without_autoscaler = starts_its_own_ray(ray_address) and cfg.min_workers is None
         init_ray(ray_address)
         marks["ray_started"] = time.time()
-        start_train_helpers()
+        if not without_autoscaler:
+            start_train_helpers()
         control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
         stop_requests.append(control)
@@ -344,6 +358,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra),
                                 artifact_key=artifact_key, startup=marks)
         trainer.on_sigint = driver_signals.on_sigint
+        trainer.without_autoscaler = without_autoscaler
         t0 = time.time()
         try:
             fit_or_raise(trainer, cfg, t0)
@@ -391,13 +406,18 @@ def starts_its_own_ray(address: str | None = None) -> bool:
 def init_ray(address: str | None = None) -> None:
     """Start or join Ray, unless this process already did. Without an address (the argument,
     else RAY_ADDRESS) this starts a Ray of its own (address="local"): a bare `ray.init()` would
-    join whatever cluster /tmp/ray names on this machine, perhaps another user's."""
+    join whatever cluster /tmp/ray names on this machine, perhaps another user's. One started
+    here has no dashboard (`ray start --head` and RAY_ADDRESS give a run one: docs/cluster.md)."""
     if ray.is_initialized():
         return
     # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+    # a Ray of its own starts without the dashboard, which nothing of a run uses (raygpt's
+    # placement-group cleanup asks the controller, not the State API): ten processes fewer to
+    # start beside the run's own; a joined Ray keeps whatever it was started with
+    own = {"include_dashboard": False} if address == "local" else {}
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=True, **own)
 
 
 def start_train_helpers(timeout_s: float = 120.0) -> None:
