@@ -414,8 +414,8 @@ def init_ray(address: str | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     # a Ray of its own starts without the dashboard, which nothing of a run uses (raygpt's
-    # placement-group cleanup asks the controller, not the State API): ten processes fewer to
-    # start beside the run's own; a joined Ray keeps whatever it was started with
+    # placement-group cleanup asks the controller, not the State API): its nine module
+    # processes are not started beside the run's own; a joined Ray keeps what it started with
     own = {"include_dashboard": False} if address == "local" else {}
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=True, **own)
 

@@ -25,7 +25,7 @@ CHAIN = (
     ("driver.process_started", None),
     ("driver.cli_started", "python and raygpt's imports"),
     ("driver.checked", "config and preflight"),
-    ("driver.run_dir_claimed", "run directory claimed"),
+    ("driver.run_dir_claimed", "Ray Train imported, run directory claimed"),
     ("driver.ray_started", "Ray started"),
     ("driver.helpers_started", "Ray Train's helpers and the control actor"),
     ("group_up", "trainer, controller and worker processes up"),
