@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from raygpt import __version__
 from raygpt.storage.atomic_file import RefusedPath
 from raygpt.config import (EXIT_CODES, ConfigError, FlagParser, absolute_paths, build_parser,
                            parse_args)
 from raygpt.ray import capacity
+from raygpt.runlog.startup import process_started
 from raygpt.runlog.terminal import printable, printable_lines
 
 COMMANDS = {
@@ -46,6 +48,8 @@ def _train(argv: list[str]) -> int:
         build_parser("raygpt train").print_help()
         return 0
     adapted: list[str] = []
+    # the launch's start-up, as wall times (raygpt.runlog.startup): the driver adds its own
+    marks = {"process_started": process_started(), "cli_started": time.time()}
     try:
         cfg = absolute_paths(parse_args(argv))  # the workers' working directory is not this one
         gpus, cpus = _cluster_capacity()
@@ -56,11 +60,12 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return 2
+    marks["checked"] = time.time()
     from raygpt.ray.driver import RunAborted, RunFailed, run
     from raygpt.train.errors import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_STOPPED
 
     try:
-        summary = run(cfg, adapted=adapted, plan=plan)
+        summary = run(cfg, adapted=adapted, plan=plan, marks=marks)
     except (ConfigError, RefusedPath) as e:  # RefusedPath: a link planted in the run directory
         print(f"raygpt: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

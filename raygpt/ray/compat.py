@@ -176,6 +176,28 @@ def _preemption_watcher_callback():
     return PreemptionWatcherCallback
 
 
+def _fixed_policy_without_autoscaler():
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+    class FixedPolicyWithoutAutoscaler(FixedScalingPolicy):
+        """Ray Train's fixed-size scaling policy, without its resource requests to Ray Data's
+        AutoscalingCoordinator: they tell a cluster's autoscaler what to add, and a Ray that the
+        run started on this machine has none, so the coordinator (an actor process importing
+        Ray Data) would be started for nothing. Checked on Ray 2.60.0."""
+
+        def after_controller_start(self, train_run_context) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _cancel_resource_request(self) -> None:
+            pass
+
+    FixedPolicyWithoutAutoscaler.__module__ = __name__
+    return FixedPolicyWithoutAutoscaler
+
+
 def _trainer_hooks():
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
@@ -186,8 +208,9 @@ def _trainer_hooks():
         """TorchTrainer with three of its private methods overridden, each turned into a public
         hook a subclass fills in (raygpt.ray.driver.RaygptTrainer):
 
-        - `_initialize_and_run_controller` receives the failure policy it ships to the
-          controller: `failure_policy(failure_config)` replaces it;
+        - `_initialize_and_run_controller` receives the failure and scaling policies it ships
+          to the controller: `failure_policy(failure_config)` replaces the first, and
+          `scaling_policy(policy)` may replace the second;
         - `_create_default_callbacks` lists the controller's callbacks: Ray's
           PlacementGroupCleaner is dropped (it polls the State API, which needs a dashboard and
           a single Ray on the machine; raygpt.ray.pg_cleanup does its job), and so is Ray's
@@ -207,9 +230,14 @@ def _trainer_hooks():
         def controller_callbacks(self) -> list:
             return []
 
+        def scaling_policy(self, policy):
+            return policy
+
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = self.failure_policy(
                 self.run_config.failure_config)
+            controller_init_kwargs["scaling_policy"] = self.scaling_policy(
+                controller_init_kwargs["scaling_policy"])
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
         def _create_default_callbacks(self):
@@ -237,6 +265,7 @@ _RESOLVERS = {
     "TrainingResultState": _training_result_state,
     "PreemptionWatcherCallback": _preemption_watcher_callback,
     "TrainerHooks": _trainer_hooks,
+    "FixedPolicyWithoutAutoscaler": _fixed_policy_without_autoscaler,
 }
 
 

@@ -35,7 +35,9 @@ worker runs is raygpt.ray.worker's; the checkpoints' Ray side raygpt.ray.checkpo
   tells a sweep's Tune not to re-run it either).
 - A normal run prints no error-level line and no traceback from Ray's helper actors: Ray
   Train's State-API PlacementGroupCleaner is replaced by raygpt.ray.pg_cleanup's, and the driver
-  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`).
+  starts the AutoscalingCoordinator before the controller's 5 s request (`start_train_helpers`),
+  except for a fixed-size run on a Ray it started itself: no autoscaler, so its controller asks
+  the coordinator nothing (`RaygptTrainer.scaling_policy`) and that Ray has no dashboard.
   What of Ray's private API this needs is raygpt.ray.compat's.
 """
 
@@ -57,7 +59,7 @@ from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
 from raygpt.config import preflight
 from raygpt.model.memory import estimate_for, out_of_memory_line
-from raygpt.ray import capacity, memory_kill, ray_logs
+from raygpt.ray import capacity, compat, memory_kill, ray_logs
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
@@ -154,8 +156,17 @@ class RaygptTrainer(TrainerHooks):
     def failure_policy(self, failure_config):
         return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),))
 
+    # set for a run on a Ray it started itself, with a fixed number of workers: no autoscaler
+    # to ask for nodes (compat.FixedPolicyWithoutAutoscaler)
+    without_autoscaler = False
+
     def controller_callbacks(self) -> list:
         return [CleanupOnControllerDeath(), FinalizerDrain(), memory_kill.QuietMemoryKills()]
+
+    def scaling_policy(self, policy):
+        if self.without_autoscaler and type(policy).__name__ == "FixedScalingPolicy":
+            return compat.FixedPolicyWithoutAutoscaler(scaling_config=policy.scaling_config)
+        return policy
 
 
 class RunFailed(RuntimeError):
@@ -235,12 +246,14 @@ def create_control(name: str, timeout_s: float = 60.0):
 
 
 def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
-                  artifact_key: signed_file.ArtifactKey | None = None) -> RaygptTrainer:
+                  artifact_key: signed_file.ArtifactKey | None = None,
+                  startup: dict | None = None) -> RaygptTrainer:
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
     cfg.num_workers workers (a (min, max) range when elastic), FailureConfig from the config,
     Ray keeping every checkpoint (raygpt's retention deletes), the DONE/MANIFEST finalizer and
     any extra controller callbacks. `artifact_key` reaches the workers' sessions (None: they
-    neither load nor store compiled artifacts).
+    neither load nor store compiled artifacts), `startup` (the driver's start-up marks,
+    raygpt.runlog.startup) rank 0's first start record.
 
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
     snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
@@ -256,7 +269,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     trainer = RaygptTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "control_name": control_name,
-                           "artifact_key": artifact_key},
+                           "artifact_key": artifact_key, "startup": dict(startup or {})},
         torch_config=RaygptTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(cfg.num_workers if cfg.min_workers is None
                                                   else (cfg.min_workers, cfg.num_workers)),
@@ -299,7 +312,8 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         plan: list[str] | None = None, callbacks: tuple = (), stop_at_step: int | None = None,
         control_name: str | None = None, lineage: str | None = None,
         what: str = "raygpt train", argv: list[str] | None = None,
-        cwd: str | None = None, artifact_key: signed_file.ArtifactKey | None = None) -> dict:
+        cwd: str | None = None, artifact_key: signed_file.ArtifactKey | None = None,
+        marks: dict | None = None) -> dict:
     """Run one training job under Ray Train and return rank 0's summary: a `raygpt train`, and
     each sweep trial and WSD stable phase (raygpt.ray.sweep) alike. `cfg` is resolved; `adapted`
     are resolve()'s notes on defaults it fitted to the data (printed and recorded). Every input
@@ -315,10 +329,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
     `signed_file.load_or_create_key`). Raises ConfigError for a bad input, RunFailed once the
     run's own retry budget (cfg.max_failures) is spent or at once when a worker's error would
     only recur (`final`), RunAborted on a second Ctrl-C."""
+    marks = dict(marks or {})  # wall times of this launch's start-up (raygpt.runlog.startup)
+    marks.setdefault("cli_started", time.time())  # a sweep trial's run starts here
     cfg = absolute_paths(cfg)  # the workers' working directory is not this process's
     if plan is None:  # a Ray this run starts itself holds only this machine's GPUs and CPUs
         plan = preflight.check(cfg, machine=capacity.this_machine(cfg)
                                if starts_its_own_ray(ray_address) else None)
+    marks.setdefault("checked", time.time())
     if cfg.compile and artifact_key is None:
         artifact_key = signed_file.load_or_create_key()
     stop_requests: list = []  # the control actor, once there is one; the lease may be lost before
@@ -332,8 +349,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
                  f"T={cfg.seq_len} | {cfg.total_batch_size:,} tokens/step | " + " | ".join(plan))
         for note in adapted:
             log.info(f"raygpt | adapted to the data and the machine: {note}")
+        marks["run_dir_claimed"] = time.time()
+        # a Ray of its own has no autoscaler to tell what a fixed-size run needs
+        without_autoscaler = starts_its_own_ray(ray_address) and cfg.min_workers is None
         init_ray(ray_address)
-        start_train_helpers()
+        marks["ray_started"] = time.time()
+        if not without_autoscaler:
+            start_train_helpers()
         control_name = control_name or f"raygpt-control-{os.getpid()}-{time.time_ns()}"
         control = create_control(control_name)
         stop_requests.append(control)
@@ -341,9 +363,11 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         extra = list(callbacks)
         if stop_at_step is not None:
             extra.append(_StopAtStep(stop_at_step, control))
+        marks["helpers_started"] = time.time()
         trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra),
-                                artifact_key=artifact_key)
+                                artifact_key=artifact_key, startup=marks)
         trainer.on_sigint = driver_signals.on_sigint
+        trainer.without_autoscaler = without_autoscaler
         t0 = time.time()
         try:
             fit_or_raise(trainer, cfg, t0)
@@ -391,7 +415,8 @@ def starts_its_own_ray(address: str | None = None) -> bool:
 def init_ray(address: str | None = None) -> None:
     """Start or join Ray, unless this process already did. Without an address (the argument,
     else RAY_ADDRESS) this starts a Ray of its own (address="local"): a bare `ray.init()` would
-    join whatever cluster /tmp/ray names on this machine, perhaps another user's."""
+    join whatever cluster /tmp/ray names on this machine, perhaps another user's. One started
+    here has no dashboard (`ray start --head` and RAY_ADDRESS give a run one: docs/cluster.md)."""
     if ray.is_initialized():
         return
     # each worker's output once (Ray's dedup would fold the per-step lines of rank 0)
@@ -402,7 +427,11 @@ def init_ray(address: str | None = None) -> None:
         # Ray's memory monitor kills one worker at a time (its default since 2.56 kills several,
         # and took the run's controller with them: nothing was left to restart the group)
         os.environ.setdefault("RAY_worker_killing_policy_by_group", "true")
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+    # a Ray of its own starts without the dashboard, which nothing of a run uses (raygpt's
+    # placement-group cleanup asks the controller, not the State API): its nine module
+    # processes are not started beside the run's own; a joined Ray keeps what it started with
+    own = {"include_dashboard": False} if address == "local" else {}
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=True, **own)
     ray_logs.open_session_log()
 
 

@@ -23,6 +23,7 @@ from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.checkpointing import protocol as ck
 from raygpt.config import TrainConfig
 from raygpt.ray import checkpoints, compat
+from raygpt.runlog.startup import process_started
 from raygpt.storage import open_run_dir
 from raygpt.train import signals
 from raygpt.train.errors import RunStopped, stop_code
@@ -55,7 +56,8 @@ class RunControl:
 
 class RaySession(Session):
     def __init__(self, cfg: TrainConfig, control_name: str | None,
-                 artifact_key: ArtifactKey | None = None):
+                 artifact_key: ArtifactKey | None = None, driver_marks: dict | None = None):
+        self.driver_marks = driver_marks or {}  # the launch's start-up on the driver
         self.artifact_key = artifact_key  # the driver's (train_loop_config), never the run dir's
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
@@ -128,7 +130,12 @@ class RaySession(Session):
         return None if self._checkpoint is None else f"restarted by Ray from {self._checkpoint.path}"
 
     def startup_marks(self) -> dict[str, float]:
-        return {**_STARTUP_MARKS, "setup": {**_process_marks(), **_WORKER_MARKS}}
+        marks = {**_STARTUP_MARKS, "setup": {**_process_marks(), **_WORKER_MARKS}}
+        # the driver's marks belong to the launch's first worker group only (a restarted
+        # group's start-up is the recovery ledger's)
+        if self.driver_marks and _STARTUP_MARKS.get("group") == 1:
+            marks["driver"] = dict(self.driver_marks)
+        return marks
 
 
 def train_func(config: dict) -> None:
@@ -144,7 +151,7 @@ def train_func(config: dict) -> None:
     compat.quiet_report_log()
     try:
         summary = train(cfg, RaySession(cfg, config.get("control_name"),
-                                        config.get("artifact_key")))
+                                        config.get("artifact_key"), config.get("startup")))
     except Exception as e:
         code = stop_code(e)  # classified here, where the exception still has its cause
         if code is None:
@@ -165,17 +172,10 @@ _WORKER_MARKS: dict[str, float] = {}
 
 
 def _process_marks() -> dict[str, float]:
-    """{"process_started": wall time this worker process was created} (Linux's /proc: field 22
-    of /proc/self/stat is its start in clock ticks after boot, /proc/uptime the time since
-    boot now), {} where /proc is not there."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return {}
-    return {"process_started": time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))}
+    """{"process_started": wall time this worker process was created}, {} where /proc is not
+    there (raygpt.runlog.startup.process_started)."""
+    started = process_started()
+    return {} if started is None else {"process_started": started}
 
 
 def _note_startup_marks(marks: dict) -> None:
@@ -198,7 +198,8 @@ class _Backend(compat.TorchBackend):
 
     def on_start(self, worker_group, backend_config):
         # called once the group's actors are up and ready; the process group forms inside it
-        self._marks = {"group_up": time.time()}
+        self._groups = getattr(self, "_groups", 0) + 1  # this fit's worker groups, 1 first
+        self._marks = {"group_up": time.time(), "group": self._groups}
         super().on_start(worker_group, backend_config)
         self._marks["process_group"] = time.time()
 

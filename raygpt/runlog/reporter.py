@@ -31,6 +31,7 @@ from raygpt.runlog.eta import Eta, due_steps
 from raygpt.runlog.history import RunHistory, read_history
 from raygpt.runlog.mainlog import Logger
 from raygpt.runlog.mfu import estimate_mfu
+from raygpt.runlog.startup import phases as startup_phases, startup_line
 from raygpt.runlog.tensorboard import TensorBoardWriter
 from raygpt.runlog.tracking import Trackers
 
@@ -44,6 +45,9 @@ class Reporter:
         self.rank, self.world = session.rank, session.world
         self.is_main = self.rank == 0
         self.model_config, self.n_params = model_config, n_params
+        # this launch's start-up marks until the first step, when they become its "startup"
+        # record and line (raygpt.runlog.startup); None once written, or for a restarted group
+        self._startup = dict(startup) if startup and "driver" in startup else None
         self.history = RunHistory(session.run_dir, cfg, enabled=self.is_main)
         self.attempt = self.history.begin_attempt(resumed_from, session.failure_note(),
                                                   max_steps=max_steps, startup=startup)
@@ -92,6 +96,7 @@ class Reporter:
             for task in tasks:
                 self.eta.schedule(task.name, due_steps(task.due, resumed_from or 0,
                                                        self.max_steps))
+        self._mark_startup("loop_started")
         self.say(f"raygpt | {cfg.model}: {self.n_params:,} parameters | {world} x "
                  f"{self.session.device_name} | {cfg.precision} | B={cfg.batch_size} "
                  f"T={cfg.seq_len} grad_accum={grad_accum} | {tokens_per_step:,} tokens/step | "
@@ -112,6 +117,7 @@ class Reporter:
     def val(self, step: int, val_loss: float, *, skips: int, rewinds: int) -> None:
         self.logger.log_val(step, val_loss)
         self.history.val(step, val_loss)
+        self._mark_startup("first_val_done")
         self.tb.val(step, val_loss)
         self.say(f"step {step:5d} | val loss {val_loss:.6f}")
         self.session.report_metrics({"step": step, "val_loss": val_loss, "skips": skips,
@@ -168,6 +174,12 @@ class Reporter:
         self.logger.log_train(step, loss, lr, norm)
         self.history.train(step, loss=loss, norm=norm, lr=lr, tokens=tokens, dt=dt,
                            verdict=verdict.kind, world=self.world, **record)
+        if self._startup is not None:
+            self._mark_startup("first_step_done")
+            self.history.event(step, "startup", marks=self._startup,
+                               phases=dict(startup_phases(self._startup)))
+            self.say(startup_line(self._startup))
+            self._startup = None
         self.tb.train(step, loss=loss, lr=lr, norm=norm, tok_per_s=tok_per_s)
         now = time.perf_counter()
         if self._compile_started is not None:
@@ -199,6 +211,11 @@ class Reporter:
             self.logger.log_event(step, "source_epoch", source=name, epoch=epoch)
             self.say(f"step {step + 1:5d} | -i {name}: every sample of epoch {epoch - 1} drawn; "
                      f"epoch {epoch} begins")
+
+    def _mark_startup(self, name: str) -> None:
+        """The first time of `name` in this launch's start-up (raygpt.runlog.startup.CHAIN)."""
+        if self._startup is not None:
+            self._startup.setdefault(name, time.time())
 
     def skip(self, step: int, verdict, *, loss: float, norm: float) -> None:
         self.logger.log_event(step, "skip", reason=verdict.reason)

@@ -233,7 +233,9 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     resume_read = ResumeRead(cfg, session.run_dir, rank, world) if resuming else None
     # a run that may resume draws GPT-2's init only if no checkpoint is found (after the restore)
     init_later = cfg.depth is not None and resuming
-    model = build_model(cfg, device, init=not init_later)
+    # a fresh init is rank 0's alone: the broadcast below gives it to every other rank, which
+    # would only draw the same values (seconds of one CPU thread beside rank 0's, on its cores)
+    model = build_model(cfg, device, init=not init_later and rank == 0)
     mark("weights_built")
     work_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     flat = FlatParameters(model, device, work_dtype, pad_multiple=world)
@@ -269,7 +271,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
     restore_started = time.time()
     resumed_from = ckpt.restore_latest(state, train_loader)  # llm.c's resume order inside
     if init_later and resumed_from is None:  # nothing to resume: the init a fresh run draws
-        model.init_gpt2(cfg.seed)  # into the flat buffer's views, as FlatParameters copies it
+        if rank == 0:  # into the flat buffer's views, as FlatParameters copies it
+            model.init_gpt2(cfg.seed)
         if world > 1:
             dist.broadcast(flat.params, src=0)
         opt.take_master_from_params()

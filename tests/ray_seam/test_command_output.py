@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import RAY_LOG_LINE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,3 +93,48 @@ def test_every_run_gets_raygpts_preemption_watcher_in_place_of_rays(monkeypatch)
         assert os.environ[driver.RAY_PREEMPTION_WATCHER_ENV] == "0"
     monkeypatch.setattr(driver, "_USER_PREEMPTION_WATCHER", "0")
     assert driver.preemption_callbacks() == []
+
+
+def test_a_fixed_size_run_on_its_own_ray_sends_no_autoscaler_requests(tmp_path, monkeypatch):
+    """On a Ray the run started itself (no autoscaler) a fixed-size run's controller sends Ray
+    Data's AutoscalingCoordinator nothing, so no coordinator actor is started; on a joined Ray,
+    or an elastic run, Ray Train's own policy is kept."""
+    from ray.train.v2._internal.execution.scaling_policy import fixed, scaling_policy
+
+    from raygpt.ray import compat, driver
+    from tests.helpers import tiny_config
+
+    def no_coordinator(*args, **kwargs):
+        raise AssertionError("the AutoscalingCoordinator was asked")
+
+    monkeypatch.setattr(scaling_policy, "TrainAutoscalingCoordinatorClient", no_coordinator)
+    trainer = driver.build_trainer(tiny_config(tmp_path / "run").resolve(0), control_name="c")
+    ray_policy = fixed.FixedScalingPolicy(trainer.scaling_config)
+    assert trainer.scaling_policy(ray_policy) is ray_policy  # the default: Ray Train's
+    trainer.without_autoscaler = True
+    policy = trainer.scaling_policy(ray_policy)
+    assert type(policy) is compat.FixedPolicyWithoutAutoscaler
+    assert policy.scaling_config is trainer.scaling_config
+    policy.after_controller_start(None)  # Ray Train's would register the run's resources
+    policy._maybe_send_resource_request()
+    policy._cancel_resource_request()
+    elastic = object()  # any other policy (the elastic one queries the coordinator) is kept
+    assert trainer.scaling_policy(elastic) is elastic
+    with pytest.raises(AssertionError, match="AutoscalingCoordinator was asked"):
+        ray_policy.after_controller_start(type("Ctx", (), {"run_id": "r"})())
+
+
+def test_a_ray_of_its_own_starts_without_the_dashboard_and_a_joined_one_is_asked_nothing(
+        monkeypatch):
+    from raygpt.ray import driver
+
+    calls = []
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver.ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    driver.init_ray()
+    driver.init_ray("ray://head:10001")
+    assert calls == [{"address": "local", "ignore_reinit_error": True, "log_to_driver": True,
+                      "include_dashboard": False},
+                     {"address": "ray://head:10001", "ignore_reinit_error": True,
+                      "log_to_driver": True}]

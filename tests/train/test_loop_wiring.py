@@ -749,12 +749,13 @@ def test_compile_scope_blocks_compiles_each_block_and_keeps_the_model(monkeypatc
 
 def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
     """What a second rank of three builds (the process group's broadcast stood in for: the test is one
-    process): padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
+    process): no GPT-2 init of its own (rank 0's is broadcast), padded flat buffers, its loader shard, its ZeRO-1 optimizer shard, and no save
     clock of its own (only rank 0's wall clock may ask for a checkpoint), and with
     --overlap-comm the gradient reduction overlapped with backward and the gather with forward."""
-    broadcasts = []
+    broadcasts, inits = [], []
     monkeypatch.setattr(loop.dist, "broadcast", lambda t, src: broadcasts.append((t, src)))
     monkeypatch.setattr(loop.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(GPT, "init_gpt2", lambda self, seed: inits.append(seed))
 
     class Rank1(LocalSession):
         rank, world = 1, 3
@@ -764,6 +765,7 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
     with contextlib.ExitStack() as on_exit, signals.handlers_restored():
         r = loop.build_run(cfg, Rank1(open_run_dir(str(tmp_path)), torch.device("cpu")), on_exit)
         assert [(t is r.flat.params, src) for t, src in broadcasts] == [(True, 0)]
+        assert inits == []  # rank 0's init arrives by that broadcast: none drawn here
         assert r.flat.num_parameters % 3 != 0 and r.flat.params.numel() % 3 == 0  # padded
         assert (r.opt.rank, r.opt.world, r.opt.zero_stage) == (1, 3, 1)
         assert (r.train_loader.rank, r.train_loader.world) == (1, 3)
