@@ -17,6 +17,7 @@ COMMAND_OUTPUT = {
     "raygpt/ray/prepare.py": {"main"},                        # raygpt prepare's shard list
     "raygpt/runlog/compact.py": {"compact_main"},             # raygpt compact's report
     "raygpt/interop/trained.py": {"export_main", "sample_main", "eval_main"},  # export, sample, eval
+    "raygpt/tools/local_s3.py": {"main"},                     # the bucket's environment, a command
 }
 
 
