@@ -95,10 +95,10 @@ def test_status_and_plot_read_json_only_never_tunes_pickles(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (f"sweep {d} | mode grid | 2 trial(s): 1 done, 1 stopped "
                       f"(as of now: no results.txt yet)")
-    assert out[2].split() == ["1", "trial_000", "done", "scheduler=cosine", "2.0000", "12", "1",
-                              "0", "0"]
-    assert out[3].split() == ["2", "trial_001", "stopped", "scheduler=wsd", "3.2000", "8", "0",
-                              "0", "1"]
+    assert out[2].split() == ["1", "trial_000", "done", "scheduler=cosine", "2.0000", "12", "12",
+                              "1", "0", "0"]
+    assert out[3].split() == ["2", "trial_001", "stopped", "scheduler=wsd", "3.2000", "8", "8",
+                              "0", "0", "1"]
     pytest.importorskip("matplotlib")
     assert cli_main(["plot", str(d), "-o", str(tmp_path / "p.png")]) == 0
     assert capsys.readouterr().out.strip() == f"raygpt plot: wrote {tmp_path / 'p.png'} (2 trial(s))"
