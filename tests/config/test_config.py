@@ -168,7 +168,7 @@ def test_help_follows_the_docstring(monkeypatch):
             docs["seed"] = "A seed for everything random."
         return docs
 
-    monkeypatch.setattr(config, "field_docs", edited)
+    monkeypatch.setattr(config.command_line, "field_docs", edited)
     assert "A seed for everything random. (default: 1337)" in " ".join(
         config.build_parser().format_help().split())
 
@@ -388,7 +388,7 @@ def test_what_a_file_may_set_is_each_knobs_declaration():
         kind: str = config.knob("a", section="run", choices=("a", "b"))
         rate: float = config.knob(1.0, section="optimizer")
 
-    allowed = {f.name: config._from_file(f) for f in dataclasses.fields(Probe)}
+    allowed = {f.name: config.knobs._from_file(f) for f in dataclasses.fields(Probe)}
     assert allowed == {"text": False, "data": True, "arms": False, "kind": True, "rate": True}
 
 
