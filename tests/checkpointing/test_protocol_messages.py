@@ -17,6 +17,8 @@ import tempfile
 import pytest
 
 from raygpt.checkpointing import finalize, retention
+from raygpt.checkpointing.retention import RetentionPolicy
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.protocol import (MANIFEST, CheckpointError, WorldSizeMismatch,
                                            done_file, model_file, state_file, step_dir)
@@ -497,24 +499,24 @@ def test_retention_keeps_multiples_of_keep_every_only_when_positive():
 
 @pytest.mark.parametrize("decay_start, kept", [(25, {20, 40}), (20, {20, 40}), (5, {40}),
                                                (None, {40})])
-def test_apply_retention_deletes_all_but_the_kept_and_protects_the_last_before_decay(
+def test_retain_deletes_all_but_the_kept_and_protects_the_last_before_decay(
         rd, decay_start, kept):
     for s in (10, 20, 30, 40):
         make_checkpoint(rd, s)
-    doomed = retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0,
-                                     "wsd_decay_start": decay_start})
+    doomed = CheckpointStore(rd).retain(RetentionPolicy(keep_last=1, keep_every=0,
+                                                        wsd_decay_start=decay_start))
     assert doomed == sorted({10, 20, 30, 40} - kept)
     assert set(ck.list_checkpoint_steps(rd)) == kept
 
 
-def test_apply_retention_never_deletes_the_newest_complete_one(rd):
+def test_retain_never_deletes_the_newest_complete_one(rd):
     for s in (10, 20):
         make_checkpoint(rd, s)
     rd.makedirs(step_dir(30))  # newer, incomplete (being written)
-    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert CheckpointStore(rd).retain(RetentionPolicy(keep_last=1)) == [10]
     assert ck.list_checkpoint_steps(rd) == [20, 30]
-    assert retention.apply_retention(open_run_dir(rd.uri() + "-empty"), {"keep_last": 1,
-                                                                  "keep_every": 0}) == []
+    assert CheckpointStore(open_run_dir(rd.uri() + "-empty")).retain(
+        RetentionPolicy(keep_last=1)) == []
 
 
 # ---------------------------------------------------------------------- finalize
@@ -802,7 +804,7 @@ def test_retention_keeps_the_newest_complete_one_without_hashing_or_warning(rd, 
     rd.makedirs(step_dir(30))  # newer, incomplete
     logged = []
     monkeypatch.setattr(ck.log, "warning", logged.append)
-    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert CheckpointStore(rd).retain(RetentionPolicy(keep_last=1)) == [10]
     assert logged == []
 
 
