@@ -115,6 +115,9 @@ class Checkpointer:
         self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
+        # the checkpoint the state was last loaded from (a resume, a rewind): it exists, so
+        # the loop does not write it again at that step
+        self.loaded_step: int | None = None
         self._stage_root: Path | None = None  # private to this user and run (made at first save)
         # the tensors' copy at a checkpoint's step, into host buffers pinned from now on beside
         # the build and the restore; every write to those tensors waits for the copy first
@@ -133,8 +136,9 @@ class Checkpointer:
     def stall_seconds(self) -> float:
         return sum(s for _, s in self.stalls)
 
-    def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
-        if step == 0 or step == resumed_from:
+    def due(self, step: int, last_step: bool) -> bool:
+        """-n's schedule and the last step; never step 0 or the step just loaded."""
+        if step == 0 or step == self.loaded_step:
             return False
         return last_step or (self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0)
 
@@ -358,6 +362,7 @@ class Checkpointer:
             before = newest
         self.marks["ranks_agreed"] = time.time()
         self.load(step, state, loader, files=files, manifest=manifest)
+        self.loaded_step = step
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
@@ -551,6 +556,7 @@ class Checkpointer:
         self.trajectory = uuid.uuid4().hex
         self.published = [s for s in self.published if s <= step]
         self.load(step, state, loader)
+        self.loaded_step = step
         state.ledger.load_state_dict(ledger)
         loader.add_skip_ranges(skips)
         state.spike_samples = []
