@@ -2,7 +2,9 @@
 
     protocol.py    the protocol: names (step_XXXXXXXX, step_of_dir), DONE and MANIFEST, the one
                    completeness check (verify_checkpoint: quick, or full with hashes), resume
-                   selection, abandoned trajectories, staging, copy
+                   selection, abandoned trajectories, copy
+    staging.py     the private local directories a rank writes its files in before they are
+                   stored, and the sweep of what dead processes left
     store.py       the one owner of a run's checkpoints in storage: listing, the newest complete
                    and resumable ones, commit (DONE, MANIFEST), delete, a rewind's abandon, retain
     runtime.py     the worker side: async save, restore in llm.c's order, resharding across

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing import staging
 from raygpt.checkpointing.fingerprints import compatibility, run_fingerprints
 from raygpt.checkpointing.local_copy import LocalCopies
 from raygpt.checkpointing.reading import (ResumeRead, fetch_verified, files_to_load,
@@ -56,7 +57,7 @@ from raygpt.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
-# the thread that removes the staging roots dead processes left (protocol.sweep_dead_stage_roots)
+# the thread that removes the staging roots dead processes left (staging.sweep_dead_stage_roots)
 STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
 
 
@@ -181,14 +182,14 @@ class Checkpointer:
         snap = self._host_snapshot(state, loader)
         self.stalls.append((state.step, time.perf_counter() - t0))
         if self._stage_root is None:
-            self._stage_root = ck.private_stage_root(f"r{self.rank}")
+            self._stage_root = staging.private_stage_root(f"r{self.rank}")
             # what Ray has not removed after its upload goes when this process ends
             atexit.register(shutil.rmtree, self._stage_root, True)
             # and the roots dead workers left on this node (Ray ends its workers without exit
             # handlers) go now, beside training: a root can hold whole state files
-            threading.Thread(target=ck.sweep_dead_stage_roots, args=(self._stage_root.parent,),
+            threading.Thread(target=staging.sweep_dead_stage_roots, args=(self._stage_root.parent,),
                              name=STAGE_SWEEP_THREAD, daemon=True).start()
-        stage = ck.stage_dir(self._stage_root, state.step)
+        stage = staging.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
         result["times"] = {"step": state.step, "saved": time.time()}  # checkpoint_timeline's row
         if blocking or not self.cfg.async_checkpoint:

@@ -4,9 +4,10 @@
 train_gpt2.cu: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
 (the micro-steps, one agreement collective, the outlier verdict, lr, the update) and logging.
 Each line of the step is one call to a component that decides its own policy (`build_run`
-names them: the checkpointer, the reporter, the fault plan, the signal flags), and each helper
-takes the parts it uses (`MicroSteps` for the forward and backward passes, `Agreement` for the
-collective), not the whole `Run`.
+names them: the reporter, the signal flags, and the periodic tasks of raygpt.train.loop_tasks:
+validation, HellaSwag, the sample, the checkpoint, fault drills, watch metrics, each run where
+its phase falls), and each helper takes the parts it uses (`MicroSteps` for the forward and
+backward passes, `Agreement` for the collective), not the whole `Run`.
 Everything Ray-specific (rank, device, reporting a checkpoint, the checkpoint to resume from)
 comes through `session` (see `raygpt.train.session`), so the same loop runs under Ray Train and as a
 plain single process.
