@@ -29,20 +29,19 @@ log = logging.getLogger(__name__)
 class CommitFacts:
     """What the committing side adds to rank 0's report, from the run's config: the fingerprints
     and identity a MANIFEST carries and the retention policy. The fingerprints (a few reads per
-    shard) are computed once, on first use, off Ray's controller thread."""
+    shard) are computed once, on first use, on the one thread that commits (a `FinalizeQueue`'s,
+    off Ray's controller thread). Plain data: Ray ships the finalizer to its controller."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self._prints: dict | None = None
-        self._lock = threading.Lock()
 
     def complete(self, reported: dict) -> dict:
         """finalize_checkpoint's meta: `reported` (rank 0's "step", "world_size",
         "num_parameters", "extra", "max_steps") with the config's facts and "retention"."""
         from raygpt.train.schedule import wsd_decay_start
-        with self._lock:
-            if self._prints is None:
-                self._prints = run_fingerprints(self.cfg)
+        if self._prints is None:
+            self._prints = run_fingerprints(self.cfg)
         c, steps = self.cfg, reported["max_steps"]
         policy = policy_for(keep_last=c.checkpoints_keep, keep_every=c.major_checkpoint_every,
                             checkpoint_every=c.checkpoint_every, max_steps=steps,

@@ -313,6 +313,8 @@ def test_nan_on_one_rank_rewinds_both_and_a_kill_after_the_rewind_keeps_its_deci
     assert resumes[-1]["resumed_from"] == 6
     assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
     rd = open_run_dir(str(tmp_path / "crash"))
+    # the default retention (-nk 3, -nm 4) in the driver: 2 went at 8's commit, 6 at 12's
+    assert ck.list_checkpoint_steps(rd) == [4, 8, 10, 12]
     names = snapshot_names(tmp_path / "crash")
     assert names == [ck.step_dir(s) for s in ck.list_checkpoint_steps(rd)]
     summary = go(crash.with_overrides({"resume": 1, "max_steps": 14}))  # a new controller
