@@ -57,3 +57,27 @@ def test_train_with_no_retention_flag_keeps_the_last_three_and_the_majors(tmp_pa
     text = " ".join(sh("-m", "raygpt", "train", "--help").stdout.split())
     assert "0 keeps all. Default: 3." in text
     assert "Default: the smallest multiple of -n at or above a quarter of -x" in text
+
+
+def test_the_committing_side_adds_the_configs_facts_and_policy_to_rank_0s_report(tmp_path):
+    """CommitFacts (the driver's, or the single process's): rank 0 reports only what the
+    workers know; the fingerprints, the identity and the retention policy come from the config
+    there, the policy from the run's length rank 0 reported (-x -1 is counted by the loader)."""
+    import pickle
+
+    from raygpt.checkpointing.finalize import CommitFacts
+    from raygpt.checkpointing.fingerprints import run_fingerprints
+    from raygpt.train.schedule import wsd_decay_start
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path, checkpoint_every=2).resolve(0)
+    facts = pickle.loads(pickle.dumps(CommitFacts(cfg)))  # Ray ships it to its controller
+    reported = {"step": 6, "world_size": 1, "num_parameters": 7, "max_steps": 12,
+                "extra": {"trajectory": "t"}}
+    meta = facts.complete(reported)
+    assert meta == {**run_fingerprints(cfg), "config_identity": cfg.identity(), **reported,
+                    "retention": {"keep_last": 3, "keep_every": 4, "wsd_decay_start": None}}
+    wsd = tiny_config(tmp_path, checkpoint_every=5, scheduler="wsd", checkpoints_keep=2,
+                      major_checkpoint_every=0).resolve(0)
+    assert CommitFacts(wsd).complete({**reported, "max_steps": 40})["retention"] == {
+        "keep_last": 2, "keep_every": 0, "wsd_decay_start": wsd_decay_start(40)}
