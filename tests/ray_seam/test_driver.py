@@ -268,14 +268,15 @@ def snapshot_names(run_dir) -> list[str]:
 
 
 def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
-    """-n 2 -nk 2, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
+    """-n 2 -nk 2 -nm 0, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
     follows (after each report, in the controller), the resumed controller accepts the run
     directory, and a checkpoint deleted after the last report (as a rewind does) is dropped
     from Ray's list before the next fit()."""
     full_dir, cfg, _ = uninterrupted
     run_dir = tmp_path / "keep"
     stopped = cfg.with_overrides({"output_dir": str(run_dir), "checkpoint_every": 2,
-                                  "checkpoints_keep": 2, "fault": "sigterm:rank=1,step=8"})
+                                  "checkpoints_keep": 2, "major_checkpoint_every": 0,  # no majors
+                                  "fault": "sigterm:rank=1,step=8"})
     summary = go(stopped)
     assert summary["stopped_early"] and summary["step"] == 9
     rd = open_run_dir(str(run_dir))
