@@ -158,13 +158,12 @@ def driver_bench(args) -> list[dict]:
                 metrics.append({"step": step, "raygpt_files": files})
             cfg = TrainConfig(model=f"d{args.depth}", output_dir=str(root), device="cpu",
                               num_workers=n, zero_stage=args.zero)
+            # rank 0's report; the finalizer adds the config's fingerprints and retention
             metrics[0]["raygpt_manifest"] = {
-                "step": step, "world_size": n, "num_parameters": P, "config_hash": "c" * 64,
-                "tokenizer_hash": "t", "data_hash": "d", "config_identity": cfg.identity(),
-                "extra": {"zero_stage": args.zero},
-                "retention": {"keep_last": 0, "keep_every": 0, "wsd_decay_start": None}}
+                "step": step, "world_size": n, "num_parameters": P, "max_steps": step,
+                "extra": {"zero_stage": args.zero}}
             total = sum(f["size"] for m in metrics for f in m["raygpt_files"].values())
-            fin = CheckpointFinalizer(str(root))
+            fin = CheckpointFinalizer(cfg)
             with ReadCounter() as counter:
                 r0 = rchar()
                 t0 = time.perf_counter()
@@ -196,7 +195,7 @@ def driver_bench(args) -> list[dict]:
 def _resume_reads(rd, rank: int, world: int):
     """What one rank reads to choose and verify its resume checkpoint (not the loading itself).
     Uses the checkpointer's own selection (`resume_reads`) when this checkout has it."""
-    from raygpt.checkpointing import runtime as checkpointer
+    from raygpt.checkpointing import reading as checkpointer
     if hasattr(checkpointer, "resume_reads"):
         checkpointer.resume_reads(rd, rank=rank, world=world)
         return None

@@ -1,11 +1,14 @@
-"""Finalization: a stored checkpoint made complete (every rank's file present with the size its
-rank wrote, all of it fsynced, DONE, then MANIFEST, then retention), and the queue that does it
-off the caller's thread.
+"""Finalization: a stored checkpoint made complete (the store's commit: every rank's file
+present with the size its rank wrote, all of it fsynced, DONE, then MANIFEST), then retention;
+the queue that does it off the caller's thread.
 
-Whoever knows that every rank's files are stored calls it: the Ray driver's finalizer
-(raygpt.ray.checkpoints, once Ray's controller has every rank's report) through a
-`FinalizeQueue`, or a single process after its own upload (raygpt.train.session). A checkpoint whose
-finalization fails stays without DONE/MANIFEST, and readers treat it as absent.
+Whoever knows that every rank's files are stored calls it, where the run's config is: the Ray
+driver's finalizer (raygpt.ray.checkpoints, once Ray's controller has every rank's report)
+through a `FinalizeQueue`, or a single process after its own upload (raygpt.train.session).
+Rank 0 reports only what the workers alone know (world size, parameters, the trajectory, the
+run's length in steps); `CommitFacts` adds what the config says (fingerprints, identity, the
+retention policy), computed there. A checkpoint whose finalization fails stays without
+DONE/MANIFEST, and readers treat it as absent.
 """
 
 from __future__ import annotations
@@ -13,49 +16,48 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable
 
-from raygpt.checkpointing import protocol as ck
-from raygpt.checkpointing.retention import apply_retention
+from raygpt.checkpointing.fingerprints import run_fingerprints
+from raygpt.checkpointing.retention import RetentionPolicy, policy_for
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.storage import RunDir, open_run_dir
 
 log = logging.getLogger(__name__)
 
 
-def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
-    """Make a stored checkpoint complete: DONE, then MANIFEST (atomically, last), then retention.
-    Called by whoever knows that every rank's files are durably stored: a `FinalizeQueue`'s
-    thread, fed by the Ray driver's finalizer (raygpt.ray.checkpoints) once Ray registered the
-    checkpoint, or the single process after its own upload.
+class CommitFacts:
+    """What the committing side adds to rank 0's report, from the run's config: the fingerprints
+    and identity a MANIFEST carries and the retention policy. The fingerprints (a few reads per
+    shard) are computed once, on first use, on the one thread that commits (a `FinalizeQueue`'s,
+    off Ray's controller thread). Plain data: Ray ships the finalizer to its controller."""
 
-    `rank_hashes` are what the ranks hashed while writing (every byte once, by its writer). They
-    must cover every rank's files, and storage must hold each of them with the size its rank
-    wrote; MANIFEST takes the ranks' hashes, so nothing is read back here (no cost that grows
-    with the world or the state). A corrupted upload that keeps its size is caught by the rank
-    that loads the file (`Checkpointer.restore_latest` hashes what it reads)."""
-    sdir = ck.step_dir(step)
-    trajectory = (meta.get("extra") or {}).get("trajectory")
-    hit = ck.abandoned_by(step, trajectory, ck.read_abandoned_trajectories(run_dir))
-    if hit is not None:
-        raise ck.CheckpointError(f"{run_dir.uri(sdir)}: saved on trajectory {trajectory}, which a "
-                                 f"spike rewind abandoned back to step {hit['to_step']}; not "
-                                 f"marking DONE")
-    unreported = [n for n in ck.expected_files(step, meta["world_size"]) if n not in rank_hashes]
-    if unreported:
-        raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{unreported[0]}')}: no rank reported "
-                                 f"writing it ({len(unreported)} file(s)); not marking DONE")
-    for name, h in rank_hashes.items():
-        stored = run_dir.size_of(f"{sdir}/{name}") if run_dir.exists(f"{sdir}/{name}") else None
-        if stored != h["size"]:
-            raise ck.CheckpointError(f"{run_dir.uri(f'{sdir}/{name}')}: expected {h['size']} bytes "
-                                     f"as written by its rank, found {stored}; not marking DONE")
-    # every byte durable before anything declares it complete: the rank files as stored (Ray
-    # copied them without an fsync), then their names in the step directory and the step
-    # directory's name in the run directory; DONE and MANIFEST are written atomically (fsynced)
-    run_dir.make_durable([f"{sdir}/{n}" for n in ck.published_files(run_dir, step)] + [sdir, ""])
-    ck.write_done(run_dir, step)
-    ck.write_manifest(run_dir, step, written=rank_hashes,
-                      **{k: v for k, v in meta.items() if k not in ("retention", "step")})
-    apply_retention(run_dir, meta["retention"])
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._prints: dict | None = None
+
+    def complete(self, reported: dict) -> dict:
+        """finalize_checkpoint's meta: `reported` (rank 0's "step", "world_size",
+        "num_parameters", "extra", "max_steps") with the config's facts and "retention"."""
+        from raygpt.train.schedule import wsd_decay_start
+        if self._prints is None:
+            self._prints = run_fingerprints(self.cfg)
+        c, steps = self.cfg, reported["max_steps"]
+        policy = policy_for(keep_last=c.checkpoints_keep, keep_every=c.major_checkpoint_every,
+                            checkpoint_every=c.checkpoint_every, max_steps=steps,
+                            wsd_decay_start=wsd_decay_start(steps) if c.scheduler == "wsd" else None)
+        return {**self._prints, "config_identity": c.identity(), **reported,
+                "retention": policy.as_dict()}
+
+
+def finalize_checkpoint(run_dir: RunDir, step: int, rank_hashes: dict, meta: dict) -> None:
+    """Commit a stored checkpoint (`CheckpointStore.commit`: DONE, then MANIFEST), then apply
+    the retention policy `meta["retention"]` (`CheckpointStore.retain`). A corrupted upload
+    that keeps its size is caught by the rank that loads the file (the restore hashes what it
+    reads)."""
+    store = CheckpointStore(run_dir)
+    store.commit(step, rank_hashes, meta)
+    store.retain(RetentionPolicy.from_dict(meta["retention"]))
 
 
 class FinalizeQueue:
@@ -69,13 +71,18 @@ class FinalizeQueue:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raygpt-finalize")
         self._futures: list = []
 
-    def submit(self, step: int, rank_hashes: dict, meta: dict) -> None:
+    def submit(self, step: int, rank_hashes: dict, reported: dict,
+               complete: Callable[[dict], dict]) -> None:
+        """Finalize checkpoint `step` on the queue's thread, with `complete(reported)` as its
+        meta (`CommitFacts.complete`: computed there, not on the caller's thread)."""
         self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(self._finalize, step, rank_hashes, meta))
+        self._futures.append(self._pool.submit(self._finalize, step, rank_hashes, reported,
+                                               complete))
 
-    def _finalize(self, step: int, rank_hashes: dict, meta: dict) -> None:
+    def _finalize(self, step: int, rank_hashes: dict, reported: dict, complete) -> None:
         try:
-            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes, meta)
+            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes,
+                                complete(reported))
         except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
             log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
 

@@ -7,7 +7,7 @@ still in the page cache, stay on the node under a second name). When Ray restart
 surviving node, the rank that loads a checkpoint reads its file from here instead of from
 storage (an object store or NFS for a real run) whenever the local copy has the size that the
 checkpoint's MANIFEST lists; the rank then hashes the bytes against MANIFEST's sha256 as it
-would hash bytes read from storage (`runtime.fetch_verified`), and on any difference it says so,
+would hash bytes read from storage (`reading.fetch_verified`), and on any difference it says so,
 drops the local copy and reads storage. The local copy is a cache of bytes whose hash the
 MANIFEST fixes: it can make a resume faster, never different.
 
@@ -128,7 +128,7 @@ class LocalCopies:
     def read(self, step: int, name: str, size: int) -> bytes | None:
         """The bytes of this node's local copy of file `name` of checkpoint `step` when it
         exists with `size` bytes (MANIFEST's), else None. The caller hashes them against
-        MANIFEST before using them (`runtime.fetch_verified`)."""
+        MANIFEST before using them (`reading.fetch_verified`)."""
         try:
             path = self._step_dir(step) / name
             st = os.lstat(path)

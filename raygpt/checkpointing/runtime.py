@@ -29,7 +29,6 @@ import shutil
 import threading
 import time
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,9 +36,13 @@ import numpy as np
 import torch
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.checkpointing.fingerprints import FILE_PRINTS, compatibility, run_fingerprints
+from raygpt.checkpointing import staging
+from raygpt.checkpointing.fingerprints import compatibility, run_fingerprints
 from raygpt.checkpointing.local_copy import LocalCopies
+from raygpt.checkpointing.reading import (ResumeRead, fetch_verified, files_to_load,
+                                          host_tensor, manifest_zero_stage, old_ranks_needed)
 from raygpt.checkpointing.snapshot import StateSnapshot
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.config import TrainConfig
 from raygpt.data.loader import merge_ranges
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
@@ -50,12 +53,11 @@ from raygpt.storage.atomic_file import fsync_directory
 from raygpt.storage.hashing_writer import HashingWriter
 from raygpt.train.optim import AdamW, FlatParameters, random_u32, shard_range
 from raygpt.train.outlier import rewind_target
-from raygpt.train.schedule import wsd_decay_start
 from raygpt.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
-# the thread that removes the staging roots dead processes left (protocol.sweep_dead_stage_roots)
+# the thread that removes the staging roots dead processes left (staging.sweep_dead_stage_roots)
 STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
 
 
@@ -63,144 +65,6 @@ def may_restore(cfg: TrainConfig, hint: int | None) -> bool:
     """Whether Checkpointer.restore_latest will look for a checkpoint: the surroundings restored
     one (`hint`, the session's checkpoint_hint(): a Ray restart) or the config asks (-y 1)."""
     return hint is not None or cfg.resume == 1
-
-
-def old_ranks_needed(total: int, n_old: int, zero_old: int, lo: int, hi: int) -> list[int]:
-    """The ranks of an N-rank checkpoint whose state files a rank owning [lo, hi) of the flat
-    buffers reads to reshard: rank 0 (the rank-independent state: loader, RNG, policies) and,
-    under ZeRO-1, the old ranks whose shards overlap [lo, hi); without ZeRO rank 0's full copy
-    is all there is to read."""
-    if not (zero_old == 1 and n_old > 1):
-        return [0]
-    overlap = []
-    for r in range(n_old):
-        r_lo, r_hi = shard_range(total, r, n_old, zero_old)
-        if r_lo < hi and r_hi > lo:
-            overlap.append(r)
-    return sorted({0, *overlap})
-
-
-def fetch_verified(run_dir: RunDir, step: int, manifest: dict, names: list[str],
-                   local: LocalCopies | None = None, sources: dict | None = None) -> dict:
-    """{name: bytes} for the files `names` of checkpoint `step`, read in parallel, each checked
-    against MANIFEST's size and sha256 from the bytes read (CheckpointError naming the file).
-    With `local`, a file is read from the node's local copy when there is one of MANIFEST's
-    size; one whose sha256 differs is dropped with a warning and the file read from storage.
-    `sources`, when given, gets {name: "local" | "storage"}."""
-    sdir = ck.step_dir(step)
-
-    def fetch(name: str) -> bytes:
-        entry = manifest["files"].get(name)
-        data = local.read(step, name, entry["size"]) if local is not None and entry else None
-        if data is not None:
-            try:
-                ck.verify_bytes(run_dir, step, name, data, manifest)
-                if sources is not None:
-                    sources[name] = "local"
-                return data
-            except ck.CheckpointError as e:
-                stored = run_dir.uri(f"{sdir}/{name}")
-                what = str(e).removeprefix(f"{stored}: ")  # verify_bytes names storage's file
-                log.warning(f"raygpt | WARNING: {local.where(step, name)}: this node's copy of "
-                            f"{stored} differs from MANIFEST ({what}); reading storage's")
-                local.discard(step, name)
-        data = run_dir.read_bytes(f"{sdir}/{name}")
-        ck.verify_bytes(run_dir, step, name, data, manifest)
-        if sources is not None:
-            sources[name] = "storage"
-        return data
-
-    with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
-        return dict(zip(names, pool.map(fetch, names)))
-
-
-def resume_reads(run_dir: RunDir, *, rank: int, world: int) -> dict:
-    """What rank `rank` of an unchanged world reads to choose and verify its resume checkpoint
-    (`Checkpointer.restore_latest`'s steps without a model: the newest complete checkpoint, then
-    its own state file hashed). For bench/checkpoint.py."""
-    step = ck.find_latest_verified(run_dir, hashes=False, warn=lambda m: None)
-    return fetch_verified(run_dir, step, ck.read_manifest(run_dir, step), [ck.state_file(step, rank)])
-
-
-def latest_resumable(run_dir: RunDir, decisions: list[dict], warn,
-                     before: int | None = None) -> int | None:
-    """The newest complete checkpoint (below `before`) that no rewind abandoned (a crash can
-    come between a rewind's record and its deletion of the abandoned checkpoints)."""
-    while (step := ck.find_latest_verified(run_dir, before_step=before, warn=warn,
-                                           hashes=False)) is not None:
-        trajectory = ck.read_manifest(run_dir, step).get("extra", {}).get("trajectory")
-        hit = ck.abandoned_by(step, trajectory, decisions)
-        if hit is None:
-            return step
-        warn(f"checkpoint step {step} belongs to a trajectory a spike rewind abandoned "
-             f"back to step {hit['to_step']}; passing over it")
-        before = step
-    return None
-
-
-def _host_tensor(a: np.ndarray) -> torch.Tensor:
-    """A state file's array as a CPU tensor over the same memory, to be copied from: the
-    restore reads them as read-only views of the file's bytes (torch would warn of that on
-    every resume, though nothing writes to them)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(a)
-
-
-def manifest_zero_stage(manifest: dict) -> int:
-    """The ZeRO stage the checkpoint was written with (0 for checkpoints that predate it)."""
-    return manifest.get("extra", {}).get("zero_stage", 0)
-
-
-def files_to_load(step: int, ranks: list[int], model_file: bool) -> list[str]:
-    """The files of checkpoint `step` a rank loads: the state files of `ranks` (its own, or the
-    old world's whose shards overlap its own when resharding), and the model file where the
-    weights come from it (no master weights)."""
-    return [ck.state_file(step, r) for r in ranks] + ([ck.model_file(step)] if model_file else [])
-
-
-class ResumeRead:
-    """This rank's files of the newest resumable checkpoint, read and checked against MANIFEST
-    (`fetch_verified`) on a thread started before the model is built, so that the read and the
-    sha256, which release the GIL, overlap the build. The guess is an unchanged world and ZeRO
-    stage; `Checkpointer.restore_latest` takes the bytes only when its own first candidate is the
-    same checkpoint, MANIFEST and file list, and reads the files itself otherwise (a failure here
-    is left for that read to meet and report)."""
-
-    def __init__(self, cfg: TrainConfig, run_dir: RunDir, rank: int, world: int):
-        self._args = cfg, run_dir, rank, world
-        self._got: tuple | None = None  # (step, manifest, names, files, sources)
-        self._thread = threading.Thread(target=self._read, name="raygpt-resume-read", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        cfg, run_dir, rank, world = self._args
-        try:
-            step = latest_resumable(run_dir, ck.read_abandoned_trajectories(run_dir),
-                                    warn=lambda m: None)
-            if step is None:
-                return
-            manifest = ck.read_manifest(run_dir, step)
-            if (manifest.get("world_size") != world
-                    or manifest_zero_stage(manifest) != cfg.zero_stage):
-                return  # resharding: restore_latest reads what the new layout needs
-            names = files_to_load(step, [rank], model_file=cfg.precision != "bf16")
-            sources: dict[str, str] = {}
-            files = fetch_verified(run_dir, step, manifest, names, LocalCopies(run_dir.uri()),
-                                   sources)
-            self._got = (step, manifest, names, files, sources)
-        except Exception as e:  # noqa: BLE001 - restore_latest reads again and reports it
-            log.debug(f"raygpt | rank {rank}: early read of the resume checkpoint: "
-                      f"{type(e).__name__}: {e}")
-
-    def take(self, step: int, manifest: dict, names: list[str]) -> tuple[dict, dict] | None:
-        """({name: bytes}, {name: "local" | "storage"}) when the early read got exactly these
-        files of this checkpoint, else None; the bytes are handed over once."""
-        self._thread.join()
-        got, self._got = self._got, None
-        if got is None or (got[0], got[1], got[2]) != (step, manifest, names):
-            return None
-        return got[3], got[4]
 
 
 # How long a rewind waits for the driver to complete a checkpoint this attempt reported.
@@ -238,6 +102,8 @@ class Checkpointer:
         self.marks = marks if marks is not None else {}
         self.model_config = model_config
         self.run_dir: RunDir = session.run_dir
+        self.store = CheckpointStore(self.run_dir)  # every listing and deletion goes through it
+        session.configure(cfg)  # a session that commits itself takes the config's facts from it
         self.rank, self.world = session.rank, session.world
         self.max_steps = max_steps
         self.fingerprints = run_fingerprints(cfg)
@@ -250,6 +116,9 @@ class Checkpointer:
         self.load_seconds = 0.0
         self._pending = None  # (step, stage_dir, thread, result dict)
         self.published: list[int] = []  # steps this attempt reported, on the live trajectory
+        # the checkpoint the state was last loaded from (a resume, a rewind): it exists, so
+        # the loop does not write it again at that step
+        self.loaded_step: int | None = None
         self._stage_root: Path | None = None  # private to this user and run (made at first save)
         # the tensors' copy at a checkpoint's step, into host buffers pinned from now on beside
         # the build and the restore; every write to those tensors waits for the copy first
@@ -268,8 +137,9 @@ class Checkpointer:
     def stall_seconds(self) -> float:
         return sum(s for _, s in self.stalls)
 
-    def due(self, step: int, last_step: bool, resumed_from: int | None) -> bool:
-        if step == 0 or step == resumed_from:
+    def due(self, step: int, last_step: bool) -> bool:
+        """-n's schedule and the last step; never step 0 or the step just loaded."""
+        if step == 0 or step == self.loaded_step:
             return False
         return last_step or (self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0)
 
@@ -278,35 +148,19 @@ class Checkpointer:
         """Where a rewind goes back to: `choose_rewind_target` over this attempt's published
         steps and the run directory's verified ones. Rank 0's answer is the one the loop uses
         (it broadcasts it)."""
-        def completed(step: int) -> bool:  # the protocol's quick check: DONE, MANIFEST, sizes
-            return not ck.verify_checkpoint(self.run_dir, step, hashes=False)
-
-        return choose_rewind_target(self.published, self.verified_steps, completed, spike_start,
-                                    safety_steps, wait_s)
-
-    def verified_steps(self) -> list[int]:
-        """Complete checkpoints (DONE, MANIFEST, sizes; not hashed: `load` hashes what it reads)."""
-        steps = []
-        for s in ck.list_checkpoint_steps(self.run_dir):
-            if not ck.verify_checkpoint(self.run_dir, s, hashes=False):
-                steps.append(s)
-        return steps
+        # the quick check (DONE, MANIFEST, sizes; not hashed: `load` hashes what it reads)
+        return choose_rewind_target(self.published, self.store.complete_steps,
+                                    self.store.complete, spike_start, safety_steps, wait_s)
 
     def manifest_meta(self, step: int, trajectory: str | None = None) -> dict:
+        """Rank 0's report of a checkpoint: what only the workers know (the world, the
+        parameters, the trajectory, the run's length in steps); the committing side adds the
+        config's fingerprints, identity and retention (raygpt.checkpointing.finalize.CommitFacts)."""
         c = self.cfg
-        meta = {
-            "step": step, "world_size": self.world, "num_parameters": self.flat.num_parameters,
-            "config_hash": self.fingerprints["config_hash"],
-            "tokenizer_hash": self.fingerprints["tokenizer_hash"],
-            "data_hash": self.fingerprints["data_hash"],
-            **{k: self.fingerprints[k] for k in FILE_PRINTS},
-            "config_identity": c.identity(),
-            "extra": {"zero_stage": c.zero_stage, "precision": c.precision,
-                      "model_version": 5 if c.precision == "bf16" else 3},
-            "retention": {"keep_last": c.checkpoints_keep, "keep_every": c.major_checkpoint_every,
-                          "wsd_decay_start": (wsd_decay_start(self.max_steps)
-                                              if c.scheduler == "wsd" else None)},
-        }
+        meta = {"step": step, "world_size": self.world, "num_parameters": self.flat.num_parameters,
+                "max_steps": self.max_steps,
+                "extra": {"zero_stage": c.zero_stage, "precision": c.precision,
+                          "model_version": 5 if c.precision == "bf16" else 3}}
         if trajectory is not None:
             meta["extra"]["trajectory"] = trajectory
         return meta
@@ -328,14 +182,14 @@ class Checkpointer:
         snap = self._host_snapshot(state, loader)
         self.stalls.append((state.step, time.perf_counter() - t0))
         if self._stage_root is None:
-            self._stage_root = ck.private_stage_root(f"r{self.rank}")
+            self._stage_root = staging.private_stage_root(f"r{self.rank}")
             # what Ray has not removed after its upload goes when this process ends
             atexit.register(shutil.rmtree, self._stage_root, True)
             # and the roots dead workers left on this node (Ray ends its workers without exit
             # handlers) go now, beside training: a root can hold whole state files
-            threading.Thread(target=ck.sweep_dead_stage_roots, args=(self._stage_root.parent,),
+            threading.Thread(target=staging.sweep_dead_stage_roots, args=(self._stage_root.parent,),
                              name=STAGE_SWEEP_THREAD, daemon=True).start()
-        stage = ck.stage_dir(self._stage_root, state.step)
+        stage = staging.stage_dir(self._stage_root, state.step)
         result: dict = {"trajectory": self.trajectory}  # as of the step saved
         result["times"] = {"step": state.step, "saved": time.time()}  # checkpoint_timeline's row
         if blocking or not self.cfg.async_checkpoint:
@@ -476,7 +330,7 @@ class Checkpointer:
         decisions = ck.read_abandoned_trajectories(self.run_dir)
         before = None
         while True:
-            step = latest_resumable(self.run_dir, decisions, warn, before)
+            step = self.store.latest_resumable(decisions, warn, before)
             self.marks["checkpoint_chosen"] = time.time()
             files, problem = None, None
             if step is not None:
@@ -509,6 +363,7 @@ class Checkpointer:
             before = newest
         self.marks["ranks_agreed"] = time.time()
         self.load(step, state, loader, files=files, manifest=manifest)
+        self.loaded_step = step
         self._apply_rewind_decision(ck.latest_rewind_decision(decisions), step, state, loader)
         return step
 
@@ -602,13 +457,13 @@ class Checkpointer:
         opt.params_ready()  # no gather still writing the weights this load replaces
         opt.before_write()  # a checkpoint's copy of these tensors may still be reading them
         # 1. optimizer state and master weights
-        opt.m.copy_(_host_tensor(sf.m))
-        opt.v.copy_(_host_tensor(sf.v))
+        opt.m.copy_(host_tensor(sf.m))
+        opt.v.copy_(host_tensor(sf.v))
         if opt.master is not None:
             if sf.master is None:
                 raise ck.CheckpointError(f"{sdir}: state file has no master weights but this run "
                                          f"trains in {self.cfg.precision} with master weights")
-            opt.master.copy_(_host_tensor(sf.master))
+            opt.master.copy_(host_tensor(sf.master))
             self.marks["optimizer_state_copied"] = time.time()
             # 2. working weights re-derived from master with the seed of the last update
             seed, _ = random_u32(sf.rng_state_last_update)
@@ -698,18 +553,11 @@ class Checkpointer:
                              + [tuple(r) for r in window])
         ledger = state.ledger.state_dict()
         if self.rank == 0:
-            ck.record_abandoned_trajectory(self.run_dir, self.trajectory, step, ledger=ledger,
-                                           skip_ranges=skips)
-            for s in ck.list_checkpoint_steps(self.run_dir):
-                if s > step:
-                    sdir = ck.step_dir(s)
-                    for name in (ck.MANIFEST, ck.done_file(s)):
-                        if self.run_dir.exists(f"{sdir}/{name}"):
-                            self.run_dir.delete_file(f"{sdir}/{name}")
-                    self.run_dir.delete_dir(sdir)
+            self.store.abandon_after(step, self.trajectory, ledger=ledger, skip_ranges=skips)
         self.trajectory = uuid.uuid4().hex
         self.published = [s for s in self.published if s <= step]
         self.load(step, state, loader)
+        self.loaded_step = step
         state.ledger.load_state_dict(ledger)
         loader.add_skip_ranges(skips)
         state.spike_samples = []

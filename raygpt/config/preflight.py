@@ -280,8 +280,8 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     try:
         if not run_dir.exists():
             return []
-        steps = ck.list_checkpoint_steps(run_dir)
-        step = next((s for s in reversed(steps) if not ck.verify_checkpoint(run_dir, s, hashes=False)), None)
+        from raygpt.checkpointing.store import CheckpointStore
+        step = CheckpointStore(run_dir).latest_verified()
         if step is None:
             return []
         manifest = ck.read_manifest(run_dir, step)

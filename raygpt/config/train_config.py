@@ -192,11 +192,13 @@ class TrainConfig:
     """Also write a checkpoint once this many minutes have passed since the last one
     (--checkpoint-minutes), for long runs; rank 0's clock decides and every rank saves at the
     same step. 0 turns it off."""
-    checkpoints_keep: int = knob(0, section="checkpoint", short="-nk", may_change_on_resume=True)
-    """Keep the last K checkpoints (-nk); 0 keeps all."""
-    major_checkpoint_every: int = knob(0, section="checkpoint", short="-nm",
-                                       may_change_on_resume=True)
-    """Keep every checkpoint whose step is a multiple of M forever (-nm); 0 turns it off."""
+    checkpoints_keep: int = knob(3, section="checkpoint", short="-nk", may_change_on_resume=True)
+    """Keep the last K checkpoints (-nk) besides the -nm ones, the newest verified one and the
+    last before a WSD decay; 0 keeps all. Default: 3."""
+    major_checkpoint_every: int | None = knob(None, section="checkpoint", short="-nm",
+                                              may_change_on_resume=True)
+    """Keep every checkpoint whose step is a multiple of M forever (-nm); 0 turns it off.
+    Default: the smallest multiple of -n at or above a quarter of -x, so about 4 are kept."""
     resume: int = knob(0, section="checkpoint", short="-y", choices=(0, 1),
                        may_change_on_resume=True, from_file=False)
     """1: resume from the newest verified checkpoint in the run directory (-y)."""
@@ -469,7 +471,8 @@ class TrainConfig:
                             ("-s/--sample-every", self.sample_every), ("-g/--gen-tokens", self.gen_tokens),
                             ("-n/--checkpoint-every", self.checkpoint_every),
                             ("-nk/--checkpoints-keep", self.checkpoints_keep),
-                            ("-nm/--major-checkpoint-every", self.major_checkpoint_every),
+                            ("-nm/--major-checkpoint-every",
+                             0 if self.major_checkpoint_every is None else self.major_checkpoint_every),
                             ("--max-failures", self.max_failures), ("--watch-every", self.watch_every)):
             need(value >= 0, flag, "an integer >= 0", value)
         need(self.log_every >= 1, "--log-every", "an integer >= 1", self.log_every)

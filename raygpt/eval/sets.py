@@ -18,6 +18,8 @@ from raygpt.config.eval_sets import (EXPECTED, FLAG, MAIN_NAME, NAME, parse,  # 
 class EvalSet:
     """One --eval-set as a loop task: its loss every -v steps and at the last step."""
 
+    phase = "eval"
+
     def __init__(self, name: str, loader, val_every: int):
         self.name, self.loader, self.val_every = name, loader, val_every
 

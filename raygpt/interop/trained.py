@@ -18,6 +18,7 @@ import torch
 
 from raygpt.config.flag_hints import HintingParser
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.model.gpt import GPT
 from raygpt.runlog.terminal import printable, printable_lines
 from raygpt.storage import open_run_dir
@@ -34,12 +35,13 @@ def model_at(run_dir_uri: str, step: int | None = None) -> tuple[GPT, int, torch
     from raygpt.llmc.model_file import read_model_file_flat
 
     run_dir = open_run_dir(run_dir_uri)
-    steps = ck.list_checkpoint_steps(run_dir)
+    store = CheckpointStore(run_dir)
+    steps = store.steps()
     if not steps:
         raise NoModel(f"{run_dir.uri()}: expected a run directory with checkpoints "
                       f"(step_XXXXXXXX/), found none")
     if step is None:
-        step = next((s for s in reversed(steps) if not ck.verify_checkpoint(run_dir, s)), None)
+        step = store.latest_verified(hashes=True)
         if step is None:
             raise NoModel(f"{run_dir.uri()}: expected a verified checkpoint, found none of "
                           f"{len(steps)} (raygpt status --verify says why)")

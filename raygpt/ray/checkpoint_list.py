@@ -30,6 +30,7 @@ from __future__ import annotations
 
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.ray.compat import CheckpointManagerState, TrainingResultState
 from raygpt.storage import MAX_JSON_BYTES, RunDir, parse_json
 
@@ -104,7 +105,7 @@ def reconciled(state: CheckpointManagerState,
 
 def _rebuilt(run_dir: RunDir) -> CheckpointManagerState:
     """A snapshot naming the run's complete checkpoints, oldest first, as if reported in order."""
-    steps = [s for s in ck.list_checkpoint_steps(run_dir)
+    steps = [s for s in CheckpointStore(run_dir).steps()
              if run_dir.exists(ck.done_path(s))
              and run_dir.exists(f"{ck.step_dir(s)}/{ck.MANIFEST}")]
     results = [TrainingResultState(checkpoint_dir_name=ck.step_dir(s),

@@ -26,7 +26,8 @@ import ray.train
 from ray.train import Checkpoint, UserCallback
 
 from raygpt.checkpointing import protocol as ck
-from raygpt.checkpointing.finalize import drain_finalize_queues, finalize_queue, queued_run_dirs
+from raygpt.checkpointing.finalize import (CommitFacts, drain_finalize_queues, finalize_queue,
+                                           queued_run_dirs)
 from raygpt.ray import memory_kill
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.compat import ControllerCallback, storage_marker_name
@@ -103,7 +104,7 @@ def store_by_rename(checkpoint, dir_name: str, *, dest: Path, times: dict | None
 
 class CheckpointFinalizer(UserCallback):
     """Writes DONE and MANIFEST once Ray has registered a checkpoint all ranks reported, applies
-    retention, and records every worker-group failure in the run's loss history.
+    retention (the policy from the driver's config), and records every worker-group failure in the run's loss history.
 
     `after_report` runs on Ray's controller thread, which waits for it: it only collects what the
     ranks reported (their files' names, sizes and sha256, hashed while writing) and hands the
@@ -111,8 +112,9 @@ class CheckpointFinalizer(UserCallback):
     DONE then MANIFEST (never reading the data back). `FinalizerDrain` makes the controller wait
     for the queue before it ends, so the last checkpoint is complete when fit() returns."""
 
-    def __init__(self, output_dir: str, crash_before_done_steps=()):
-        self.output_dir = output_dir
+    def __init__(self, cfg, crash_before_done_steps=()):
+        self.output_dir = cfg.output_dir
+        self.facts = CommitFacts(cfg)  # fingerprints, identity, retention: the driver's config
         self.crash_before_done_steps = set(crash_before_done_steps)
         self.failures = 0
 
@@ -130,8 +132,8 @@ class CheckpointFinalizer(UserCallback):
         rank_hashes = {}
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
-        meta = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_queue(self.output_dir).submit(step, rank_hashes, meta)
+        reported = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
+        finalize_queue(self.output_dir).submit(step, rank_hashes, reported, self.facts.complete)
         # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
         # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
         _reconcile(run_dir)

@@ -286,7 +286,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
             # the driver's W&B / MLflow settings (WANDB_MODE=offline, ...) reach rank 0
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                                              **tracking.worker_env()}},
-            callbacks=[CheckpointFinalizer(cfg.output_dir, [f.step for f in faults]),
+            callbacks=[CheckpointFinalizer(cfg, [f.step for f in faults]),
                        *preemption_callbacks(), *callbacks]),
     )
     # the estimate is of host memory on a CPU worker only (a GPU worker's is the GPU's)

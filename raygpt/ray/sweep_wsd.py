@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.config import RESUME_MUTABLE_FIELDS, ConfigError, TrainConfig
 from raygpt.ray.driver import run
 from raygpt.ray.sweep_plan import STABLE_DIR, SweepPlan
@@ -50,7 +51,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     """Give a branch trial the shared stable-phase checkpoint, unless its run directory already
     has a verified checkpoint of its own (a retried or resumed trial continues from that).
     Returns True when it copied."""
-    if ck.find_latest_verified(run_dir, warn=lambda m: None) is not None:
+    if CheckpointStore(run_dir).latest_verified(hashes=True) is not None:
         return False
     stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))
     ck.copy_checkpoint(stable, run_dir, plan.shared_step)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.train.faults import read_armed, read_fired
 from raygpt.runlog import segments
 from raygpt.runlog.history import LOSS_HISTORY, LOSS_HISTORY_LOG, GoodputTally, iter_history
@@ -175,7 +176,7 @@ def check_checkpoints(run_dir: RunDir, *, verify: str = "quick",
     announced through `progress` first."""
     if verify not in ("full", "quick"):
         raise ValueError(f"checkpoint verification: expected 'full' or 'quick', found {verify!r}")
-    steps = ck.list_checkpoint_steps(run_dir)
+    steps = CheckpointStore(run_dir).steps()
     out = []
     for i, step in enumerate(steps, start=1):
         size = _manifest_bytes(run_dir, step)

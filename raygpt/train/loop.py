@@ -4,9 +4,10 @@
 train_gpt2.cu: validation, sample, checkpoint, `if last_step: break`, then the TRAINING SECTION
 (the micro-steps, one agreement collective, the outlier verdict, lr, the update) and logging.
 Each line of the step is one call to a component that decides its own policy (`build_run`
-names them: the checkpointer, the reporter, the fault plan, the signal flags), and each helper
-takes the parts it uses (`MicroSteps` for the forward and backward passes, `Agreement` for the
-collective), not the whole `Run`.
+names them: the reporter, the signal flags, and the periodic tasks of raygpt.train.loop_tasks:
+validation, HellaSwag, the sample, the checkpoint, fault drills, watch metrics, each run where
+its phase falls), and each helper takes the parts it uses (`MicroSteps` for the forward and
+backward passes, `Agreement` for the collective), not the whole `Run`.
 Everything Ray-specific (rank, device, reporting a checkpoint, the checkpoint to resume from)
 comes through `session` (see `raygpt.train.session`), so the same loop runs under Ray Train and as a
 plain single process.
@@ -32,7 +33,7 @@ from raygpt.artifacts import compile_cache
 from raygpt.artifacts.compile_cache import CompileCache
 from raygpt.checkpointing.runtime import Checkpointer, ResumeRead, may_restore
 from raygpt.config import TrainConfig, mixture as config_mixture
-from raygpt.data import mixture, tokenizer
+from raygpt.data import mixture
 from raygpt.data.loader import DistributedDataLoader, samples_to_ranges
 from raygpt.data.sources import ShardCache, is_remote
 from raygpt.eval.validation import build_val_loader, evaluate  # noqa: F401 (loop.evaluate)
@@ -50,7 +51,8 @@ from raygpt.train.optim import AdamW, FlatParameters, random_u32
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import Session
 from raygpt.train.state import TrainState
-from raygpt.train.tasks import every, run_due
+from raygpt.train.loop_tasks import Checkpointing, Drill, Watch, loop_tasks
+from raygpt.train.tasks import run_after, run_due
 
 # Slots of the per-step agreement vector (all-reduced with SUM; flags are 0/1 per rank).
 LOSS, NORM_SQ, STOP, SAVE, CKPT_READY, RAY_REPORT, NUM_SLOTS = range(7)
@@ -118,42 +120,6 @@ def shard_cache(cfg: TrainConfig) -> ShardCache | None:
     return ShardCache(cfg.shard_cache_dir or None, int(cfg.shard_cache_gb * 2**30))
 
 
-def hellaswag_share(cfg: TrainConfig, rank: int, world: int) -> list | None:
-    """This rank's HellaSwag examples (r, r + world, ...; the file was checked before Ray), or
-    None without --hellaswag."""
-    if not cfg.hellaswag:
-        return None
-    from raygpt.eval import hellaswag
-    return hellaswag.read_examples(cfg.hellaswag, cfg.storage_endpoint)[rank::world]
-
-
-def hellaswag_due(cfg: TrainConfig, step: int, last_step: bool) -> bool:
-    return bool(cfg.hellaswag) and cfg.hellaswag_every > 0 and (
-        step % cfg.hellaswag_every == 0 or last_step)
-
-
-@torch.no_grad()
-def hellaswag_score(model, examples: list, device, world: int) -> tuple[int, int]:
-    """(correct, total) HellaSwag acc_norm over every rank's share, llm.c's scoring
-    (raygpt.eval.hellaswag), summed over the ranks."""
-    from raygpt.eval import hellaswag
-    correct, total = hellaswag.score(model, examples, device)
-    counts = all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=device), world)
-    model.train()
-    return int(counts[0].item()), int(counts[1].item())
-
-
-@torch.no_grad()
-def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
-    """A text sample from an end-of-text prompt, seeded by the step so it is reproducible."""
-    model.eval()
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    idx = torch.full((1, 1), tokenizer.EOT, dtype=torch.long, device=device)
-    out = model.generate(idx, cfg.gen_tokens, top_k=40, generator=gen)
-    model.train()
-    return tokenizer.decode(out[0, 1:].tolist())
-
-
 def out_of_memory_reported(cfg: TrainConfig, device: torch.device, step_of):
     """An exit callback for the loop's ExitStack: a torch.OutOfMemoryError leaving the loop
     becomes OutOfMemory, one line with the step (`step_of()`), this shape's estimate against
@@ -196,25 +162,21 @@ class Run:
     flat: FlatParameters
     opt: AdamW
     train_loader: "DistributedDataLoader | mixture.MixedDataLoader"
-    val_loader: DistributedDataLoader | None
     state: TrainState
     ckpt: Checkpointer
     runlog: Reporter
-    faults: object  # raygpt.train.faults' plan for this rank
-    save_clock: signals.SaveClock
     micro: "MicroSteps"  # what the step's forward and backward passes use
     agreement: "Agreement"  # what the step's one collective reads
     max_steps: int
-    tokens_per_step: int
-    resumed_from: int | None  # a checkpoint that exists at this step: do not write it again
-    hellaswag: list | None = None  # this rank's HellaSwag examples (--hellaswag)
+    # periodic work in llm.c's order (raygpt.train.loop_tasks): validation, the eval sets,
+    # HellaSwag, the sample, the checkpoint, fault drills, watch metrics
+    tasks: list = dataclasses.field(default_factory=list)
     stop_requested: bool = False
     val_loss: float = float("nan")
-    tasks: list = dataclasses.field(default_factory=list)  # periodic work (raygpt.train.tasks)
 
-    @property
-    def validating(self) -> bool:
-        return bool(self.cfg.input_val_bin) and self.cfg.val_every > 0
+    def task(self, name: str):
+        """The periodic task named `name` (its loader, its clock: what it holds)."""
+        return next(t for t in self.tasks if t.name == name)
 
 
 def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack) -> Run:
@@ -249,11 +211,8 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
                                         shuffle=cfg.shuffle, seed=cfg.seed, cache=cache,
                                         vocab_size=model.config.vocab_size)  # one glob or a mix
     on_exit.callback(train_loader.close)
-    validating = bool(cfg.input_val_bin) and cfg.val_every > 0
-    val_loader = (build_val_loader(cfg, rank, world, cache, model.config.vocab_size)
-                  if validating else None)
-    if val_loader is not None:
-        on_exit.callback(val_loader.close)
+    # the validation tasks' loaders (-j, --eval-set) beside the training loader
+    evals = loop_tasks(cfg, session, on_exit, cache, model.config.vocab_size)
     max_steps = (cfg.max_steps if cfg.max_steps > 0
                  else train_loader.tokens_per_epoch // cfg.total_batch_size)
     mark("loader_built")
@@ -308,71 +267,11 @@ def build_run(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack)
         flags=signals.watch(),  # SIGTERM / SIGUSR1 set flags; the handlers do nothing else
         faults=faults, save_clock=save_clock, ckpt=ckpt, runlog=runlog,
         zero_stage=cfg.zero_stage, tokens_per_step=cfg.total_batch_size)
+    tasks = [*evals, Checkpointing(ckpt, state, train_loader, save_clock), Drill(faults),
+             Watch(cfg.watch_every, rank, state.clipped)]
     return Run(cfg=cfg, session=session, model=model, forward=forward, compiled=compiled,
-               flat=flat, opt=opt, train_loader=train_loader,
-               val_loader=val_loader, hellaswag=hellaswag_share(cfg, rank, world),
-               state=state, ckpt=ckpt, runlog=runlog, faults=faults, save_clock=save_clock,
-               micro=micro, agreement=agreement, max_steps=max_steps,
-               tokens_per_step=cfg.total_batch_size, resumed_from=resumed_from,
-               tasks=loop_tasks(cfg, session, on_exit, cache, model.config.vocab_size))
-
-
-def loop_tasks(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
-               cache: ShardCache | None, vocab_size: int) -> list:
-    """The loop's periodic tasks (raygpt.train.tasks) in llm.c's order: the validation loss of
-    -j, then of each --eval-set, HellaSwag, the sample."""
-    from raygpt.eval import sets
-    return [Validation(cfg), *sets.tasks(cfg, session.rank, session.world, cache, vocab_size,
-                                         on_exit),
-            HellaSwag(cfg), Sample(cfg, session.rank)]
-
-
-class Validation:
-    """-j's validation loss every -v steps and at the last step (main.log's `tel:` line)."""
-
-    name = "val"
-
-    def __init__(self, cfg: TrainConfig):
-        self.on = bool(cfg.input_val_bin) and cfg.val_every > 0
-        self.val_every = cfg.val_every
-
-    def due(self, step: int, last_step: bool) -> bool:
-        return self.on and every(self.val_every, step, last_step)
-
-    def run(self, r: Run, step: int) -> None:
-        r.val_loss = evaluate(r.forward, r.val_loader, r.cfg, r.session.device, r.session.world)
-        r.runlog.val(step, r.val_loss, skips=r.state.skips, rewinds=r.state.ledger.rewinds)
-
-
-class HellaSwag:
-    """--hellaswag's acc_norm every --hellaswag-every steps and at the last step."""
-
-    name = "hellaswag"
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
-    def due(self, step: int, last_step: bool) -> bool:
-        return hellaswag_due(self.cfg, step, last_step)
-
-    def run(self, r: Run, step: int) -> None:  # uncompiled: its rows vary in length
-        r.runlog.hellaswag(step, *hellaswag_score(r.model, r.hellaswag, r.session.device,
-                                                  r.session.world))
-
-
-class Sample:
-    """Rank 0's text sample every -s steps (from step 1) and at the last step."""
-
-    name = "sample"
-
-    def __init__(self, cfg: TrainConfig, rank: int):
-        self.cfg, self.rank = cfg, rank
-
-    def due(self, step: int, last_step: bool) -> bool:
-        return self.rank == 0 and sampling_step(self.cfg, step, last_step)
-
-    def run(self, r: Run, step: int) -> None:
-        r.runlog.sample(step, sample_text(r.model, r.cfg, r.session.device, step))
+               flat=flat, opt=opt, train_loader=train_loader, state=state, ckpt=ckpt,
+               runlog=runlog, micro=micro, agreement=agreement, max_steps=max_steps, tasks=tasks)
 
 
 def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
@@ -380,30 +279,30 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
     r = build_run(cfg, session, on_exit)
     on_exit.push(out_of_memory_reported(cfg, torch.device(session.device), lambda: r.state.step))
     state, ckpt, runlog = r.state, r.ckpt, r.runlog
-    runlog.start(world=session.world, grad_accum=r.micro.grad_accum, tokens_per_step=r.tokens_per_step,
-                 resumed_from=r.resumed_from, tasks=r.tasks)
+    # the ETA counts the runs still to come of the tasks whose steps are known ahead ("eval")
+    runlog.start(world=session.world, grad_accum=r.micro.grad_accum,
+                 tokens_per_step=r.micro.tokens_per_step, resumed_from=ckpt.loaded_step,
+                 tasks=[t for t in r.tasks if getattr(t, "phase", "eval") == "eval"])
     if cfg.compile:
         runlog.compiling()  # the first forward pass compiles: say so before it looks like a hang
-    clipped_at_last_watch, first_step, t_start = state.clipped, state.step, time.perf_counter()
+    first_step, t_start = state.step, time.perf_counter()
 
     while True:
         step = state.step  # a rewind moves it back, so the loop reads it rather than counting
         last_step = step == r.max_steps
 
         # ---------------------------------------------------------- validation and sample
-        run_due(r.tasks, r, step, last_step, timed=runlog.task_ran)  # llm.c's order
+        run_due(r.tasks, r, step, last_step, "eval",  # val loss, eval sets, HellaSwag, sample
+                timed=runlog.task_ran)
 
         # ---------------------------------------------------------- checkpoint
-        if ckpt.due(step, last_step, r.resumed_from) or state.save_requested:
-            ckpt.save(state, r.train_loader, blocking=last_step or r.stop_requested)
-            state.save_requested = False
-            r.save_clock.saved()
+        run_due(r.tasks, r, step, last_step, "checkpoint")  # every -n, at the end, on request
         if last_step or r.stop_requested:
             break
 
         # ---------------------------------------------------------- TRAINING SECTION
         t0 = time.perf_counter()
-        r.faults.before_update(step)
+        run_due(r.tasks, r, step, last_step, "step")  # fault drills (--fault)
         loss_sum, step_samples = forward_backward(r.micro, step)
         r.opt.reduce_gradients()  # or waits for the buckets the backward pass launched
         agreed = agree(r.agreement, step, loss_sum, r.opt.grad_norm_squared())  # the one sync
@@ -411,33 +310,27 @@ def _train(cfg: TrainConfig, session: Session, on_exit: contextlib.ExitStack,
         lr = learning_rate(cfg.scheduler, step, peak_lr=cfg.learning_rate,
                            warmup_steps=cfg.warmup_steps, total_steps=r.max_steps,
                            final_lr_frac=cfg.final_lr_frac) * state.lr_scale
-        if verdict.kind in ("rewind", "escalate"):
-            r.resumed_from = rewind(cfg, state, ckpt, runlog, r.train_loader, step, verdict,
-                                    step_samples)
+        if verdict.kind in ("rewind", "escalate"):  # back to a checkpoint (ckpt.loaded_step)
+            rewind(cfg, state, ckpt, runlog, r.train_loader, step, verdict, step_samples)
             continue
-        watching = session.rank == 0 and cfg.watch_every > 0 and (step + 1) % cfg.watch_every == 0
-        before = r.flat.params[:r.flat.num_parameters].clone() if watching else None
+        updating = run_due(r.tasks, r, step, last_step, "update")  # watch: the weights before
         update(state, r.opt, runlog, step, verdict, lr, agreed, step_samples,
                grad_clip=cfg.grad_clip)
         # no sync here: the optimizer kernels overlap the host's logging and the next step's
         # launch (its batch was prefetched during this backward); in steady state dt (start to
         # start, the host waits in the one sync above) is the step time
         dt = time.perf_counter() - t0
-        state.advance(r.tokens_per_step, clipped=agreed.norm > cfg.grad_clip)
+        state.advance(r.micro.tokens_per_step, clipped=agreed.norm > cfg.grad_clip)
         if step == first_step:
             after_first_step(r.compiled, session, gc_freeze)  # graphs kept, the collector frozen
 
         # ---------------------------------------------------------- logging
         runlog.train(step, loss=agreed.loss, norm=agreed.norm, lr=lr, dt=dt, verdict=verdict,
-                     tokens=state.tokens_seen, tokens_per_step=r.tokens_per_step,
+                     tokens=state.tokens_seen, tokens_per_step=r.micro.tokens_per_step,
                      report_to_ray=agreed.ray_report, data=r.train_loader.report(),
                      **({"samples": samples_to_ranges(np.concatenate(step_samples))}
                         if cfg.record_samples else {}))
-        if watching:
-            r.opt.params_ready()  # the update's gather, if overlapped, is still arriving
-            runlog.watch(step, watch_metrics(r.flat, before, getattr(r.model, "last_max_logit", None),
-                                             (state.clipped - clipped_at_last_watch) / cfg.watch_every))
-            clipped_at_last_watch = state.clipped
+        run_after(updating, r, step)  # watch metrics: the update against the weights before
 
         # ---------------------------------------------------------- what the ranks agreed on
         r.stop_requested = act_on(agreed, state, ckpt, r.val_loss) or r.stop_requested
@@ -454,10 +347,6 @@ def after_first_step(compiled: CompileCache | None, session: Session,
     if compiled is not None and session.rank == 0:
         compiled.save_if_new(session.run_dir)
     gc_freeze.after_warmup()
-
-
-def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:
-    return cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step)
 
 
 @dataclasses.dataclass
@@ -594,26 +483,12 @@ def finish(state: TrainState, ckpt: Checkpointer, runlog: Reporter, elapsed: flo
     return summary
 
 
-@torch.no_grad()
-def watch_metrics(flat, before, max_logit, clipped_frac) -> dict:
-    """Watch metrics: the fraction of recent steps clipped, the largest output logit, and
-    ||update|| / ||param|| per llm.c tensor group (a healthy run keeps these small and steady).
-    One host sync, every watch_every steps only."""
-    after = flat.params[:flat.num_parameters]
-    deltas = torch.split((after.float() - before.float()), flat.tensor_sizes)
-    weights = torch.split(before.float(), flat.tensor_sizes)
-    ratios = torch.stack([d.norm() / w.norm().clamp_min(1e-12) for d, w in zip(deltas, weights)])
-    return {"clipped_frac": clipped_frac,
-            "max_logit": float(max_logit) if max_logit is not None else float("nan"),
-            "update_ratio": dict(zip(flat.names, ratios.tolist()))}
-
-
 def rewind(cfg: TrainConfig, state: TrainState, ckpt: Checkpointer, runlog: Reporter,
            loader: DistributedDataLoader, step: int, verdict, step_samples: list) -> int:
     """Back to the newest verified checkpoint before the spike began, with the spike's data
     window added to the persisted skip list; escalate (TrainingStopped) past the policy's
     limits. The decision is durable before the run goes on from the checkpoint. Returns the
-    step it went back to (its checkpoint exists: the loop does not write it again)."""
+    step it went back to (the checkpointer's loaded_step: the loop does not write it again)."""
     ckpt.wait_and_publish()  # a checkpoint still being written may be the one to go back to
     window = samples_to_ranges(np.concatenate(state.spike_samples + step_samples))
     spike_start = verdict.spike_start if verdict.spike_start is not None else step

@@ -51,12 +51,17 @@ class Session:
     def report_metrics(self, metrics: dict) -> None:
         """Publish metrics (every rank calls this at the same steps)."""
 
+    def configure(self, cfg) -> None:
+        """The run's config, for a session that commits its checkpoints itself (the fingerprints,
+        identity and retention policy come from it: raygpt.checkpointing.finalize.CommitFacts);
+        under Ray the driver has its own copy."""
+
     def report_checkpoint(self, metrics: dict, local_dir: str, dir_name: str,
                           file_hashes: dict, manifest_meta: dict | None,
                           times: dict | None = None) -> None:
         """Publish the files of one checkpoint that this rank staged in `local_dir`; every rank
         calls this at the same step. Must leave DONE and MANIFEST to whoever knows all ranks'
-        files are stored. `times` (the checkpoint's timeline row) may get the wall time at which
+        files are stored; `manifest_meta` is rank 0's report (what only the workers know). `times` (the checkpoint's timeline row) may get the wall time at which
         this rank's files were stored ("stored"), for bench/checkpoint.py."""
         raise NotImplementedError
 
@@ -84,6 +89,11 @@ class LocalSession(Session):
         self.run_dir = run_dir
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.artifact_key = artifact_key
+        self._facts = None
+
+    def configure(self, cfg) -> None:
+        from raygpt.checkpointing.finalize import CommitFacts
+        self._facts = CommitFacts(cfg)
 
     def report_checkpoint(self, metrics, local_dir, dir_name, file_hashes, manifest_meta,
                           times=None):
@@ -93,4 +103,7 @@ class LocalSession(Session):
         if times is not None:
             times["stored"] = time.time()
         shutil.rmtree(local_dir, ignore_errors=True)
-        finalize_checkpoint(self.run_dir, manifest_meta["step"], file_hashes, manifest_meta)
+        if self._facts is None:
+            raise RuntimeError("LocalSession.report_checkpoint: configure(cfg) was not called")
+        finalize_checkpoint(self.run_dir, manifest_meta["step"], file_hashes,
+                            self._facts.complete(manifest_meta))

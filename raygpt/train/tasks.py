@@ -2,12 +2,20 @@
 
 A task says whether it is due at a step (`due(step, last_step)`) and does its work with what
 the loop hands it (`run(run, step)`: the loop's `Run`, whose parts a task reads: the forward
-pass, the model, the session's rank, world and device, the reporter). The loop keeps its tasks
-in one list, in llm.c's order (validation loss, then the other validation sets, HellaSwag, the
-sample), and runs the due ones where llm.c's loop body does, before the checkpoint
+pass, the model, the state, the session's rank, world and device, the reporter). Its `phase`
+says where in the step the loop runs it, in llm.c's order:
+
+    "eval"        before the checkpoint: validation loss, the other validation sets,
+                  HellaSwag, the sample (a task without a phase is one of these)
+    "checkpoint"  the checkpoint, before `if last_step: break`
+    "step"        the top of the training section (fault drills)
+    "update"      right before the optimizer update; its `after(run, step)` runs once the
+                  step is logged (watch metrics: the weights before, the ratio after)
+
+The loop keeps its tasks in one list and runs the due ones of a phase in the list's order
 (`run_due`). Every rank runs the same tasks at the same steps: a task whose work is a
 collective (an all-reduce of a loss) keeps the ranks' collectives in the same order; one that
-is rank 0's alone (the sample) says so in its `due`.
+is rank 0's alone (the sample, watch metrics) says so in its `due`.
 
 A task holds no slot of the step's agreement vector: what a task computes is reduced by its own
 collective at its own steps, never inside a training step's one sync.
@@ -18,11 +26,14 @@ from __future__ import annotations
 import time
 from typing import Callable, Protocol, Sequence
 
+PHASES = ("eval", "checkpoint", "step", "update")
+
 
 class Task(Protocol):
     """One piece of periodic work (see the module's docstring)."""
 
     name: str
+    phase: str  # one of PHASES
 
     def due(self, step: int, last_step: bool) -> bool:
         """Whether the task runs at `step` (`last_step`: the step the loop ends at)."""
@@ -37,12 +48,21 @@ def every(n: int, step: int, last_step: bool) -> bool:
 
 
 def run_due(tasks: Sequence[Task], run, step: int, last_step: bool,
-            timed: Callable[[str, float], None] | None = None) -> None:
-    """Run the tasks due at `step`, in the list's order; `timed(name, seconds)` hears how long
-    each took (the ETA counts the runs still to come)."""
+            phase: str = "eval", timed: Callable[[str, float], None] | None = None) -> list[Task]:
+    """Run the tasks of `phase` due at `step`, in the list's order; returns them. `timed(name,
+    seconds)` hears how long each took (the ETA counts the runs still to come)."""
+    ran = []
     for task in tasks:
-        if task.due(step, last_step):
+        if getattr(task, "phase", "eval") == phase and task.due(step, last_step):
             t0 = time.perf_counter()
             task.run(run, step)
             if timed is not None:
                 timed(task.name, time.perf_counter() - t0)
+            ran.append(task)
+    return ran
+
+
+def run_after(ran: Sequence[Task], run, step: int) -> None:
+    """The second half of the "update" tasks that ran at `step`, once the step is logged."""
+    for task in ran:
+        task.after(run, step)

@@ -136,7 +136,7 @@ def test_fetch_verified_takes_a_matching_local_copy_and_storage_otherwise(tmp_pa
     of storage's; one of another size is passed over; one of other bytes is passed over and
     dropped; when storage's is bad too, the error names storage's file."""
     from raygpt.checkpointing import protocol as ck
-    from raygpt.checkpointing.runtime import fetch_verified
+    from raygpt.checkpointing.reading import fetch_verified
 
     run_dir = open_run_dir(str(tmp_path / "run"))
     good = bytes(range(256)) * 4

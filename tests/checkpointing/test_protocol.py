@@ -19,13 +19,14 @@ import pytest
 from raygpt.checkpointing.protocol import (
     ABANDONED, MANIFEST, abandoned_by, read_abandoned_trajectories,
     record_abandoned_trajectory, CheckpointError, WorldSizeMismatch, check_compatible,
-    done_file, find_latest_verified, list_checkpoint_steps, model_file,
-    PIDLESS_STAGE_STALE_S, STAGE_STALE_S, private_stage_root, read_manifest,
-    sweep_dead_stage_roots, stage_dir, state_file, step_dir,
+    done_file, find_latest_verified, list_checkpoint_steps, model_file, read_manifest,
+    state_file, step_dir,
     verify_bytes, verify_checkpoint,
     write_done, write_manifest,
 )
 from raygpt.checkpointing.retention import checkpoints_to_delete
+from raygpt.checkpointing.staging import (PIDLESS_STAGE_STALE_S, STAGE_STALE_S, private_stage_root,
+                                          stage_dir, sweep_dead_stage_roots)
 from raygpt.config import TrainConfig
 from raygpt.llmc.state_file import read_state_file
 from tests.helpers import memory_fs
@@ -263,7 +264,7 @@ def _stage_root_of_a_killed_process(tmp_path) -> Path:
         [sys.executable, "-c",
          "import sys, tempfile, time\n"
          "tempfile.tempdir = sys.argv[1]\n"
-         "from raygpt.checkpointing.protocol import private_stage_root, stage_dir\n"
+         "from raygpt.checkpointing.staging import private_stage_root, stage_dir\n"
          "d = stage_dir(private_stage_root('r0'), 40)\n"
          "(d / 'state_00000040_00000.bin').write_bytes(b'x' * 4096)\n"
          "print(d.parent, flush=True)\n"

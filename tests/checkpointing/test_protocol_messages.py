@@ -17,7 +17,10 @@ import tempfile
 import pytest
 
 from raygpt.checkpointing import finalize, retention
+from raygpt.checkpointing.retention import RetentionPolicy
+from raygpt.checkpointing.store import CheckpointStore
 from raygpt.checkpointing import protocol as ck
+from raygpt.checkpointing import staging
 from raygpt.checkpointing.protocol import (MANIFEST, CheckpointError, WorldSizeMismatch,
                                            done_file, model_file, state_file, step_dir)
 from raygpt.storage import open_run_dir
@@ -497,24 +500,24 @@ def test_retention_keeps_multiples_of_keep_every_only_when_positive():
 
 @pytest.mark.parametrize("decay_start, kept", [(25, {20, 40}), (20, {20, 40}), (5, {40}),
                                                (None, {40})])
-def test_apply_retention_deletes_all_but_the_kept_and_protects_the_last_before_decay(
+def test_retain_deletes_all_but_the_kept_and_protects_the_last_before_decay(
         rd, decay_start, kept):
     for s in (10, 20, 30, 40):
         make_checkpoint(rd, s)
-    doomed = retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0,
-                                     "wsd_decay_start": decay_start})
+    doomed = CheckpointStore(rd).retain(RetentionPolicy(keep_last=1, keep_every=0,
+                                                        wsd_decay_start=decay_start))
     assert doomed == sorted({10, 20, 30, 40} - kept)
     assert set(ck.list_checkpoint_steps(rd)) == kept
 
 
-def test_apply_retention_never_deletes_the_newest_complete_one(rd):
+def test_retain_never_deletes_the_newest_complete_one(rd):
     for s in (10, 20):
         make_checkpoint(rd, s)
     rd.makedirs(step_dir(30))  # newer, incomplete (being written)
-    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert CheckpointStore(rd).retain(RetentionPolicy(keep_last=1)) == [10]
     assert ck.list_checkpoint_steps(rd) == [20, 30]
-    assert retention.apply_retention(open_run_dir(rd.uri() + "-empty"), {"keep_last": 1,
-                                                                  "keep_every": 0}) == []
+    assert CheckpointStore(open_run_dir(rd.uri() + "-empty")).retain(
+        RetentionPolicy(keep_last=1)) == []
 
 
 # ---------------------------------------------------------------------- finalize
@@ -609,33 +612,33 @@ def test_private_dir_refusals_name_the_path_and_the_reason(tmp_path, monkeypatch
     missing = tmp_path / "none"
     with pytest.raises(CheckpointError, match=rf"^{missing}: expected a private staging "
                                               rf"directory, cannot stat it \("):
-        ck.check_private_dir(missing)
+        staging.check_private_dir(missing)
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(CheckpointError) as e:
-        ck.check_private_dir(f)
+        staging.check_private_dir(f)
     assert str(e.value) == f"{f}: expected a private staging directory, found another kind of file"
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
     with pytest.raises(CheckpointError) as e:
-        ck.check_private_dir(link)
+        staging.check_private_dir(link)
     assert str(e.value) == (f"{link}: expected a private staging directory, found a symlink (to "
                             f"{str(tmp_path)!r}); refusing to use it")
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
-    ck.check_private_dir(shared)
+    staging.check_private_dir(shared)
     for mode in (0o701, 0o710, 0o740, 0o704):
         shared.chmod(mode)
         with pytest.raises(CheckpointError) as e:
-            ck.check_private_dir(shared)
+            staging.check_private_dir(shared)
         assert str(e.value) == (f"{shared}: expected a staging directory only its owner can use "
                                 f"(no group or other permissions), found mode {mode:04o}")
     shared.chmod(0o500)  # narrower than 0700 is private too
-    ck.check_private_dir(shared)
+    staging.check_private_dir(shared)
     shared.chmod(0o700)
     monkeypatch.setattr(os, "getuid", lambda: os.lstat(shared).st_uid + 1)
     with pytest.raises(CheckpointError) as e:
-        ck.check_private_dir(shared)
+        staging.check_private_dir(shared)
     uid = os.lstat(shared).st_uid
     assert str(e.value) == (f"{shared}: expected a staging directory owned by uid {uid + 1}, "
                             f"found one owned by uid {uid}; refusing to use it")
@@ -643,14 +646,14 @@ def test_private_dir_refusals_name_the_path_and_the_reason(tmp_path, monkeypatch
 
 def test_stage_root_and_dirs_carry_their_labels(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    root = ck.private_stage_root("w3")
+    root = staging.private_stage_root("w3")
     assert root.name.startswith("raygpt-stage-w3-")
-    d = ck.stage_dir(root, 12)
+    d = staging.stage_dir(root, 12)
     assert d.parent == root and d.name.startswith("step_00000012.tmp-")
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
     root.chmod(0o755)
     with pytest.raises(CheckpointError, match="mode 0755"):
-        ck.stage_dir(root, 12)
+        staging.stage_dir(root, 12)
 
 
 def test_copy_checkpoint_copies_in_protocol_order_and_verifies(tmp_path):
@@ -802,7 +805,7 @@ def test_retention_keeps_the_newest_complete_one_without_hashing_or_warning(rd, 
     rd.makedirs(step_dir(30))  # newer, incomplete
     logged = []
     monkeypatch.setattr(ck.log, "warning", logged.append)
-    assert retention.apply_retention(rd, {"keep_last": 1, "keep_every": 0}) == [10]
+    assert CheckpointStore(rd).retain(RetentionPolicy(keep_last=1)) == [10]
     assert logged == []
 
 

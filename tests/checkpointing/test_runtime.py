@@ -101,7 +101,7 @@ def test_every_published_byte_is_fsynced_before_done_and_manifest(tmp_path, monk
 
 
 def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
-    from raygpt.checkpointing.runtime import old_ranks_needed
+    from raygpt.checkpointing.reading import old_ranks_needed
     from raygpt.train.optim import shard_range
 
     total = 1000
@@ -119,12 +119,12 @@ def test_resharding_reads_rank_0_and_only_the_old_shards_that_overlap():
 # ---------------------------------------------------------------------- the early read of a resume
 def test_a_resume_loads_the_files_its_early_read_hashed_while_the_model_was_built(tmp_path,
                                                                                   monkeypatch):
-    """build_run starts runtime.ResumeRead before the model is built: the resume's files are read
+    """build_run starts reading.ResumeRead before the model is built: the resume's files are read
     and checked on that thread only (restore_latest reads nothing itself), and the resumed losses
     are the uninterrupted run's, as floats."""
     import threading
 
-    from raygpt.checkpointing import runtime
+    from raygpt.checkpointing import reading, runtime
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config, train_losses
@@ -139,13 +139,14 @@ def test_a_resume_loads_the_files_its_early_read_hashed_while_the_model_was_buil
     with pytest.raises(InjectedFault):  # checkpoint 8 saved, the attempt lost at step 9
         run(tmp_path / "run", fault="raise:rank=0,step=9")
     readers = []
-    real = runtime.fetch_verified
+    real = reading.fetch_verified
 
     def fetch_verified(*a, **kw):
         readers.append(threading.current_thread().name)
         return real(*a, **kw)
 
-    monkeypatch.setattr(runtime, "fetch_verified", fetch_verified)
+    monkeypatch.setattr(runtime, "fetch_verified", fetch_verified)  # restore_latest's reads
+    monkeypatch.setattr(reading, "fetch_verified", fetch_verified)  # the early read's
     run(tmp_path / "run", resume=1)
     assert readers == ["raygpt-resume-read"]
     # the state file's pieces are in MANIFEST, each the sha256 of its bytes (what the resume
@@ -166,7 +167,7 @@ def test_the_early_read_hands_its_files_over_only_for_the_checkpoint_and_files_a
     the bytes (the stored ones) for exactly that checkpoint, MANIFEST and file list, once, and
     None for anything else, so restore_latest then reads what it needs itself."""
     from raygpt.checkpointing.protocol import read_manifest
-    from raygpt.checkpointing.runtime import ResumeRead
+    from raygpt.checkpointing.reading import ResumeRead
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
     from tests.helpers import tiny_config

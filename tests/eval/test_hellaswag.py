@@ -131,7 +131,7 @@ def test_a_run_scores_hellaswag_at_its_validation_steps_on_every_rank_share(tmp_
 
 
 def test_examples_are_spread_over_the_ranks():
-    from raygpt.train.loop import hellaswag_share
+    from raygpt.train.loop_tasks import hellaswag_share
     from tests.helpers import tiny_config
     import tempfile
     with tempfile.TemporaryDirectory() as d:

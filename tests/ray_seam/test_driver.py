@@ -268,14 +268,15 @@ def snapshot_names(run_dir) -> list[str]:
 
 
 def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
-    """-n 2 -nk 2, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
+    """-n 2 -nk 2 -nm 0, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
     follows (after each report, in the controller), the resumed controller accepts the run
     directory, and a checkpoint deleted after the last report (as a rewind does) is dropped
     from Ray's list before the next fit()."""
     full_dir, cfg, _ = uninterrupted
     run_dir = tmp_path / "keep"
     stopped = cfg.with_overrides({"output_dir": str(run_dir), "checkpoint_every": 2,
-                                  "checkpoints_keep": 2, "fault": "sigterm:rank=1,step=8"})
+                                  "checkpoints_keep": 2, "major_checkpoint_every": 0,  # no majors
+                                  "fault": "sigterm:rank=1,step=8"})
     summary = go(stopped)
     assert summary["stopped_early"] and summary["step"] == 9
     rd = open_run_dir(str(run_dir))
@@ -313,6 +314,8 @@ def test_nan_on_one_rank_rewinds_both_and_a_kill_after_the_rewind_keeps_its_deci
     assert resumes[-1]["resumed_from"] == 6
     assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
     rd = open_run_dir(str(tmp_path / "crash"))
+    # the default retention (-nk 3, -nm 4) in the driver: 2 went at 8's commit, 6 at 12's
+    assert ck.list_checkpoint_steps(rd) == [4, 8, 10, 12]
     names = snapshot_names(tmp_path / "crash")
     assert names == [ck.step_dir(s) for s in ck.list_checkpoint_steps(rd)]
     summary = go(crash.with_overrides({"resume": 1, "max_steps": 14}))  # a new controller

@@ -34,9 +34,13 @@ def test_the_finalizer_hands_the_work_off_the_controller_and_the_drain_waits_for
     class Ckpt:
         path = str(tmp_path / "run" / step_dir(30))
 
-    fin = checkpoints.CheckpointFinalizer(str(tmp_path / "run"))
+    from tests.helpers import tiny_config
+
+    fin = checkpoints.CheckpointFinalizer(tiny_config(tmp_path / "run"))
+    # rank 0 reports what only the workers know; the driver's config gives the rest
+    reported = {k: _meta(30, "t")[k] for k in ("step", "world_size", "num_parameters", "extra")}
     metrics = [{"raygpt_files": {k: v for k, v in hashes.items() if k != state_file(30, 1)},
-                "raygpt_manifest": _meta(30, "t")},
+                "raygpt_manifest": {**reported, "max_steps": 30}},
                {"raygpt_files": {state_file(30, 1): hashes[state_file(30, 1)]}}]
     fin.after_report(None, metrics, Ckpt())  # returns although the finalization is blocked
     assert started.wait(10) and not rd.exists(f"{step_dir(30)}/{MANIFEST}")

@@ -215,7 +215,9 @@ def test_fresh_start_over_an_existing_run_is_refused(uninterrupted):
 
 def test_nonfinite_step_is_skipped_without_touching_weights(tmp_path):
     """A NaN loss drops exactly one update: weights and moments unchanged, step advanced."""
-    cfg = tiny_config(tmp_path, max_steps=6, checkpoint_every=1, fault="nan:rank=0,step=3")
+    # -nk 0: it reads checkpoints 3, 4 and 5, which the default retention would let go
+    cfg = tiny_config(tmp_path, max_steps=6, checkpoint_every=1, checkpoints_keep=0,
+                      fault="nan:rank=0,step=3")
     summary = run_local(cfg)
     assert summary["skips"] == 1 and summary["step"] == 6
     verdicts = {r["step"]: r["verdict"] for r in records(tmp_path) if r["kind"] == "train"}

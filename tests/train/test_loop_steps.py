@@ -20,6 +20,7 @@ from raygpt.config import ConfigError, SpikeConfig, TrainConfig
 from raygpt.train import determinism
 from raygpt.train.errors import TrainingStopped
 import raygpt.train.loop as loop
+import raygpt.train.loop_tasks as loop_tasks
 from raygpt.train.optim import random_u32
 from raygpt.train.outlier import RewindLedger, Verdict
 from raygpt.train.state import TrainState
@@ -228,7 +229,7 @@ def test_only_the_windows_last_backward_reduces_during_itself():
     (5, 5, False, True), (5, 10, False, True), (5, 6, False, False), (5, 7, True, True),
     (1, 1, False, True)])
 def test_sampling_step(every, step, last, expected):
-    assert loop.sampling_step(NS(sample_every=every), step, last) is expected
+    assert loop_tasks.sampling_step(NS(sample_every=every), step, last) is expected
 
 
 def test_watch_metrics_are_the_update_to_weight_ratio_per_tensor():
@@ -237,13 +238,13 @@ def test_watch_metrics_are_the_update_to_weight_ratio_per_tensor():
     before = torch.tensor([3.0, 4.0, 0.0, 0.0, 2.0])
     flat.params[0] = 0.0  # wte: delta (-3, 0) against weight norm 5
     flat.params[2] = 1e-9  # lnfw: a weight that was exactly 0 (norm clamped to 1e-12)
-    m = loop.watch_metrics(flat, before, 12.5, 0.25)
+    m = loop_tasks.watch_metrics(flat, before, 12.5, 0.25)
     assert m["clipped_frac"] == 0.25 and m["max_logit"] == 12.5
     assert list(m["update_ratio"]) == ["wte", "lnfw", "lnfb"]
     assert m["update_ratio"]["wte"] == pytest.approx(0.6)
     assert m["update_ratio"]["lnfw"] == pytest.approx(1e-9 / 1e-12, rel=1e-3)
     assert m["update_ratio"]["lnfb"] == pytest.approx(0.5)
-    assert math.isnan(loop.watch_metrics(flat, before, None, 0.0)["max_logit"])
+    assert math.isnan(loop_tasks.watch_metrics(flat, before, None, 0.0)["max_logit"])
 
 
 @pytest.mark.parametrize("message, op", [
@@ -265,8 +266,8 @@ def test_the_non_deterministic_op_is_named_from_torchs_message(message, op):
 def test_validating_needs_a_val_set_and_a_cadence():
     for path, every, expected in [("v.bin", 10, True), ("", 10, False), ("v.bin", 0, False),
                                   (None, 10, False)]:
-        run = NS(cfg=NS(input_val_bin=path, val_every=every))
-        assert loop.Run.validating.fget(run) is expected
+        task = loop_tasks.Validation(NS(input_val_bin=path, val_every=every), None)
+        assert task.on is expected and task.due(0, False) is expected
 
 
 # ---------------------------------------------------------------------- rewind

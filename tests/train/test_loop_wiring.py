@@ -37,7 +37,7 @@ from raygpt.llmc.model_file import read_model_file_flat
 from raygpt.llmc.state_file import read_state_file
 from raygpt.model.gpt import GPT, GPTConfig
 from raygpt.storage import open_run_dir
-from raygpt.train import determinism, loop, signals
+from raygpt.train import determinism, loop, loop_tasks, signals
 from raygpt.train.optim import AdamW, FlatParameters, random_u32
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import LocalSession
@@ -167,7 +167,7 @@ def reference_run(cfg):
         out["train"][step] = dict(loss=loss, norm=norm, lr=lr, tokens=(step + 1) * cfg.total_batch_size,
                                   samples=samples_to_ranges(np.concatenate(samples)))
         if (step + 1) % cfg.watch_every == 0:
-            out["watch"][step] = loop.watch_metrics(flat, before, model.last_max_logit,
+            out["watch"][step] = loop_tasks.watch_metrics(flat, before, model.last_max_logit,
                                                     clipped / cfg.watch_every)
             clipped = 0
     return out
@@ -238,9 +238,9 @@ def wired(tmp_path_factory):
         mp.setattr(loop, "build_run", recording_build_run)
         # the device each part is handed (on a GPU, None would put it on the CPU)
         seen["devices"] = []
-        for name, at in (("evaluate", 3), ("sample_text", 2)):
-            real = getattr(loop, name)
-            mp.setattr(loop, name, lambda *a, _n=name, _i=at, _f=real: (
+        for name, at in (("evaluate", 3), ("sample_text", 2)):  # as the loop's tasks call them
+            real = getattr(loop_tasks, name)
+            mp.setattr(loop_tasks, name, lambda *a, _n=name, _i=at, _f=real: (
                 seen["devices"].append((_n, a[_i])), _f(*a))[1])
         summary = loop.train(cfg, session)
         seen["after"] = switches()
@@ -407,14 +407,16 @@ def test_build_run_builds_what_the_config_says(tmp_path):
         tl = r.train_loader
         assert (tl.pattern, tl.B, tl.T, tl.rank, tl.world, tl.should_shuffle, tl.seed) == (
             cfg.input_bin, 2, 8, 0, 1, False, 7)
-        vl = r.val_loader
+        vl = r.task("val").loader
         assert (vl.pattern, vl.B, vl.T, vl.rank, vl.world, vl.should_shuffle, vl.seed) == (
             cfg.input_val_bin, cfg.val_batch_size, 8, 0, 1, False, 7)
-        assert r.max_steps == STEPS and r.micro.grad_accum == 2 and r.tokens_per_step == 32
-        assert r.resumed_from is None and r.state.step == 0
+        assert r.max_steps == STEPS and r.micro.grad_accum == 2 and r.micro.tokens_per_step == 32
+        assert r.ckpt.loaded_step is None and r.state.step == 0
         assert r.state.rng_state == TrainState.fresh(cfg).rng_state
-        assert r.faults.nan_now(1) and not r.faults.nan_now(0)
-        assert r.save_clock.interval_s == 150.0
+        assert r.micro.faults.nan_now(1) and not r.micro.faults.nan_now(0)
+        assert r.task("drill").faults is r.micro.faults is r.agreement.faults
+        assert r.agreement.save_clock.interval_s == 150.0
+        assert r.task("checkpoint").save_clock is r.agreement.save_clock
         assert r.ckpt.max_steps == STEPS  # the WSD decay point in every manifest's retention
         assert not r.agreement.flags.stop_requested() and not r.agreement.flags.take_save_request()
         assert r.agreement.vector.dtype == torch.float32
@@ -439,7 +441,7 @@ def test_gpt2_init_is_drawn_once_and_only_when_no_checkpoint_is_loaded(wired, tm
                                   precision="bf16")
         with contextlib.ExitStack() as on_exit, signals.handlers_restored():
             r = loop.build_run(cfg, session_for(cfg.output_dir), on_exit)
-            assert r.resumed_from is None
+            assert r.ckpt.loaded_step is None
             built[resume] = (r.flat.params.clone(), r.opt.master.clone())
     assert calls == [5, 5]
     assert torch.equal(built[0][0], built[1][0]) and torch.equal(built[0][1], built[1][1])
@@ -449,7 +451,7 @@ def test_gpt2_init_is_drawn_once_and_only_when_no_checkpoint_is_loaded(wired, tm
     cfg = wired["cfg"].with_overrides({"output_dir": str(run_dir), "resume": 1})
     with contextlib.ExitStack() as on_exit, signals.handlers_restored():
         r = loop.build_run(cfg, session_for(run_dir), on_exit)
-        assert r.resumed_from == STEPS and calls == []
+        assert r.ckpt.loaded_step == STEPS and calls == []
         assert np.array_equal(r.flat.params[:r.flat.num_parameters].numpy(),
                               checkpoint_params(run_dir, STEPS)[0])
 
@@ -461,7 +463,7 @@ def test_build_run_without_validation_or_max_steps(tmp_path):
         cfg = wiring_config(tmp_path / str(len(overrides)), max_steps=-1, **overrides)
         with contextlib.ExitStack() as on_exit, signals.handlers_restored():
             r = loop.build_run(cfg, session_for(cfg.output_dir), on_exit)
-            assert r.val_loader is None
+            assert r.task("val").loader is None
             assert r.max_steps == r.train_loader.tokens_per_epoch // 32 > STEPS
             assert type(r.max_steps) is int
     cfg = wiring_config(tmp_path / "one", max_steps=1)
@@ -544,7 +546,7 @@ def test_evaluate_is_the_mean_over_the_same_batches_each_time(tmp_path):
 def test_sample_text_is_seeded_by_the_step(tmp_path):
     cfg = wiring_config(tmp_path, gen_tokens=6)
     model = reference_model(cfg)
-    text = loop.sample_text(model, cfg, torch.device("cpu"), 3)
+    text = loop_tasks.sample_text(model, cfg, torch.device("cpu"), 3)
     assert model.training
     assert text == reference_sample(model, cfg, 3)
     assert len(tokenizer.encode(text)) >= 1
@@ -769,8 +771,8 @@ def test_build_run_as_rank_1_of_3(tmp_path, monkeypatch):
         assert r.flat.num_parameters % 3 != 0 and r.flat.params.numel() % 3 == 0  # padded
         assert (r.opt.rank, r.opt.world, r.opt.zero_stage) == (1, 3, 1)
         assert (r.train_loader.rank, r.train_loader.world) == (1, 3)
-        assert (r.val_loader.rank, r.val_loader.world) == (1, 3)
-        assert r.save_clock.interval_s == 0.0 and r.micro.grad_accum == 2
+        assert (r.task("val").loader.rank, r.task("val").loader.world) == (1, 3)
+        assert r.agreement.save_clock.interval_s == 0.0 and r.micro.grad_accum == 2
         assert r.opt.overlap is not None and len(r.opt.overlap.buckets) == 2  # d2: 1 + embeddings
         # and ZeRO-1's gather overlapped with the forward, waited for per unit: embeddings,
         # 2 blocks, ln_f

@@ -27,7 +27,8 @@ def spike_config(run_dir, **kw):
 
 
 def test_one_spike_one_rewind_and_its_window_is_skipped_for_good(tmp_path):
-    summary = run_local(spike_config(tmp_path, fault="nan:rank=0,step=7"))
+    # -nk 0: it reads checkpoint 6 at the end, which the default retention lets go
+    summary = run_local(spike_config(tmp_path, fault="nan:rank=0,step=7", checkpoints_keep=0))
     assert summary["rewinds"] == 1 and summary["step"] == 12
     rewinds = [r for r in records(tmp_path) if r["kind"] == "rewind"]
     assert len(rewinds) == 1
@@ -142,7 +143,9 @@ def test_a_crash_between_a_rewind_and_the_next_checkpoint_keeps_the_rewinds_deci
     """NaN at step 9 rewinds to checkpoint 6 (safety 3), abandoning checkpoint 8; the process
     dies at step 7 of the re-run, before any checkpoint carries the rewind. -y 1 resumes from
     6, which predates the rewind: the decision recorded in the run directory still applies, so
-    the window stays skipped and the losses equal the same run without the crash."""
+    the window stays skipped and the losses equal the same run without the crash. Retention
+    is the default's all along (-nk 3, -nm 4 for -n 2 -x 12): it deleted 2 at 8's commit,
+    before the rewind, and 6 at 12's, after the resume."""
     spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
     kw = dict(max_steps=12, checkpoint_every=2, spike=spike)
     run_local(tiny_config(tmp_path / "ref", **kw, fault="nan:rank=0,step=9"))
@@ -151,7 +154,8 @@ def test_a_crash_between_a_rewind_and_the_next_checkpoint_keeps_the_rewinds_deci
     with pytest.raises(InjectedFault):
         run_local(crash)
     rd = open_run_dir(str(tmp_path / "crash"))
-    assert ck.list_checkpoint_steps(rd) == [2, 4, 6]  # 8 went with the abandoned trajectory
+    # 2 went by retention (8 made it the fourth), 8 with the abandoned trajectory
+    assert ck.list_checkpoint_steps(rd) == [4, 6]
     [decision] = ck.read_abandoned_trajectories(rd)
     assert decision["to_step"] == 6 and decision["ledger"]["rewinds"] == 1
     assert decision["skip_ranges"]
@@ -160,6 +164,9 @@ def test_a_crash_between_a_rewind_and_the_next_checkpoint_keeps_the_rewinds_deci
     assert train_losses(tmp_path / "crash") == train_losses(tmp_path / "ref")
     resumes = [r for r in records(tmp_path / "crash") if r["kind"] == "resume"]
     assert resumes[-1]["resumed_from"] == 6
+    # after the resume: the last three and the major 4 (-nm 4: 4, 8, 12)
+    assert ck.list_checkpoint_steps(rd) == [4, 8, 10, 12] == ck.list_checkpoint_steps(
+        open_run_dir(str(tmp_path / "ref")))
 
 
 def test_resume_passes_over_a_checkpoint_a_rewind_abandoned_but_did_not_delete(tmp_path):
@@ -174,7 +181,7 @@ def test_resume_passes_over_a_checkpoint_a_rewind_abandoned_but_did_not_delete(t
     with pytest.raises(InjectedFault):
         run_local(crash)
     rd = open_run_dir(str(tmp_path / "crash"))
-    assert ck.list_checkpoint_steps(rd) == [2, 4, 6, 8]
+    assert ck.list_checkpoint_steps(rd) == [4, 6, 8]  # 2 went by the default retention
     # what the reference run's rewind recorded, as if this run had crashed right after it
     [decision] = ck.read_abandoned_trajectories(open_run_dir(str(tmp_path / "ref")))
     trajectory = ck.read_manifest(rd, 8)["extra"]["trajectory"]

@@ -23,7 +23,8 @@ from raygpt.model.gpt import GPT
 from raygpt.storage import open_run_dir
 from raygpt.train import outlier
 from raygpt.train.faults import InjectedFault
-from raygpt.train.loop import TrainingStopped, build_model, sample_text, train
+from raygpt.train.loop import TrainingStopped, build_model, train
+from raygpt.train.loop_tasks import sample_text
 from raygpt.train.schedule import learning_rate
 from raygpt.train.session import LocalSession
 from tests.helpers import records, tiny_config, train_losses
