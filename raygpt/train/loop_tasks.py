@@ -69,9 +69,10 @@ def hellaswag_score(model, examples: list, device, world: int) -> tuple[int, int
     """(correct, total) HellaSwag acc_norm over every rank's share, llm.c's scoring
     (raygpt.eval.hellaswag), summed over the ranks."""
     from raygpt.eval import hellaswag
-    from raygpt.train.loop import all_reduce_sum
     correct, total = hellaswag.score(model, examples, device)
-    counts = all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=device), world)
+    counts = torch.tensor([correct, total], dtype=torch.float64, device=device)
+    if world > 1:
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
     model.train()
     return int(counts[0].item()), int(counts[1].item())
 
