@@ -99,8 +99,9 @@ def test_resume_one_to_two_workers(ddp, tmp_path):
     assert samples_seen(tmp_path) == samples_seen(ddp)
 
 
-def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
-    """Load a 2-rank ZeRO-1 checkpoint into a 1-rank run: m, v are the shards, concatenated."""
+def test_resharded_optimizer_state_equals_the_concatenated_shards(zero1):
+    """Load a 2-rank ZeRO-1 checkpoint (the shared run's step 4) into a 1-rank run: m, v are the
+    shards, concatenated."""
     from raygpt.checkpointing.runtime import Checkpointer
     from raygpt.data.loader import DistributedDataLoader
     from raygpt.train.loop import build_model
@@ -108,16 +109,15 @@ def test_resharded_optimizer_state_equals_the_concatenated_shards(tmp_path):
     from raygpt.train.session import LocalSession
     from raygpt.train.state import TrainState
 
-    run(cfg_for(tmp_path, zero_stage=1, max_steps=4))
-    cfg = cfg_for(tmp_path, zero_stage=0, num_workers=1, max_steps=4)
+    cfg = cfg_for(zero1, zero_stage=0, num_workers=1)
     model = build_model(cfg, torch.device("cpu"))
     flat = FlatParameters(model, torch.device("cpu"), torch.float32)
     opt = AdamW(flat, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    session = LocalSession(open_run_dir(str(tmp_path)), torch.device("cpu"))
+    session = LocalSession(open_run_dir(str(zero1)), torch.device("cpu"))
     loader = DistributedDataLoader(cfg.input_bin, cfg.batch_size, cfg.seq_len, 0, 1, shuffle=True,
                                    seed=cfg.seed)
     Checkpointer(cfg, session, flat, opt, model.config, 4).load(4, TrainState.fresh(cfg), loader)
-    rd = open_run_dir(str(tmp_path))
+    rd = open_run_dir(str(zero1))
     n = flat.num_parameters
     half = -(-n // 2)
     shards = [read_state_file(rd.read_bytes(f"step_00000004/{ck.state_file(4, r)}"),
