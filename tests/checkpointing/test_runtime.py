@@ -22,7 +22,7 @@ def test_a_run_sweeps_the_staging_roots_dead_workers_left_beside_its_training(tm
     import tempfile
     import threading
 
-    from raygpt.checkpointing.protocol import STAGE_STALE_S
+    from raygpt.checkpointing.staging import STAGE_STALE_S
     from raygpt.checkpointing.runtime import STAGE_SWEEP_THREAD
     from raygpt.train.loop import train
     from raygpt.train.session import LocalSession
