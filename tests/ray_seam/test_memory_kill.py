@@ -227,9 +227,10 @@ def test_rays_text_goes_to_the_failure_record_and_its_cause_is_one_line(tmp_path
     from ray.exceptions import OutOfMemoryError
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     from raygpt.ray.checkpoints import CheckpointFinalizer
+    from tests.helpers import tiny_config
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    CheckpointFinalizer(str(run_dir)).after_exception(None, {
+    CheckpointFinalizer(tiny_config(run_dir)).after_exception(None, {
         0: WorkerHealthCheckFailedError("A worker health check failed.\nWorker info: ...",
                                         failure=OutOfMemoryError(OTHERS_HOLD)),
         1: RuntimeError("gloo: connection closed by peer")})
