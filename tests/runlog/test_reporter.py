@@ -65,13 +65,13 @@ def test_the_eta_counts_the_tasks_runs_still_to_come(tmp_path, capsys, monkeypat
     alone (a few ms each here) would not."""
     import time
 
-    from raygpt.train import loop
+    from raygpt.train import loop_tasks
 
     def slow_sample(model, cfg, device, step):
         time.sleep(1.5)
         return f"text of step {step}"
 
-    monkeypatch.setattr(loop, "sample_text", slow_sample)
+    monkeypatch.setattr(loop_tasks, "sample_text", slow_sample)
     run_recorded(tiny_config(tmp_path, max_steps=4, checkpoint_every=0, sample_every=2,
                              input_val_bin=""))
     steps = [x for x in capsys.readouterr().out.splitlines() if re.match(r"step +\d/4 \|", x)]
