@@ -351,8 +351,8 @@ class ProgressLine:
         self.stream.flush()
 
     def done(self, manifest: dict) -> None:
-        if self.tty:
-            self._print(time.monotonic(), end="\n")
+        """The last line, 100% (a log too: a prepare quicker than `every_s` said nothing yet)."""
+        self._print(time.monotonic(), end="\n" if self.tty else "")
 
 
 def _human(s: float) -> str:

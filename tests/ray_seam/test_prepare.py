@@ -475,3 +475,17 @@ def test_a_prepare_killed_before_its_first_progress_write_reruns(local_ray, tmp_
     want = expected_shards(docs, 50)
     names = ["c_val_000000.bin"] + [f"c_train_{i:06d}.bin" for i in range(1, len(want))]
     assert [(out / n).read_bytes() for n in names] == want and bins(out) == sorted(names)
+
+
+def test_a_prepare_quicker_than_its_progress_interval_still_ends_with_its_100_percent_line():
+    """Redirected output gets a progress line every 10 s; one that ends sooner still says how it
+    ended (the old ProgressLine said nothing in a log: the console test failed on an idle machine)."""
+    import io
+    from types import SimpleNamespace
+    log = io.StringIO()
+    line = prepare.ProgressLine([SimpleNamespace(nbytes=100)], 0, stream=log)
+    line.unit_done(SimpleNamespace(nbytes=100), tokens=640, docs=3)
+    assert log.getvalue() == ""  # within the interval: nothing yet
+    line.done({})
+    (said,) = log.getvalue().splitlines()
+    assert re.match(r"raygpt prepare \| 3 documents \| [\d,]+ tok/s \| 100\.0% \| ETA ", said), said
