@@ -453,8 +453,8 @@ def token_batches(docs):
 def _encode_batch(docs: list[str]) -> np.ndarray:
     """[EOT] + encode_ordinary(doc) for each document, concatenated, in one tokenizer call:
     the documents joined by EOT's text with only EOT allowed as special, which tiktoken
-    splits on before its regex, so each document's tokens are its encode_ordinary's (faster
-    than a call per document: bench/results/prepare_2026-12-06.md). A document holding
+    splits on before its regex, so each document's tokens are its encode_ordinary's (one call
+    for many documents: bench/prepare.py measures it against a call per document). A document holding
     EOT's text itself must stay ordinary text (llm.c's rule): such a batch goes one by one."""
     enc = tokenizer.get_encoding()
     if any(tokenizer.EOT_TEXT in d for d in docs):

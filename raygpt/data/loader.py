@@ -130,7 +130,8 @@ def gather(mine: np.ndarray, T: int, device, tokens_of, vocab_size: int | None,
 
 @dataclasses.dataclass(frozen=True)
 class _Prefetched:
-    """A batch prepared ahead by `DistributedDataLoader.prefetch`, valid at cursor `key` only."""
+    """A batch prepared ahead by a loader's `prefetch` (this one's, or a mixture's), valid at cursor
+    `key` only."""
     key: tuple
     device: object
     cursor_after: tuple

@@ -29,7 +29,7 @@ from fractions import Fraction
 import numpy as np
 
 from raygpt.config.mixture import Source, parse
-from raygpt.data.loader import DistributedDataLoader, gather, merge_ranges
+from raygpt.data.loader import DistributedDataLoader, _Prefetched, gather, merge_ranges
 
 if typing.TYPE_CHECKING:
     import torch
@@ -93,16 +93,6 @@ def train_loader(spec: str, B: int, T: int, rank: int, world: int, **kw):
         return DistributedDataLoader(spec if sources is None else sources[0].pattern, B, T,
                                      rank, world, **kw)
     return MixedDataLoader(sources, B, T, rank, world, **kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefetched:
-    """A batch prepared ahead by `MixedDataLoader.prefetch`, valid at cursor `key` only."""
-    key: tuple
-    device: object
-    cursor_after: tuple
-    samples: np.ndarray
-    batch: tuple
 
 
 class MixedDataLoader:
