@@ -8,8 +8,9 @@
   retention, off the controller's thread); `FinalizerDrain` holds the controller's end until
   the queue is empty. Doing it there, rather than on rank 0 after a barrier, means no worker can
   mark a checkpoint done whose other ranks' files Ray has not stored yet.
-- Ray's own list of the run's checkpoints (raygpt.ray.checkpoint_list) is brought back to what
-  exists after every report: raygpt's retention and rewinds delete behind Ray's back.
+- Ray's own list of the run's checkpoints is brought back to what exists after every report
+  (raygpt.ray.checkpoint_list, its one owner): raygpt's retention and rewinds delete behind
+  Ray's back.
 - A lost worker group is recorded in the run's loss history (`after_exception`).
 """
 
@@ -29,7 +30,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import (CommitFacts, drain_finalize_queues, finalize_queue,
                                            queued_run_dirs)
 from raygpt.ray import memory_kill
-from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray import checkpoint_list
 from raygpt.ray.compat import ControllerCallback, storage_marker_name
 from raygpt.runlog.history import append_record
 from raygpt.storage import RunDir, open_run_dir
@@ -127,7 +128,7 @@ class CheckpointFinalizer(UserCallback):
             # fault injection: act as if the driver died between Ray's registration and DONE
             log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")
             self.crash_before_done_steps.discard(step)
-            _reconcile(run_dir)
+            checkpoint_list.after_report(run_dir)
             return
         rank_hashes = {}
         for m in metrics:
@@ -136,12 +137,12 @@ class CheckpointFinalizer(UserCallback):
         finalize_queue(self.output_dir).submit(step, rank_hashes, reported, self.facts.complete)
         # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
         # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
-        _reconcile(run_dir)
+        checkpoint_list.after_report(run_dir)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
         ok = finalize_queue(self.output_dir).drain(timeout_s)
-        _reconcile(open_run_dir(self.output_dir))
+        checkpoint_list.after_report(open_run_dir(self.output_dir))
         return ok
 
     def after_exception(self, run_context, worker_exceptions):
@@ -176,19 +177,10 @@ class FinalizerDrain(ControllerCallback):
     def after_controller_finish(self, result) -> None:
         drain_finalize_queues()
         for d in queued_run_dirs():
-            _reconcile(open_run_dir(d))
+            checkpoint_list.after_report(open_run_dir(d))
 
     def before_controller_abort(self) -> None:
         if not drain_finalize_queues(self.ABORT_DRAIN_S):
             log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
                         "stays without DONE/MANIFEST")
 
-
-def _reconcile(run_dir: RunDir) -> None:
-    """Ray's CheckpointManager wrote its snapshot just before the report hook (same thread):
-    take out what retention just deleted and what a rewind deleted since the last report."""
-    try:
-        reconcile_snapshot(run_dir)
-    except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
-        log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
-                    f"{type(e).__name__}: {e}")

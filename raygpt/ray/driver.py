@@ -60,7 +60,7 @@ from raygpt.config import TrainConfig, absolute_paths
 from raygpt.config import preflight
 from raygpt.model.memory import estimate_for, out_of_memory_line
 from raygpt.ray import capacity, compat, memory_kill, ray_logs
-from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray import checkpoint_list
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
 from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
@@ -258,10 +258,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
     snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
     or Ray's controller would refuse the directory after retention or a rewind deleted some."""
-    dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
-    if dropped:
-        log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
-                 f"no longer in the run directory; dropped: {', '.join(dropped)}")
+    checkpoint_list.before_fit(open_run_dir(cfg.output_dir))
     storage_fs, storage_path, name = _split_storage(cfg.output_dir)
     set_controller_poll()  # read by Ray when the trainer is made (get_env_vars_to_propagate)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
