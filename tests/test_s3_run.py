@@ -117,7 +117,7 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
     fs = s3.fs()
     for uri in (full, killed):
         rd = open_run_dir(uri)
-        assert not rd.is_local and rd.root.startswith("bucket/runs/")
+        assert not rd.caps.local_paths and rd.root.startswith("bucket/runs/")
         names = set(rd.listdir())
         # on an object store the logs are append-only parts (raygpt.runlog.segments), never a
         # whole file re-uploaded

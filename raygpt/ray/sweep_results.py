@@ -192,6 +192,6 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
                      f"{r.error}")
     if best is not None:
         log.info(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); train it on its own: "
-                 f"{train_command(best_path, sweep.is_local)}")
+                 f"{train_command(best_path, sweep.caps.local_paths)}")
     return SweepReport(sweep_dir=plan.sweep_dir, rows=rows, best=best, best_config_path=best_path,
                        plot_path=plot_path, table=table, max_concurrent=max_concurrent)

@@ -83,11 +83,6 @@ class RunDir:
     def root(self) -> str:
         return self.store.root
 
-    @property
-    def is_local(self) -> bool:
-        """Whether the files are this machine's (`caps.local_paths`); new code asks `caps`."""
-        return self.store.caps.local_paths
-
     def path(self, rel: str = "") -> str:
         """The store's own path of `rel`."""
         return self.store.path(rel)
