@@ -189,11 +189,13 @@ def test_ray_gets_the_run_directorys_filesystem_and_a_plain_path():
     import pyarrow.fs as pafs
 
     from raygpt.ray.driver import _split_storage
-    fs, path, name = _split_storage("s3://bucket/runs/x?endpoint_override=h:1&scheme=http")
+    from raygpt.storage import open_run_dir
+    fs, path, name = _split_storage(
+        open_run_dir("s3://bucket/runs/x?endpoint_override=h:1&scheme=http"))
     assert isinstance(fs, pafs.S3FileSystem) and (path, name) == ("bucket/runs", "x")
     assert fs.__reduce__()[1][0]["endpoint_override"] == "h:1"
     assert fs.__reduce__()[1][0]["connect_timeout"] > 0  # the bounded filesystem
-    assert _split_storage("/a/b/run") == (None, "/a/b", "run")
+    assert _split_storage(open_run_dir("/a/b/run")) == (None, "/a/b", "run")
 
 
 def test_a_sweep_in_the_bucket_takes_its_endpoint_from_the_flag(s3, monkeypatch, tmp_path):

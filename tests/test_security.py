@@ -698,7 +698,8 @@ def test_failure_reports_and_sweep_plans_never_hold_credentials(tmp_path, s3):
     from raygpt.ray import sweep
     fs, uri = s3
     cfg = tiny_config(uri("bucket/failed"))
-    report = driver._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
+    report = driver._failure_report(cfg, open_run_dir(cfg.output_dir), 0.0,
+                                    RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
     assert SECRET not in report and QUOTED not in report and "AKIATEST" not in report
     assert "s3://***@bucket/failed?endpoint_override" in report and "s3://***@bucket/x" in report
     sweep_dir = uri("bucket/sweep")

@@ -114,15 +114,26 @@ class CheckpointFinalizer(UserCallback):
     for the queue before it ends, so the last checkpoint is complete when fit() returns."""
 
     def __init__(self, cfg, crash_before_done_steps=()):
-        self.output_dir = cfg.output_dir
+        self.output_dir = cfg.output_dir  # a string: Ray pickles the finalizer to its controller
+        self._run_dir: RunDir | None = None
         self.facts = CommitFacts(cfg)  # fingerprints, identity, retention: the driver's config
         self.crash_before_done_steps = set(crash_before_done_steps)
         self.failures = 0
 
+    @property
+    def run_dir(self) -> RunDir:
+        """The run directory, opened once in the process the finalizer runs in (the controller)."""
+        if self._run_dir is None:
+            self._run_dir = open_run_dir(self.output_dir)
+        return self._run_dir
+
+    def __getstate__(self):
+        return {**self.__dict__, "_run_dir": None}  # opened again where it is unpickled
+
     def after_report(self, run_context, metrics, checkpoint):
         if checkpoint is None:
             return
-        run_dir = open_run_dir(self.output_dir)
+        run_dir = self.run_dir
         step = ck.step_of_dir(Path(checkpoint.path).name)
         if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
@@ -134,22 +145,22 @@ class CheckpointFinalizer(UserCallback):
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
         reported = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_queue(self.output_dir).submit(step, rank_hashes, reported, self.facts.complete)
+        finalize_queue(run_dir).submit(step, rank_hashes, reported, self.facts.complete)
         # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
         # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
         checkpoint_list.after_report(run_dir)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
-        ok = finalize_queue(self.output_dir).drain(timeout_s)
-        checkpoint_list.after_report(open_run_dir(self.output_dir))
+        ok = finalize_queue(self.run_dir).drain(timeout_s)
+        checkpoint_list.after_report(self.run_dir)
         return ok
 
     def after_exception(self, run_context, worker_exceptions):
         # the restarted workers pick the newest complete checkpoint: let the ones the lost
         # group reported be completed first (a few small writes each), as a synchronous
         # finalizer would have
-        finalize_queue(self.output_dir).drain()
+        finalize_queue(self.run_dir).drain()
         self.failures += 1
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
         # a memory kill's cause in one line; Ray's whole account (~6 KB) goes to the record only
@@ -159,7 +170,7 @@ class CheckpointFinalizer(UserCallback):
             if text is not None:
                 causes[rank] = memory_kill.summary_line(text)
                 ray_text[rank] = text[:memory_kill.MAX_TEXT]
-        with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
+        with RunDir(self.run_dir.store) as run_dir:  # stored on return (its own segment)
             append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
                                     **({"ray_text": ray_text} if ray_text else {}),
                                     "time": time.time(), "attempt": None})
@@ -176,8 +187,8 @@ class FinalizerDrain(ControllerCallback):
 
     def after_controller_finish(self, result) -> None:
         drain_finalize_queues()
-        for d in queued_run_dirs():
-            checkpoint_list.after_report(open_run_dir(d))
+        for run_dir in queued_run_dirs():
+            checkpoint_list.after_report(run_dir)
 
     def before_controller_abort(self) -> None:
         if not drain_finalize_queues(self.ABORT_DRAIN_S):
