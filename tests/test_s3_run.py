@@ -228,8 +228,9 @@ def test_tune_gets_the_sweep_directorys_bounded_filesystem_and_a_plain_path():
     import pyarrow.fs as pafs
 
     from raygpt.ray.sweep import _tune_storage
-    fs, path = _tune_storage("s3://bucket/sweeps/x?endpoint_override=h:1&scheme=http")
+    from raygpt.storage import open_run_dir
+    fs, path = _tune_storage(open_run_dir("s3://bucket/sweeps/x?endpoint_override=h:1&scheme=http"))
     assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/sweeps/x"
     options = fs.__reduce__()[1][0]
     assert options["endpoint_override"] == "h:1" and options["connect_timeout"] > 0
-    assert _tune_storage("/a/sweep") == (None, "/a/sweep")
+    assert _tune_storage(open_run_dir("/a/sweep")) == (None, "/a/sweep")

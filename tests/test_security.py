@@ -383,18 +383,19 @@ def test_sweep_o_on_a_directory_holding_anything_else_is_refused_before_anything
         with pytest.raises(ConfigError, match=r"found 1 entries raygpt did not create for a sweep "
                                               r"\(no raygpt_run.json; e.g. 'results.csv'\)"):
             sweep._checked_before_ray(b, {"learning_rate": 1e-3}, str(mine),
-                                      {"early_stop": "none"}, None)
+                                      open_run_dir(str(mine)), {"early_stop": "none"}, None)
         with pytest.raises(ConfigError, match="entries raygpt did not create for a sweep"):
-            sweep._new_plan("grid", b, b, str(mine), {}, lease=None)
+            sweep._new_plan("grid", b, b, str(mine), open_run_dir(str(mine)), {}, lease=None)
         assert _tree(mine) == before
     # a new directory becomes this user's sweep; a second plan needs --overwrite
     new = tmp_path / "new"
-    sweep._new_plan("grid", base, base, str(new), {})
+    sweep._new_plan("grid", base, base, str(new), open_run_dir(str(new)), {})
     marker = ownership.read_marker(open_run_dir(new))
     assert marker["kind"] == "sweep" and marker["uid"] == os.geteuid()
     with pytest.raises(ConfigError, match="found an existing sweep"):
-        sweep._new_plan("grid", base, base, str(new), {})
-    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new), {})
+        sweep._new_plan("grid", base, base, str(new), open_run_dir(str(new)), {})
+    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new),
+                    open_run_dir(str(new)), {})
     assert ownership.read_marker(open_run_dir(new))["run_id"] != marker["run_id"]  # started over
 
 
