@@ -758,8 +758,8 @@ _TRAINED = [{"kind": "start", "step": 0, "time": 1, "attempt": 1, "max_steps": 4
 
 
 def _status(argv, capsys) -> tuple[int, str, str]:
-    from raygpt.runlog.report import status_main
-    code = status_main(argv)
+    from raygpt.cli import main
+    code = main(["status", *argv])  # the command line: it hands status the sweep reader
     out = capsys.readouterr()
     return code, out.out, out.err
 

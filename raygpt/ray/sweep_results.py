@@ -12,14 +12,15 @@ import json
 import logging
 import math
 import shlex
+import types
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from raygpt.config import TrainConfig, absolute_paths, stored_fields
-from raygpt.ray.sweep_plan import (BEST_CONFIG, PLOT, RESULTS_JSON, RESULTS_TXT, STABLE_DIR,
-                                   TRIALS_DIR, SweepPlan, TrialRow, _abs, read_ledger, read_plan,
-                                   trial_progress, trial_rows)
+from raygpt.ray.sweep_plan import (BEST_CONFIG, PLAN_FILE, PLOT, RESULTS_JSON, RESULTS_TXT,
+                                   STABLE_DIR, TRIALS_DIR, SweepPlan, TrialRow, _abs, read_ledger,
+                                   read_plan, trial_progress, trial_rows)
 from raygpt.ray.trials import PLACEMENT_FIELDS, _plain
 from raygpt.storage import RunDir, join_uri, open_run_dir, redact, store_png
 from raygpt.train.errors import EXIT_BAD_INPUT
@@ -43,6 +44,14 @@ def _opened(sweep_dir: str) -> tuple[RunDir, SweepPlan]:
     as the trials' own runs get them)."""
     sweep = open_run_dir(_abs(sweep_dir))
     return sweep, read_plan(sweep, _abs(sweep_dir))
+
+
+def for_directory(directory: RunDir, not_a_run: FileNotFoundError):
+    """What `raygpt status` / `raygpt plot` call for a directory holding no run (`sweep_status`,
+    `plot_sweep`) when it holds a sweep's plan (sweep.json); else `not_a_run` again."""
+    if not directory.exists(PLAN_FILE):
+        raise not_a_run
+    return types.SimpleNamespace(sweep_status=sweep_status, plot_sweep=plot_sweep)
 
 
 def collect_rows(sweep_dir: str) -> list[TrialRow]:

@@ -176,9 +176,10 @@ def _read_back(artists: list, kind: str) -> tuple[list, list]:
     return xs, ([] if kind == "ticks" else [float(y) for y in line.get_ydata()])
 
 
-def _plot_sweep(uri: str, run_dir: RunDir, out: str | None, not_a_run: FileNotFoundError) -> str:
+def _plot_sweep(sweeps, uri: str, run_dir: RunDir, out: str | None,
+                not_a_run: FileNotFoundError) -> str:
     """`raygpt plot` of a sweep directory: every trial's validation curve; its result line."""
-    path, trials = _sweep_module(run_dir, not_a_run).plot_sweep(uri, out)
+    path, trials = _sweep_module(sweeps, run_dir, not_a_run).plot_sweep(uri, out)
     if path is None:
         raise RuntimeError("raygpt plot needs matplotlib: pip install 'raygpt[plot]'")
     return f"raygpt plot: wrote {path} ({trials} trial(s))"
@@ -198,7 +199,8 @@ def plot_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plot_main(argv: list[str]) -> int:
+def plot_main(argv: list[str], *, sweeps=None) -> int:
+    """`raygpt plot`; `sweeps`: the sweep reader for a sweep directory (run_view._sweep_module)."""
     args = plot_parser().parse_args(argv)
     try:
         uri, run_dir = _open_checked(args.run_dir, args.storage_endpoint)
@@ -216,7 +218,7 @@ def plot_main(argv: list[str]) -> int:
             line = (f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
                     f"{len(series.get('val_loss', ([],))[0])} validations)")
         except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
-            line = _plot_sweep(uri, run_dir, args.out, not_a_run)
+            line = _plot_sweep(sweeps, uri, run_dir, args.out, not_a_run)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2

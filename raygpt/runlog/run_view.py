@@ -292,10 +292,10 @@ def _open_checked(run_dir: str, endpoint: str) -> tuple[str, RunDir]:
     return uri, opened
 
 
-def _sweep_module(run_dir: RunDir, not_a_run: FileNotFoundError):
-    """raygpt.ray.sweep_results when `run_dir` is a sweep directory (it holds sweep.json); else
-    `not_a_run` is raised again. Imported only here: a run's status and plot need none of it."""
-    from raygpt.ray import sweep_plan, sweep_results
-    if not run_dir.exists(sweep_plan.PLAN_FILE):
+def _sweep_module(sweeps, run_dir: RunDir, not_a_run: FileNotFoundError):
+    """The sweep reader `sweeps(run_dir, not_a_run)` gives for a sweep directory (the command
+    line hands raygpt.ray.sweep_results' `for_directory`: the run log sits below the Ray seam);
+    `not_a_run` again without one, or when `run_dir` holds no sweep."""
+    if sweeps is None:
         raise not_a_run
-    return sweep_results
+    return sweeps(run_dir, not_a_run)

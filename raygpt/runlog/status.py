@@ -224,7 +224,8 @@ def status_parser() -> argparse.ArgumentParser:
     return p
 
 
-def status_main(argv: list[str]) -> int:
+def status_main(argv: list[str], *, sweeps=None) -> int:
+    """`raygpt status`; `sweeps`: the sweep reader for a sweep directory (run_view._sweep_module)."""
     args = status_parser().parse_args(argv)
     try:
         uri, run_dir = _open_checked(args.run_dir, args.storage_endpoint)
@@ -232,7 +233,7 @@ def status_main(argv: list[str]) -> int:
             text = run_status(run_dir, verify="full" if args.verify else "quick",
                               progress=_stderr_progress)
         except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
-            text = _sweep_module(run_dir, not_a_run).sweep_status(uri)
+            text = _sweep_module(sweeps, run_dir, not_a_run).sweep_status(uri)
     except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2
