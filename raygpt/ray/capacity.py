@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from raygpt.config import TrainConfig, local_gpus
+from raygpt.config import TrainConfig
+from raygpt.ray.knobs import local_gpus
 from raygpt.ray import compat
 
 
