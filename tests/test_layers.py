@@ -81,3 +81,12 @@ def test_the_model_imports_nothing_above_it():
 
 def test_the_cycle_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+BUDGET = 600  # lines a module may hold (docs/development.md, "The layout and its budget")
+
+
+def test_no_module_is_over_the_budget():
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {m: n for m, n in sizes.items() if n > BUDGET} == {}
+    assert max(sizes.values()) > BUDGET // 2  # (the count sees the package's real modules)

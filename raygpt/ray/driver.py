@@ -57,6 +57,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raygpt.artifacts import signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
+from raygpt.runlog.knobs import RunLogConfig
 from raygpt.config import preflight
 from raygpt.model.memory import estimate_for, out_of_memory_line
 from raygpt.ray import capacity, compat, memory_kill, ray_logs
@@ -463,14 +464,14 @@ def memory_kill_line(cfg: TrainConfig, since: float, rank: int | None,
                               workers=cfg.num_workers if cfg.device == "cpu" else 1)
 
 
-def _next_step(cfg: TrainConfig, since: float) -> int | None:
+def _next_step(cfg: RunLogConfig, since: float) -> int | None:
     """The step being trained: one past this launch's last train record (None: before step 0)."""
     steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
              if r.get("kind") == "train" and r.get("time", 0) >= since]
     return steps[-1] + 1 if steps else None
 
 
-def _attempts(cfg: TrainConfig, since: float) -> int:
+def _attempts(cfg: RunLogConfig, since: float) -> int:
     """This launch's attempts: one per failure the finalizer recorded (at least one)."""
     return max(1, sum(1 for r in read_history(open_run_dir(cfg.output_dir))
                       if r.get("kind") == "failure" and r.get("time", 0) >= since))
