@@ -1,7 +1,7 @@
 """raygpt prepare against llm.c's dev/data/fineweb.py (its tokenize_gpt2 under a
 multiprocessing Pool.imap), on the same generated Parquet corpus, every output's digest compared.
 
-    python bench/prepare.py [--mb 600] [--cpus 4,16] [--cluster 16,8+8] [--repeat 3]
+    python bench/prepare.py [--mb 800] [--cpus 4,16] [--cluster 16,8+8] [--repeat 3]
                             [--anchor PATH/fineweb.py] [--out /tmp/prepare_bench]
 
 Sides, each timed from the first read of the corpus to the last shard written:
@@ -285,7 +285,7 @@ def goal(name: str, values: list[float], median: float, ok) -> str:
 def main() -> int:
     global _anchor_tokenize
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=600, help="MB of text in the corpus")
+    ap.add_argument("--mb", type=int, default=800, help="MB of text in the corpus")
     ap.add_argument("--cpus", default="4,16", help="CPU counts for the Pool and in-process Ray")
     ap.add_argument("--cluster", default="", help="clusters started with `ray start`, e.g. 16,8+8")
     ap.add_argument("--anchor", type=Path, default=ANCHOR, help="llm.c's dev/data/fineweb.py")
