@@ -204,7 +204,7 @@ def run(p: Plan, *, report=None, window: int | None = None) -> dict:
     import ray
 
     from raygpt.ray import shared_dir
-    from raygpt.ray.driver import init_ray
+    from raygpt.ray.connect import init_ray
 
     if p.complete is not None:
         return p.complete
