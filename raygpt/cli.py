@@ -2,7 +2,7 @@
 
     raygpt train [llm.c flags | long options]   run a job under Ray Train
     raygpt sweep [sweep options] [train flags]   a Ray Tune sweep whose trials are raygpt runs
-    raygpt prepare INPUT... -o OUT_DIR           tokenize a corpus into llm.c shards on Ray Data
+    raygpt prepare INPUT... -o OUT_DIR           tokenize a corpus into llm.c shards as Ray tasks
     raygpt status RUN_DIR [--verify]             what ran, last step, loss, checkpoints, goodput
     raygpt status SWEEP_DIR                      every trial's row of a sweep, as of now
     raygpt plot RUN_DIR [-o OUT.png]             loss / lr / grad norm / tok/s with events marked
@@ -33,7 +33,7 @@ from raygpt.runlog.terminal import printable, printable_lines
 COMMANDS = {
     "train": "pretrain GPT-2 under Ray Train (llm.c's flags; raygpt train --help lists them all)",
     "sweep": "a Ray Tune sweep over train flags; every trial a full raygpt run",
-    "prepare": "tokenize Parquet, JSON Lines or text (local or s3://) into llm.c shards, on Ray Data",
+    "prepare": "tokenize Parquet, JSON Lines or text (local or s3://) into llm.c shards, as Ray tasks",
     "status": "a run at a glance from its run directory (or a sweep's trials from its directory)",
     "plot": "a PNG of a run's loss, lr, grad norm, tok/s and events, or of a sweep's val curves",
     "compact": "merge the log segments of a run on an object store into one object per log",

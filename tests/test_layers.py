@@ -84,7 +84,10 @@ FACE = "raygpt"  # the package's __init__: run before any module of it; importin
 
 
 def layer_of(module: str) -> int:
-    room = module.split(".")[1] if "." in module else module
+    # a folder's knobs.py (its settings, declared with config/knobs.py's `knob`) is the config
+    # layer's: TrainConfig composes every component's knobs
+    room = "config" if module.endswith(".knobs") else (
+        module.split(".")[1] if "." in module else module)
     for i, rooms in enumerate(LAYERS):
         if room in rooms:
             return i
@@ -125,11 +128,21 @@ def test_the_layer_check_sees_an_upward_import_and_lets_a_leaf_through():
     assert upward(g) == [("raygpt.runlog.b", "raygpt.ray.c"),
                          ("raygpt.storage.a", "raygpt.runlog.b")]
     assert [layer_of(m) for m in ("raygpt.ops.x", "raygpt.model.gpt", "raygpt.eval.sets",
-                                  "raygpt.ray.driver", "raygpt.cli")] == [0, 1, 2, 3, 4]
+                                  "raygpt.ray.driver", "raygpt.cli", "raygpt.ray.knobs",
+                                  "raygpt.model.knobs")] == [0, 1, 2, 3, 4, 2, 2]
 
 
 def test_the_cycle_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+BUDGET = 600  # lines a module may hold (docs/development.md, "The layout and its budget")
+
+
+def test_no_module_is_over_the_budget():
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {m: n for m, n in sizes.items() if n > BUDGET} == {}
+    assert max(sizes.values()) > BUDGET // 2  # (the count sees the package's real modules)
 
 
 if __name__ == "__main__":  # the list, for a change that moves modules

@@ -44,6 +44,7 @@ from raygpt.checkpointing.reading import (ResumeRead, fetch_verified, files_to_l
 from raygpt.checkpointing.snapshot import StateSnapshot
 from raygpt.checkpointing.store import CheckpointStore
 from raygpt.config import TrainConfig
+from raygpt.checkpointing.knobs import CheckpointConfig
 from raygpt.data.loader import merge_ranges
 from raygpt.llmc.model_file import read_model_file_flat, write_model_file_from_flat
 from raygpt.llmc.state_file import read_state_file, write_state_file
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 STAGE_SWEEP_THREAD = "raygpt-stage-sweep"
 
 
-def may_restore(cfg: TrainConfig, hint: int | None) -> bool:
+def may_restore(cfg: CheckpointConfig, hint: int | None) -> bool:
     """Whether Checkpointer.restore_latest will look for a checkpoint: the surroundings restored
     one (`hint`, the session's checkpoint_hint(): a Ray restart) or the config asks (-y 1)."""
     return hint is not None or cfg.resume == 1

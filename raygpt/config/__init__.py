@@ -15,17 +15,42 @@ before Ray starts. A Ray Tune search space is an override of `TrainConfig` field
 
 from __future__ import annotations
 
-# The face: each name from the module that owns it.
+import importlib
+from pathlib import Path
+
+# The vocabulary every component declares its knobs with (its own folder's knobs.py) loads at once.
 from raygpt.config.errors import ConfigError  # noqa: F401
-from raygpt.config.knobs import SECTION_TITLES, field_docs, knob  # noqa: F401
-from raygpt.config.train_config import (  # noqa: F401
-    DATA_DIR, DEFAULT_TRAIN, DEFAULT_VAL, FILE_FIELDS, PACKAGE_DIR, RESUME_MUTABLE_FIELDS,
-    SCHEDULERS, SpikeConfig, TrainConfig)
-from raygpt.config.files import (  # noqa: F401
-    COMMAND_LINE_ONLY, CONFIG_FILE_FORBIDDEN, CONFIG_FILE_MAX_BYTES, FILE_REFUSED, PLACEMENT,
-    as_command, check_file_fields, command_line_only, config_read_back, flag_of, knob_hints,
-    read_config_file, stored_fields, without_command_line_only)
-from raygpt.config.paths import absolute_paths, output_dir_with_endpoint, shards_with_endpoint  # noqa: F401
-from raygpt.config.fit import DEFAULT_VAL_BATCHES, local_gpus  # noqa: F401
-from raygpt.config.command_line import EXIT_CODES, FlagParser, build_parser, parse_args  # noqa: F401
-from raygpt.config import mixture  # noqa: F401,E402 (raygpt.config.mixture)
+from raygpt.config.knobs import SECTION_TITLES, field_docs, knob, need  # noqa: F401
+
+# The face: each name from the module that owns it, loaded on first use (PEP 562). TrainConfig
+# composes the components' knobs, which import raygpt.config.knobs: loading it here at once
+# would import a component back into itself whenever that component is imported first.
+_FACE = {
+    "raygpt.config.train_config": ("FILE_FIELDS", "RESUME_MUTABLE_FIELDS", "TrainConfig"),
+    "raygpt.data.knobs": ("DATA_DIR", "DEFAULT_TRAIN", "DEFAULT_VAL", "PACKAGE_DIR"),
+    "raygpt.train.knobs": ("SCHEDULERS", "SpikeConfig"),
+    "raygpt.config.files": (
+        "COMMAND_LINE_ONLY", "CONFIG_FILE_FORBIDDEN", "CONFIG_FILE_MAX_BYTES", "FILE_REFUSED",
+        "PLACEMENT", "as_command", "check_file_fields", "command_line_only", "config_read_back",
+        "flag_of", "knob_hints", "read_config_file", "stored_fields", "without_command_line_only"),
+    "raygpt.config.paths": ("absolute_paths", "output_dir_with_endpoint", "shards_with_endpoint"),
+    "raygpt.data.fit": ("DEFAULT_VAL_BATCHES",),
+    "raygpt.ray.knobs": ("local_gpus",),
+    "raygpt.config.command_line": ("EXIT_CODES", "FlagParser", "build_parser", "parse_args"),
+}
+_OWNER = {name: module for module, names in _FACE.items() for name in names}
+__all__ = ["ConfigError", "SECTION_TITLES", "field_docs", "knob", "need", *_OWNER]
+
+
+def __getattr__(name: str):
+    if name in _OWNER:
+        value = getattr(importlib.import_module(_OWNER[name]), name)
+        globals()[name] = value  # once: later lookups are plain attributes
+        return value
+    if (Path(__file__).parent / f"{name}.py").is_file():  # a module of this package, by name
+        return importlib.import_module(f"raygpt.config.{name}")
+    raise AttributeError(f"module 'raygpt.config' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_OWNER))

@@ -8,7 +8,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from raygpt.config.train_config import DATA_DIR, SpikeConfig, TrainConfig
+from raygpt.config.train_config import TrainConfig
+from raygpt.data.knobs import DATA_DIR
+from raygpt.train.knobs import SpikeConfig
 from raygpt.config.errors import ConfigError, usage_error
 from raygpt.config.files import knob_hints, read_config_file
 from raygpt.config.flag_hints import HintingParser

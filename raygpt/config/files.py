@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from raygpt.config import mixture
-from raygpt.config.train_config import SpikeConfig, TrainConfig
+from raygpt.config.train_config import TrainConfig
+from raygpt.train.knobs import SpikeConfig
 from raygpt.config.errors import ConfigError
 from raygpt.config.knobs import _from_file
 

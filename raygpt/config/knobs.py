@@ -49,6 +49,13 @@ def knob(default=dataclasses.MISSING, *, section: str, factory=dataclasses.MISSI
 
 
 
+def need(ok: bool, flag: str, expected: str, found) -> None:
+    """A component's check: ConfigError naming the flag, what was expected and what was found."""
+    if not ok:
+        raise ConfigError(f"{flag}: expected {expected}, found {found!r}")
+
+
+
 def _is_list(f: dataclasses.Field) -> bool:
     """A field of repeatable values (`list[str]`: a flag given once per value)."""
     return str(f.type).startswith("list[")
@@ -75,18 +82,22 @@ def _from_file(f: dataclasses.Field) -> bool:
 
 def field_docs(cls) -> dict[str, str]:
     """{field: docstring} of a dataclass, read from its source: the string literal right after
-    each annotated field (what Sphinx and torchtitan treat as the field's documentation)."""
+    each annotated field (what Sphinx and torchtitan treat as the field's documentation); a
+    config composed of components' dataclasses has each component's docs."""
     import ast
     import inspect
     import textwrap
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

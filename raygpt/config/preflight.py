@@ -39,6 +39,9 @@ import os
 import uuid
 
 from raygpt.config import ConfigError, TrainConfig, mixture
+from raygpt.data.knobs import DataConfig
+from raygpt.model.knobs import ModelConfig
+from raygpt.runlog.knobs import RunLogConfig
 from raygpt.data.loader import SHARDS_HELD, ranks_with_data, tokens_needed
 from raygpt.data.mixture import epoch_samples
 from raygpt.data.sources import is_remote, shard_token_counts
@@ -101,7 +104,7 @@ def check_memory(cfg: TrainConfig, machine: dict[str, int]) -> None:
                       f"T={cfg.seq_len} (raygpt.model.memory: {est.line()}); lower -b")
 
 
-def check_trackers(cfg: TrainConfig) -> None:
+def check_trackers(cfg: RunLogConfig) -> None:
     from raygpt.runlog.tracking import check_mlflow_uri
     problem = check_mlflow_uri(cfg.mlflow)
     if problem:
@@ -196,7 +199,7 @@ def check_eval_sets(cfg: TrainConfig) -> list[str]:
     return facts
 
 
-def check_shard_cache(cfg: TrainConfig, counts: list[tuple[str, int]], flag: str,
+def check_shard_cache(cfg: DataConfig, counts: list[tuple[str, int]], flag: str,
                       held: int = SHARDS_HELD) -> None:
     """The node's shard cache holds what a loader of shards in a bucket keeps in it at once
     (`held` of the largest: SHARDS_HELD, times the sources of a mix); local shards need none."""
@@ -257,7 +260,7 @@ def check_hellaswag(cfg: TrainConfig) -> None:
         raise ConfigError(f"--hellaswag: {e}") from None
 
 
-def _block_size(cfg: TrainConfig) -> int:
+def _block_size(cfg: ModelConfig) -> int:
     if cfg.depth is not None:
         return 1024  # GPTConfig.from_depth's
     if os.path.isdir(cfg.model):
@@ -306,7 +309,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
 
 # ---------------------------------------------------------------------- run directory
 
-def _open(cfg: TrainConfig):
+def _open(cfg: RunLogConfig):
     """The run directory, its store answering (bucket, credentials, endpoint: within
     storage.REACHABLE_DEADLINE_S, whatever the client's own retries), or one line why not."""
     from raygpt.storage import StorageError, check_reachable, open_run_dir, redact

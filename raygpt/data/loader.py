@@ -144,7 +144,49 @@ _STATE_KEYS = ("epoch", "shard_pos", "sample_pos", "should_shuffle", "shard_indi
                "num_shards")
 
 
-class DistributedDataLoader:
+class BatchStream:
+    """What every loader of global micro-batches shares: the next batch, made ahead by
+    `prefetch`, this rank's rows gathered from the shards. A loader provides its stream of
+    global samples (`_take_global_samples`), its cursor (`_cursor_key`, `_save_cursor`,
+    `_restore_cursor`), and its shards' tokens (`_shard_tokens`, `_bad_token`); it sets B, T,
+    rank, world, vocab_size, `_prefetched` and `last_global_samples`."""
+
+    def next_batch(self, device: torch.device | str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume the next global micro-batch (world*B samples); return this rank's (x, y),
+        (B, T) int64 each, on `device` (default: the CPU). For a CUDA device the (B, T+1)
+        window is gathered straight into page-locked memory and sent in one asynchronous copy,
+        so the host never waits for the GPU here (the loop's step stays free of syncs). If
+        `prefetch(device)` prepared exactly this batch, it is handed out without more work."""
+        ready, self._prefetched = self._prefetched, None
+        if ready is not None and ready.key == self._cursor_key() and ready.device == device:
+            self._restore_cursor(ready.cursor_after)
+            samples, batch = ready.samples, ready.batch
+        else:
+            samples = self._take_global_samples(self.world * self.B)
+            batch = self._gather(samples, device)
+        self.last_global_samples = samples
+        return batch
+
+    def prefetch(self, device: torch.device | str | None = None) -> None:
+        """Prepare the batch the next `next_batch(device)` will return (the host's gather and the
+        copy to `device` are started now) without consuming it: the cursor, `state_dict()` and
+        `last_global_samples` are unchanged. The loop calls this while the GPU runs the
+        backward pass, so the gather is off the step's critical path. A later change of
+        position or skip list (a resume, a rewind) makes the prepared batch stale; it is then
+        dropped and the batch built afresh."""
+        key, before = self._cursor_key(), self._save_cursor()
+        samples = self._take_global_samples(self.world * self.B)
+        after = self._save_cursor()
+        self._restore_cursor(before)
+        self._prefetched = _Prefetched(key, device, after, samples, self._gather(samples, device))
+
+    def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather(samples[self.rank * self.B:(self.rank + 1) * self.B], self.T, device,
+                      self._shard_tokens, self.vocab_size, self._bad_token)
+
+
+class DistributedDataLoader(BatchStream):
     """llm.c's DataLoader over a glob of token shards, for rank `rank` of `world`.
 
     `next_batch()` returns (x, y), int64 tensors of shape (B, T) with y = x shifted by one token.
@@ -281,40 +323,6 @@ class DistributedDataLoader:
             filled += len(taken)
             self.sample_pos += consumed
         return out
-
-    def next_batch(self, device: torch.device | str | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Consume the next global micro-batch (world*B samples); return this rank's (x, y),
-        (B, T) int64 each, on `device` (default: the CPU). For a CUDA device the (B, T+1)
-        window is gathered straight into page-locked memory and sent in one asynchronous copy,
-        so the host never waits for the GPU here (the loop's step stays free of syncs). If
-        `prefetch(device)` prepared exactly this batch, it is handed out without more work."""
-        ready, self._prefetched = self._prefetched, None
-        if ready is not None and ready.key == self._cursor_key() and ready.device == device:
-            self._restore_cursor(ready.cursor_after)
-            samples, batch = ready.samples, ready.batch
-        else:
-            samples = self._take_global_samples(self.world * self.B)
-            batch = self._gather(samples, device)
-        self.last_global_samples = samples
-        return batch
-
-    def prefetch(self, device: torch.device | str | None = None) -> None:
-        """Prepare the batch the next `next_batch(device)` will return (the host's gather and the
-        copy to `device` are started now) without consuming it: the cursor, `state_dict()` and
-        `last_global_samples` are unchanged. The loop calls this while the GPU runs the
-        backward pass, so the gather is off the step's critical path. A later change of
-        position or skip list (a resume, a rewind) makes the prepared batch stale; it is then
-        dropped and the batch built afresh."""
-        key, before = self._cursor_key(), self._save_cursor()
-        samples = self._take_global_samples(self.world * self.B)
-        after = self._save_cursor()
-        self._restore_cursor(before)
-        self._prefetched = _Prefetched(key, device, after, samples, self._gather(samples, device))
-
-    def _gather(self, samples: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return gather(samples[self.rank * self.B:(self.rank + 1) * self.B], self.T, device,
-                      self._shard_tokens, self.vocab_size, self._bad_token)
 
     def _bad_token(self, shard: int, samples: np.ndarray, window: np.ndarray) -> None:
         """ShardError (bad input, never retried) naming the shard, the sample, the token id."""

@@ -29,7 +29,7 @@ from fractions import Fraction
 import numpy as np
 
 from raygpt.config.mixture import Source, parse
-from raygpt.data.loader import DistributedDataLoader, _Prefetched, gather, merge_ranges
+from raygpt.data.loader import BatchStream, DistributedDataLoader, _Prefetched, merge_ranges
 
 if typing.TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ def train_loader(spec: str, B: int, T: int, rank: int, world: int, **kw):
     return MixedDataLoader(sources, B, T, rank, world, **kw)
 
 
-class MixedDataLoader:
+class MixedDataLoader(BatchStream):
     """Several llm.c loaders drawn by weight, for rank `rank` of `world`: `next_batch()` takes
     the next world*B samples of the global stream and returns this rank's rows [rank*B,
     (rank+1)*B) as (x, y), like DistributedDataLoader, whose surface it has."""
@@ -146,7 +146,7 @@ class MixedDataLoader:
         return sum(loader.open_shards for loader in self.loaders)
 
     # ------------------------------------------------------------------ batches
-    def _take(self, n: int) -> np.ndarray:
+    def _take_global_samples(self, n: int) -> np.ndarray:
         """Consume the next n samples of the global stream: (n, 2) of (global shard, sample)."""
         picks = self.schedule.draws(self.drawn, n)
         out = np.empty((n, 2), dtype=np.int64)
@@ -161,32 +161,12 @@ class MixedDataLoader:
 
     def next_batch(self, device: torch.device | str | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Consume the next global micro-batch (world*B samples); this rank's (x, y), (B, T)
-        int64 each, on `device`; a batch `prefetch(device)` prepared is handed out as it is."""
+        """BatchStream's, noting each source that began a new epoch (for the log's line)."""
         epochs = [loader.epoch for loader in self.loaders]
-        ready, self._prefetched = self._prefetched, None
-        if ready is not None and ready.key == self._cursor_key() and ready.device == device:
-            self._restore_cursor(ready.cursor_after)
-            samples, batch = ready.samples, ready.batch
-        else:
-            samples = self._take(self.world * self.B)
-            batch = self._gather(samples, device)
-        self.last_global_samples = samples
+        batch = super().next_batch(device)
         self._new_epochs += [(self.names[s], loader.epoch) for s, loader in enumerate(self.loaders)
                              if loader.epoch > epochs[s]]
         return batch
-
-    def prefetch(self, device: torch.device | str | None = None) -> None:
-        """Prepare the batch the next `next_batch(device)` returns, without consuming it."""
-        key, before = self._cursor_key(), self._save_cursor()
-        samples = self._take(self.world * self.B)
-        after = self._save_cursor()
-        self._restore_cursor(before)
-        self._prefetched = _Prefetched(key, device, after, samples, self._gather(samples, device))
-
-    def _gather(self, samples: np.ndarray, device):
-        return gather(samples[self.rank * self.B:(self.rank + 1) * self.B], self.T, device,
-                      self._shard_tokens, self.vocab_size, self._bad_token)
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         s = int(self.owner[shard])

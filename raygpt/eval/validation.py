@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from raygpt.config import TrainConfig
+from raygpt.eval.knobs import EvalConfig
 from raygpt.data.loader import DistributedDataLoader, ranks_with_data
 from raygpt.data.sources import ShardCache, shard_token_counts
 
@@ -30,7 +31,7 @@ def build_val_loader(cfg: TrainConfig, rank: int, world: int, cache: ShardCache 
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, cfg: TrainConfig, device, world: int) -> float:
+def evaluate(model, val_loader, cfg: EvalConfig, device, world: int) -> float:
     """Mean validation loss over cfg.val_batches micro-batches per rank, the same batches every
     time; a rank without a loader (no validation data for it) adds nothing but takes part in
     the all-reduce."""

@@ -1,5 +1,6 @@
 """The Ray seam: the only package that imports Ray (tests/ray_seam/test_seam.py enforces it).
 
+    connect.py     start or join Ray: the drivers' one ray.init (no Ray Train, no torch)
     driver.py      one run under Ray Train: start or join Ray, the TorchTrainer, its failure
                    policy, the control actor
     driver_signals.py  SIGTERM / SIGUSR1 / Ctrl-C to the driver, forwarded to the workers
@@ -23,7 +24,7 @@
                    sweep` checks the trials before Ray Tune is loaded or Ray started)
     pg_cleanup.py  the workers' placement group removed if Ray Train's controller dies
     capacity.py    what a Ray started on this machine holds: its GPUs, Ray's count of its CPUs
-    prepare.py     `raygpt prepare`: a corpus to llm.c's token shards on Ray Data
+    prepare.py     `raygpt prepare`: a corpus to llm.c's token shards as Ray tasks
 
 Importing this package imports no Ray: each module does, when it is imported.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from raygpt.config import TrainConfig, local_gpus
+from raygpt.ray.knobs import RayConfig, local_gpus
 from raygpt.ray import compat
 
 
@@ -35,7 +35,7 @@ RAY_PROCESSES_BYTES = 2 << 30
 RAY_MEMORY_THRESHOLD = 0.95
 
 
-def this_machine(cfg: TrainConfig) -> dict[str, int]:
+def this_machine(cfg: RayConfig) -> dict[str, int]:
     """What a run's workers can take here: {"GPU": n, "gpu_memory": bytes of one} for a GPU
     run, {"CPU": n, "memory": bytes} for a CPU one (`memory_for_workers`)."""
     if cfg.device == "gpu":

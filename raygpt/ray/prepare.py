@@ -203,10 +203,17 @@ def run(p: Plan, *, report=None, window: int | None = None) -> dict:
     flight (default twice the cluster's CPUs; tests: the bytes must not depend on it)."""
     import ray
 
-    from raygpt.ray.driver import init_ray
+    from raygpt.ray import shared_dir
+    from raygpt.ray.connect import init_ray
 
     if p.complete is not None:
         return p.complete
+    init_ray(p.settings.ray_address)
+    if p.out.is_local:  # tasks on every node stage and read units there: a shared directory
+        line = shared_dir.blind_nodes_line("-o", redact(p.out.uri()),
+                                           *shared_dir.nodes_not_seeing(p.out.local_path()))
+        if line:
+            raise PrepareError(line)
     # marked before the first write (and checked again): a new -o becomes this user's
     claim_dir(p.out, KIND, p.settings.out, holds=lambda _: False, resume=True)
     p.out.makedirs(staging.UNITS)  # the tasks write files into it
@@ -216,7 +223,6 @@ def run(p: Plan, *, report=None, window: int | None = None) -> dict:
     done_shards = {s["name"]: s for s in progress.shards}
     todo = [u for u in p.units if u.index not in units]
     report = report or ProgressLine(todo, sum(v[1] for v in units.values()))
-    init_ray(p.settings.ray_address)
     stage = ray.remote(staging.stage_unit).options(num_cpus=1)
     write = ray.remote(staging.write_shard).options(num_cpus=1)
     window = window or 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))

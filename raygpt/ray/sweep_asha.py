@@ -16,7 +16,7 @@ import math
 import ray
 from ray.tune.schedulers import ASHAScheduler
 
-from raygpt.config import TrainConfig
+from raygpt.eval.knobs import EvalConfig
 from raygpt.ray.sweep_plan import STOPPED_KEY
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class _ByName:
         return cls(getattr(trial, "config", {}).get("trial", trial.trial_id))
 
 
-def _default_grace(base: TrainConfig, max_t: int) -> int:
+def _default_grace(base: EvalConfig, max_t: int) -> int:
     """A quarter of the run, rounded up to a validation step (the only steps Tune hears of)."""
     every = max(1, base.val_every)
     return max(every, math.ceil(max_t / 4 / every) * every)

@@ -53,6 +53,7 @@ from raygpt.artifacts import signed_file
 from raygpt.artifacts.signed_file import ArtifactKey
 from raygpt.config import (ConfigError, TrainConfig, command_line_only, shards_with_endpoint,
                            without_command_line_only)
+from raygpt.ray.knobs import RayConfig
 from raygpt.ray import capacity
 from raygpt.ray.driver import RunFailed, cluster_resources, init_ray, run, starts_its_own_ray
 from raygpt.ray.sweep_asha import GracefulASHA, _default_grace, trial_control_name
@@ -264,7 +265,7 @@ def _holds_sweep(sweep: RunDir) -> bool:
     return sweep.exists(PLAN_FILE) or sweep.exists(TUNE_DIR)
 
 
-def max_concurrent_trials(cluster: dict, per_trial: TrainConfig) -> int:
+def max_concurrent_trials(cluster: dict, per_trial: RayConfig) -> int:
     """Trials whose workers fit at once: GPUs (or CPUs, one per CPU worker) // workers per trial."""
     kind = "GPU" if per_trial.device == "gpu" else "CPU"
     return max(1, int(cluster.get(kind, 0) // per_trial.num_workers))

@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from raygpt.config import preflight
-from raygpt.config import (FILE_REFUSED, ConfigError, FlagParser, SpikeConfig, TrainConfig,
+from raygpt.config import (FILE_REFUSED, SCHEDULERS, ConfigError, FlagParser, SpikeConfig, TrainConfig,
                            absolute_paths, check_file_fields)
 from raygpt.ray import capacity
 
@@ -314,6 +314,6 @@ def _branch_totals(text: str) -> list[int]:
         raise ConfigError(f"--wsd-branches {text!r}: expected N1,N2,... (integers)") from None
 
 
-# the scheduler kinds a sweep without a space compares
-DEFAULT_SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+# a sweep without a space compares every schedule raygpt.train.schedule has
+DEFAULT_SCHEDULERS = SCHEDULERS
 

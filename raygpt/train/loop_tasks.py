@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from raygpt.config import TrainConfig
+from raygpt.eval.knobs import EvalConfig
 from raygpt.data import tokenizer
 from raygpt.eval.validation import build_val_loader, evaluate
 from raygpt.train.tasks import every
@@ -59,7 +60,7 @@ def hellaswag_share(cfg: TrainConfig, rank: int, world: int) -> list | None:
     return hellaswag.read_examples(cfg.hellaswag, cfg.storage_endpoint)[rank::world]
 
 
-def hellaswag_due(cfg: TrainConfig, step: int, last_step: bool) -> bool:
+def hellaswag_due(cfg: EvalConfig, step: int, last_step: bool) -> bool:
     return bool(cfg.hellaswag) and cfg.hellaswag_every > 0 and (
         step % cfg.hellaswag_every == 0 or last_step)
 
@@ -104,7 +105,7 @@ def sample_text(model, cfg: TrainConfig, device, step: int) -> str:
     return tokenizer.decode(out[0, 1:].tolist())
 
 
-def sampling_step(cfg: TrainConfig, step: int, last_step: bool) -> bool:
+def sampling_step(cfg: EvalConfig, step: int, last_step: bool) -> bool:
     return cfg.sample_every > 0 and step > 0 and (step % cfg.sample_every == 0 or last_step)
 
 

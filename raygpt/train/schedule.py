@@ -24,7 +24,6 @@ import math
 import numpy as np
 
 _F = np.float32
-KINDS = ("cosine", "linear", "constant", "wsd")
 
 
 def _check(step: int, warmup_steps: int, total_steps: int) -> None:
@@ -118,6 +117,8 @@ _SCHEDULES = {
     "constant": learning_rate_constant,
     "wsd": learning_rate_wsd,
 }
+# the one list of schedule names: -k's choices and a sweep's default space read it
+KINDS = tuple(_SCHEDULES)
 
 
 def learning_rate(kind: str, step: int, *, peak_lr: float, warmup_steps: int, total_steps: int,

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from raygpt.config import TrainConfig
+from raygpt.train.knobs import OptimizerConfig
 from raygpt.train.outlier import OutlierDetector, RewindLedger, SpikeMonitor, Verdict
 
 # llm.c seeds its xorshift state with this constant; every rank uses the same state so that
@@ -45,7 +46,7 @@ class TrainState:
     def lr_scale(self) -> float:
         return self.ledger.lr_scale
 
-    def judge(self, cfg: TrainConfig, step: int, loss: float, norm: float) -> Verdict:
+    def judge(self, cfg: OptimizerConfig, step: int, loss: float, norm: float) -> Verdict:
         """llm.c's z-score skip (-sl / -sg), then the spike policy (raygpt.train.outlier) when it is on.
         A non-finite loss or norm never reaches AdamW: it rewinds under the spike policy and is
         skipped (with the reason said) without it."""

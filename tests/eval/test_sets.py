@@ -103,7 +103,7 @@ def test_an_s3_set_takes_the_endpoint_as_j_does(data):
                          "input_val_bin": "s3://bucket/v_*.bin",
                          "storage_endpoint": "http://127.0.0.1:9"})
     with pytest.MonkeyPatch.context() as mp:  # resolve reads no header of a bucket's shards
-        mp.setattr("raygpt.config.fit._shard_tokens", lambda pattern, flag: None)
+        mp.setattr("raygpt.data.fit._shard_tokens", lambda pattern, flag: None)
         r = cfg.resolve(0)
     name, pattern = sets.parse(r.eval_set)[0]
     assert name == "w" and pattern.startswith("s3://bucket/w_*.bin?")

@@ -54,6 +54,14 @@ def wait_for(predicate, timeout, what):
     raise TimeoutError(f"gave up after {timeout} s waiting for {what}")
 
 
+def test_every_node_of_the_cluster_sees_a_local_directory_on_this_machine(cluster, tmp_path):
+    # (a prepare's local -o on a cluster is asked this first: raygpt.ray.shared_dir)
+    from raygpt.ray import shared_dir
+    blind, alive = shared_dir.nodes_not_seeing(str(tmp_path / "new" / "out"))
+    assert (blind, alive) == ([], 3)  # the head and both worker nodes read the probe back
+    assert list(tmp_path.iterdir()) == []  # the probe is gone; nothing else was made
+
+
 def test_node_loss_resumes_with_uninterrupted_losses(cluster, tmp_path):
     c, nodes = cluster
     base = dict(num_workers=2, max_steps=16, checkpoint_every=4, max_failures=3)

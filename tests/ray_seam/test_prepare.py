@@ -1,4 +1,4 @@
-"""`raygpt prepare` on Ray Data (raygpt.ray.prepare): generated Parquet, JSON Lines and text
+"""`raygpt prepare` as Ray tasks (raygpt.ray.prepare): generated Parquet, JSON Lines and text
 corpora prepared locally and on a local S3 server, compared byte for byte with an independent
 statement of llm.c's fineweb rule; a prepare killed with SIGKILL and rerun; every bad input one
 line, exit 2, nothing under a final name."""
@@ -320,7 +320,7 @@ def test_default_name_is_the_inputs_own(given, name):
 
 
 def test_fineweb_edu_recipe_in_miniature(local_ray, tmp_path, monkeypatch):
-    """experiments/fineweb_edu.py --miniature: a generated Parquet corpus prepared on Ray Data,
+    """experiments/fineweb_edu.py --miniature: a generated Parquet corpus prepared as Ray tasks,
     then trained on (the recipe's own two steps), and run again: the prepare has nothing to do
     and the run resumes."""
     sys.path.insert(0, str(REPO / "experiments"))
@@ -369,7 +369,7 @@ def _state(out: Path) -> dict:
 
 
 def _one_error_line(capsys) -> str:
-    """prepare's one line on stderr (Ray Data's own log lines, which name no input, left out);
+    """prepare's one line on stderr (Ray's own log lines, which name no input, left out);
     nothing on stderr carries a raw escape character."""
     err = capsys.readouterr().err
     assert "\x1b" not in err

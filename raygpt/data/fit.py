@@ -1,42 +1,16 @@
-"""Defaults that depend on this machine and on the data: the GPUs here, a micro-batch the shards
-can feed on this many workers, validation batches that fit the validation set, a model file's
-block size. `TrainConfig.resolve` calls them; they read shard and model-file headers."""
+"""Defaults that depend on the data: a micro-batch the train shards can feed on this many workers,
+validation batches that fit the validation set. The data and evaluation knobs' resolve calls them;
+they read shard headers (only the headers)."""
 
 from __future__ import annotations
 
 import glob
-import os
 
 from raygpt.config import mixture
 from raygpt.config.errors import ConfigError
 from raygpt.config.paths import _remote
 
-def local_gpus() -> int:
-    """The GPUs this process can see (CUDA_VISIBLE_DEVICES applies), as a Ray started here
-    counts them."""
-    try:
-        import torch
-        return torch.cuda.device_count()
-    except Exception:  # torch missing or broken CUDA: treat as no GPU, the caller says so
-        return 0
-
-
-
 DEFAULT_VAL_BATCHES = 20  # llm.c's val_max_steps
-
-
-
-def _model_file_block_size(model: str) -> int:
-    """max_seq_len of an llm.c model file given as -e (1024 for dN names and for a file that
-    cannot be read: `raygpt.config.preflight` names that file's problem)."""
-    if not model or (model.startswith("d") and model[1:].isdigit()) or not os.path.isfile(model):
-        return 1024
-    import numpy as np
-    try:
-        header = np.fromfile(model, dtype="<i4", count=256)
-    except OSError:
-        return 1024
-    return int(header[2]) if len(header) == 256 and header[2] >= 1 else 1024
 
 
 
@@ -54,24 +28,25 @@ def _shard_tokens(pattern: str, flag: str) -> list[int] | None:
 
 
 
-def _fit_batch_size(c, default: int, notes: list[str]) -> int:
+def fit_batch_size(input_bin: str, seq_len: int, workers: int, default: int,
+                   notes: list[str]) -> int:
     """The default micro-batch, made smaller when the smallest train shard cannot hold one
-    global micro-batch on c.num_workers workers (B*T*workers+1 tokens). A shard too small even
+    global micro-batch on `workers` workers (B*T*workers+1 tokens). A shard too small even
     for B=1 is left to `raygpt.config.preflight`, which names it."""
-    tokens = _shard_tokens(c.input_bin, "-i/--input-bin")
-    if tokens is None or c.seq_len < 1 or c.num_workers < 1:
+    tokens = _shard_tokens(input_bin, "-i/--input-bin")
+    if tokens is None or seq_len < 1 or workers < 1:
         return default
-    fits = (min(tokens) - 1) // (c.seq_len * c.num_workers)
+    fits = (min(tokens) - 1) // (seq_len * workers)
     if 1 <= fits < default:
         notes.append(f"B={fits} (not {default}): the smallest train shard holds {min(tokens):,} "
-                     f"tokens and one micro-batch on {c.num_workers} workers needs "
-                     f"B*T*{c.num_workers}+1 (T={c.seq_len})")
+                     f"tokens and one micro-batch on {workers} workers needs "
+                     f"B*T*{workers}+1 (T={seq_len})")
         return fits
     return default
 
 
 
-def _fit_validation(c, notes: list[str]) -> None:
+def fit_validation(c, notes: list[str]) -> None:
     """Fill val_batch_size and val_batches (when unset) to the validation shards: every rank
     that validates reads val_batches micro-batches of val_batch_size samples of T+1 tokens;
     ranks beyond the data sit validation out (`data.ranks_with_data`). The defaults cover as much
