@@ -14,15 +14,16 @@
 #   MUTANTS_TESTS='tests/test_x.py' bench/mutants.sh data   # another test selection
 #
 # `loop` is narrowed: only the step's decision functions (agree, update, act_on, rewind,
-# sampling_step, watch_metrics, broadcast_step, all_reduce_sum, Run.validating, the
-# deterministic-op error) are mutated, against tests/train/test_loop_steps.py (stand-ins for the run's
-# components, milliseconds a test). build_run, _train, forward_backward, evaluate, finish and the
-# torch switches are wiring that only a training run exercises: `loop-all` mutates the whole
-# file against the loop tests (minutes per mutant: many hours on 2 cores). `loop-wiring` mutates
-# those wiring functions (build_model, build_val_loader, evaluate, sample_text, train,
-# build_run, _train, after_first_step, forward_backward, finish) against
-# tests/train/test_loop_wiring.py: one tiny in-process run compared with a hand-rolled reference loop
-# (seconds a mutant).
+# broadcast_step, all_reduce_sum in train/loop.py; sampling_step, watch_metrics and
+# Validation.due in train/loop_tasks.py) are mutated, against tests/train/test_loop_steps.py
+# (stand-ins for the run's components, milliseconds a test). build_run, _train, forward_backward,
+# finish and the torch switches are wiring that only a training run exercises: `loop-all` mutates
+# the whole of train/loop.py against the loop tests (minutes per mutant: many hours on 2 cores).
+# `loop-wiring` mutates those wiring functions (build_model, train, build_run, _train,
+# after_first_step, forward_backward, finish in train/loop.py; build_val_loader in
+# eval/validation.py) against tests/train/test_loop_wiring.py: one tiny in-process run compared
+# with a hand-rolled reference loop (seconds a mutant). evaluate and sample_text, which it also
+# checks, are decorated (torch.no_grad): mutmut 3 makes no mutants of a decorated function.
 #
 # mutmut writes a mutants/ tree next to pyproject.toml, so the script works in a scratch copy of
 # the working tree (tracked and untracked-but-not-ignored files), never in the checkout. Each
@@ -70,13 +71,17 @@ tests_for() {
   [ ${#found[@]} -gt 0 ] || { echo "bench/mutants.sh: no tests found for '$1' in $2" >&2; exit 2; }
   echo "${found[@]}"
 }
-# the file each module name stands for
+# the files each module name stands for (the loop's targets span the loop and its tasks)
 path_for() {
   case "$1" in
+    schedule|outlier|optim|state) echo "raygpt/train/$1.py" ;;
+    data)       echo "raygpt/data/loader.py" ;;
     checkpoint) echo "raygpt/checkpointing/protocol.py" ;;
-    loop-all|loop-wiring) echo "raygpt/train/loop.py" ;;
+    loop)       echo "raygpt/train/loop.py raygpt/train/loop_tasks.py" ;;
+    loop-all)   echo "raygpt/train/loop.py" ;;
+    loop-wiring) echo "raygpt/train/loop.py raygpt/eval/validation.py" ;;
     state_file) echo "raygpt/llmc/state_file.py" ;;
-    *)          echo "raygpt/$1.py" ;;
+    hashing_writer) echo "raygpt/storage/hashing_writer.py" ;;
   esac
 }
 # the mutants to run (fnmatch patterns over mutmut's names; none: every mutant of the file)
@@ -84,17 +89,18 @@ only_for() {
   if [ -n "${MUTANTS_ONLY:-}" ]; then
     echo "$MUTANTS_ONLY"
   elif [ "$1" = loop ]; then
-    for f in agree update act_on rewind sampling_step watch_metrics broadcast_step \
-             all_reduce_sum; do
+    for f in agree update act_on rewind broadcast_step all_reduce_sum; do
       printf 'raygpt.train.loop.x_%s__mutmut_* ' "$f"
     done
-    echo "raygpt.train.loop.xǁRunǁvalidating__mutmut_*"
+    for f in sampling_step watch_metrics; do
+      printf 'raygpt.train.loop_tasks.x_%s__mutmut_* ' "$f"
+    done
+    echo "raygpt.train.loop_tasks.xǁValidationǁdue__mutmut_*"
   elif [ "$1" = loop-wiring ]; then
-    for f in build_model build_val_loader evaluate sample_text train build_run _train \
-             after_first_step forward_backward finish; do
+    for f in build_model train build_run _train after_first_step forward_backward finish; do
       printf 'raygpt.train.loop.x_%s__mutmut_* ' "$f"
     done
-    echo
+    echo "raygpt.eval.validation.x_build_val_loader__mutmut_*"
   fi
 }
 
@@ -111,9 +117,9 @@ for mod in "${MODULES[@]}"; do
   tests=${MUTANTS_TESTS:-$(tests_for "$mod" "$work")}
   python3 - "$work/pyproject.toml" "$(path_for "$mod")" $tests <<'PY'
 import json, re, sys
-path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
+path, modules, tests = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 text = open(path).read()
-text = re.sub(r"only_mutate = \[[^\]]*\]", "only_mutate = " + json.dumps([module]), text)
+text = re.sub(r"only_mutate = \[[^\]]*\]", "only_mutate = " + json.dumps(modules), text)
 text = re.sub(r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
               "pytest_add_cli_args_test_selection = " + json.dumps(tests), text)
 open(path, "w").write(text)

@@ -99,14 +99,21 @@ def _prepare(argv: list[str]) -> int:
     return prepare_main(argv)
 
 
+def _sweeps(directory, not_a_run: FileNotFoundError):
+    """The sweep reader for `raygpt status` / `raygpt plot` of a directory holding no run
+    (imported only then: a run's status and plot need none of the Ray seam)."""
+    from raygpt.ray import sweep_results
+    return sweep_results.for_directory(directory, not_a_run)
+
+
 def _status(argv: list[str]) -> int:
     from raygpt.runlog.status import status_main
-    return status_main(argv)
+    return status_main(argv, sweeps=_sweeps)
 
 
 def _plot(argv: list[str]) -> int:
     from raygpt.runlog.plot import plot_main
-    return plot_main(argv)
+    return plot_main(argv, sweeps=_sweeps)
 
 
 def _compact(argv: list[str]) -> int:

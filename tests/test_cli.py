@@ -58,3 +58,30 @@ def test_other_subcommands_have_help():
     for command in ("status", "plot", "prepare"):
         out = sh("-m", "raygpt", command, "--help")
         assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr)
+
+
+def test_status_and_plot_of_a_sweep_directory_go_through_the_sweep_reader_the_command_hands_down(
+        tmp_path):
+    """runlog/ sits below the Ray seam: `raygpt status` / `raygpt plot` of a directory holding no
+    run get the sweep's reader (ray/sweep_results.py) from the command line."""
+    from raygpt.ray import sweep
+    from raygpt.storage import open_run_dir
+    sweep_dir = tmp_path / "sweep"
+    plan = sweep.SweepPlan(sweep_dir=str(sweep_dir), mode="grid", user_base={}, base={},
+                           settings={}, trials=[{"name": "trial_000",
+                                                 "overrides": {"learning_rate": 0.002}}])
+    sweep.write_plan(open_run_dir(str(sweep_dir)), plan)
+    out = sh("-m", "raygpt", "status", str(sweep_dir))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"sweep {sweep_dir} | mode grid | 1 trial(s): 1 pending")
+    assert "trial_000  pending  learning_rate=0.002" in out.stdout
+    neither = tmp_path / "neither"
+    neither.mkdir()
+    out = sh("-m", "raygpt", "status", str(neither))  # no run, no sweep: the run's own error
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"(is {neither} a raygpt run directory?)" in out.stderr
+    pytest.importorskip("matplotlib")
+    out = sh("-m", "raygpt", "plot", str(sweep_dir), "-o", str(tmp_path / "val.png"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"raygpt plot: wrote {tmp_path / 'val.png'} (1 trial(s))\n"
+    assert (tmp_path / "val.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -117,7 +117,7 @@ def test_checkpoints_and_logs_are_in_the_bucket_and_nothing_on_local_disk(s3, ru
     fs = s3.fs()
     for uri in (full, killed):
         rd = open_run_dir(uri)
-        assert not rd.is_local and rd.root.startswith("bucket/runs/")
+        assert not rd.caps.local_paths and rd.root.startswith("bucket/runs/")
         names = set(rd.listdir())
         # on an object store the logs are append-only parts (raygpt.runlog.segments), never a
         # whole file re-uploaded
@@ -189,11 +189,13 @@ def test_ray_gets_the_run_directorys_filesystem_and_a_plain_path():
     import pyarrow.fs as pafs
 
     from raygpt.ray.driver import _split_storage
-    fs, path, name = _split_storage("s3://bucket/runs/x?endpoint_override=h:1&scheme=http")
+    from raygpt.storage import open_run_dir
+    fs, path, name = _split_storage(
+        open_run_dir("s3://bucket/runs/x?endpoint_override=h:1&scheme=http"))
     assert isinstance(fs, pafs.S3FileSystem) and (path, name) == ("bucket/runs", "x")
     assert fs.__reduce__()[1][0]["endpoint_override"] == "h:1"
     assert fs.__reduce__()[1][0]["connect_timeout"] > 0  # the bounded filesystem
-    assert _split_storage("/a/b/run") == (None, "/a/b", "run")
+    assert _split_storage(open_run_dir("/a/b/run")) == (None, "/a/b", "run")
 
 
 def test_a_sweep_in_the_bucket_takes_its_endpoint_from_the_flag(s3, monkeypatch, tmp_path):
@@ -226,8 +228,9 @@ def test_tune_gets_the_sweep_directorys_bounded_filesystem_and_a_plain_path():
     import pyarrow.fs as pafs
 
     from raygpt.ray.sweep import _tune_storage
-    fs, path = _tune_storage("s3://bucket/sweeps/x?endpoint_override=h:1&scheme=http")
+    from raygpt.storage import open_run_dir
+    fs, path = _tune_storage(open_run_dir("s3://bucket/sweeps/x?endpoint_override=h:1&scheme=http"))
     assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/sweeps/x"
     options = fs.__reduce__()[1][0]
     assert options["endpoint_override"] == "h:1" and options["connect_timeout"] > 0
-    assert _tune_storage("/a/sweep") == (None, "/a/sweep")
+    assert _tune_storage(open_run_dir("/a/sweep")) == (None, "/a/sweep")

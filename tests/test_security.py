@@ -383,18 +383,19 @@ def test_sweep_o_on_a_directory_holding_anything_else_is_refused_before_anything
         with pytest.raises(ConfigError, match=r"found 1 entries raygpt did not create for a sweep "
                                               r"\(no raygpt_run.json; e.g. 'results.csv'\)"):
             sweep._checked_before_ray(b, {"learning_rate": 1e-3}, str(mine),
-                                      {"early_stop": "none"}, None)
+                                      open_run_dir(str(mine)), {"early_stop": "none"}, None)
         with pytest.raises(ConfigError, match="entries raygpt did not create for a sweep"):
-            sweep._new_plan("grid", b, b, str(mine), {}, lease=None)
+            sweep._new_plan("grid", b, b, str(mine), open_run_dir(str(mine)), {}, lease=None)
         assert _tree(mine) == before
     # a new directory becomes this user's sweep; a second plan needs --overwrite
     new = tmp_path / "new"
-    sweep._new_plan("grid", base, base, str(new), {})
+    sweep._new_plan("grid", base, base, str(new), open_run_dir(str(new)), {})
     marker = ownership.read_marker(open_run_dir(new))
     assert marker["kind"] == "sweep" and marker["uid"] == os.geteuid()
     with pytest.raises(ConfigError, match="found an existing sweep"):
-        sweep._new_plan("grid", base, base, str(new), {})
-    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new), {})
+        sweep._new_plan("grid", base, base, str(new), open_run_dir(str(new)), {})
+    sweep._new_plan("grid", base.with_overrides({"overwrite": True}), base, str(new),
+                    open_run_dir(str(new)), {})
     assert ownership.read_marker(open_run_dir(new))["run_id"] != marker["run_id"]  # started over
 
 
@@ -698,7 +699,8 @@ def test_failure_reports_and_sweep_plans_never_hold_credentials(tmp_path, s3):
     from raygpt.ray import sweep
     fs, uri = s3
     cfg = tiny_config(uri("bucket/failed"))
-    report = driver._failure_report(cfg, 0.0, RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
+    report = driver._failure_report(cfg, open_run_dir(cfg.output_dir), 0.0,
+                                    RuntimeError(f"at s3://AKIATEST:{SECRET}@bucket/x"))
     assert SECRET not in report and QUOTED not in report and "AKIATEST" not in report
     assert "s3://***@bucket/failed?endpoint_override" in report and "s3://***@bucket/x" in report
     sweep_dir = uri("bucket/sweep")
@@ -756,8 +758,8 @@ _TRAINED = [{"kind": "start", "step": 0, "time": 1, "attempt": 1, "max_steps": 4
 
 
 def _status(argv, capsys) -> tuple[int, str, str]:
-    from raygpt.runlog.report import status_main
-    code = status_main(argv)
+    from raygpt.cli import main
+    code = main(["status", *argv])  # the command line: it hands status the sweep reader
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -100,7 +100,7 @@ def runs(mem, tmp_path_factory):
 
 def test_the_run_directory_is_complete_on_the_memory_filesystem(runs):
     straight, resumed, first, second = runs
-    assert not straight.is_local
+    assert not straight.caps.local_paths
     for rd in (straight, resumed):
         names = set(rd.listdir())
         # segments on an object store, never the single files a local run directory keeps

@@ -21,7 +21,7 @@ from typing import Callable
 from raygpt.checkpointing.fingerprints import run_fingerprints
 from raygpt.checkpointing.retention import RetentionPolicy, policy_for
 from raygpt.checkpointing.store import CheckpointStore
-from raygpt.storage import RunDir, open_run_dir
+from raygpt.storage import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ class FinalizeQueue:
     synchronously) only hands them over. A checkpoint whose finalization fails stays without
     DONE/MANIFEST (readers treat it as absent) and training goes on."""
 
-    def __init__(self, output_dir: str):
-        self.output_dir = output_dir
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raygpt-finalize")
         self._futures: list = []
 
@@ -81,8 +81,7 @@ class FinalizeQueue:
 
     def _finalize(self, step: int, rank_hashes: dict, reported: dict, complete) -> None:
         try:
-            finalize_checkpoint(open_run_dir(self.output_dir), step, rank_hashes,
-                                complete(reported))
+            finalize_checkpoint(self.run_dir, step, rank_hashes, complete(reported))
         except Exception as e:  # noqa: BLE001 - a checkpoint left incomplete must not stop training
             log.warning(f"raygpt | WARNING: checkpoint {step} left incomplete (no DONE/MANIFEST): {e}")
 
@@ -98,12 +97,12 @@ _QUEUES: dict[str, FinalizeQueue] = {}
 _QUEUES_LOCK = threading.Lock()
 
 
-def finalize_queue(output_dir: str) -> FinalizeQueue:
-    """The run directory's queue in this process (made on first use)."""
+def finalize_queue(run_dir: RunDir) -> FinalizeQueue:
+    """The run directory's queue in this process (made on first use, holding `run_dir`)."""
     with _QUEUES_LOCK:
-        queue = _QUEUES.get(output_dir)
+        queue = _QUEUES.get(run_dir.uri())
         if queue is None:
-            queue = _QUEUES[output_dir] = FinalizeQueue(output_dir)
+            queue = _QUEUES[run_dir.uri()] = FinalizeQueue(run_dir)
         return queue
 
 
@@ -114,7 +113,7 @@ def drain_finalize_queues(timeout_s: float | None = None) -> bool:
     return all([q.drain(timeout_s) for q in queues])
 
 
-def queued_run_dirs() -> list[str]:
+def queued_run_dirs() -> list[RunDir]:
     """The run directories this process has finalized checkpoints of."""
     with _QUEUES_LOCK:
-        return list(_QUEUES)
+        return [q.run_dir for q in _QUEUES.values()]

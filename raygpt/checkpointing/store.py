@@ -2,7 +2,7 @@
 names and sentinels (raygpt.checkpointing.protocol). Every listing, commit and deletion goes
 through a `CheckpointStore`:
 
-    steps / complete_steps / latest_verified / latest_resumable   what there is to resume
+    steps / complete_steps / sealed_steps / latest_verified / latest_resumable   what there is
     commit    a stored checkpoint made complete: every rank's file present with its written
               size, all of it durable, DONE, then MANIFEST (llm.c's barrier-then-DONE)
     delete    MANIFEST and DONE first, then the files: never half a checkpoint that looks whole
@@ -39,6 +39,12 @@ class CheckpointStore:
 
     def complete_steps(self) -> list[int]:
         return [s for s in self.steps() if self.complete(s)]
+
+    def sealed_steps(self) -> list[int]:
+        """The checkpoints with DONE and MANIFEST written (their files not checked), ascending:
+        the ones a commit finished, which Ray's list may name."""
+        return [s for s in self.steps() if self.run_dir.exists(ck.done_path(s))
+                and self.run_dir.exists(f"{ck.step_dir(s)}/{ck.MANIFEST}")]
 
     def latest_verified(self, *, before: int | None = None, hashes: bool = False,
                         warn: Callable[[str], None] | None = None) -> int | None:

@@ -230,7 +230,7 @@ class DistributedDataLoader(BatchStream):
         # shard id -> memmap, opened on demand, least recently used closed past the bound: a
         # glob of thousands of shards must not hold a descriptor per shard (the limit is often
         # 1,024). The stream visits one shard at a time, so a small bound costs no reopening.
-        local = self.source.is_local
+        local = self.source.caps.local_paths
         self.max_open_shards = int(max_open_shards or (
             self.MAX_OPEN_SHARDS if local else self.MAX_OPEN_REMOTE_SHARDS))
         if self.max_open_shards < 1:

@@ -43,6 +43,8 @@ import uuid
 from raygpt.data.network import endpoint_host, network_failure
 from raygpt.llmc.shards import HEADER_BYTES, ShardError, check_shard_header
 from raygpt.storage.atomic_file import NotPrivateError, private_dir
+from raygpt.storage.local_store import store_for
+from raygpt.storage.store import Capabilities
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
 _GLOB_CHARS = "*[?"  # on an object store '?' starts the URI's query (see the module's notes)
@@ -75,8 +77,11 @@ class ShardSource:
     fs: object = None
 
     @property
-    def is_local(self) -> bool:
-        return self.fs is None
+    def caps(self) -> Capabilities:
+        """What the shards' store can do (raygpt.storage.store): shards with local paths are
+        read where they lie, the others through the node's cache."""
+        import pyarrow.fs as pafs
+        return store_for(self.fs or pafs.LocalFileSystem(), "/").caps
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -227,7 +232,7 @@ def shard_token_counts(pattern: str, endpoint: str = "") -> list[tuple[str, int]
     against the manifest's: what the driver needs to fit B, T and the world size to the data
     before Ray starts."""
     source = list_shards(pattern, endpoint)
-    manifest = {} if source.is_local else source.manifest()
+    manifest = {} if source.caps.local_paths else source.manifest()
     out = []
     for i, shard in enumerate(source.shards):
         ntok = source.header_tokens(i)

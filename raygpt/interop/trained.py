@@ -21,7 +21,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.store import CheckpointStore
 from raygpt.model.gpt import GPT
 from raygpt.runlog.terminal import printable, printable_lines
-from raygpt.storage import open_run_dir
+from raygpt.storage import RunDir, open_run_dir
 from raygpt.train.errors import EXIT_BAD_INPUT
 
 
@@ -29,12 +29,13 @@ class NoModel(ValueError):
     """No checkpoint of the run can give a model; the message names the run and step."""
 
 
-def model_at(run_dir_uri: str, step: int | None = None) -> tuple[GPT, int, torch.dtype]:
+def model_at(run_dir: RunDir | str, step: int | None = None) -> tuple[GPT, int, torch.dtype]:
     """(the model of checkpoint `step`, or of the newest verified one, fp32 on the CPU; its
-    step; the precision its model file holds)."""
+    step; the precision its model file holds); `run_dir`: a RunDir, or a place a library
+    caller names (opened here, once)."""
     from raygpt.llmc.model_file import read_model_file_flat
 
-    run_dir = open_run_dir(run_dir_uri)
+    run_dir = open_run_dir(run_dir)
     store = CheckpointStore(run_dir)
     steps = store.steps()
     if not steps:
@@ -133,7 +134,7 @@ def export_main(argv: list[str]) -> int:
     from raygpt.interop.hf import DTYPES, HFError, export_hf
     args = export_parser().parse_args(argv)
     try:
-        model, step, own = model_at(args.run_dir, args.step)
+        model, step, own = model_at(open_run_dir(args.run_dir), args.step)
         dtype = DTYPES[args.dtype] if args.dtype else own
         out = export_hf(model, args.out_dir, dtype=dtype)
     except (NoModel, HFError, ValueError, OSError) as e:
@@ -153,7 +154,7 @@ def sample_main(argv: list[str]) -> int:
         if args.temperature < 0:
             raise NoModel(f"--temperature: expected a number >= 0, found {args.temperature}")
         device = _device(args.device)
-        model, step, _ = model_at(args.run_dir, args.step)
+        model, step, _ = model_at(open_run_dir(args.run_dir), args.step)
     except (NoModel, ValueError, OSError) as e:
         print(f"raygpt sample: error: {printable(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -187,7 +188,7 @@ def eval_main(argv: list[str]) -> int:
     try:
         examples = hellaswag.read_examples(args.hellaswag)
         device = _device(args.device)
-        model, step, _ = model_at(args.run_dir, args.step)
+        model, step, _ = model_at(open_run_dir(args.run_dir), args.step)
         hellaswag.check_context(examples, model.config.block_size, args.hellaswag)  # all, first
     except (NoModel, hellaswag.HellaSwagError, ValueError, OSError) as e:
         print(f"raygpt eval: error: {printable(e)}", file=sys.stderr)

@@ -8,12 +8,16 @@ exist anymore`). raygpt deletes checkpoints behind Ray's back: retention (-nk / 
 driver-side finalizer) and spike rewinds (rank 0 deletes the abandoned trajectory), so the file
 must be brought back to what exists:
 
-- in the controller, after each report (raygpt.ray.checkpoints' `CheckpointFinalizer`): Ray
-  has just written the file, synchronously, on the same thread, and retention has just deleted;
-  rewriting it there cannot race with Ray's own write;
-- before every fit() on an existing directory (`driver.build_trainer`, which the driver and
-  the sweep's trials use): no controller is running on the directory then, and whatever was
-  deleted since the last report (a rewind, a crash in between) is dropped.
+- in the controller, after each report and at its end (`after_report`, called by
+  raygpt.ray.checkpoints' `CheckpointFinalizer` and `FinalizerDrain`): Ray has just written the
+  file, synchronously, on the same thread, and retention has just deleted; rewriting it there
+  cannot race with Ray's own write;
+- before every fit() on an existing directory (`before_fit`, called by `driver.build_trainer`,
+  which the driver and the sweep's trials use): no controller is running on the directory then,
+  and whatever was deleted since the last report (a rewind, a crash in between) is dropped.
+
+This module is the one place the list is compared with the run directory and patched; which
+checkpoints are complete is the checkpoint store's to say (raygpt.checkpointing.store).
 
 Only raygpt's own checkpoints are read by raygpt; the ones Ray lists are a hint (the worker
 scans the run directory for the newest verified checkpoint), so a checkpoint deleted during a
@@ -27,7 +31,7 @@ being half-understood.
 
 from __future__ import annotations
 
-
+import logging
 
 from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.store import CheckpointStore
@@ -35,6 +39,29 @@ from raygpt.ray.compat import CheckpointManagerState, TrainingResultState
 from raygpt.storage import MAX_JSON_BYTES, RunDir, parse_json
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+log = logging.getLogger(__name__)
+
+
+def before_fit(run_dir: RunDir) -> list[str]:
+    """Bring the list in line before a fit() on `run_dir` (no controller runs on it then); a
+    failure propagates: Ray's controller would refuse the directory. Returns the names dropped."""
+    dropped = reconcile_snapshot(run_dir)
+    if dropped:
+        log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
+                 f"no longer in the run directory; dropped: {', '.join(dropped)}")
+    return dropped
+
+
+def after_report(run_dir: RunDir) -> None:
+    """Bring the list in line on Ray's controller thread, right after Ray wrote it (a report, the
+    controller's end): take out what retention just deleted and what a rewind deleted since the
+    last report. A failure is a warning: the next fit() brings it in line before starting."""
+    try:
+        reconcile_snapshot(run_dir)
+    except Exception as e:  # noqa: BLE001 - see above: before_fit tries again
+        log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
+                    f"{type(e).__name__}: {e}")
 
 
 def reconcile_snapshot(run_dir: RunDir) -> list[str]:
@@ -105,9 +132,7 @@ def reconciled(state: CheckpointManagerState,
 
 def _rebuilt(run_dir: RunDir) -> CheckpointManagerState:
     """A snapshot naming the run's complete checkpoints, oldest first, as if reported in order."""
-    steps = [s for s in CheckpointStore(run_dir).steps()
-             if run_dir.exists(ck.done_path(s))
-             and run_dir.exists(f"{ck.step_dir(s)}/{ck.MANIFEST}")]
+    steps = CheckpointStore(run_dir).sealed_steps()
     results = [TrainingResultState(checkpoint_dir_name=ck.step_dir(s),
                                     metrics={"checkpoint_step": s}) for s in steps]
     return CheckpointManagerState(

@@ -8,8 +8,9 @@
   retention, off the controller's thread); `FinalizerDrain` holds the controller's end until
   the queue is empty. Doing it there, rather than on rank 0 after a barrier, means no worker can
   mark a checkpoint done whose other ranks' files Ray has not stored yet.
-- Ray's own list of the run's checkpoints (raygpt.ray.checkpoint_list) is brought back to what
-  exists after every report: raygpt's retention and rewinds delete behind Ray's back.
+- Ray's own list of the run's checkpoints is brought back to what exists after every report
+  (raygpt.ray.checkpoint_list, its one owner): raygpt's retention and rewinds delete behind
+  Ray's back.
 - A lost worker group is recorded in the run's loss history (`after_exception`).
 """
 
@@ -29,7 +30,7 @@ from raygpt.checkpointing import protocol as ck
 from raygpt.checkpointing.finalize import (CommitFacts, drain_finalize_queues, finalize_queue,
                                            queued_run_dirs)
 from raygpt.ray import memory_kill
-from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
+from raygpt.ray import checkpoint_list
 from raygpt.ray.compat import ControllerCallback, storage_marker_name
 from raygpt.runlog.history import append_record
 from raygpt.storage import RunDir, open_run_dir
@@ -113,42 +114,53 @@ class CheckpointFinalizer(UserCallback):
     for the queue before it ends, so the last checkpoint is complete when fit() returns."""
 
     def __init__(self, cfg, crash_before_done_steps=()):
-        self.output_dir = cfg.output_dir
+        self.output_dir = cfg.output_dir  # a string: Ray pickles the finalizer to its controller
+        self._run_dir: RunDir | None = None
         self.facts = CommitFacts(cfg)  # fingerprints, identity, retention: the driver's config
         self.crash_before_done_steps = set(crash_before_done_steps)
         self.failures = 0
 
+    @property
+    def run_dir(self) -> RunDir:
+        """The run directory, opened once in the process the finalizer runs in (the controller)."""
+        if self._run_dir is None:
+            self._run_dir = open_run_dir(self.output_dir)
+        return self._run_dir
+
+    def __getstate__(self):
+        return {**self.__dict__, "_run_dir": None}  # opened again where it is unpickled
+
     def after_report(self, run_context, metrics, checkpoint):
         if checkpoint is None:
             return
-        run_dir = open_run_dir(self.output_dir)
+        run_dir = self.run_dir
         step = ck.step_of_dir(Path(checkpoint.path).name)
         if step in self.crash_before_done_steps:
             # fault injection: act as if the driver died between Ray's registration and DONE
             log.info(f"raygpt | fault injection: leaving checkpoint {step} without DONE/MANIFEST")
             self.crash_before_done_steps.discard(step)
-            _reconcile(run_dir)
+            checkpoint_list.after_report(run_dir)
             return
         rank_hashes = {}
         for m in metrics:
             rank_hashes.update(m.get("raygpt_files", {}))
         reported = next(m["raygpt_manifest"] for m in metrics if "raygpt_manifest" in m)
-        finalize_queue(self.output_dir).submit(step, rank_hashes, reported, self.facts.complete)
+        finalize_queue(run_dir).submit(step, rank_hashes, reported, self.facts.complete)
         # Ray wrote its snapshot just before this call; what the previous checkpoint's retention
         # deleted (on the queue's thread) goes out of it here, the last deletions at the drain
-        _reconcile(run_dir)
+        checkpoint_list.after_report(run_dir)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for this run's pending finalizations (the controller's end, tests, benches)."""
-        ok = finalize_queue(self.output_dir).drain(timeout_s)
-        _reconcile(open_run_dir(self.output_dir))
+        ok = finalize_queue(self.run_dir).drain(timeout_s)
+        checkpoint_list.after_report(self.run_dir)
         return ok
 
     def after_exception(self, run_context, worker_exceptions):
         # the restarted workers pick the newest complete checkpoint: let the ones the lost
         # group reported be completed first (a few small writes each), as a synchronous
         # finalizer would have
-        finalize_queue(self.output_dir).drain()
+        finalize_queue(self.run_dir).drain()
         self.failures += 1
         causes = {rank: f"{type(e).__name__}: {e}"[:500] for rank, e in worker_exceptions.items()}
         # a memory kill's cause in one line; Ray's whole account (~6 KB) goes to the record only
@@ -158,7 +170,7 @@ class CheckpointFinalizer(UserCallback):
             if text is not None:
                 causes[rank] = memory_kill.summary_line(text)
                 ray_text[rank] = text[:memory_kill.MAX_TEXT]
-        with open_run_dir(self.output_dir) as run_dir:  # stored on return (its own segment)
+        with RunDir(self.run_dir.store) as run_dir:  # stored on return (its own segment)
             append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
                                     **({"ray_text": ray_text} if ray_text else {}),
                                     "time": time.time(), "attempt": None})
@@ -175,20 +187,11 @@ class FinalizerDrain(ControllerCallback):
 
     def after_controller_finish(self, result) -> None:
         drain_finalize_queues()
-        for d in queued_run_dirs():
-            _reconcile(open_run_dir(d))
+        for run_dir in queued_run_dirs():
+            checkpoint_list.after_report(run_dir)
 
     def before_controller_abort(self) -> None:
         if not drain_finalize_queues(self.ABORT_DRAIN_S):
             log.warning("raygpt | WARNING: a checkpoint was still being finalized at the abort; it "
                         "stays without DONE/MANIFEST")
 
-
-def _reconcile(run_dir: RunDir) -> None:
-    """Ray's CheckpointManager wrote its snapshot just before the report hook (same thread):
-    take out what retention just deleted and what a rewind deleted since the last report."""
-    try:
-        reconcile_snapshot(run_dir)
-    except Exception as e:  # noqa: BLE001 - the next fit() reconciles again before starting
-        log.warning(f"raygpt | WARNING: could not update Ray's checkpoint list ({SNAPSHOT}): "
-                    f"{type(e).__name__}: {e}")

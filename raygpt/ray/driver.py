@@ -46,7 +46,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import pyarrow.fs as pafs
 import ray
@@ -57,12 +56,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raygpt.artifacts import signed_file
 from raygpt.checkpointing import local_copy
 from raygpt.config import TrainConfig, absolute_paths
-from raygpt.runlog.knobs import RunLogConfig
 from raygpt.config import preflight
 from raygpt.model.memory import estimate_for, out_of_memory_line
-from raygpt.ray import capacity, compat, memory_kill
+from raygpt.ray import capacity, checkpoint_list, compat, memory_kill
 from raygpt.ray.connect import init_ray, starts_its_own_ray  # noqa: F401 (re-exported)
-from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
 from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
@@ -75,7 +72,7 @@ from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train
 from raygpt.runlog import tracking
 from raygpt.runlog.history import read_history, summarize_run
 from raygpt.runlog.run_config import CONFIG_FILE, write_launch
-from raygpt.storage import open_run_dir, redact
+from raygpt.storage import RunDir, redact
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +179,9 @@ class RunFailed(RuntimeError):
         self.exit_code, self.final = exit_code, final
 
 
-def fit_or_raise(trainer, cfg: TrainConfig, since: float):
+def fit_or_raise(trainer, cfg: TrainConfig, run_dir: RunDir, since: float):
     """trainer.fit(), with Ray's error turned into RunFailed: `final` with the worker's message
-    when a worker raised RunStopped, else what each attempt died of."""
+    when a worker raised RunStopped, else what each attempt died of (`run_dir`'s history)."""
     try:
         return trainer.fit()
     except Exception as e:  # a worker's RunStopped, or Ray's retry budget spent
@@ -200,14 +197,14 @@ def fit_or_raise(trainer, cfg: TrainConfig, since: float):
             verdict = trainer.failure_policy(trainer.run_config.failure_config).verdict(text)
             if verdict.passing:  # retried within the budget, or the controller itself was lost
                 raise RunFailed(f"raygpt run {redact(cfg.output_dir)} failed after "
-                                f"{_attempts(cfg, since)} attempt(s) (--max-failures "
+                                f"{_attempts(run_dir, since)} attempt(s) (--max-failures "
                                 f"{cfg.max_failures}): " + memory_kill.passing_line(
-                                    kill, verdict, rank, _next_step(cfg, since))
+                                    kill, verdict, rank, _next_step(run_dir, since))
                                 + "; -y 1 resumes once that memory is free") from e
             raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
-                            f"would fail again): " + memory_kill_line(cfg, since, rank, kill),
+                            f"would fail again): " + memory_kill_line(cfg, run_dir, since, rank, kill),
                             EXIT_BAD_INPUT, final=True) from e
-        raise RunFailed(_failure_report(cfg, since, e)) from e
+        raise RunFailed(_failure_report(cfg, run_dir, since, e)) from e
 
 
 class RunAborted(KeyboardInterrupt):
@@ -216,17 +213,16 @@ class RunAborted(KeyboardInterrupt):
     exit_code = EXIT_ABORTED
 
 
-def _split_storage(output_dir: str) -> tuple[pafs.FileSystem | None, str, str]:
+def _split_storage(run_dir: RunDir) -> tuple[pafs.FileSystem | None, str, str]:
     """(filesystem, storage path, name) for Ray's RunConfig: the run directory is Ray's
-    experiment directory. A URI's filesystem is the one raygpt opens (its endpoint and bounded
-    timeouts: `storage.open_run_dir`) and Ray gets it as `storage_filesystem` with the plain
-    path; splitting the URI string instead would leave its ?endpoint_override=... options in
-    the name and give Ray the store's default endpoint."""
-    if "://" in output_dir:
-        run_dir = open_run_dir(output_dir)
+    experiment directory. An object store's filesystem is the one raygpt opened (its endpoint
+    and bounded timeouts: `storage.open_run_dir`) and Ray gets it as `storage_filesystem` with
+    the plain path; splitting the URI string instead would leave its ?endpoint_override=...
+    options in the name and give Ray the store's default endpoint."""
+    if not run_dir.caps.local_paths:
         parent, _, name = run_dir.root.rstrip("/").rpartition("/")
         return run_dir.fs, parent, name
-    p = Path(output_dir).resolve()
+    p = run_dir.local_path().resolve()
     return None, str(p.parent), p.name
 
 
@@ -247,7 +243,7 @@ def create_control(name: str, timeout_s: float = 60.0):
             time.sleep(0.5)
 
 
-def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
+def build_trainer(cfg: TrainConfig, run_dir: RunDir, *, control_name: str, callbacks: tuple = (),
                   artifact_key: signed_file.ArtifactKey | None = None,
                   startup: dict | None = None) -> RaygptTrainer:
     """The TorchTrainer of one raygpt run (a single job or a sweep trial): `train_func` on
@@ -260,11 +256,8 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     Called right before fit() (driver and sweep trial alike): an existing run directory's Ray
     snapshot is first brought back to the checkpoints that exist (raygpt.ray.checkpoint_list),
     or Ray's controller would refuse the directory after retention or a rewind deleted some."""
-    dropped = reconcile_snapshot(open_run_dir(cfg.output_dir))
-    if dropped:
-        log.info(f"raygpt | Ray's checkpoint list ({SNAPSHOT}) named {len(dropped)} checkpoint(s) "
-                 f"no longer in the run directory; dropped: {', '.join(dropped)}")
-    storage_fs, storage_path, name = _split_storage(cfg.output_dir)
+    checkpoint_list.before_fit(run_dir)
+    storage_fs, storage_path, name = _split_storage(run_dir)
     set_controller_poll()  # read by Ray when the trainer is made (get_env_vars_to_propagate)
     faults = [f for f in _parse_faults(cfg.fault) if f.kind == "crash_before_done"]
     use_gpu = cfg.device == "gpu"
@@ -366,13 +359,13 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
         if stop_at_step is not None:
             extra.append(_StopAtStep(stop_at_step, control))
         marks["helpers_started"] = time.time()
-        trainer = build_trainer(cfg, control_name=control_name, callbacks=tuple(extra),
+        trainer = build_trainer(cfg, run_dir, control_name=control_name, callbacks=tuple(extra),
                                 artifact_key=artifact_key, startup=marks)
         trainer.on_sigint = driver_signals.on_sigint
         trainer.without_autoscaler = without_autoscaler
         t0 = time.time()
         try:
-            fit_or_raise(trainer, cfg, t0)
+            fit_or_raise(trainer, cfg, run_dir, t0)
         except KeyboardInterrupt:
             # Ray's get() turns an exception raised by a signal handler into a plain
             # KeyboardInterrupt, so the second Ctrl-C is recognised by its count
@@ -386,7 +379,7 @@ def run(cfg: TrainConfig, *, ray_address: str | None = None, adapted: list[str] 
             # the job is over: its workers' fast-resume copies on this node go (a clean end
             # removes them anyway; a failed or aborted one would leave them until the sweep)
             local_copy.remove_run(run_dir.uri())
-    records = read_history(open_run_dir(cfg.output_dir))
+    records = read_history(run_dir)
     report = summarize_run(records, since=t0)
     log.info(f"raygpt | {report['line']}")
     # rank 0's own summary is the run's last "end" record (Ray's Result.metrics belong to the
@@ -424,7 +417,7 @@ def start_train_helpers(timeout_s: float = 120.0) -> None:
         pass  # the controller's own request will say so, if it still cannot reach it
 
 
-def memory_kill_line(cfg: TrainConfig, since: float, rank: int | None,
+def memory_kill_line(cfg: TrainConfig, run_dir: RunDir, since: float, rank: int | None,
                      kill: memory_kill.MemoryKill) -> str:
     """The one line for a kill whose memory raygpt held: the node's memory as Ray saw it, the
     step (after the run's last train record of this launch), the estimate and -b."""
@@ -432,26 +425,26 @@ def memory_kill_line(cfg: TrainConfig, since: float, rank: int | None,
     node = ("" if kill.used_gib is None
             else f", the node at {kill.used_gib:.2f}GB used / {kill.limit_gib:.2f}GB limit")
     where = f"in host memory ({who} killed by Ray's memory monitor{node})"
-    return out_of_memory_line(cfg, where, None, step=_next_step(cfg, since),
+    return out_of_memory_line(cfg, where, None, step=_next_step(run_dir, since),
                               workers=cfg.num_workers if cfg.device == "cpu" else 1)
 
 
-def _next_step(cfg: RunLogConfig, since: float) -> int | None:
+def _next_step(run_dir: RunDir, since: float) -> int | None:
     """The step being trained: one past this launch's last train record (None: before step 0)."""
-    steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
+    steps = [r["step"] for r in read_history(run_dir)
              if r.get("kind") == "train" and r.get("time", 0) >= since]
     return steps[-1] + 1 if steps else None
 
 
-def _attempts(cfg: RunLogConfig, since: float) -> int:
+def _attempts(run_dir: RunDir, since: float) -> int:
     """This launch's attempts: one per failure the finalizer recorded (at least one)."""
-    return max(1, sum(1 for r in read_history(open_run_dir(cfg.output_dir))
+    return max(1, sum(1 for r in read_history(run_dir)
                       if r.get("kind") == "failure" and r.get("time", 0) >= since))
 
 
-def _failure_report(cfg, since: float, error) -> str:
+def _failure_report(cfg, run_dir: RunDir, since: float, error) -> str:
     """What each attempt of this job died of (the finalizer records failures as they happen)."""
-    records = read_history(open_run_dir(cfg.output_dir))
+    records = read_history(run_dir)
     failures = [r for r in records if r.get("kind") == "failure" and r.get("time", 0) >= since]
     lines = [f"raygpt run {cfg.output_dir} failed after {max(len(failures), 1)} attempt(s) "
              f"(--max-failures {cfg.max_failures}):"]

@@ -156,7 +156,7 @@ def plan(s: PrepareSettings) -> Plan:
 def _check_ours(out: RunDir, given: str) -> None:
     """RunDirRefused (one line) unless `out` is new, empty, or marked as this user's prepare
     output (raygpt.storage.ownership.check_claim: reads only)."""
-    if out.is_local and out.exists():
+    if out.caps.local_paths and out.exists():
         mode = os.stat(out.local_path()).st_mode  # the root may be a link the user chose
         if not stat.S_ISDIR(mode):
             raise PrepareError(f"-o {out.uri()}: expected a directory, found "
@@ -168,7 +168,7 @@ def _check_entries(out: RunDir, entries: list[tuple[str, bool]]) -> None:
     """PrepareError (one line) unless each of prepare's own entries that exists in a local
     output is what prepare writes there, a directory (True) or a regular file (False), not a
     link, and this user's; checked before anything is read or written."""
-    if not out.is_local:
+    if not out.caps.local_paths:
         return  # an object store has neither links nor owners raygpt can read
     uid = os.geteuid()
     for rel, is_dir in entries:

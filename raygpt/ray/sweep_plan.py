@@ -267,7 +267,7 @@ def trial_rows(plan: SweepPlan, ledger: dict) -> list[TrialRow]:
         run_dir = join_uri(plan.sweep_dir, f"{TRIALS_DIR}/{name}")
         entry = ledger.get(name, ledger_entry())
         try:
-            curve, end = trial_progress(open_run_dir(run_dir))
+            curve, end = trial_progress(open_run_dir(run_dir))  # the URI its trial's run got
             status, problem = trial_status(end, entry["status"]), ""
         except (OSError, ValueError) as e:
             curve, end, status, problem = [], None, "unreadable", redact(" ".join(str(e).split()))

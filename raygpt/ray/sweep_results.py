@@ -12,16 +12,17 @@ import json
 import logging
 import math
 import shlex
+import types
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from raygpt.config import TrainConfig, absolute_paths, stored_fields
-from raygpt.ray.sweep_plan import (BEST_CONFIG, PLOT, RESULTS_JSON, RESULTS_TXT, STABLE_DIR,
-                                   TRIALS_DIR, SweepPlan, TrialRow, _abs, read_ledger, read_plan,
-                                   trial_progress, trial_rows)
+from raygpt.ray.sweep_plan import (BEST_CONFIG, PLAN_FILE, PLOT, RESULTS_JSON, RESULTS_TXT,
+                                   STABLE_DIR, TRIALS_DIR, SweepPlan, TrialRow, _abs, read_ledger,
+                                   read_plan, trial_progress, trial_rows)
 from raygpt.ray.trials import PLACEMENT_FIELDS, _plain
-from raygpt.storage import join_uri, open_run_dir, redact, store_png
+from raygpt.storage import RunDir, join_uri, open_run_dir, redact, store_png
 from raygpt.train.errors import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,27 @@ class SweepReport:
     max_concurrent: int
 
 
+def _opened(sweep_dir: str) -> tuple[RunDir, SweepPlan]:
+    """The sweep directory, opened once, and its plan (which names the trials by URI: strings,
+    as the trials' own runs get them)."""
+    sweep = open_run_dir(_abs(sweep_dir))
+    return sweep, read_plan(sweep, _abs(sweep_dir))
+
+
+def for_directory(directory: RunDir, not_a_run: FileNotFoundError):
+    """What `raygpt status` / `raygpt plot` call for a directory holding no run (`sweep_status`,
+    `plot_sweep`) when it holds a sweep's plan (sweep.json); else `not_a_run` again."""
+    if not directory.exists(PLAN_FILE):
+        raise not_a_run
+    return types.SimpleNamespace(sweep_status=sweep_status, plot_sweep=plot_sweep)
+
+
 def collect_rows(sweep_dir: str) -> list[TrialRow]:
     """One row per trial of the plan, sorted by val loss: `trial_rows` of the sweep directory."""
-    sweep = open_run_dir(_abs(sweep_dir))
-    plan = read_plan(sweep, _abs(sweep_dir))
+    return _rows(*_opened(sweep_dir))
+
+
+def _rows(sweep: RunDir, plan: SweepPlan) -> list[TrialRow]:
     rows = trial_rows(plan, read_ledger(sweep))
     rows.sort(key=lambda r: (math.isnan(r.val_loss), r.val_loss))
     return rows
@@ -51,11 +69,11 @@ def sweep_status(sweep_dir: str) -> str:
     """`raygpt status SWEEP_DIR`: the plan, every trial's row as of now (the table results.txt
     gets at the end, from the plan, the ledger and the trials' own histories, so a running or
     interrupted sweep shows too), and how to look closer."""
-    plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
+    sweep, plan = _opened(sweep_dir)
     head = f"sweep {plan.sweep_dir} | mode {plan.mode}"
-    rows = collect_rows(plan.sweep_dir)
+    rows = _rows(sweep, plan)
     counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(r.status for r in rows).items()))
-    ended = open_run_dir(plan.sweep_dir).exists(RESULTS_TXT)
+    ended = sweep.exists(RESULTS_TXT)
     unreadable = [f"{r.name}: {r.error}" for r in rows if r.status == "unreadable"]
     return "\n".join([
         f"{head} | {len(rows)} trial(s)" + (f": {counts}" if counts else "")
@@ -110,7 +128,7 @@ def train_command(best_path: str, local: bool) -> str:
     return f"raygpt train --config FILE, FILE a local copy of {best_path}"
 
 
-def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_curve=None,
+def plot_val_curves(rows: list[TrialRow], sweep: RunDir, path: str, *, stable_curve=None,
                     title: str = "") -> str | None:
     """PNG of validation loss against step, one line per trial, stored whole at `path` (never
     through a link: `storage.store_png`). matplotlib is optional (the `plot` extra): without it
@@ -137,7 +155,7 @@ def plot_val_curves(rows: list[TrialRow], sweep_dir: str, path: str, *, stable_c
     ax.legend(fontsize=7)
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    store_png(sweep_dir, path, png.getvalue())
+    store_png(sweep, path, png.getvalue())
     return path
 
 
@@ -145,7 +163,7 @@ def stable_curve(plan: SweepPlan) -> list[tuple[int, float]] | None:
     """The WSD stable phase's validation curve (branch mode: drawn under the branches'), else None."""
     if plan.mode != "wsd_branch":
         return None
-    return trial_progress(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR)))[0]
+    return trial_progress(open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR)))[0]  # the plan's URI
 
 
 def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
@@ -153,21 +171,19 @@ def plot_sweep(sweep_dir: str, out: str | None) -> tuple[str | None, int]:
     end writes as val_loss.png), into `out` (default: that file in a local sweep directory,
     <sweep name>_val_loss.png here for a remote one). Returns (the path or None without
     matplotlib, the number of trials)."""
-    sweep = open_run_dir(_abs(sweep_dir))
-    plan = read_plan(sweep, _abs(sweep_dir))
-    rows = collect_rows(plan.sweep_dir)
+    sweep, plan = _opened(sweep_dir)
+    rows = _rows(sweep, plan)
     name = Path(plan.sweep_dir).name
     if out is None:
         out = str(sweep.local_path(PLOT)) if sweep.caps.local_paths else f"{name or 'sweep'}_{PLOT}"
-    return plot_val_curves(rows, plan.sweep_dir, out, stable_curve=stable_curve(plan),
+    return plot_val_curves(rows, sweep, out, stable_curve=stable_curve(plan),
                            title=f"{name}: validation loss"), len(rows)
 
 
 def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
     """Write results.txt/.json, best_config.json and val_loss.png; print the table."""
-    sweep = open_run_dir(_abs(sweep_dir))
-    plan = read_plan(sweep, _abs(sweep_dir))
-    rows = collect_rows(plan.sweep_dir)
+    sweep, plan = _opened(sweep_dir)
+    rows = _rows(sweep, plan)
     table = format_table(rows)
     sweep.write_bytes_atomic(RESULTS_TXT, redact(table + "\n").encode())
     sweep.write_bytes_atomic(RESULTS_JSON, redact(json.dumps(
@@ -182,7 +198,7 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
         best_path = sweep.uri(BEST_CONFIG)
     plot_path = None
     if sweep.caps.local_paths:
-        plot_path = plot_val_curves(rows, plan.sweep_dir, str(sweep.local_path(PLOT)),
+        plot_path = plot_val_curves(rows, sweep, str(sweep.local_path(PLOT)),
                                     stable_curve=stable_curve(plan),
                                     title=f"{Path(plan.sweep_dir).name}: validation loss")
     log.info(f"raygpt sweep | {len(rows)} trial(s), by validation loss:\n{table}")
@@ -192,6 +208,6 @@ def summarize(sweep_dir: str, *, max_concurrent: int = 0) -> SweepReport:
                      f"{r.error}")
     if best is not None:
         log.info(f"raygpt sweep | best: {best.name} ({best.val_loss:.4f}); train it on its own: "
-                 f"{train_command(best_path, sweep.is_local)}")
+                 f"{train_command(best_path, sweep.caps.local_paths)}")
     return SweepReport(sweep_dir=plan.sweep_dir, rows=rows, best=best, best_config_path=best_path,
                        plot_path=plot_path, table=table, max_concurrent=max_concurrent)

@@ -97,11 +97,12 @@ def run_sweep(base: TrainConfig, space: dict, sweep_dir: str, *, num_samples: in
                     reduction_factor=reduction_factor, max_concurrent=max_concurrent,
                     trial_retries=trial_retries)
     trials = expand_trials(space, num_samples, base.seed)
-    pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
+    sweep = open_run_dir(_abs(sweep_dir))
+    pinned = _checked_before_ray(base, space, sweep_dir, sweep, settings, ray_address)
     _ensure_ray(ray_address)
-    with _sweep_lease(sweep_dir) as lease:
+    with _sweep_lease(sweep) as lease:
         plan = _new_plan("grid", without_command_line_only(base), without_command_line_only(pinned),
-                         sweep_dir, settings, lease=lease, trials=trials)
+                         sweep_dir, sweep, settings, lease=lease, trials=trials)
         return _fit(plan, [t["name"] for t in trials], experiment=TUNE_DIR,
                     command_line=command_line_only(base), lineage=lease.token)
 
@@ -131,11 +132,12 @@ def run_wsd_branches(base: TrainConfig, branch_totals: list[int], sweep_dir: str
                     max_concurrent=max_concurrent, trial_retries=trial_retries)
     trials = expand_trials(space, 1, base.seed)
     # the stable phase is the shortest branch's config: among the trials checked
-    pinned = _checked_before_ray(base, space, sweep_dir, settings, ray_address)
+    sweep = open_run_dir(_abs(sweep_dir))
+    pinned = _checked_before_ray(base, space, sweep_dir, sweep, settings, ray_address)
     _ensure_ray(ray_address)
-    with _sweep_lease(sweep_dir) as lease:
+    with _sweep_lease(sweep) as lease:
         plan = _new_plan("wsd_branch", without_command_line_only(base),
-                         without_command_line_only(pinned), sweep_dir, settings,
+                         without_command_line_only(pinned), sweep_dir, sweep, settings,
                          shared_step=shared, stable_max_steps=totals[0], lease=lease, trials=trials)
         return _fit(plan, [t["name"] for t in trials], experiment=TUNE_DIR,
                     command_line=command_line_only(base), lineage=lease.token)
@@ -153,13 +155,13 @@ def resume_sweep(sweep_dir: str, *, command_line: dict | None = None,
     its own checkpoint when it resumes."""
     command_line = dict(command_line or {})
     # this user's sweep only: another's (or a directory raygpt did not mark) is refused unread
-    check_claim(open_run_dir(_abs(sweep_dir)), "sweep", sweep_dir, holds=_holds_sweep, resume=True)
-    plan = read_plan(open_run_dir(_abs(sweep_dir)), _abs(sweep_dir))
+    sweep = open_run_dir(_abs(sweep_dir))
+    check_claim(sweep, "sweep", sweep_dir, holds=_holds_sweep, resume=True)
+    plan = read_plan(sweep, _abs(sweep_dir))
     preflight_sweep(TrainConfig.from_dict(plan.base).with_overrides(command_line), {}, sweep_dir,
                     on_this_machine=starts_its_own_ray(ray_address))
     _ensure_ray(ray_address)
-    with _sweep_lease(sweep_dir) as lease:
-        sweep = open_run_dir(_abs(sweep_dir))
+    with _sweep_lease(sweep) as lease:
         plan = _with_endpoints(read_plan(sweep, _abs(sweep_dir)), command_line)
         ledger = read_ledger(sweep)
         rows = trial_rows(plan, ledger)
@@ -215,13 +217,12 @@ def _ensure_ray(address: str | None) -> None:
     init_ray(address)  # address="local" unless one is given: never a stranger's /tmp/ray cluster
 
 
-def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings: dict,
-                        ray_address: str | None) -> TrainConfig:
+def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, sweep: RunDir,
+                        settings: dict, ray_address: str | None) -> TrainConfig:
     """The base pinned for the trials, with the settings and every known trial config checked
     (`preflight_sweep`), all before this process starts a Ray of its own; sets settings['max_t']."""
     # the sweep directory first: one that is not this user's is refused before anything is written
-    check_claim(open_run_dir(_abs(sweep_dir)), "sweep", sweep_dir, holds=_holds_sweep,
-                overwrite=base.overwrite)
+    check_claim(sweep, "sweep", sweep_dir, holds=_holds_sweep, overwrite=base.overwrite)
     if settings["early_stop"] not in ("asha", "none"):
         raise ConfigError(f"--early-stop: expected asha or none, found {settings['early_stop']!r}")
     pinned = pin_for_trials(base, *capacity.for_resolve(cluster_resources(ray_address)))
@@ -235,11 +236,11 @@ def _checked_before_ray(base: TrainConfig, space: dict, sweep_dir: str, settings
 
 
 @contextlib.contextmanager
-def _sweep_lease(sweep_dir: str):
+def _sweep_lease(sweep: RunDir):
     """The sweep directory's lease, held by this sweep driver (a second driver on the same
     directory is refused) and renewed while the sweep runs; its token is the lineage of the
     trials' own leases."""
-    lease = Lease(open_run_dir(_abs(sweep_dir)), what="raygpt sweep")
+    lease = Lease(sweep, what="raygpt sweep")
     lease.acquire()
     try:
         lease.start_heartbeat()
@@ -248,11 +249,10 @@ def _sweep_lease(sweep_dir: str):
         lease.release()
 
 
-def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str,
+def _new_plan(mode: str, base: TrainConfig, pinned: TrainConfig, sweep_dir: str, sweep: RunDir,
               settings: dict, lease: Lease | None = None, **wsd) -> SweepPlan:
     """Claim the sweep directory (new or empty, or this user's sweep with --overwrite: a run's
     own rule, `ownership.claim_dir`), write sweep.json (`pinned`: the checked base)."""
-    sweep = open_run_dir(_abs(sweep_dir))
     claim_dir(sweep, "sweep", sweep_dir, holds=_holds_sweep, overwrite=base.overwrite, lease=lease)
     plan = SweepPlan(sweep_dir=_abs(sweep_dir), mode=mode, user_base=base.to_dict(), base=pinned.to_dict(),
                      settings=settings, command=list(getattr(sys, "orig_argv", sys.argv)),
@@ -305,7 +305,8 @@ def _fit(plan: SweepPlan, names: list[str], *, experiment: str, command_line: di
                                                          command_line=command_line,
                                                          lineage=lineage, artifact_key=key),
                                     TRIAL_DRIVER_RESOURCES)
-    tune_fs, tune_root = _tune_storage(plan.sweep_dir)
+    sweep = open_run_dir(plan.sweep_dir)  # the plan's string: what each trial gets (pickled)
+    tune_fs, tune_root = _tune_storage(sweep)
     scheduler = None
     if s["early_stop"] == "asha":
         grace = s.get("grace_period") or _default_grace(base, s["max_t"])
@@ -325,7 +326,7 @@ def _fit(plan: SweepPlan, names: list[str], *, experiment: str, command_line: di
             failure_config=tune.FailureConfig(max_failures=s["trial_retries"]),
             verbose=TUNE_VERBOSE,  # raygpt's lines instead (raygpt.ray.sweep_console)
             callbacks=[_NoRetryOfStoppedTrials(s["trial_retries"]),
-                       TrialLedger(plan.sweep_dir, ledger if ledger is not None else {}),
+                       TrialLedger(sweep, ledger if ledger is not None else {}),
                        TrialConsole({t["name"]: trial_label(t["name"], t["overrides"])
                                      for t in plan.trials})]))
     log.info(f"raygpt sweep | {plan.sweep_dir} | mode {plan.mode} | {len(names)} trial(s), up to "
@@ -339,14 +340,14 @@ def _trial_name(trial) -> str:
     return trial.config["trial"]
 
 
-def _tune_storage(sweep_dir: str) -> tuple:
-    """(storage_filesystem, storage_path) for Tune: for a URI, the filesystem raygpt opens (its
-    endpoint and bounded timeouts) and the plain path, as the single-run driver gives Ray Train
-    (`driver._split_storage`); Tune would open a URI string with the store's defaults."""
-    if "://" not in sweep_dir:
-        return None, sweep_dir
-    rd = open_run_dir(sweep_dir)
-    return rd.fs, rd.root
+def _tune_storage(sweep: RunDir) -> tuple:
+    """(storage_filesystem, storage_path) for Tune: on an object store, the filesystem raygpt
+    opened (its endpoint and bounded timeouts) and the plain path, as the single-run driver
+    gives Ray Train (`driver._split_storage`); Tune would open a URI string with the store's
+    defaults."""
+    if sweep.caps.local_paths:
+        return None, str(sweep.local_path())
+    return sweep.fs, sweep.root
 
 
 class TrialLedger(tune.Callback):
@@ -354,13 +355,13 @@ class TrialLedger(tune.Callback):
     verdict: what `raygpt status` and `resume_sweep` know of a trial besides its run directory,
     in raygpt's JSON rather than in Tune's (pickled) experiment state."""
 
-    def __init__(self, sweep_dir: str, entries: dict):
-        self.sweep_dir, self.entries = sweep_dir, entries
+    def __init__(self, sweep: RunDir, entries: dict):
+        self.sweep, self.entries = sweep, entries
 
     def _update(self, trial, **changes) -> None:
         entry = self.entries.setdefault(trial.config["trial"], ledger_entry())
         entry.update(changes, trial_id=trial.trial_id)
-        write_ledger(open_run_dir(self.sweep_dir), self.entries)
+        write_ledger(self.sweep, self.entries)
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self._update(trial, status="running")
@@ -436,10 +437,11 @@ def raygpt_trial(config: dict, plan: dict, command_line: dict, lineage: str | No
         base = TrainConfig.from_dict(plan.base).with_overrides(command_line)
         # a trial's first attempt (no run directory yet) starts fresh; a re-run (Tune's retry,
         # -y 1) and a WSD branch (seeded from the stable phase) resume their run directory
+        trial_dir = open_run_dir(run_dir)  # the trial's run opens its own from cfg.output_dir
         cfg = trial_config(base, overrides, run_dir, notes=adapted,
-                           fresh=plan.mode != "wsd_branch" and not open_run_dir(run_dir).exists())
+                           fresh=plan.mode != "wsd_branch" and not trial_dir.exists())
         if plan.mode == "wsd_branch":
-            seed_branch(plan, open_run_dir(run_dir))
+            seed_branch(plan, trial_dir)
         trial_id = tune.get_context().get_trial_id()
         run(cfg, callbacks=(_ValReportsToTune(),), control_name=trial_control_name(trial_id),
             lineage=f"{lineage}/{trial_id}" if lineage else None, what="raygpt sweep trial",

@@ -53,7 +53,7 @@ def seed_branch(plan: SweepPlan, run_dir: RunDir) -> bool:
     Returns True when it copied."""
     if CheckpointStore(run_dir).latest_verified(hashes=True) is not None:
         return False
-    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))
+    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))  # the plan's URI (a trial's)
     ck.copy_checkpoint(stable, run_dir, plan.shared_step)
     return True
 
@@ -62,7 +62,7 @@ def run_stable_phase(plan: SweepPlan, command_line: dict, lineage: str | None = 
     """Train the WSD stable phase once (skipped when its checkpoint at S already verifies) and
     return S. The run is the branches' own config with max_steps = the shortest branch total, so
     its LR up to S is every branch's LR up to S; it checkpoints at S and is stopped there."""
-    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))
+    stable = open_run_dir(join_uri(plan.sweep_dir, STABLE_DIR))  # its run gets the URI string
     S = plan.shared_step
     if stable.exists(ck.step_dir(S)) and not ck.verify_checkpoint(stable, S):
         return S

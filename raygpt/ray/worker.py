@@ -64,7 +64,7 @@ class RaySession(Session):
         self.device = ray.train.torch.get_device() if cfg.device == "gpu" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.run_dir = open_run_dir(cfg.output_dir)
+        self.run_dir = open_run_dir(cfg.output_dir)  # the worker's entry: -o came pickled as a string
         self._checkpoint = ray.train.get_checkpoint()
         self._control = None
         if control_name and self.rank == 0:

@@ -16,7 +16,7 @@ import re
 
 from raygpt.runlog import segments
 from raygpt.runlog.segments import LogFile, LogLayout
-from raygpt.storage import open_run_dir
+from raygpt.storage import RunDir, open_run_dir
 
 MAIN_LOG = "main.log"
 # a local / NFS run directory keeps llm.c's one main.log file (llm.c's tools read it); an object
@@ -24,8 +24,9 @@ MAIN_LOG = "main.log"
 MAIN_LOG_LAYOUT = LogLayout(MAIN_LOG, "main_log", "log")
 
 
-def read_main_log(run_dir) -> bytes:
-    """The whole main.log, from either layout (anything `open_run_dir` takes)."""
+def read_main_log(run_dir: RunDir | str) -> bytes:
+    """The whole main.log, from either layout; `run_dir`: a RunDir, or a place a library
+    caller names (opened here, once)."""
     return segments.read_bytes(open_run_dir(run_dir), MAIN_LOG_LAYOUT)
 
 
@@ -38,15 +39,14 @@ class Logger:
     local or NFS run directory gets llm.c's main.log, each line durable before the call returns
     (fsynced; on the loop's background writer thread, queued); an object store gets segments,
     each stored within `segment_s` seconds or `segment_lines` lines. A fresh start (resume
-    false) wipes `{log_dir}/main.log` (both layouts); a resume appends to it. log_dir is
-    anything `open_run_dir` takes (a local path, an s3:// / gs:// URI, an (fs, path) pair, a
-    RunDir)."""
+    false) wipes `{log_dir}/main.log` (both layouts); a resume appends to it. log_dir is the
+    run's RunDir (None: no log)."""
 
-    def __init__(self, log_dir, process_rank: int, resume: bool | int, *,
+    def __init__(self, log_dir: RunDir | None, process_rank: int, resume: bool | int, *,
                  segment_s: float = segments.DEFAULT_INTERVAL_S,
                  segment_lines: int = segments.DEFAULT_MAX_LINES) -> None:
         self.active = log_dir is not None and process_rank == 0
-        self.run_dir = open_run_dir(log_dir) if self.active else None
+        self.run_dir = log_dir if self.active else None
         self.output_log_file = self.run_dir.uri(MAIN_LOG) if self.active else None
         self.file = (LogFile(self.run_dir, MAIN_LOG_LAYOUT, interval_s=segment_s,
                              max_lines=segment_lines) if self.active else None)

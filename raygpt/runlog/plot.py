@@ -20,7 +20,7 @@ from raygpt.runlog.history import LOSS_HISTORY
 from raygpt.runlog.run_view import (Progress, RunView, _is_number, _is_step, _open_checked,
                                     _stderr_progress, _storage_flags, _sweep_module, _verify_flags,
                                     load_run, run_state, throughput)
-from raygpt.storage import open_run_dir, store_png
+from raygpt.storage import RunDir, open_run_dir, store_png
 from raygpt.runlog.terminal import printable
 
 
@@ -109,17 +109,19 @@ def shown_panels(series: dict[str, tuple[list, list]]) -> tuple[tuple[str, str],
     return tuple(p for p in _PANELS if p[0] != "eval" or series["hellaswag"][0])
 
 
-def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
+def plot_run(run_dir: RunDir | str, out_png, *, verify: str = "quick",
              progress: Progress | None = None) -> dict[str, tuple[list, list]]:
     """`raygpt plot`: write a PNG of the run (loss, lr, grad norm, tok/s, with skips, rewinds,
     failures, resumes and checkpoints marked) and return {series: (x, y)} as read back from the
-    drawn artists (for vertical lines and ticks, x only)."""
+    drawn artists (for vertical lines and ticks, x only). `run_dir`: a RunDir, or a place a
+    library caller names (opened here, once)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
         raise RuntimeError("raygpt plot needs matplotlib: pip install 'raygpt[plot]'") from e
-    view = load_run(run_dir_uri, verify=verify, progress=progress)
+    run_dir = open_run_dir(run_dir)
+    view = load_run(run_dir, verify=verify, progress=progress)
     if not view.train:
         raise ValueError(f"{view.uri}/{LOSS_HISTORY}: no train records to plot yet")
     series = plot_series(view)
@@ -162,7 +164,7 @@ def plot_run(run_dir_uri, out_png, *, verify: str = "quick",
                               xycoords=axes["loss"].get_xaxis_transform(), color="tab:red")
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    store_png(run_dir_uri, out_png, png.getvalue())
+    store_png(run_dir, out_png, png.getvalue())
     return {name: _read_back(artists, _style(name)[1]) for name, artists in drawn.items()}
 
 
@@ -174,9 +176,10 @@ def _read_back(artists: list, kind: str) -> tuple[list, list]:
     return xs, ([] if kind == "ticks" else [float(y) for y in line.get_ydata()])
 
 
-def _plot_sweep(uri: str, out: str | None, not_a_run: FileNotFoundError) -> str:
+def _plot_sweep(sweeps, uri: str, run_dir: RunDir, out: str | None,
+                not_a_run: FileNotFoundError) -> str:
     """`raygpt plot` of a sweep directory: every trial's validation curve; its result line."""
-    path, trials = _sweep_module(uri, not_a_run).plot_sweep(uri, out)
+    path, trials = _sweep_module(sweeps, run_dir, not_a_run).plot_sweep(uri, out)
     if path is None:
         raise RuntimeError("raygpt plot needs matplotlib: pip install 'raygpt[plot]'")
     return f"raygpt plot: wrote {path} ({trials} trial(s))"
@@ -196,26 +199,26 @@ def plot_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plot_main(argv: list[str]) -> int:
+def plot_main(argv: list[str], *, sweeps=None) -> int:
+    """`raygpt plot`; `sweeps`: the sweep reader for a sweep directory (run_view._sweep_module)."""
     args = plot_parser().parse_args(argv)
     try:
-        uri = _open_checked(args.run_dir, args.storage_endpoint)
+        uri, run_dir = _open_checked(args.run_dir, args.storage_endpoint)
     except ValueError as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2
     out = args.out
     if out is None:
-        run_dir = open_run_dir(uri)
         out = (str(run_dir.local_path("plot.png")) if run_dir.caps.local_paths
                else f"{run_dir.root.rstrip('/').rpartition('/')[2] or 'run'}_plot.png")
     try:
         try:
-            series = plot_run(uri, out, verify="full" if args.verify else "quick",
+            series = plot_run(run_dir, out, verify="full" if args.verify else "quick",
                               progress=_stderr_progress)
             line = (f"raygpt plot: wrote {out} ({len(series['train_loss'][0])} steps, "
                     f"{len(series.get('val_loss', ([],))[0])} validations)")
         except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
-            line = _plot_sweep(uri, args.out, not_a_run)
+            line = _plot_sweep(sweeps, uri, run_dir, args.out, not_a_run)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"raygpt plot: error: {printable(e)}", file=sys.stderr)
         return 2

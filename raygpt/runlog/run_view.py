@@ -189,10 +189,11 @@ def check_checkpoints(run_dir: RunDir, *, verify: str = "quick",
     return out
 
 
-def load_run(run_dir, *, verify: str = "quick", progress: Progress | None = None,
+def load_run(run_dir: RunDir | str, *, verify: str = "quick", progress: Progress | None = None,
              recent: int | None = None) -> RunView:
-    """Read a run directory (anything `open_run_dir` takes) into a RunView; the history is
-    streamed, and with `recent` (see RunView) never held whole."""
+    """Read a run directory (a RunDir, or a place a library caller names: opened here, once)
+    into a RunView; the history is streamed, and with `recent` (see RunView) never held
+    whole."""
     run_dir = open_run_dir(run_dir)
     if not segments.exists(run_dir, LOSS_HISTORY_LOG):
         raise FileNotFoundError(f"{run_dir.uri(LOSS_HISTORY)}: no such file, nor segments in "
@@ -278,21 +279,23 @@ def _storage_flags(p: argparse.ArgumentParser) -> None:
                         "(default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL)")
 
 
-def _open_checked(run_dir: str, endpoint: str) -> str:
-    """The run directory's URI with its endpoint, once its store answered (within
-    storage.REACHABLE_DEADLINE_S); ValueError in one line (the URI and the cause) if not."""
+def _open_checked(run_dir: str, endpoint: str) -> tuple[str, RunDir]:
+    """(the run directory's URI with its endpoint, its RunDir), opened once its store answered
+    (within storage.REACHABLE_DEADLINE_S); ValueError in one line (the URI and the cause) if
+    not. The URI stays for a sweep directory, whose plan names its trials by URI."""
     from raygpt.storage import check_reachable, with_endpoint
     if endpoint and not run_dir.startswith("s3://"):
         raise ValueError(f"--storage-endpoint: expected with an s3:// run directory, found {run_dir}")
     uri = with_endpoint(run_dir, endpoint)
-    check_reachable(open_run_dir(uri))
-    return uri
+    opened = open_run_dir(uri)
+    check_reachable(opened)
+    return uri, opened
 
 
-def _sweep_module(uri: str, not_a_run: FileNotFoundError):
-    """raygpt.ray.sweep_results when `uri` is a sweep directory (it holds sweep.json); else
-    `not_a_run` is raised again. Imported only here: a run's status and plot need none of it."""
-    from raygpt.ray import sweep_plan, sweep_results
-    if not open_run_dir(uri).exists(sweep_plan.PLAN_FILE):
+def _sweep_module(sweeps, run_dir: RunDir, not_a_run: FileNotFoundError):
+    """The sweep reader `sweeps(run_dir, not_a_run)` gives for a sweep directory (the command
+    line hands raygpt.ray.sweep_results' `for_directory`: the run log sits below the Ray seam);
+    `not_a_run` again without one, or when `run_dir` holds no sweep."""
+    if sweeps is None:
         raise not_a_run
-    return sweep_results
+    return sweeps(run_dir, not_a_run)

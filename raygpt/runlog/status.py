@@ -16,7 +16,7 @@ from raygpt.runlog.run_view import (STATUS_RECENT, Progress, RunView, _human_byt
                                     _stderr_progress, _storage_flags, _sweep_module, _verify_flags,
                                     load_run, max_steps_of, run_state, throughput,
                                     tokens_per_step)
-from raygpt.storage import open_run_dir
+from raygpt.storage import RunDir, open_run_dir
 from raygpt.runlog.terminal import printable, printable_lines
 
 
@@ -177,16 +177,19 @@ def resume_lines(view: RunView) -> list[str]:
     return out
 
 
-def run_status(run_dir_uri, *, verify: str = "quick", progress: Progress | None = None) -> str:
+def run_status(run_dir: RunDir | str, *, verify: str = "quick",
+               progress: Progress | None = None) -> str:
     """`raygpt status`: what ran (config.json of every launch), the last step, loss, tok/s,
     checkpoints, restarts, the faults injected (RUN_DIR/faults/), each resume with its audit and
-    goodput of a run. The history is streamed: memory does not grow
-    with its records (only a number per step)."""
+    goodput of a run (`run_dir`: a RunDir, or a place a library caller names: opened here,
+    once). The history is streamed: memory does not grow with its records (only a number per
+    step)."""
+    run_dir = open_run_dir(run_dir)
     from raygpt.runlog.run_config import format_launches, read_launches
-    text = format_status(load_run(run_dir_uri, verify=verify, progress=progress,
+    text = format_status(load_run(run_dir, verify=verify, progress=progress,
                                   recent=STATUS_RECENT))
     skipped: list[str] = []
-    launches = format_launches(read_launches(open_run_dir(run_dir_uri), skipped=skipped), skipped)
+    launches = format_launches(read_launches(run_dir, skipped=skipped), skipped)
     return "\n".join([text, *launches]) if launches else text
 
 
@@ -221,15 +224,16 @@ def status_parser() -> argparse.ArgumentParser:
     return p
 
 
-def status_main(argv: list[str]) -> int:
+def status_main(argv: list[str], *, sweeps=None) -> int:
+    """`raygpt status`; `sweeps`: the sweep reader for a sweep directory (run_view._sweep_module)."""
     args = status_parser().parse_args(argv)
     try:
-        run_dir = _open_checked(args.run_dir, args.storage_endpoint)
+        uri, run_dir = _open_checked(args.run_dir, args.storage_endpoint)
         try:
             text = run_status(run_dir, verify="full" if args.verify else "quick",
                               progress=_stderr_progress)
         except FileNotFoundError as not_a_run:  # no run's history there: a sweep directory?
-            text = _sweep_module(run_dir, not_a_run).sweep_status(run_dir)
+            text = _sweep_module(sweeps, run_dir, not_a_run).sweep_status(uri)
     except (FileNotFoundError, ValueError) as e:
         print(f"raygpt status: error: {printable(e)}", file=sys.stderr)
         return 2

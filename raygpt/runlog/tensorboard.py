@@ -43,7 +43,7 @@ class TensorBoardWriter:
     is flushed (and fsynced: RecordWriter does) by the first call `flush_every_s` seconds after
     the last flush, at every validation and at close."""
 
-    def __init__(self, run_dir, *, enabled: bool = True, purge_step: int | None = None,
+    def __init__(self, run_dir: RunDir, *, enabled: bool = True, purge_step: int | None = None,
                  flush_every_s: float = 10.0, upload_every_s: float = 60.0):
         self._events = None
         if not enabled:
@@ -58,7 +58,7 @@ class TensorBoardWriter:
             return
         self._EventsWriter, self._Event, self._SessionLog, self._Summary = (
             EventsWriter, Event, SessionLog, Summary)
-        self.run_dir: RunDir = open_run_dir(run_dir)
+        self.run_dir = run_dir
         self.flush_every_s, self.upload_every_s = flush_every_s, upload_every_s
         self._open(purge_step)
 
@@ -183,9 +183,10 @@ def read_events(data: bytes, name: str = "<events>") -> list:
     return events
 
 
-def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+def read_scalars(run_dir: RunDir | str) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} from every event file in `<run dir>/tb/`, files in name order
-    (= creation time), points in file order."""
+    (= creation time), points in file order; `run_dir`: a RunDir, or a place a library
+    caller names (opened here, once)."""
     run_dir = open_run_dir(run_dir)
     out: dict[str, list[tuple[int, float]]] = {}
     for name in run_dir.listdir(TB_DIR, files_only=True):

@@ -83,11 +83,6 @@ class RunDir:
     def root(self) -> str:
         return self.store.root
 
-    @property
-    def is_local(self) -> bool:
-        """Whether the files are this machine's (`caps.local_paths`); new code asks `caps`."""
-        return self.store.caps.local_paths
-
     def path(self, rel: str = "") -> str:
         """The store's own path of `rel`."""
         return self.store.path(rel)
@@ -477,11 +472,10 @@ def open_run_dir(uri) -> RunDir:
     return RunDir(open_store(uri))
 
 
-def store_png(run_dir_uri, out_png, data: bytes) -> None:
+def store_png(run_dir: RunDir, out_png, data: bytes) -> None:
     """Write the PNG (of a run or a sweep directory) whole (a temporary file renamed over `out_png`): a link planted at
     run/plot.png is replaced, never written through; inside a local run directory no link
     below its root is followed either (RunDir's writer)."""
-    run_dir = open_run_dir(run_dir_uri)
     out = os.path.abspath(out_png)
     rel = os.path.relpath(out, run_dir.root) if run_dir.caps.local_paths else ".."
     if rel != ".." and not rel.startswith("../"):  # inside the run directory

@@ -55,7 +55,8 @@ def prepare_run_dir(cfg: TrainConfig, lease: Lease | None = None) -> RunDir:
     if not cfg.output_dir.strip():
         raise ConfigError(f"-o/--output-dir {cfg.output_dir!r}: refused, "
                           f"{refused_overwrite_target(cfg.output_dir)}")
-    run_dir = open_run_dir(cfg.output_dir)
+    # the lease's run directory is the one claimed (opened once); without one, -o opened here
+    run_dir = lease.run_dir if lease is not None else open_run_dir(cfg.output_dir)
     claim_dir(run_dir, "run", cfg.output_dir, holds=holds_run, resume=cfg.resume == 1,
               overwrite=cfg.overwrite, lease=lease, evidence=run_evidence)
     return run_dir

@@ -134,6 +134,9 @@ def test_a_bucket_glob_lists_its_shards_sorted_within_one_segment(s3, tmp_path):
         write_shard(tmp_path / f"shard_{i:06d}.bin", tokens_of(i, n))
     assert [os.path.basename(s.path) for s in list_shards(str(tmp_path / "shard_*.bin")).shards] == \
         [os.path.basename(s.path) for s in source.shards]
+    # the store's capabilities say where shards are read: in place locally, else through the cache
+    assert list_shards(str(tmp_path / "shard_*.bin")).caps.local_paths
+    assert not source.caps.local_paths and not source.caps.appends
 
 
 def test_a_bucket_glob_matching_nothing_is_one_line_naming_it(s3):

@@ -4,6 +4,7 @@ reconciled; duplicates of a re-trained name, a deleted latest checkpoint and a t
 
 import asyncio
 import json
+import logging
 
 import pytest
 from ray.train import Checkpoint, CheckpointConfig
@@ -13,6 +14,7 @@ from ray.train.v2._internal.execution.storage import StorageContext
 from ray.train.v2._internal.execution.training_report import _TrainingReport
 
 from raygpt.checkpointing import protocol as ck
+from raygpt.ray import checkpoint_list
 from raygpt.ray.checkpoint_list import SNAPSHOT, reconcile_snapshot
 from raygpt.storage import open_run_dir
 
@@ -105,3 +107,53 @@ def test_no_snapshot_nothing_to_do(tmp_path):
     (tmp_path / "run").mkdir()
     assert reconcile_snapshot(open_run_dir(str(tmp_path / "run"))) == []
     assert not (tmp_path / "run" / SNAPSHOT).exists()
+
+
+@pytest.fixture
+def raygpt_log(caplog):
+    """raygpt's logger does not propagate to the root (the console owns it): listen on it."""
+    logger = logging.getLogger("raygpt")
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.INFO)
+    level, logger.level = logger.level, logging.INFO
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
+def test_before_fit_drops_and_says_so_and_a_failure_stops_the_fit(tmp_path, raygpt_log):
+    register(tmp_path, [2, 4])
+    delete(tmp_path, 2)
+    rd = open_run_dir(str(tmp_path / "run"))
+    assert checkpoint_list.before_fit(rd) == ["step_00000002"]
+    assert ("named 1 checkpoint(s) no longer in the run directory; dropped: step_00000002"
+            in raygpt_log.text)
+    (tmp_path / "run" / SNAPSHOT).write_text('{"checkpoint_results": 7}')  # JSON, not Ray's model
+    with pytest.raises(ValueError):
+        checkpoint_list.before_fit(rd)
+
+
+def test_after_report_brings_the_list_in_line_and_a_failure_is_only_a_warning(tmp_path,
+                                                                             raygpt_log):
+    register(tmp_path, [2, 4])
+    delete(tmp_path, 4)
+    rd = open_run_dir(str(tmp_path / "run"))
+    checkpoint_list.after_report(rd)
+    assert listed(tmp_path) == ["step_00000002"]
+    (tmp_path / "run" / SNAPSHOT).write_text('{"checkpoint_results": 7}')
+    assert "could not update" not in raygpt_log.text
+    checkpoint_list.after_report(rd)  # on Ray's controller thread: never raises
+    assert f"could not update Ray's checkpoint list ({SNAPSHOT})" in raygpt_log.text
+
+
+def test_rays_list_is_read_and_patched_only_by_checkpoint_list():
+    """One owner: no other module of raygpt reconciles or rewrites Ray's checkpoint list."""
+    import pathlib
+
+    import raygpt
+    root = pathlib.Path(raygpt.__file__).parent
+    owners = {root / "ray" / "checkpoint_list.py", root / "ray" / "compat.py"}  # compat: Ray's model
+    others = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py")) if p not in owners
+              and any(name in p.read_text() for name in ("reconcile_snapshot", "reconciled(",
+                                                         "CheckpointManagerState", "SNAPSHOT"))]
+    assert others == []

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from raygpt.storage import open_run_dir
 from tests.helpers import RAY_LOG_LINE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,8 @@ def test_every_run_gets_raygpts_placement_group_cleanup_in_place_of_rays(tmp_pat
     from raygpt.ray.pg_cleanup import CleanupOnControllerDeath
     from tests.helpers import tiny_config
 
-    built = driver.build_trainer(tiny_config(tmp_path / "run").resolve(0), control_name="c")
+    cfg = tiny_config(tmp_path / "run").resolve(0)
+    built = driver.build_trainer(cfg, open_run_dir(cfg.output_dir), control_name="c")
     kinds = [type(c) for c in built._create_default_callbacks()]
     assert CleanupOnControllerDeath in kinds
     assert not any(issubclass(k, PlacementGroupCleanerCallback) for k in kinds)
@@ -109,7 +111,8 @@ def test_a_fixed_size_run_on_its_own_ray_sends_no_autoscaler_requests(tmp_path, 
         raise AssertionError("the AutoscalingCoordinator was asked")
 
     monkeypatch.setattr(scaling_policy, "TrainAutoscalingCoordinatorClient", no_coordinator)
-    trainer = driver.build_trainer(tiny_config(tmp_path / "run").resolve(0), control_name="c")
+    cfg = tiny_config(tmp_path / "run").resolve(0)
+    trainer = driver.build_trainer(cfg, open_run_dir(cfg.output_dir), control_name="c")
     ray_policy = fixed.FixedScalingPolicy(trainer.scaling_config)
     assert trainer.scaling_policy(ray_policy) is ray_policy  # the default: Ray Train's
     trainer.without_autoscaler = True

@@ -389,11 +389,12 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     cfg = tiny_config(run_dir, num_workers=2, max_steps=8, checkpoint_every=4, val_every=4,
                       total_batch_size=4 * 32 * 2, fault="kill:rank=1,step=6",
                       wandb="raygpt-test", mlflow=str(tmp_path / "mlruns")).resolve(0)
-    prepare_run_dir(cfg)
+    claimed = prepare_run_dir(cfg)
     name = f"raygpt-test-control-{time.time_ns()}"
     control = create_control(name)
     try:
-        build_trainer(cfg, control_name=name, callbacks=(RecordReports(str(reports)),)).fit()
+        build_trainer(cfg, claimed, control_name=name,
+                      callbacks=(RecordReports(str(reports)),)).fit()
     finally:
         ray.kill(control)
 

@@ -200,7 +200,8 @@ def test_the_driver_says_either_verdict_in_one_line(tmp_path):
     with open_run_dir(str(run_dir)) as rd:
         append_record(rd, {"kind": "train", "step": 6, "loss": 5.0, "time": 100.0, "attempt": 1})
     with pytest.raises(RunFailed) as e:
-        fit_or_raise(_FailingTrainer(_group_error(OTHERS_HOLD, rank=1), TINY_ESTIMATE), cfg, 50.0)
+        fit_or_raise(_FailingTrainer(_group_error(OTHERS_HOLD, rank=1), TINY_ESTIMATE), cfg,
+                     open_run_dir(str(run_dir)), 50.0)
     line = str(e.value)
     assert "\n" not in line and e.value.exit_code == EXIT_FAILED and not e.value.final
     assert line == (f"raygpt run {run_dir} failed after 1 attempt(s) (--max-failures 3): Ray's "
@@ -209,7 +210,8 @@ def test_the_driver_says_either_verdict_in_one_line(tmp_path):
                     f"versions/3.11.7/bin/python -c, 0.93 GiB); raygpt's workers held 0.32 GiB, "
                     f"estimate 0.9 GiB a worker; -y 1 resumes once that memory is free"), line
     with pytest.raises(RunFailed) as e:
-        fit_or_raise(_FailingTrainer(_group_error(RAYGPT_OVER), TINY_ESTIMATE), cfg, 50.0)
+        fit_or_raise(_FailingTrainer(_group_error(RAYGPT_OVER), TINY_ESTIMATE), cfg,
+                     open_run_dir(str(run_dir)), 50.0)
     line = str(e.value)
     assert "\n" not in line and e.value.exit_code == EXIT_BAD_INPUT and e.value.final
     assert line.startswith(f"raygpt run {run_dir} stopped (not retried, it would fail again): "
@@ -218,7 +220,8 @@ def test_the_driver_says_either_verdict_in_one_line(tmp_path):
     assert line.endswith("; lower -b (now 4)"), line
     # the monitor killed the controller itself: no rank, the same verdicts
     with pytest.raises(RunFailed) as e:
-        fit_or_raise(_FailingTrainer(OutOfMemoryError(OTHERS_HOLD), TINY_ESTIMATE), cfg, 50.0)
+        fit_or_raise(_FailingTrainer(OutOfMemoryError(OTHERS_HOLD), TINY_ESTIMATE), cfg,
+                     open_run_dir(str(run_dir)), 50.0)
     assert "killed the run's controller at step 7" in str(e.value)
     assert e.value.exit_code == EXIT_FAILED
 

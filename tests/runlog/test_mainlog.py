@@ -3,13 +3,14 @@
 import pytest
 
 from raygpt.runlog.mainlog import Logger, format_event
+from raygpt.storage import open_run_dir
 
 def read_log(d):
     return (d / "main.log").read_text().splitlines()
 
 
 def test_llmc_line_formats(tmp_path):
-    log = Logger(str(tmp_path), 0, resume=False)
+    log = Logger(open_run_dir(str(tmp_path)), 0, resume=False)
     log.log_train(7, 5.123456, 3e-4, 1.23456)
     log.log_val(20, 4.56789)
     log.log_eval(40, 0.2951)
@@ -25,7 +26,7 @@ def test_llmc_line_formats(tmp_path):
 def test_event_lines_parse_like_llmc_streams(tmp_path):
     # llm.c's plotting reads "s:N name:value" and keys a stream by name; events must not
     # land in trl/tel/eval and must keep a numeric second token
-    log = Logger(str(tmp_path), 0, resume=False)
+    log = Logger(open_run_dir(str(tmp_path)), 0, resume=False)
     log.log_train(1, 3.0, 1e-3, 0.5)
     log.log_event(2, "rewind", to=0, lr_scale=0.7, reason="sustained_spike")
     streams = {}
@@ -54,7 +55,7 @@ def test_event_kind_and_keys_are_checked():
 
 
 def test_only_rank_0_with_a_dir_writes(tmp_path):
-    log = Logger(str(tmp_path), 1, resume=False)
+    log = Logger(open_run_dir(str(tmp_path)), 1, resume=False)
     log.log_train(1, 3.0, 1e-3, 0.5)
     log.log_val(1, 3.0)
     log.log_event(1, "skip", lossz=1.0)
@@ -66,14 +67,14 @@ def test_only_rank_0_with_a_dir_writes(tmp_path):
 
 
 def test_fresh_start_truncates_and_resume_appends(tmp_path):
-    first = Logger(str(tmp_path), 0, resume=False)
+    first = Logger(open_run_dir(str(tmp_path)), 0, resume=False)
     first.log_train(1, 3.0, 1e-3, 0.5)
     first.log_train(2, 2.9, 1e-3, 0.5)
-    resumed = Logger(str(tmp_path), 0, resume=1)
+    resumed = Logger(open_run_dir(str(tmp_path)), 0, resume=1)
     assert len(read_log(tmp_path)) == 2
     resumed.log_train(3, 2.8, 1e-3, 0.5)
     assert [line.split()[0] for line in read_log(tmp_path)] == ["s:1", "s:2", "s:3"]
-    fresh = Logger(str(tmp_path), 0, resume=0)
+    fresh = Logger(open_run_dir(str(tmp_path)), 0, resume=0)
     assert read_log(tmp_path) == []
     fresh.log_val(5, 1.0)
     assert read_log(tmp_path) == ["s:5 tel:1.0000"]
@@ -81,6 +82,6 @@ def test_fresh_start_truncates_and_resume_appends(tmp_path):
 
 def test_each_call_leaves_the_file_complete(tmp_path):
     # nothing stays buffered between calls: the line is on disk when the call returns
-    log = Logger(str(tmp_path), 0, resume=False)
+    log = Logger(open_run_dir(str(tmp_path)), 0, resume=False)
     log.log_train(1, 3.0, 1e-3, 0.5)
     assert (tmp_path / "main.log").read_bytes() == b"s:1 trl:3.0000 lr:0.001000 norm:0.50\n"

@@ -248,12 +248,12 @@ def test_plot_refuses_a_run_without_train_records(tmp_path):
 
 def test_tensorboard_scalars_and_the_purge_on_resume(tmp_path):
     pytest.importorskip("tensorboardX")
-    w = TensorBoardWriter(tmp_path)
+    w = TensorBoardWriter(open_run_dir(tmp_path))
     for step in range(4):
         w.train(step, loss=10.0 - step, lr=1e-3 * (step + 1), norm=0.5, tok_per_s=1000.0)
     w.val(3, 7.25)
     w.close()
-    resumed = TensorBoardWriter(tmp_path, purge_step=2)
+    resumed = TensorBoardWriter(open_run_dir(tmp_path), purge_step=2)
     resumed.train(2, loss=5.0, lr=3e-3, norm=0.5, tok_per_s=1000.0)
     resumed.close()
 
@@ -274,7 +274,7 @@ def test_tensorboard_scalars_and_the_purge_on_resume(tmp_path):
 
 def test_tensorboard_restart_after_a_rewind_starts_a_purging_file(tmp_path):
     pytest.importorskip("tensorboardX")
-    w = TensorBoardWriter(tmp_path)
+    w = TensorBoardWriter(open_run_dir(tmp_path))
     for step in range(6):
         w.train(step, loss=float(step), lr=1.0, norm=1.0, tok_per_s=1.0)
     w.restart_at(3)  # the loop rewound to the checkpoint at step 3
@@ -289,7 +289,7 @@ def test_tensorboard_restart_after_a_rewind_starts_a_purging_file(tmp_path):
 
 def test_tensorboard_event_file_damage_is_reported(tmp_path):
     pytest.importorskip("tensorboardX")
-    w = TensorBoardWriter(tmp_path)
+    w = TensorBoardWriter(open_run_dir(tmp_path))
     w.train(0, loss=1.0, lr=1.0, norm=1.0, tok_per_s=1.0)
     w.close()
     (path,) = (tmp_path / "tb").iterdir()
@@ -319,7 +319,7 @@ def test_tensorboard_without_tensorboardx_says_so_once_and_does_nothing(tmp_path
 
     for name in [m for m in sys.modules if m.split(".")[0] == "tensorboardX"] + ["tensorboardX"]:
         monkeypatch.setitem(sys.modules, name, None)  # every import of it now fails
-    w = TensorBoardWriter(tmp_path)
+    w = TensorBoardWriter(open_run_dir(tmp_path))
     w.train(0, loss=1.0, lr=1.0, norm=1.0, tok_per_s=1.0)
     w.val(0, 1.0)
     w.close()
@@ -329,7 +329,7 @@ def test_tensorboard_without_tensorboardx_says_so_once_and_does_nothing(tmp_path
 
 
 def test_disabled_writer_does_nothing(tmp_path):
-    w = TensorBoardWriter(tmp_path, enabled=False)
+    w = TensorBoardWriter(open_run_dir(tmp_path), enabled=False)
     w.train(0, loss=math.nan, lr=1.0, norm=1.0, tok_per_s=1.0)
     w.close()
     assert not (tmp_path / "tb").exists()

@@ -34,11 +34,11 @@ def local_run_dir(tmp_path):
 
 def test_open_run_dir_kinds(tmp_path):
     local = open_run_dir(tmp_path / "a")
-    assert local.is_local and local.local_path("x/y") == tmp_path / "a" / "x" / "y"
+    assert local.caps.local_paths and local.local_path("x/y") == tmp_path / "a" / "x" / "y"
     via_uri = open_run_dir(f"file://{tmp_path}/b")
-    assert via_uri.is_local and via_uri.path("f") == f"{tmp_path}/b/f"
+    assert via_uri.caps.local_paths and via_uri.path("f") == f"{tmp_path}/b/f"
     mem = open_run_dir((memory_fs(), "/r"))
-    assert not mem.is_local and mem.path("s/f") == "/r/s/f"
+    assert not mem.caps.local_paths and mem.path("s/f") == "/r/s/f"
     assert open_run_dir(mem) is mem
     with pytest.raises(ValueError, match="not on a local filesystem"):
         mem.local_path("f")
@@ -115,7 +115,7 @@ def test_move_dir_in_renames_on_the_same_filesystem_and_copies_elsewhere(run_dir
     run_dir.move_dir_in(src, "step_00000010")
     assert run_dir.listdir("step_00000010") == ["model.bin", "sub"]
     assert run_dir.read_bytes("step_00000010/sub/state.bin") == b"state"
-    if run_dir.is_local:
+    if run_dir.caps.local_paths:
         assert run_dir.local_path("step_00000010/model.bin").stat().st_ino == inode
         assert not (src / "model.bin").exists()
     else:
@@ -176,9 +176,9 @@ def test_a_pickled_run_dir_keeps_its_place(remote, tmp_path):
     rd = RunDir(fs, root)
     rd.write_bytes_atomic("f", b"1")
     copy = pickle.loads(pickle.dumps(rd))
-    assert (copy.root, copy.is_local, copy.read_bytes("f")) == (root, False, b"1")
+    assert (copy.root, copy.caps.local_paths, copy.read_bytes("f")) == (root, False, b"1")
     local = pickle.loads(pickle.dumps(open_run_dir(tmp_path)))
-    assert local.is_local and local.local_path() == tmp_path
+    assert local.caps.local_paths and local.local_path() == tmp_path
 
 
 def test_local_appends_are_durable_at_once(tmp_path, monkeypatch):
