@@ -209,7 +209,7 @@ def run(p: Plan, *, report=None, window: int | None = None) -> dict:
     if p.complete is not None:
         return p.complete
     init_ray(p.settings.ray_address)
-    if p.out.is_local:  # tasks on every node stage and read units there: a shared directory
+    if p.out.caps.local_paths:  # tasks on every node stage and read units there: a shared directory
         line = shared_dir.blind_nodes_line("-o", redact(p.out.uri()),
                                            *shared_dir.nodes_not_seeing(p.out.local_path()))
         if line:
