@@ -72,6 +72,33 @@ def autoscaling_coordinator():
     return get_or_create_autoscaling_coordinator()
 
 
+def divert_raylet_messages(divert, to) -> None:
+    """The raylet's messages to the driver (a worker killed for memory: Ray's whole account of
+    the node, ~130 lines) are printed by Ray's error-listener thread through
+    `ray._private.worker.print_to_stdstream`, which it looks up at each message and no public
+    knob quiets: each message `divert(text)` accepts goes to `to(text)` instead. Idempotent;
+    workers' own output (printed through the same function, bound at ray.init) is untouched.
+    Checked on Ray 2.60.0."""
+    from ray._private import worker
+    printer = worker.print_to_stdstream
+    if getattr(printer, "raygpt_diverts", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        if data.get("pid") == "raylet":
+            kept = [line for line in data.get("lines", []) if not divert(line)]
+            for line in data.get("lines", []):
+                if divert(line):
+                    to(line)
+            if not kept:
+                return
+            data = {**data, "lines": kept}
+        printer(data, ignore_prefix)
+
+    print_to_stdstream.raygpt_diverts = True
+    worker.print_to_stdstream = print_to_stdstream
+
+
 def worker_death_causes(failure: BaseException) -> list[BaseException]:
     """What a Ray Train worker failure is made of: the failure itself and, for a worker whose
     process died, the error its health-check poll met (WorkerHealthCheckFailedError keeps it

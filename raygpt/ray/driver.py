@@ -117,19 +117,31 @@ class StopOnRunStopped(DefaultFailurePolicy):
     ends at once with that error (see raygpt.train.errors; the same micro-batch would outgrow the
     node again). A kill for memory something else held, a lost process, node or collective and
     preemptions keep Ray's budgets. `estimate_bytes`: a worker's memory estimate (None: unknown);
-    `own_pids`: the driver's processes, not "something else"."""
+    `own_pids`: the driver's processes, not "something else". A passing kill that is retried is
+    told in one line (`output_dir`: the run whose history gives the step; None: no step)."""
 
-    def __init__(self, failure_config, estimate_bytes: int | None = None, own_pids=()):
+    def __init__(self, failure_config, estimate_bytes: int | None = None, own_pids=(),
+                 output_dir: str | None = None):
         super().__init__(failure_config)
         self.estimate_bytes, self.own_pids = estimate_bytes, tuple(own_pids)
+        self.output_dir, self.since = output_dir, time.time()  # made as fit() starts
 
     def make_decision(self, training_failed_error):
         if run_stopped(training_failed_error) is not None:
             return FailureDecision.RAISE
         killed = memory_kill.killed_for_memory(training_failed_error)
-        if killed is not None and not self.verdict(killed[1]).passing:
+        verdict = None if killed is None else self.verdict(killed[1])
+        if verdict is not None and not verdict.passing:
             return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
+        decision = super().make_decision(training_failed_error)
+        if verdict is not None and decision == FailureDecision.RETRY:
+            # the one line of a retried kill (the finalizer records Ray's text, and prints none)
+            step = None if self.output_dir is None else _next_step(self.output_dir, self.since)
+            log.warning("raygpt | " + memory_kill.passing_line(
+                memory_kill.parse(killed[1]), verdict, killed[0], step) + "; restarting from "
+                f"the newest verified checkpoint (failure {self._worker_group_failures} of "
+                f"--max-failures {self.failure_config.max_failures})")
+        return decision
 
     def verdict(self, ray_text: str) -> memory_kill.Verdict:
         return memory_kill.judge(memory_kill.parse(ray_text), self.estimate_bytes, self.own_pids)
@@ -153,8 +165,11 @@ class RaygptTrainer(TrainerHooks):
 
     estimate_bytes: int | None = None  # a worker's memory estimate, for memory kills' verdicts
 
+    output_dir: str | None = None  # the run's, for the step a memory kill's line names
+
     def failure_policy(self, failure_config):
-        return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),))
+        return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),),
+                                output_dir=self.output_dir)
 
     # set for a run on a Ray it started itself, with a fixed number of workers: no autoscaler
     # to ask for nodes (compat.FixedPolicyWithoutAutoscaler)
@@ -200,7 +215,7 @@ def fit_or_raise(trainer, cfg: TrainConfig, since: float):
                 raise RunFailed(f"raygpt run {redact(cfg.output_dir)} failed after "
                                 f"{_attempts(cfg, since)} attempt(s) (--max-failures "
                                 f"{cfg.max_failures}): " + memory_kill.passing_line(
-                                    kill, verdict, rank, _next_step(cfg, since))
+                                    kill, verdict, rank, _next_step(cfg.output_dir, since))
                                 + "; -y 1 resumes once that memory is free") from e
             raise RunFailed(f"raygpt run {redact(cfg.output_dir)} stopped (not retried, it "
                             f"would fail again): " + memory_kill_line(cfg, since, rank, kill),
@@ -292,6 +307,7 @@ def build_trainer(cfg: TrainConfig, *, control_name: str, callbacks: tuple = (),
     # the estimate is of host memory on a CPU worker only (a GPU worker's is the GPU's)
     est = estimate_for(cfg) if not use_gpu else None
     trainer.estimate_bytes = None if est is None else est.total
+    trainer.output_dir = cfg.output_dir
     return trainer
 
 
@@ -459,13 +475,13 @@ def memory_kill_line(cfg: TrainConfig, since: float, rank: int | None,
     node = ("" if kill.used_gib is None
             else f", the node at {kill.used_gib:.2f}GB used / {kill.limit_gib:.2f}GB limit")
     where = f"in host memory ({who} killed by Ray's memory monitor{node})"
-    return out_of_memory_line(cfg, where, None, step=_next_step(cfg, since),
+    return out_of_memory_line(cfg, where, None, step=_next_step(cfg.output_dir, since),
                               workers=cfg.num_workers if cfg.device == "cpu" else 1)
 
 
-def _next_step(cfg: TrainConfig, since: float) -> int | None:
+def _next_step(output_dir: str, since: float) -> int | None:
     """The step being trained: one past this launch's last train record (None: before step 0)."""
-    steps = [r["step"] for r in read_history(open_run_dir(cfg.output_dir))
+    steps = [r["step"] for r in read_history(open_run_dir(output_dir))
              if r.get("kind") == "train" and r.get("time", 0) >= since]
     return steps[-1] + 1 if steps else None
 

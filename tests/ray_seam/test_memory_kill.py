@@ -14,8 +14,8 @@ in which other programs on the shared machine pushed it over the line, one of a 
 from __future__ import annotations
 
 import json
-
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +28,7 @@ from raygpt.config import as_command
 from raygpt.ray.driver import StopOnRunStopped
 from raygpt.ray.memory_kill import killed_for_memory
 from raygpt.train.errors import EXIT_BAD_INPUT
-from tests.helpers import records, tiny_config
+from tests.helpers import RAY_LOG_LINE, records, tiny_config, train_losses
 
 REPO = Path(__file__).resolve().parents[2]
 HEADROOM = 5 << 30  # above today's use: Ray's processes and the worker fit, the hog does not
@@ -323,3 +323,151 @@ def test_rays_own_start_kills_one_worker_at_a_time_unless_the_user_said(monkeypa
     monkeypatch.delenv("RAY_worker_killing_policy_by_group")
     driver.init_ray("ray://cluster:10001")  # a cluster's policy is its own
     assert seen == [("local", "true"), ("local", "false"), ("ray://cluster:10001", None)]
+
+
+HOG = Path(__file__).parent / "memory_hog.py"
+HOG_HEADROOM = 8 << 30  # above today's use: Ray, the run and the machine's other programs' swings
+
+
+class _Lines:
+    """A process's output lines as they come (a reader thread each for stdout and stderr)."""
+
+    def __init__(self, proc):
+        import threading
+        self.out, self.err = [], []
+        self.threads = [threading.Thread(target=self._read, args=(s, into), daemon=True)
+                        for s, into in ((proc.stdout, self.out), (proc.stderr, self.err))]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream, into):
+        for line in stream:
+            into.append(line.rstrip("\n"))
+
+    def all(self) -> list[str]:
+        return self.out + self.err
+
+
+def _wait_for(what, deadline: float, why, proc=None):
+    """what()'s first true answer before the deadline (or before `proc` ends); else fails
+    with why()."""
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    raise AssertionError(why())
+
+
+def _session_processes(sid: int, name: str) -> list[int]:
+    """The pids of session `sid` whose command line starts with `name` (Ray's workers of a
+    driver started in its own session)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rpartition(")")[2].split()
+            cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[3]) == sid and cmd.startswith(name):
+            pids.append(int(d.name))
+    return pids
+
+
+def _train_command(cfg, tmp_path: Path, name: str, env: dict):
+    fields, flags = as_command(cfg)
+    (tmp_path / f"{name}.json").write_text(json.dumps(fields))
+    return subprocess.Popen([sys.executable, "-m", "raygpt", "train", "--config",
+                             str(tmp_path / f"{name}.json"), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+
+
+def _end(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver's own Ray, whatever happened
+    except ProcessLookupError:
+        pass
+
+
+def _meminfo() -> tuple[int, int]:
+    """(total, in use) bytes of this machine's memory as Ray's monitor counts it."""
+    kib = {line.split(":")[0]: int(line.split()[1])
+           for line in Path("/proc/meminfo").read_text().splitlines()}
+    return kib["MemTotal"] << 10, (kib["MemTotal"] - kib["MemAvailable"]) << 10
+
+
+def test_memory_another_process_holds_is_retried_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    """A real kill by Ray's monitor for memory a process outside raygpt and Ray holds (the hog,
+    grown once the run has a checkpoint until the monitor kills a worker): one line names that
+    process and what it holds, the worker group is restarted within --max-failures (not exit 2),
+    and once the hog is gone the run resumes from its checkpoint and ends with the losses of an
+    uninterrupted run, as floats. Ray's own account of the kill stays off the terminal."""
+    cfg = tiny_config(tmp_path / "killed", num_workers=2, batch_size=8, seq_len=64, max_steps=40,
+                      checkpoint_every=4, max_failures=3)
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("RAY_ADDRESS", "RAY_COLOR_PREFIX")}, "PYTHONPATH": str(REPO)}
+    whole = _train_command(cfg.with_overrides({"output_dir": str(tmp_path / "whole")}),
+                           tmp_path, "whole", env)
+    try:
+        out, err = whole.communicate(timeout=300)
+    finally:
+        _end(whole)
+    assert whole.returncode == 0, (out + err)[-3000:]
+
+    threshold = memory_threshold(HOG_HEADROOM)
+    total, _ = _meminfo()
+    env.update({"RAY_memory_usage_threshold": f"{threshold:.4f}",
+                "RAY_memory_monitor_refresh_ms": "50"})
+    t0 = time.monotonic()
+    proc = _train_command(cfg, tmp_path, "killed", env)
+    hog = None
+    try:
+        lines = _Lines(proc)
+        tail = lambda: "\n".join(lines.all()[-60:])  # noqa: E731
+        _wait_for(lambda: list((tmp_path / "killed").glob("step_*/DONE_*")), t0 + 240,
+                  lambda: "no checkpoint:\n" + tail(), proc)
+        workers = _session_processes(proc.pid, "ray::RayTrainWorker")
+        assert len(workers) == 2, workers
+        hog = subprocess.Popen([sys.executable, str(HOG), str(int(threshold * total) - (1 << 29)),
+                                *map(str, workers)], stdout=subprocess.PIPE, text=True)
+        held = int(hog.stdout.readline().split()[2])  # once the monitor has killed a worker
+        said = _wait_for(lambda: [x for x in lines.all() if f"the most by pid {hog.pid} " in x],
+                         time.monotonic() + 60, lambda: "no line:\n" + tail(), proc)
+        hog.kill()  # the memory is free again: the restarted workers may have it
+        proc.wait(timeout=300)
+    finally:
+        _end(proc)
+        if hog is not None:
+            hog.kill()
+    for t in lines.threads:
+        t.join(5)
+    (tmp_path / "terminal.txt").write_text("\n".join(lines.all()))  # kept if the test fails
+    assert proc.returncode == 0, tail()
+    # one line for the kill, the process named with what it held as Ray measured it
+    kills = [x for x in lines.all() if "memory monitor" in x]
+    assert kills == said, kills
+    m = re.search(r"raygpt \| Ray's memory monitor killed rank [01] at step (\d+): the node "
+                  r"held [\d.]+ of [\d.]+ GiB, [\d.]+ GiB of it outside this run, the most by "
+                  rf"pid {hog.pid} \(\S*python\S* \S*memory_hog\.py[^,]*, ([\d.]+) GiB\); raygpt's "
+                  r"workers held [\d.]+ GiB, estimate [\d.]+ GiB a worker; restarting from the "
+                  r"newest verified checkpoint \(failure 1 of --max-failures 3\)$", said[0])
+    assert m, said
+    assert held / 2**30 - 0.5 < float(m[2]) <= held / 2**30 + 0.05, (held, said)
+    # none of Ray's account of it: the raylet's lines, the monitor's dump, a traceback
+    noise = [x for x in lines.all() if any(w in x for w in (
+        "(raylet)", "low on memory", "Memory on the node", "killing policy", "Top 10 memory",
+        "RAY_memory", "OutOfMemory", "Traceback")) or RAY_LOG_LINE.search(x)]
+    assert not noise, noise[:5]
+    history = records(tmp_path / "killed")
+    (failure,) = [r for r in history if r["kind"] == "failure"]
+    assert f"\n{hog.pid}\t" in next(iter(failure["ray_text"].values()))
+    (resume,) = [r for r in history if r["kind"] == "resume"]
+    assert resume["resumed_from"] is not None and resume["resumed_from"] <= int(m[1])
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "whole")
+    assert sorted(train_losses(tmp_path / "whole")) == list(range(40))
