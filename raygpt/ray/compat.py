@@ -76,23 +76,21 @@ def divert_raylet_messages(divert, to) -> None:
     """The raylet's messages to the driver (a worker killed for memory: Ray's whole account of
     the node, ~130 lines) are printed by Ray's error-listener thread through
     `ray._private.worker.print_to_stdstream`, which it looks up at each message and no public
-    knob quiets: each message `divert(text)` accepts goes to `to(text)` instead. Idempotent;
-    workers' own output (printed through the same function, bound at ray.init) is untouched.
-    Checked on Ray 2.60.0."""
+    knob quiets, and its log lines (raylet.err, streamed to the driver through the same function,
+    bound at ray.init: call this before): a batch of the raylet's lines in which `divert(text)`
+    accepts one goes to `to(text)` line by line instead (its blank separators with it).
+    Idempotent; workers' own output is untouched. Checked on Ray 2.60.0."""
     from ray._private import worker
     printer = worker.print_to_stdstream
     if getattr(printer, "raygpt_diverts", False):
         return
 
     def print_to_stdstream(data, ignore_prefix: bool):
-        if data.get("pid") == "raylet":
-            kept = [line for line in data.get("lines", []) if not divert(line)]
-            for line in data.get("lines", []):
-                if divert(line):
-                    to(line)
-            if not kept:
-                return
-            data = {**data, "lines": kept}
+        lines = data.get("lines", [])
+        if data.get("pid") == "raylet" and any(divert(line) for line in lines):
+            for line in lines:
+                to(line)
+            return
         printer(data, ignore_prefix)
 
     print_to_stdstream.raygpt_diverts = True

@@ -5,8 +5,10 @@ holds (a fault that may pass: retried within FailureConfig).
 Ray's OutOfMemoryError text is the only account of the node at the kill: the node's use and
 limit, the workers of the killing raylet (pid, task, memory) and the node's top 10 processes by
 memory (pid, GiB, command). `parse` reads it (pure, over text), `judge` compares it with the
-estimate of raygpt.model.memory, and the two `*_line` functions say the verdict in one line.
-The text itself is data from another process: bounded and escaped before it is printed.
+estimate of raygpt.model.memory (a worker over it, or raygpt's largest worker the node's largest
+process: raygpt's own), and the two `*_line` functions say the verdict in one line (a retried
+kill's is said by the failure policy, raygpt.ray.driver). `is_kill_account` tells Ray's account
+apart from the raylet's other messages (raygpt.ray.ray_logs sends it to the log file). The text itself is data from another process: bounded and escaped before it is printed.
 Checked on Ray 2.60.0 (its default policy and the by-group one)."""
 
 from __future__ import annotations
@@ -119,9 +121,14 @@ def killed_for_memory(error) -> tuple[int | None, str] | None:
     return None if text is None else (None, text)
 
 
+# the raylet's own lines about its kills: its periodic count ("N Workers (tasks / actors) killed
+# due to memory pressure (OOM)") and the advice that follows it. Checked on Ray 2.60.0.
+RAYLET_KILL_WORDS = ("killed due to memory pressure", "address the out of memory issue")
+
+
 def is_kill_account(text: str) -> bool:
-    """Whether a message is Ray's account of a kill by its memory monitor."""
-    return any(w in text for w in MEMORY_MONITOR_WORDS)
+    """Whether a message of the raylet's is its account of a kill by its memory monitor."""
+    return any(w in text for w in (*MEMORY_MONITOR_WORDS, *RAYLET_KILL_WORDS))
 
 
 def kill_text(failure: BaseException) -> str | None:
