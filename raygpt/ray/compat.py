@@ -97,6 +97,12 @@ def divert_raylet_messages(divert, to) -> None:
     worker.print_to_stdstream = print_to_stdstream
 
 
+def worker_group_failures(policy) -> int:
+    """The worker-group failures Ray Train's DefaultFailurePolicy has counted against
+    max_failures (a retried kill's line says which it is). Checked on Ray 2.60.0."""
+    return policy._worker_group_failures
+
+
 def worker_death_causes(failure: BaseException) -> list[BaseException]:
     """What a Ray Train worker failure is made of: the failure itself and, for a worker whose
     process died, the error its health-check poll met (WorkerHealthCheckFailedError keeps it

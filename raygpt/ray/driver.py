@@ -139,7 +139,7 @@ class StopOnRunStopped(DefaultFailurePolicy):
             step = None if self.output_dir is None else _next_step(self.output_dir, self.since)
             log.warning("raygpt | " + memory_kill.passing_line(
                 memory_kill.parse(killed[1]), verdict, killed[0], step) + "; restarting from "
-                f"the newest verified checkpoint (failure {self._worker_group_failures} of "
+                f"the newest verified checkpoint (failure {compat.worker_group_failures(self)} of "
                 f"--max-failures {self.failure_config.max_failures})")
         return decision
 
