@@ -174,7 +174,9 @@ class CheckpointFinalizer(UserCallback):
             append_record(run_dir, {"kind": "failure", "failure": self.failures, "causes": causes,
                                     **({"ray_text": ray_text} if ray_text else {}),
                                     "time": time.time(), "attempt": None})
-        log.info(f"raygpt | FAILURE {self.failures}: " + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
+        if not ray_text:  # a memory kill's one line is the failure policy's (its verdict)
+            log.info(f"raygpt | FAILURE {self.failures}: "
+                     + "; ".join(f"rank {r}: {c}" for r, c in causes.items()))
 
 
 class FinalizerDrain(ControllerCallback):

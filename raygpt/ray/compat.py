@@ -72,6 +72,37 @@ def autoscaling_coordinator():
     return get_or_create_autoscaling_coordinator()
 
 
+def divert_raylet_messages(divert, to) -> None:
+    """The raylet's messages to the driver (a worker killed for memory: Ray's whole account of
+    the node, ~130 lines) are printed by Ray's error-listener thread through
+    `ray._private.worker.print_to_stdstream`, which it looks up at each message and no public
+    knob quiets, and its log lines (raylet.err, streamed to the driver through the same function,
+    bound at ray.init: call this before): a batch of the raylet's lines in which `divert(text)`
+    accepts one goes to `to(text)` line by line instead (its blank separators with it).
+    Idempotent; workers' own output is untouched. Checked on Ray 2.60.0."""
+    from ray._private import worker
+    printer = worker.print_to_stdstream
+    if getattr(printer, "raygpt_diverts", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        lines = data.get("lines", [])
+        if data.get("pid") == "raylet" and any(divert(line) for line in lines):
+            for line in lines:
+                to(line)
+            return
+        printer(data, ignore_prefix)
+
+    print_to_stdstream.raygpt_diverts = True
+    worker.print_to_stdstream = print_to_stdstream
+
+
+def worker_group_failures(policy) -> int:
+    """The worker-group failures Ray Train's DefaultFailurePolicy has counted against
+    max_failures (a retried kill's line says which it is). Checked on Ray 2.60.0."""
+    return policy._worker_group_failures
+
+
 def worker_death_causes(failure: BaseException) -> list[BaseException]:
     """What a Ray Train worker failure is made of: the failure itself and, for a worker whose
     process died, the error its health-check poll met (WorkerHealthCheckFailedError keeps it

@@ -72,7 +72,7 @@ from raygpt.ray.worker import RAY_POLL_ENV, RaygptTorchConfig, RunControl, train
 from raygpt.runlog import tracking
 from raygpt.runlog.history import read_history, summarize_run
 from raygpt.runlog.run_config import CONFIG_FILE, write_launch
-from raygpt.storage import RunDir, redact
+from raygpt.storage import RunDir, open_run_dir, redact
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,33 @@ class StopOnRunStopped(DefaultFailurePolicy):
     ends at once with that error (see raygpt.train.errors; the same micro-batch would outgrow the
     node again). A kill for memory something else held, a lost process, node or collective and
     preemptions keep Ray's budgets. `estimate_bytes`: a worker's memory estimate (None: unknown);
-    `own_pids`: the driver's processes, not "something else"."""
+    `own_pids`: the driver's processes, not "something else". A passing kill that is retried is
+    told in one line (`output_dir`: the run whose history gives the step; None: no step)."""
 
-    def __init__(self, failure_config, estimate_bytes: int | None = None, own_pids=()):
+    def __init__(self, failure_config, estimate_bytes: int | None = None, own_pids=(),
+                 output_dir: str | None = None):
         super().__init__(failure_config)
         self.estimate_bytes, self.own_pids = estimate_bytes, tuple(own_pids)
+        self.output_dir, self.since = output_dir, time.time()  # made as fit() starts
 
     def make_decision(self, training_failed_error):
         if run_stopped(training_failed_error) is not None:
             return FailureDecision.RAISE
         killed = memory_kill.killed_for_memory(training_failed_error)
-        if killed is not None and not self.verdict(killed[1]).passing:
+        verdict = None if killed is None else self.verdict(killed[1])
+        if verdict is not None and not verdict.passing:
             return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
+        decision = super().make_decision(training_failed_error)
+        if verdict is not None and decision == FailureDecision.RETRY:
+            # the one line of a retried kill (the finalizer records Ray's text, and prints none)
+            # (the policy runs in Ray's controller: it carries the run's string, opened here)
+            step = (None if self.output_dir is None
+                    else _next_step(open_run_dir(self.output_dir), self.since))
+            log.warning("raygpt | " + memory_kill.passing_line(
+                memory_kill.parse(killed[1]), verdict, killed[0], step) + "; restarting from "
+                f"the newest verified checkpoint (failure {compat.worker_group_failures(self)} of "
+                f"--max-failures {self.failure_config.max_failures})")
+        return decision
 
     def verdict(self, ray_text: str) -> memory_kill.Verdict:
         return memory_kill.judge(memory_kill.parse(ray_text), self.estimate_bytes, self.own_pids)
@@ -152,8 +166,11 @@ class RaygptTrainer(TrainerHooks):
 
     estimate_bytes: int | None = None  # a worker's memory estimate, for memory kills' verdicts
 
+    output_dir: str | None = None  # the run's, for the step a memory kill's line names
+
     def failure_policy(self, failure_config):
-        return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),))
+        return StopOnRunStopped(failure_config, self.estimate_bytes, own_pids=(os.getpid(),),
+                                output_dir=self.output_dir)
 
     # set for a run on a Ray it started itself, with a fixed number of workers: no autoscaler
     # to ask for nodes (compat.FixedPolicyWithoutAutoscaler)
@@ -287,6 +304,7 @@ def build_trainer(cfg: TrainConfig, run_dir: RunDir, *, control_name: str, callb
     # the estimate is of host memory on a CPU worker only (a GPU worker's is the GPU's)
     est = estimate_for(cfg) if not use_gpu else None
     trainer.estimate_bytes = None if est is None else est.total
+    trainer.output_dir = cfg.output_dir
     return trainer
 
 

@@ -5,8 +5,10 @@ holds (a fault that may pass: retried within FailureConfig).
 Ray's OutOfMemoryError text is the only account of the node at the kill: the node's use and
 limit, the workers of the killing raylet (pid, task, memory) and the node's top 10 processes by
 memory (pid, GiB, command). `parse` reads it (pure, over text), `judge` compares it with the
-estimate of raygpt.model.memory, and the two `*_line` functions say the verdict in one line.
-The text itself is data from another process: bounded and escaped before it is printed.
+estimate of raygpt.model.memory (a worker over it, or raygpt's largest worker the node's largest
+process: raygpt's own), and the two `*_line` functions say the verdict in one line (a retried
+kill's is said by the failure policy, raygpt.ray.driver). `is_kill_account` tells Ray's account
+apart from the raylet's other messages (raygpt.ray.ray_logs sends it to the log file). The text itself is data from another process: bounded and escaped before it is printed.
 Checked on Ray 2.60.0 (its default policy and the by-group one)."""
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Verdict:
     outside this Ray. `passing`: something else holds the memory (retry); else raygpt's own."""
     raygpt_gib: float          # the training workers' memory (else the run's listed workers',
                                # else the estimate)
+    largest_gib: float         # the largest of those processes (the estimate when none listed)
     estimate_gib: float | None  # one worker's estimate (raygpt.model.memory)
     over_estimate: bool
     outsider: Process | None
@@ -82,25 +85,27 @@ class Verdict:
     @property
     def passing(self) -> bool:
         return (not self.over_estimate and self.outsider is not None
-                and self.outsider.gib > self.raygpt_gib)
+                and self.outsider.gib > self.largest_gib)
 
 
 def judge(kill: MemoryKill, estimate_bytes: int | None, own_pids=()) -> Verdict:
     """Whose memory it was: raygpt is over when a training worker held more than its estimate;
     the memory is someone else's when the largest process outside this Ray (its workers and
-    `own_pids`, the driver) held more than raygpt's training workers together."""
+    `own_pids`, the driver) held more than raygpt's largest worker, process against process (a
+    run of many workers within their estimate is not the node's largest holder for its number)."""
     est = None if estimate_bytes is None else estimate_bytes / RAY_GIB
     ours = {w.pid for w in kill.workers} | set(own_pids)
     train = kill.train
     # a kill of a helper actor lists no training worker: then raygpt's share is what it lists
     listed = train or kill.workers
     raygpt_gib = sum(w.gib for w in listed) if listed else (est or 0.0)
+    largest = max(w.gib for w in listed) if listed else (est or 0.0)
     over = est is not None and any(w.gib > est for w in train)
     outsider = next((p for p in kill.top if p.pid not in ours), None)
     own = sum(w.gib for w in kill.workers) + sum(p.gib for p in kill.top
                                                   if p.pid in set(own_pids))
     outside = None if kill.used_gib is None else max(0.0, kill.used_gib - own)
-    return Verdict(raygpt_gib, est, over, outsider, outside)
+    return Verdict(raygpt_gib, largest, est, over, outsider, outside)
 
 
 def killed_for_memory(error) -> tuple[int | None, str] | None:
@@ -114,6 +119,16 @@ def killed_for_memory(error) -> tuple[int | None, str] | None:
             return rank, text
     text = None if failures else kill_text(error)
     return None if text is None else (None, text)
+
+
+# the raylet's own lines about its kills: its periodic count ("N Workers (tasks / actors) killed
+# due to memory pressure (OOM)") and the advice that follows it. Checked on Ray 2.60.0.
+RAYLET_KILL_WORDS = ("killed due to memory pressure", "address the out of memory issue")
+
+
+def is_kill_account(text: str) -> bool:
+    """Whether a message of the raylet's is its account of a kill by its memory monitor."""
+    return any(w in text for w in (*MEMORY_MONITOR_WORDS, *RAYLET_KILL_WORDS))
 
 
 def kill_text(failure: BaseException) -> str | None:

@@ -14,6 +14,9 @@ before `ray.init`, settles all of them through Ray's documented knobs and the lo
   held, at most `HELD_RECORDS`, and written once it does); Ray Data keeps writing its own
   `ray-data.log` there;
 - RAY_COLOR_PREFIX=0 when stdout is not a terminal (Ray then prints the worker prefix bare).
+- the raylet's account of a worker its memory monitor killed (Ray's "(raylet) ... killed due to
+  the node running low on memory" and its dump of the node's workers and top processes) goes to
+  the same file: raygpt says the kill in one line (raygpt.ray.memory_kill).
 
 A setting the user made (RAY_COLOR_PREFIX in the environment) is kept.
 """
@@ -24,7 +27,7 @@ import logging
 import os
 import sys
 
-from raygpt.ray import compat
+from raygpt.ray import compat, memory_kill
 
 # Ray's loggers whose records reach the driver's terminal (Ray Train's and Tune's propagate to
 # "ray"; Ray Data's has a console handler of its own)
@@ -74,6 +77,9 @@ def quiet_ray_console() -> None:
     if _session_log is None:
         _session_log = _ToSessionLog()
         logging.getLogger("ray").addHandler(_session_log)
+    ray_logger = logging.getLogger("ray")
+    compat.divert_raylet_messages(memory_kill.is_kill_account,
+                                  lambda text: ray_logger.warning("(raylet) %s", text))
 
 
 def open_session_log() -> str | None:
