@@ -49,6 +49,8 @@ REVIEWED_DANGEROUS: dict[tuple[str, str], str] = {
         "installs only a bundle whose bytes signed_file.verified returned",
     ("raygpt/artifacts/kernel_bundle.py", "raygpt_kernel_names"):
         "imports KERNEL_MODULES, a constant tuple of raygpt's own modules",
+    ("raygpt/config/__init__.py", "__getattr__"):
+        "imports only the face's literal tables of raygpt's own modules (_FACE, _MODULES)",
 }
 REVIEWED_WRITES: dict[tuple[str, str], str] = {
     ("raygpt/storage/atomic_file.py", "atomic_local_file"): "the writer: O_EXCL|O_NOFOLLOW temp, rename",

@@ -16,7 +16,6 @@ before Ray starts. A Ray Tune search space is an override of `TrainConfig` field
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 # The vocabulary every component declares its knobs with (its own folder's knobs.py) loads at once.
 from raygpt.config.errors import ConfigError  # noqa: F401
@@ -39,6 +38,8 @@ _FACE = {
     "raygpt.config.command_line": ("EXIT_CODES", "FlagParser", "build_parser", "parse_args"),
 }
 _OWNER = {name: module for module, names in _FACE.items() for name in names}
+_MODULES = ("command_line", "errors", "eval_sets", "files", "flag_hints", "knobs", "mixture",
+            "paths", "preflight", "train_config")
 __all__ = ["ConfigError", "SECTION_TITLES", "field_docs", "knob", "need", *_OWNER]
 
 
@@ -47,7 +48,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_OWNER[name]), name)
         globals()[name] = value  # once: later lookups are plain attributes
         return value
-    if (Path(__file__).parent / f"{name}.py").is_file():  # a module of this package, by name
+    if name in _MODULES:  # a module of this package, by name
         return importlib.import_module(f"raygpt.config.{name}")
     raise AttributeError(f"module 'raygpt.config' has no attribute {name!r}")
 

@@ -14,6 +14,8 @@ import secrets
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raygpt.storage.atomic_file import write_local_atomic
+
 PROBE_PREFIX = ".raygpt-shared-probe-"
 TIMEOUT_S = 60.0  # each node's task: a cold worker start on a loaded node
 
@@ -42,8 +44,7 @@ def nodes_not_seeing(directory: str, timeout_s: float = TIMEOUT_S) -> tuple[list
     parent = _existing_parent(directory)
     token = secrets.token_hex(16)
     probe = os.path.join(parent, PROBE_PREFIX + token)
-    with open(probe, "x", encoding="ascii") as f:
-        f.write(token)
+    write_local_atomic(probe, [token.encode("ascii")])  # (a new random name: nothing replaced)
     try:
         read = ray.remote(_read_probe)
         refs = {n["NodeManagerAddress"] + f" ({n['NodeID'][:8]})": read.options(
