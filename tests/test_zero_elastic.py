@@ -13,8 +13,9 @@ from raygpt.ray.driver import run
 from raygpt.storage import open_run_dir
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
-# tokens per step: 2 workers x B=2 x T=16, or 1 worker with grad accum 2 (small: a step's cost
-# is mostly the classifier over the vocabulary per token, and sharding needs no more)
+# tokens per step: 2 workers x B=2 x T=16, or 1 worker with grad accum 2, on a depth-1 model
+# (small: a step's cost is mostly the classifier over the vocabulary per token, and sharding
+# needs no more)
 B, T = 2, 16
 GLOBAL = B * T * 2
 
@@ -28,7 +29,7 @@ def local_ray():
 
 def cfg_for(run_dir, **kw):
     base = dict(num_workers=2, max_steps=10, checkpoint_every=4, total_batch_size=GLOBAL,
-                batch_size=B, seq_len=T, record_samples=True)
+                model="d1", batch_size=B, seq_len=T, record_samples=True)
     base.update(kw)
     return tiny_config(run_dir, **base).resolve(0)
 

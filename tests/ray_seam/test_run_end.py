@@ -168,8 +168,9 @@ def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(loc
 
 CTRL_C = dict(num_workers=2, max_steps=30, checkpoint_every=10, total_batch_size=4 * 32 * 2)
 # the uninterrupted, clock-saved and Ctrl-C'd runs of 30 steps on B=2 T=16 (a step's cost is
-# mostly the classifier over the vocabulary, per token); the abort test keeps CTRL_C's slower
-# steps, which its second Ctrl-C must not wait for
+# mostly the classifier over the vocabulary, per token; the Ctrl-C must still meet a running
+# job, so not the smallest model); the abort test keeps CTRL_C's slower steps, which its second
+# Ctrl-C must not wait for
 CTRL_C_SMALL = {**CTRL_C, "batch_size": 2, "seq_len": 16, "total_batch_size": 2 * 16 * 2}
 
 
