@@ -40,10 +40,11 @@ from tests.helpers import S3Server, tiny_config
 
 pytest.importorskip("moto.server")
 
-# a depth-1 model on B=2 T=16: every checkpoint's bytes cross moto's S3 server (in this process),
-# and a step's cost is mostly the classifier over the vocabulary; the losses are compared as floats
-TWO = dict(num_workers=2, max_steps=10, checkpoint_every=4, model="d1", batch_size=2, seq_len=16,
-           total_batch_size=2 * 16 * 2 * 2, val_every=5)
+# a depth-1 model: every checkpoint's bytes cross moto's S3 server (in this process), and the
+# losses are compared as floats; B and T stay, so the steps after checkpoint 4 still take longer
+# than its DONE, which both faults wait for
+TWO = dict(num_workers=2, max_steps=10, checkpoint_every=4, model="d1",
+           total_batch_size=4 * 32 * 2 * 2, val_every=5)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +103,9 @@ def runs(s3, tmp_path_factory):
     seconds.append(time.monotonic())
     replacement = caches / "replacement-node"
     assert not replacement.exists()
-    code = cli_main(["train", "--cpu", "-e", "d1", "-b", "2", "-t", "16", "-x", "10", "-n", "4",
+    code = cli_main(["train", "--cpu", "-e", "d1", "-b", "4", "-t", "32", "-x", "10", "-n", "4",
                      "-v", "5", "-m", "2", "-s", "0", "-g", "8", "-u", "2", "--no-compile",
-                     "--num-workers", "2", "-d", str(2 * 16 * 2 * 2), "-y", "1",
+                     "--num-workers", "2", "-d", str(4 * 32 * 2 * 2), "-y", "1",
                      "-o", "s3://bucket/runs/killed", "-i", data[0], "-j", data[1],
                      "--shard-cache-dir", str(replacement)])
     seconds.append(time.monotonic())

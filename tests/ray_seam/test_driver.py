@@ -17,10 +17,9 @@ from raygpt.storage import open_run_dir
 from raygpt.train.faults import read_fired
 from tests.helpers import records, tiny_config, train_losses
 
-# B=2 T=16 with 2 micro-steps: a step's cost is mostly the classifier over the vocabulary per
-# token, and no test here needs more tokens (the loss still falls by more than 0.5 in 12 steps)
-TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, batch_size=2, seq_len=16,
-           total_batch_size=2 * 16 * 2 * 2)
+# (the shape stays: the faults that wait for checkpoint 4's DONE need the steps after it to take
+# longer than the DONE does)
+TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # tests/ray_seam/conftest.py
