@@ -319,7 +319,9 @@ def test_nan_on_one_rank_rewinds_both_and_a_kill_after_the_rewind_keeps_its_deci
     kill. Ray's checkpoint list names only what exists, once each, and -y 1 accepts it."""
     from raygpt.config import SpikeConfig
     spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
-    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike)
+    # a depth-1 model: the faults here fire at fixed steps (none waits for a DONE), and a step's
+    # cost is mostly the classifier over the vocabulary
+    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike, model="d1")
     ref = tiny_config(tmp_path / "ref", **base, fault="nan:rank=1,step=9")
     summary = go(ref)
     assert summary["rewinds"] == 1 and summary["failures"] == 0 and summary["step"] == 12
