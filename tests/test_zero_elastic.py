@@ -13,11 +13,7 @@ from raygpt.ray.driver import run
 from raygpt.storage import open_run_dir
 from tests.helpers import records, samples_seen, tiny_config, train_losses
 
-# tokens per step: 2 workers x B=2 x T=16, or 1 worker with grad accum 2, on a depth-1 model
-# (small: a step's cost is mostly the classifier over the vocabulary per token, and sharding
-# needs no more)
-B, T = 2, 16
-GLOBAL = B * T * 2
+GLOBAL = 4 * 32 * 2  # tokens per step: 2 workers x B=4 x T=32, or 1 worker with grad accum 2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,7 +25,7 @@ def local_ray():
 
 def cfg_for(run_dir, **kw):
     base = dict(num_workers=2, max_steps=10, checkpoint_every=4, total_batch_size=GLOBAL,
-                model="d1", batch_size=B, seq_len=T, record_samples=True)
+                record_samples=True)
     base.update(kw)
     return tiny_config(run_dir, **base).resolve(0)
 
@@ -133,5 +129,4 @@ def test_resharded_optimizer_state_equals_the_concatenated_shards(zero1):
 def test_a_global_batch_that_cannot_be_kept_is_a_clear_error(tmp_path):
     from raygpt.config import ConfigError
     with pytest.raises(ConfigError, match="-d/--total-batch-size"):
-        tiny_config(tmp_path, num_workers=3, batch_size=B, seq_len=T,
-                    total_batch_size=GLOBAL).resolve(0)
+        tiny_config(tmp_path, num_workers=3, total_batch_size=GLOBAL).resolve(0)

@@ -48,9 +48,7 @@ def test_train_with_no_retention_flag_keeps_the_last_three_and_the_majors(tmp_pa
     """The user's command line, no -nk/-nm: -n 2 -x 12 writes 2, 4, ..., 12 and keeps 4 and 8
     (-nm 4, a quarter of the run) and the last three; --help states the rule."""
     run = tmp_path / "run"
-    # the smallest model and batch: six checkpoints are written, hashed and copied (retention
-    # is about which steps stay, not their size)
-    out = sh("-m", "raygpt", "train", "--cpu", "-e", "d1", "-b", "2", "-t", "16", "-x", "12",
+    out = sh("-m", "raygpt", "train", "--cpu", "-e", "d2", "-b", "4", "-t", "32", "-x", "12",
              "-n", "2", "-v", "0", "-s", "0", "--num-workers", "1", "-o", str(run))
     assert out.returncode == 0, out.stderr[-3000:]
     rd = open_run_dir(str(run))

@@ -17,8 +17,6 @@ from raygpt.storage import open_run_dir
 from raygpt.train.faults import read_fired
 from tests.helpers import records, tiny_config, train_losses
 
-# (the shape stays: the faults that wait for checkpoint 4's DONE need the steps after it to take
-# longer than the DONE does)
 TWO = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2)
 
 
@@ -133,7 +131,7 @@ def test_paths_relative_to_the_users_directory_train_and_resume(tmp_path, monkey
         shutil.copy(getattr(TrainConfig(), name), data / f"{name}.bin")
     monkeypatch.chdir(tmp_path)
     rel = dict(input_bin="data/input_bin.bin", input_val_bin="data/input_val_bin.bin",
-               num_workers=2, checkpoint_every=4, val_every=4, batch_size=2, seq_len=16)
+               num_workers=2, checkpoint_every=4, val_every=4)
     first = go(tiny_config("runs/rel", max_steps=4, **rel))
     assert first["step"] == 4
     (tmp_path / "elsewhere").mkdir()
@@ -265,7 +263,7 @@ def test_a_fault_on_every_attempt_exhausts_the_retry_budget(tmp_path):
     from raygpt.checkpointing.local_copy import LocalCopies
 
     cfg = tiny_config(tmp_path, num_workers=2, max_steps=6, max_failures=1, checkpoint_every=2,
-                      batch_size=2, seq_len=16, fault="raise:rank=0,step=4,every=1")
+                      fault="raise:rank=0,step=4,every=1")
     with pytest.raises(RunFailed) as e:
         go(cfg)
     # no clean end, but the driver removed the node's copies of checkpoint 2 (and 4) all the same
@@ -319,9 +317,7 @@ def test_nan_on_one_rank_rewinds_both_and_a_kill_after_the_rewind_keeps_its_deci
     kill. Ray's checkpoint list names only what exists, once each, and -y 1 accepts it."""
     from raygpt.config import SpikeConfig
     spike = SpikeConfig(enabled=True, min_history=4, window=8, safety_steps=3, max_rewinds=2)
-    # a depth-1 model: the faults here fire at fixed steps (none waits for a DONE), and a step's
-    # cost is mostly the classifier over the vocabulary
-    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike, model="d1")
+    base = dict(num_workers=2, max_steps=12, checkpoint_every=2, spike=spike)
     ref = tiny_config(tmp_path / "ref", **base, fault="nan:rank=1,step=9")
     summary = go(ref)
     assert summary["rewinds"] == 1 and summary["failures"] == 0 and summary["step"] == 12
@@ -402,8 +398,7 @@ def test_train_metrics_reach_ray_and_trackers_continue_across_a_restart(tmp_path
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the file store
     run_dir, reports = tmp_path / "run", tmp_path / "reports.jsonl"
     cfg = tiny_config(run_dir, num_workers=2, max_steps=8, checkpoint_every=4, val_every=4,
-                      batch_size=2, seq_len=16, total_batch_size=2 * 16 * 2,
-                      fault="kill:rank=1,step=6",
+                      total_batch_size=4 * 32 * 2, fault="kill:rank=1,step=6",
                       wandb="raygpt-test", mlflow=str(tmp_path / "mlruns")).resolve(0)
     prepare_run_dir(cfg)
     name = f"raygpt-test-control-{time.time_ns()}"

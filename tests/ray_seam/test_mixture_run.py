@@ -14,10 +14,9 @@ from tests.helpers import records, tiny_config, train_losses
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # tests/ray_seam/conftest.py
 
-# 2 workers x B=4 x grad accumulation 2: 16 samples of T=32 a step; a depth-1 model (the
-# sample counts are the point, and a step's cost is mostly the classifier over the vocabulary)
+# 2 workers x B=4 x grad accumulation 2: 16 samples of T=32 a step
 RUN = dict(num_workers=2, max_steps=12, checkpoint_every=4, total_batch_size=4 * 32 * 2 * 2,
-           model="d1", record_samples=True)
+           record_samples=True)
 
 
 @pytest.fixture(scope="module")

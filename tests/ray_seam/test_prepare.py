@@ -329,14 +329,11 @@ def test_fineweb_edu_recipe_in_miniature(local_ray, tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(REPO / "experiments"))
     monkeypatch.chdir(tmp_path)
-    # smaller than the recipe's miniature (these flags win over it, as any train flag does): a
-    # step's cost is mostly the classifier over the vocabulary, per token
-    small = ["-e", "d1", "-b", "2", "-t", "16", "-d", "64", "-n", "4", "-v", "2"]
-    assert fineweb_edu.main(["--miniature", "-x", "4", *small]) == 0
+    assert fineweb_edu.main(["--miniature", "-x", "4", "-n", "2", "-v", "2"]) == 0
     root = tmp_path / "runs" / "fineweb_edu_mini"
     assert json.loads((root / "shards" / "manifest.json").read_text())["documents"] == 1200
     assert (root / "run" / "step_00000004" / "DONE_00000004").exists()
-    assert fineweb_edu.main(["--miniature", "-x", "6", *small, "-y", "1"]) == 0
+    assert fineweb_edu.main(["--miniature", "-x", "6", "-n", "2", "-v", "2", "-y", "1"]) == 0
     assert (root / "run" / "step_00000006" / "DONE_00000006").exists()
 
 

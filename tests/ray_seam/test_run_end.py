@@ -167,17 +167,12 @@ def test_a_dead_controllers_placement_group_is_removed_without_the_state_api(loc
 # tests/ray_seam/test_driver.py::test_killed_worker_resumes_with_identical_losses (and test_node_loss.py).
 
 CTRL_C = dict(num_workers=2, max_steps=30, checkpoint_every=10, total_batch_size=4 * 32 * 2)
-# the uninterrupted, clock-saved and Ctrl-C'd runs of 30 steps on B=2 T=16 (a step's cost is
-# mostly the classifier over the vocabulary, per token; the Ctrl-C must still meet a running
-# job, so not the smallest model); the abort test keeps CTRL_C's slower steps, which its second
-# Ctrl-C must not wait for
-CTRL_C_SMALL = {**CTRL_C, "batch_size": 2, "seq_len": 16, "total_batch_size": 2 * 16 * 2}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(local_ray, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("full")
-    cfg = tiny_config(run_dir, **CTRL_C_SMALL)
+    cfg = tiny_config(run_dir, **CTRL_C)
     summary = go(cfg)
     return run_dir, cfg, summary
 
