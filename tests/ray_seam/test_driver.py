@@ -70,24 +70,53 @@ def test_checkpoints_are_stored_by_rename_and_their_timeline_is_in_the_summary(u
     assert all(step in (8, 12) and waited >= 0 for step, waited in summary["checkpoint_waits"])
 
 
-def test_the_overlapped_reduction_changes_no_loss(uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def usr1_overlapped(uninterrupted, tmp_path_factory):
+    """The uninterrupted run's config with --overlap-comm on and SIGUSR1 to rank 1 at step 5: one
+    Ray run for two tests (neither the reduction's order nor the extra checkpoint may change a
+    train loss, so each claim is checked against the uninterrupted run on its own terms)."""
+    _, cfg, _ = uninterrupted
+    run_dir = tmp_path_factory.mktemp("usr1_overlapped")
+    go(cfg.with_overrides({"output_dir": str(run_dir), "overlap_comm": True,
+                           "fault": "sigusr1:rank=1,step=5"}))
+    return run_dir
+
+
+def test_the_overlapped_reduction_changes_no_loss(uninterrupted, usr1_overlapped):
     """The uninterrupted run reduced its gradients in one collective after the backward pass
     (--overlap-comm is off on CPUs), over 2 micro-steps a step; reducing them during the last
     backward gives the same losses as floats (a sum of 2 terms is exact in any order)."""
     run_dir, cfg, _ = uninterrupted
     assert not cfg.resolve(0).overlap_comm and cfg.resolve(0).grad_accum_steps(2) == 2
-    # no validation or periodic checkpoints: neither changes a train loss
-    go(tiny_config(tmp_path, **{**TWO, "checkpoint_every": 0}, overlap_comm=True))
-    assert train_losses(tmp_path) == train_losses(run_dir)
+    ran = json.loads((usr1_overlapped / "config.json").read_text())["config"]
+    assert ran["overlap_comm"] is True and ran["total_batch_size"] == cfg.total_batch_size
+    assert train_losses(usr1_overlapped) == train_losses(run_dir)
 
 
-def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
-    two = tiny_config(tmp_path / "two", num_workers=2, max_steps=4, checkpoint_every=0, shuffle=False)
+@pytest.fixture(scope="module")
+def two_small(tmp_path_factory):
+    """2 workers, 4 steps in order, no checkpoints, validated every step on a validation shard
+    of 3 samples (rank 1 sits validation out): the run of two tests, data parallelism's and
+    validation's (validation reads the weights, it changes no train loss)."""
+    import numpy as np
+
+    from raygpt.llmc.shards import read_shard, write_shard
+
+    root = tmp_path_factory.mktemp("two_small")
+    write_shard(root / "val.bin", np.asarray(read_shard(tiny_config(root).input_val_bin)[:100]))
+    cfg = tiny_config(root / "two", num_workers=2, max_steps=4, checkpoint_every=0, shuffle=False,
+                      val_every=1, val_batches=None, input_val_bin=str(root / "val.bin")).resolve(0)
+    run(cfg)
+    return root / "two", cfg
+
+
+def test_two_workers_equal_one_worker_with_twice_the_batch(two_small, tmp_path):
+    two_dir, _ = two_small
     one = tiny_config(tmp_path / "one", num_workers=1, batch_size=8, max_steps=4,
                       checkpoint_every=0, shuffle=False)
-    go(two), go(one)
-    a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
-    assert a.keys() == b.keys()
+    go(one)
+    a, b = train_losses(two_dir), train_losses(tmp_path / "one")
+    assert a.keys() == b.keys() == set(range(4))
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6)
 
@@ -148,25 +177,10 @@ def test_killed_worker_resumes_with_identical_losses(uninterrupted, tmp_path):
     assert "recovery 1: " in run_status(str(run_dir)) and "worker group up" in run_status(str(run_dir))
 
 
-def test_sigterm_to_one_worker_stops_cleanly_and_resumes(uninterrupted, tmp_path):
-    full_dir, cfg, _ = uninterrupted
-    run_dir = tmp_path / "term"
-    stopped = cfg.with_overrides({"output_dir": str(run_dir), "fault": "sigterm:rank=1,step=6"})
-    summary = go(stopped)
-    assert summary["stopped_early"] and summary["step"] == 7 and summary["failures"] == 0
-    rd = open_run_dir(str(run_dir))
-    assert 7 in ck.list_checkpoint_steps(rd) and not ck.verify_checkpoint(rd, 7)
-    summary = go(stopped.with_overrides({"resume": 1}))
-    assert summary["step"] == 12 and not summary["stopped_early"]
-    assert train_losses(run_dir) == train_losses(full_dir)
-
-
-def test_sigusr1_adds_a_checkpoint_and_changes_nothing(uninterrupted, tmp_path):
-    full_dir, cfg, _ = uninterrupted
-    run_dir = tmp_path / "usr1"
-    go(cfg.with_overrides({"output_dir": str(run_dir), "fault": "sigusr1:rank=1,step=5"}))
-    assert ck.list_checkpoint_steps(open_run_dir(str(run_dir))) == [4, 6, 8, 12]
-    assert train_losses(run_dir) == train_losses(full_dir)
+def test_sigusr1_adds_a_checkpoint_and_changes_nothing(uninterrupted, usr1_overlapped):
+    full_dir, _, _ = uninterrupted
+    assert ck.list_checkpoint_steps(open_run_dir(str(usr1_overlapped))) == [4, 6, 8, 12]
+    assert train_losses(usr1_overlapped) == train_losses(full_dir)
 
 
 def test_crash_before_done_falls_back_to_the_previous_checkpoint(uninterrupted, tmp_path):
@@ -267,20 +281,23 @@ def snapshot_names(run_dir) -> list[str]:
     return [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
 
 
-def test_retention_then_stop_then_resume_with_y1(uninterrupted, tmp_path):
-    """-n 2 -nk 2 -nm 0, SIGTERM, -y 1: retention deleted checkpoints Ray had registered; Ray's list
-    follows (after each report, in the controller), the resumed controller accepts the run
-    directory, and a checkpoint deleted after the last report (as a rewind does) is dropped
-    from Ray's list before the next fit()."""
+def test_sigterm_to_one_worker_stops_cleanly_then_retention_and_resume_with_y1(uninterrupted,
+                                                                              tmp_path):
+    """SIGTERM to rank 1 at step 8 stops the run cleanly (no failure) with a verified checkpoint
+    of the step after it, and -y 1 resumes it to the uninterrupted run's losses; with -n 2 -nk 2
+    -nm 0, retention deleted checkpoints Ray had registered; Ray's list follows (after each
+    report, in the controller), the resumed controller accepts the run directory, and a
+    checkpoint deleted after the last report (as a rewind does) is dropped from Ray's list
+    before the next fit(). (One stop-and-resume for both: SIGTERM's stop was its own test.)"""
     full_dir, cfg, _ = uninterrupted
     run_dir = tmp_path / "keep"
     stopped = cfg.with_overrides({"output_dir": str(run_dir), "checkpoint_every": 2,
                                   "checkpoints_keep": 2, "major_checkpoint_every": 0,  # no majors
                                   "fault": "sigterm:rank=1,step=8"})
     summary = go(stopped)
-    assert summary["stopped_early"] and summary["step"] == 9
+    assert summary["stopped_early"] and summary["step"] == 9 and summary["failures"] == 0
     rd = open_run_dir(str(run_dir))
-    assert ck.list_checkpoint_steps(rd) == [8, 9]
+    assert ck.list_checkpoint_steps(rd) == [8, 9] and not ck.verify_checkpoint(rd, 9)
     assert snapshot_names(run_dir) == [ck.step_dir(8), ck.step_dir(9)]
     rd.delete_dir(ck.step_dir(8))  # deleted behind Ray's back after its last report
     summary = go(stopped.with_overrides({"resume": 1}))
@@ -332,24 +349,18 @@ def test_the_run_directory_records_what_ran(uninterrupted):
     assert rec["plan"][0].startswith("train: ")
 
 
-def test_validation_on_fewer_ranks_than_workers(tmp_path):
+def test_validation_on_fewer_ranks_than_workers(two_small):
     """A validation shard of 3 samples on 2 workers: rank 0 validates all 3, rank 1 sits
     validation out but joins the all-reduce; the loss is rank 0's samples' mean alone."""
-    import numpy as np
     import torch
 
-    from raygpt.llmc.shards import read_shard, write_shard
     from raygpt.train.loop import build_model, build_val_loader, evaluate
 
-    write_shard(tmp_path / "val.bin", np.asarray(read_shard(tiny_config(tmp_path).input_val_bin)[:100]))
-    cfg = tiny_config(tmp_path / "run", num_workers=2, max_steps=2, checkpoint_every=0,
-                      val_every=1, val_batches=None, input_val_bin=str(tmp_path / "val.bin"))
-    cfg = cfg.resolve(0)
+    run_dir, cfg = two_small
     assert (cfg.val_batch_size, cfg.val_batches) == (3, 1)
     assert build_val_loader(cfg, 1, 2) is None
-    run(cfg)
-    vals = {r["step"]: r["val_loss"] for r in records(tmp_path / "run") if r["kind"] == "val"}
-    assert sorted(vals) == [0, 1, 2]
+    vals = {r["step"]: r["val_loss"] for r in records(run_dir) if r["kind"] == "val"}
+    assert sorted(vals) == [0, 1, 2, 3, 4]
     model = build_model(cfg, torch.device("cpu"))  # the weights every rank starts from
     expected = evaluate(model, build_val_loader(cfg, 0, 1), cfg, torch.device("cpu"), world=1)
     assert vals[0] == pytest.approx(expected, rel=1e-6)
