@@ -11,6 +11,10 @@
     compat.py      every use of Ray's private API, each hook with its why and the Ray version
                    it was checked on (the only module allowed one: test_seam.py)
     ray_logs.py    Ray's own driver-side lines to the session's log files, not the terminal
+    controller_logs.py  Ray Train's controller's lines about a memory kill off the terminal
+    memory_kill.py a kill by Ray's memory monitor: Ray's text read, judged, told in one line
+    shared_dir.py  whether every node of the cluster sees a local directory (a probe)
+    knobs.py       the Ray seam's knobs: device, workers, restarts (no Ray imported)
     sweep.py       Ray Tune sweeps over raygpt runs and WSD branches; each trial is driver.run
                    (the face of the modules below, which re-exports their names)
     sweep_plan.py  a sweep's plan (sweep.json), its ledger and the trials' rows; no Ray

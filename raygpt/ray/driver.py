@@ -60,6 +60,7 @@ from raygpt.config import preflight
 from raygpt.model.memory import estimate_for, out_of_memory_line
 from raygpt.ray import capacity, checkpoint_list, compat, memory_kill
 from raygpt.ray.connect import init_ray, starts_its_own_ray  # noqa: F401 (re-exported)
+from raygpt.ray.controller_logs import QuietMemoryKills
 from raygpt.ray.checkpoints import CheckpointFinalizer, FinalizerDrain
 from raygpt.train.run_dir import claimed_run_dir
 from raygpt.train.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED, RunStopped
@@ -177,7 +178,7 @@ class RaygptTrainer(TrainerHooks):
     without_autoscaler = False
 
     def controller_callbacks(self) -> list:
-        return [CleanupOnControllerDeath(), FinalizerDrain(), memory_kill.QuietMemoryKills()]
+        return [CleanupOnControllerDeath(), FinalizerDrain(), QuietMemoryKills()]
 
     def scaling_policy(self, policy):
         if self.without_autoscaler and type(policy).__name__ == "FixedScalingPolicy":

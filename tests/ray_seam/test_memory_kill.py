@@ -327,7 +327,7 @@ def test_rays_text_goes_to_the_failure_record_and_its_cause_is_one_line(tmp_path
 
 def test_the_controllers_repeats_of_rays_text_stay_off_the_terminal():
     import logging
-    from raygpt.ray.memory_kill import _CONTROLLER_LOGGERS, QuietMemoryKills
+    from raygpt.ray.controller_logs import _CONTROLLER_LOGGERS, QuietMemoryKills
     from ray.exceptions import OutOfMemoryError
     QuietMemoryKills().after_controller_start(None)
     QuietMemoryKills().after_controller_start(None)  # once, however often the controller starts
